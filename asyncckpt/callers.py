@@ -1,0 +1,514 @@
+"""Background callers: where ``async_fn`` runs.
+
+Two implementations with Megatron-core's names and shape
+(``dist_checkpointing.strategies.async_utils``), without its failure modes:
+
+- :class:`TemporalAsyncCaller` forks one child process per call. The child sees a
+  copy-on-write snapshot of the training process taken at schedule time. A child
+  that exits non-zero, or exits without reporting a result, is a failure.
+- :class:`PersistentAsyncCaller` runs one long-lived worker process, started with
+  ``spawn`` (default) or ``forkserver``, and feeds it through one-way pipes. Every
+  wait also watches the worker's sentinel: a worker that dies fails its in-flight
+  calls (never a hang) and a new worker is started for the next call.
+
+Results are keyed by ``call_idx``, never by position. This module does not import
+torch, so a persistent worker that runs torch-free ``async_fn`` s starts in tens of
+milliseconds and never initializes CUDA.
+"""
+
+from __future__ import annotations
+
+import abc
+import atexit
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import pickle
+import queue
+import signal
+import struct
+import threading
+import time
+import traceback
+from typing import Any, Callable, NamedTuple
+
+__all__ = ["AsyncCaller", "CallOutcome", "PersistentAsyncCaller", "TemporalAsyncCaller"]
+
+_HEADER = struct.Struct("<q")
+_STOP = -1
+#: Seconds between SIGTERM and SIGKILL when a worker or child is terminated.
+TERMINATE_GRACE_S = 3.0
+
+
+class CallOutcome(NamedTuple):
+    """What one call did in the background, on this rank.
+
+    Attributes:
+        call_idx: the call.
+        ok: True if ``async_fn`` returned normally and the process that ran it is
+            healthy.
+        error: on failure, the cause as text (exception type, message, remote
+            traceback, or the exit status of a dead process); else ``None``.
+        value: the return value of ``async_fn`` (``None`` on failure).
+        started: ``time.monotonic()`` when ``async_fn`` started (system-wide clock,
+            comparable across processes on one host), or ``None``.
+        finished: ``time.monotonic()`` when it finished, or ``None``.
+    """
+
+    call_idx: int
+    ok: bool
+    error: str | None
+    value: Any = None
+    started: float | None = None
+    finished: float | None = None
+
+
+def _describe_exit(pid: int | None, exitcode: int | None) -> str:
+    if exitcode is None:
+        return f"process {pid} is gone"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"process {pid} was killed by {name}"
+    return f"process {pid} exited with code {exitcode}"
+
+
+def _format_exception(exc: BaseException) -> str:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return f"{type(exc).__name__}: {exc}\nRemote traceback (pid {os.getpid()}):\n{text}"
+
+
+def _run_call(call_idx: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> CallOutcome:
+    started = time.monotonic()
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - SystemExit from async_fn is a failure too
+        return CallOutcome(call_idx, False, _format_exception(exc), None, started, time.monotonic())
+    return CallOutcome(call_idx, True, None, value, started, time.monotonic())
+
+
+def _dump_outcome(outcome: CallOutcome) -> bytes:
+    try:
+        return pickle.dumps(outcome)
+    except Exception as exc:  # the return value of async_fn is not picklable
+        bad = CallOutcome(outcome.call_idx, False, "the return value of async_fn cannot be pickled: "
+                          + _format_exception(exc), None, outcome.started, outcome.finished)
+        return pickle.dumps(bad)
+
+
+# --------------------------------------------------------------------------- registry
+# Every process we start is tracked so that interpreter exit stops it (SIGTERM, grace,
+# SIGKILL) even without close(): an unfinalized save then stays uncommitted.
+_live_processes: set[Any] = set()
+_live_lock = threading.Lock()
+
+
+def _track(proc: Any) -> None:
+    with _live_lock:
+        _live_processes.add(proc)
+
+
+def _untrack(proc: Any) -> None:
+    with _live_lock:
+        _live_processes.discard(proc)
+
+
+def _terminate(proc: Any, grace_s: float = TERMINATE_GRACE_S) -> None:
+    """SIGTERM, wait up to ``grace_s`` seconds, then SIGKILL; always reaps."""
+    try:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(grace_s)
+        if proc.is_alive():
+            proc.kill()
+        proc.join(grace_s)
+    except (OSError, ValueError, AssertionError):
+        pass
+    finally:
+        _untrack(proc)
+
+
+@atexit.register
+def _terminate_all_at_exit() -> None:
+    with _live_lock:
+        procs = list(_live_processes)
+    for proc in procs:
+        _terminate(proc, grace_s=1.0)
+
+
+# --------------------------------------------------------------------------- base
+class AsyncCaller(abc.ABC):
+    """Runs ``async_fn`` calls in the background and reports their outcomes.
+
+    Subclasses implement :meth:`schedule`, :meth:`poll`, :meth:`wait_any` and
+    :meth:`close`. All methods are called from the training thread only.
+    """
+
+    def __init__(self) -> None:
+        self._outcomes: dict[int, CallOutcome] = {}
+        self._abandoned: set[int] = set()
+
+    @abc.abstractmethod
+    def schedule(self, call_idx: int, async_fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        """Start ``async_fn(*args, **kwargs)`` in the background as call ``call_idx``.
+
+        Never raises for a failure of the call itself: such failures are reported
+        as a failed :class:`CallOutcome`.
+        """
+
+    @abc.abstractmethod
+    def running(self) -> list[int]:
+        """The calls whose ``async_fn`` may still be running in the background."""
+
+    @abc.abstractmethod
+    def poll(self) -> None:
+        """Collect the outcomes of finished calls and detect dead processes (non-blocking)."""
+
+    @abc.abstractmethod
+    def wait_any(self, timeout: float | None) -> None:
+        """Block until something may have changed (a result, a death) or ``timeout`` s."""
+
+    @abc.abstractmethod
+    def close(self, abort: bool = False) -> None:
+        """Stop the background processes; ``abort`` kills in-flight calls."""
+
+    # -- shared logic ------------------------------------------------------------
+    def _record(self, outcome: CallOutcome) -> None:
+        if outcome.call_idx in self._abandoned:
+            self._abandoned.discard(outcome.call_idx)
+            return
+        self._outcomes[outcome.call_idx] = outcome
+
+    def outcome(self, call_idx: int) -> CallOutcome | None:
+        """The outcome of ``call_idx`` if it finished on this rank, else ``None``."""
+        self.poll()
+        return self._outcomes.get(call_idx)
+
+    def pop_outcome(self, call_idx: int) -> CallOutcome | None:
+        """Remove and return the outcome of ``call_idx`` (``None`` if not finished)."""
+        self.poll()
+        return self._outcomes.pop(call_idx, None)
+
+    def abandon(self, call_idx: int) -> None:
+        """Forget ``call_idx``: its outcome, now or when it arrives, is dropped."""
+        self._outcomes.pop(call_idx, None)
+        if call_idx in self.running():
+            self._abandoned.add(call_idx)
+
+    def is_running(self, call_idx: int) -> bool:
+        """True while this rank's ``async_fn`` for ``call_idx`` may still be running."""
+        self.poll()
+        return call_idx in self.running()
+
+    def wait(self, call_idx: int, timeout: float | None = None) -> bool:
+        """Wait until ``call_idx`` no longer runs on this rank.
+
+        Args:
+            timeout: seconds, or ``None`` to wait as long as the call runs (a dead
+                worker ends the wait: its calls fail).
+
+        Returns:
+            True if the call is no longer running, False on timeout.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.is_running(call_idx):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self.wait_any(left if left is not None else 1.0)
+        return True
+
+
+# --------------------------------------------------------------------------- temporal
+def _temporal_child_main(conn: Any, call_idx: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides about Ctrl-C
+    outcome = _run_call(call_idx, fn, args, kwargs)
+    conn.send_bytes(_dump_outcome(outcome))
+    conn.close()
+    if not outcome.ok:
+        os._exit(1)
+
+
+class TemporalAsyncCaller(AsyncCaller):
+    """Fork one child process per call (Megatron-core's ``TemporalAsyncCaller``).
+
+    The child runs ``async_fn`` on a copy-on-write snapshot of this process taken at
+    :meth:`schedule`, reports its outcome through a pipe and exits. A call succeeds
+    only if the child reported success *and* exited with code 0.
+
+    Fork-safety: the child must not use locks or thread pools of the parent (e.g.
+    torch intra-op parallelism, CUDA). asyncckpt's own writer uses only ``os`` I/O.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ctx = mp.get_context("fork")
+        self._children: dict[int, tuple[Any, Any, CallOutcome | None]] = {}
+
+    def schedule(self, call_idx: int, async_fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        try:
+            reader, writer = self._ctx.Pipe(duplex=False)
+            proc = self._ctx.Process(
+                target=_temporal_child_main,
+                args=(writer, call_idx, async_fn, args, kwargs),
+                name=f"asyncckpt-call-{call_idx}",
+                daemon=True,
+            )
+            proc.start()
+        except Exception as exc:  # e.g. fork failed (ENOMEM, EAGAIN)
+            self._record(CallOutcome(call_idx, False, "could not fork a child: " + _format_exception(exc)))
+            return
+        _track(proc)
+        writer.close()
+        self._children[call_idx] = (proc, reader, None)
+
+    def running(self) -> list[int]:
+        return list(self._children)
+
+    def poll(self) -> None:
+        for call_idx, (proc, reader, reported) in list(self._children.items()):
+            if reported is None:
+                try:
+                    if reader.poll(0):
+                        reported = pickle.loads(reader.recv_bytes())
+                        self._children[call_idx] = (proc, reader, reported)
+                except (EOFError, OSError):
+                    pass  # the child died before (or while) reporting
+            if proc.is_alive():
+                continue
+            proc.join()
+            _untrack(proc)
+            reader.close()
+            del self._children[call_idx]
+            exit_text = _describe_exit(proc.pid, proc.exitcode)
+            if reported is None:
+                outcome = CallOutcome(call_idx, False, f"forked child {exit_text} without reporting a result")
+            elif proc.exitcode != 0 and reported.ok:
+                outcome = reported._replace(ok=False, value=None,
+                                            error=f"forked child reported success but {exit_text}")
+            else:
+                outcome = reported
+            self._record(outcome)
+
+    def wait_any(self, timeout: float | None) -> None:
+        handles = []
+        for proc, reader, reported in self._children.values():
+            handles.append(proc.sentinel)
+            if reported is None:
+                handles.append(reader)
+        if handles:
+            mp_connection.wait(handles, timeout)
+
+    def close(self, abort: bool = False) -> None:
+        for call_idx, (proc, reader, _) in list(self._children.items()):
+            if abort:
+                _terminate(proc)
+            else:
+                proc.join()
+                _untrack(proc)
+            reader.close()
+        if abort:
+            self._children.clear()
+        else:
+            self.poll()
+
+
+# --------------------------------------------------------------------------- persistent
+def _persistent_worker_main(task_conn: Any, result_conn: Any) -> None:
+    """Main loop of the persistent worker process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides about Ctrl-C
+    tasks: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read_tasks() -> None:
+        # Read eagerly so that the trainer never blocks on a full pipe while a long
+        # write runs. End of file without a STOP means the trainer is gone: any
+        # write in flight can never be committed, so stop at once.
+        while True:
+            try:
+                data = task_conn.recv_bytes()
+            except (EOFError, OSError):
+                os._exit(0)
+            tasks.put(data)
+            if _HEADER.unpack_from(data)[0] == _STOP:
+                return
+
+    threading.Thread(target=read_tasks, name="asyncckpt-task-reader", daemon=True).start()
+    while True:
+        data = tasks.get()
+        (call_idx,) = _HEADER.unpack_from(data)
+        if call_idx == _STOP:
+            break
+        try:
+            fn, args, kwargs = pickle.loads(memoryview(data)[_HEADER.size:])
+        except BaseException as exc:  # noqa: BLE001
+            outcome = CallOutcome(call_idx, False, "the worker could not unpickle the request: "
+                                  + _format_exception(exc))
+        else:
+            del data
+            outcome = _run_call(call_idx, fn, args, kwargs)
+            del fn, args, kwargs
+        try:
+            result_conn.send_bytes(_dump_outcome(outcome))
+        except (BrokenPipeError, OSError):
+            os._exit(0)
+    result_conn.close()
+
+
+class _Worker:
+    """One incarnation of the persistent worker: process + its two pipes."""
+
+    def __init__(self, ctx: Any) -> None:
+        task_r, self.task_w = ctx.Pipe(duplex=False)
+        self.result_r, result_w = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_persistent_worker_main, args=(task_r, result_w),
+                                name="asyncckpt-worker", daemon=True)
+        try:
+            self.proc.start()
+        finally:
+            # Only the worker holds these ends: its death is then seen as EOF here.
+            task_r.close()
+            result_w.close()
+        _track(self.proc)
+        self.inflight: list[int] = []
+
+    def close_pipes(self) -> None:
+        for conn in (self.task_w, self.result_r):
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+
+class PersistentAsyncCaller(AsyncCaller):
+    """One long-lived worker process that runs the calls in order.
+
+    Args:
+        start_method: ``"spawn"`` (default) or ``"forkserver"``. ``fork`` is refused:
+            a forked long-lived worker would inherit the trainer's threads' locks.
+
+    The request ``(async_fn, args, kwargs)`` is pickled with plain :mod:`pickle` in
+    :meth:`schedule`, in the training thread, so the worker sees the arguments as of
+    the call (tensors in the arguments are copied by value, never moved to shared
+    memory in place). Large data should be staged by a ``preload_fn`` into buffers
+    the worker maps by name.
+    """
+
+    def __init__(self, start_method: str = "spawn") -> None:
+        super().__init__()
+        if start_method not in ("spawn", "forkserver"):
+            raise ValueError(f"start_method must be 'spawn' or 'forkserver', not {start_method!r}")
+        self.start_method = start_method
+        self._ctx = mp.get_context(start_method)
+        self._worker: _Worker | None = None
+        #: How many workers were started (1 + the number of restarts).
+        self.num_starts = 0
+
+    @property
+    def worker_pid(self) -> int | None:
+        """The pid of the current worker process, or ``None`` if none runs."""
+        worker = self._worker
+        return worker.proc.pid if worker is not None and worker.proc.is_alive() else None
+
+    def _ensure_worker(self) -> _Worker:
+        self.poll()
+        if self._worker is None:
+            self._worker = _Worker(self._ctx)
+            self.num_starts += 1
+        return self._worker
+
+    def start(self) -> None:
+        """Start the worker now instead of at the first call (optional)."""
+        self._ensure_worker()
+
+    def schedule(self, call_idx: int, async_fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        try:
+            payload = pickle.dumps((async_fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            self._record(CallOutcome(call_idx, False, "the request cannot be pickled for the "
+                                     "persistent worker: " + _format_exception(exc)))
+            return
+        try:
+            worker = self._ensure_worker()
+        except Exception as exc:
+            self._record(CallOutcome(call_idx, False, "could not start the worker: " + _format_exception(exc)))
+            return
+        worker.inflight.append(call_idx)
+        try:
+            worker.task_w.send_bytes(_HEADER.pack(call_idx) + payload)
+        except (BrokenPipeError, OSError):
+            self._worker_died(worker)  # fails call_idx with the worker's exit status
+
+    def running(self) -> list[int]:
+        return list(self._worker.inflight) if self._worker is not None else []
+
+    def poll(self) -> None:
+        worker = self._worker
+        if worker is None:
+            return
+        try:
+            while worker.result_r.poll(0):
+                outcome: CallOutcome = pickle.loads(worker.result_r.recv_bytes())
+                if outcome.call_idx in worker.inflight:
+                    worker.inflight.remove(outcome.call_idx)
+                self._record(outcome)
+        except (EOFError, OSError):
+            self._worker_died(worker)
+            return
+        if not worker.proc.is_alive():
+            self._worker_died(worker)
+
+    def _worker_died(self, worker: _Worker) -> None:
+        # Results the worker sent before dying were read by poll(); everything still
+        # in flight failed with the worker.
+        worker.proc.join(TERMINATE_GRACE_S)
+        if worker.proc.is_alive():  # the pipe broke but the process lingers
+            _terminate(worker.proc)
+        _untrack(worker.proc)
+        text = _describe_exit(worker.proc.pid, worker.proc.exitcode)
+        for call_idx in worker.inflight:
+            self._record(CallOutcome(call_idx, False, f"the persistent worker {text} while call "
+                                     f"{call_idx} was in flight (it is restarted for the next call)"))
+        worker.inflight.clear()
+        worker.close_pipes()
+        if self._worker is worker:
+            self._worker = None
+
+    def wait_any(self, timeout: float | None) -> None:
+        worker = self._worker
+        if worker is not None:
+            mp_connection.wait([worker.result_r, worker.proc.sentinel], timeout)
+
+    def close(self, abort: bool = False, timeout: float | None = None) -> None:
+        """Stop the worker.
+
+        Args:
+            abort: terminate it at once (SIGTERM, :data:`TERMINATE_GRACE_S` seconds,
+                SIGKILL); in-flight calls are dropped. Otherwise ask it to stop after
+                the calls it has, and wait up to ``timeout`` seconds (``None``: as
+                long as they run) before terminating it.
+        """
+        worker = self._worker
+        if worker is None:
+            return
+        if not abort:
+            try:
+                worker.task_w.send_bytes(_HEADER.pack(_STOP))
+                deadline = None if timeout is None else time.monotonic() + timeout
+                while worker.proc.is_alive():
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self.wait_any(1.0 if left is None else min(left, 1.0))
+                    self.poll()
+                    if self._worker is None:
+                        break
+            except (BrokenPipeError, OSError):
+                pass
+            self.poll()
+        if self._worker is not None:
+            _terminate(worker.proc)
+            self._worker = None
+        worker.inflight.clear()
+        worker.close_pipes()

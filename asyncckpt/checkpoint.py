@@ -1,0 +1,620 @@
+"""The user-facing checkpoint layer: ``save``, ``load``, ``verify``, ``CheckpointManager``.
+
+One entry point saves synchronously or asynchronously (``async_op``, as proposed in
+pytorch/pytorch#127191). An asynchronous save is an :class:`AsyncRequest` whose
+
+- ``preload_fn`` stages this rank's data into a reused shared host buffer (the only
+  time the training loop is blocked),
+- ``async_fn`` writes and fsyncs this rank's data files in the background
+  (:func:`asyncckpt.storage.writer.write_rank_files`, torch-free),
+- ``finalize_fns`` gather every rank's write results and let the coordinator commit:
+  DCP ``.metadata``, manifest, atomic rename, then ``latest`` and retention.
+
+The format is torch.distributed.checkpoint's: stock ``dcp.load`` reads it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import threading
+import time
+import traceback
+import weakref
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystemReader
+
+from .calls_queue import AsyncCallsQueue
+from .dist import SyncGroup
+from .errors import CheckpointError, CheckpointException, CorruptCheckpointError
+from .planning import plan_save
+from .request import AsyncRequest
+from .staging import HostSlab, Stager
+from .storage import commit as _commit
+from .storage.layout import RankLayout, build_layout
+from .storage.writer import RankWriteResult, WriteTask, write_rank_files
+
+__all__ = ["save", "load", "verify", "SaveHandle", "SaveTimings", "CheckpointManager"]
+
+
+class SaveTimings(NamedTuple):
+    """Timings of one save, measured at completion (DESIGN.md: known failure 9).
+
+    Attributes:
+        stall_s: seconds the calling thread was blocked in ``save()`` (planning +
+            staging copy + scheduling).
+        write_s: seconds the slowest rank spent writing and fsyncing its files.
+        finalize_s: seconds of the commit (metadata, manifest, rename, ``latest``).
+        total_s: seconds from the ``save()`` call until committed.
+        bytes: bytes written by all ranks (data files, metadata, manifest excluded).
+        gbps: ``bytes / write_s / 1e9`` (GB/s, decimal).
+    """
+
+    stall_s: float
+    write_s: float
+    finalize_s: float
+    total_s: float
+    bytes: int
+    gbps: float
+
+
+class SaveHandle:
+    """A future-like handle of one save.
+
+    Attributes:
+        checkpoint_dir: the final (committed) path.
+        call_idx: the call in the queue (``None`` for a synchronous save).
+        step: the step (``CheckpointManager`` saves), else ``None``.
+        timings: :class:`SaveTimings` once committed, else ``None``.
+    """
+
+    def __init__(self, checkpoint_dir: Path, call_idx: int | None, queue: AsyncCallsQueue | None,
+                 step: int | None, stall_s: float, started: float) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.call_idx = call_idx
+        self.step = step
+        self.timings: SaveTimings | None = None
+        self._queue = queue
+        self._stall_s = stall_s
+        self._started = started
+        self._exception: BaseException | None = None
+        self._committed = False
+
+    def _set_committed(self, timings: SaveTimings) -> None:
+        self.timings = timings
+        self._committed = True
+
+    def _check_failed(self) -> None:
+        if self._exception is None and self._queue is not None and self.call_idx is not None:
+            self._exception = self._queue.get_failure(self.call_idx)
+
+    def done(self) -> bool:
+        """True once the save was committed or failed.
+
+        Finalization happens in :meth:`wait`, ``CheckpointManager.maybe_finalize`` or
+        ``AsyncCallsQueue.maybe_finalize_async_calls``. With a single process (no
+        collective needed) this call also makes progress, without blocking.
+        """
+        if self._committed:
+            return True
+        self._check_failed()
+        if self._exception is not None:
+            return True
+        queue = self._queue
+        if queue is not None and not queue.closed and not queue.sync.active and queue.is_pending(self.call_idx):
+            try:
+                queue.maybe_finalize_async_calls(blocking=False)
+            except CheckpointException:
+                pass  # recorded by the queue; reported by exception()/wait()
+            self._check_failed()
+        return self._committed or self._exception is not None
+
+    def exception(self) -> BaseException | None:
+        """The save's exception if it failed (``None`` if committed or pending)."""
+        self._check_failed()
+        return self._exception
+
+    def wait(self, timeout: float | None = None) -> SaveTimings:
+        """Block until the checkpoint is committed on all ranks (collective).
+
+        Finalizes, in order, every earlier pending call of the queue too.
+
+        Args:
+            timeout: seconds to wait for this rank's write (``None``: no limit). The
+                collective commit that follows waits for the other ranks.
+
+        Returns:
+            The save's timings.
+
+        Raises:
+            CheckpointException: this save (or an earlier pending one) failed.
+            TimeoutError: this rank's write did not finish within ``timeout``.
+        """
+        if not self._committed:
+            self._check_failed()
+            if self._exception is not None:
+                raise self._exception
+            queue = self._queue
+            assert queue is not None and self.call_idx is not None
+            if timeout is not None and not queue.wait_local(self.call_idx, timeout):
+                raise TimeoutError(f"the write of {self.checkpoint_dir} did not finish within {timeout} s")
+            if queue.is_pending(self.call_idx):
+                queue.maybe_finalize_async_calls(blocking=True, until=self.call_idx)
+            self._check_failed()
+            if self._exception is not None:
+                raise self._exception
+        assert self.timings is not None
+        return self.timings
+
+    def __repr__(self) -> str:
+        state = "committed" if self._committed else ("failed" if self._exception else "pending")
+        return f"SaveHandle({str(self.checkpoint_dir)!r}, {state})"
+
+
+def _format_exc(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}\n" + "".join(
+        traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+class _Saver:
+    """Per-queue save state: staging buffers and layout cache."""
+
+    def __init__(self, queue: AsyncCallsQueue, staging_buffers: int = 1) -> None:
+        self.queue = queue
+        self.stager = Stager(staging_buffers)
+        self._layouts: dict[Any, RankLayout] = {}
+        self._lock = threading.Lock()
+
+    def _layout(self, rank: int, items: list, blobs: dict[int, int]) -> RankLayout:
+        from .storage.layout import layout_key
+
+        key = layout_key(rank, items, blobs)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = build_layout(rank, items, blobs)
+            if len(self._layouts) >= 4:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[key] = layout
+        return layout
+
+    def _is_running(self, call_idx: int) -> bool:
+        return self.queue.caller.is_running(call_idx)
+
+    def _stage(self, layout: RankLayout, data: list[Any]) -> HostSlab:
+        slab = self.stager.acquire(layout.slab_nbytes, layout.key, self._is_running,
+                                   lambda idx: self.queue.wait_local(idx))
+        if slab.layout_key != layout.key:
+            for offset, framing in layout.static:
+                slab.write_bytes(offset, framing)
+            slab.layout_key = layout.key
+        u8 = slab.u8
+        cuda_used = False
+        for slot in layout.tensors:
+            src = data[slot.item]
+            if slot.nbytes == 0:
+                continue
+            dst = u8[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+            if src.device.type == "cuda":
+                cuda_used = True
+            dst.copy_(src)
+        if cuda_used:
+            torch.cuda.synchronize()
+        for slot in layout.blobs:
+            slab.write_bytes(slot.offset, data[slot.item])
+        return slab
+
+    def save(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_dir: str | os.PathLike,
+        *,
+        async_op: bool,
+        process_group: Any,
+        coordinator_rank: int,
+        step: int | None = None,
+        on_commit: Callable[[Path], None] | None = None,
+    ) -> SaveHandle:
+        started = time.monotonic()
+        final_dir = Path(checkpoint_dir).absolute()
+        sync = SyncGroup(process_group)
+        if not 0 <= coordinator_rank < sync.world_size:
+            raise ValueError(f"coordinator_rank {coordinator_rank} is not a rank of the group")
+
+        def precheck() -> None:
+            if final_dir.exists() and (not final_dir.is_dir() or any(final_dir.iterdir())):
+                raise FileExistsError(f"{final_dir} exists and is not an empty directory; "
+                                      "a checkpoint never overwrites one")
+
+        planned = plan_save(state_dict, str(final_dir), sync, coordinator_rank, precheck)
+        items = list(planned.plan.items)
+        blobs = {i: len(d) for i, d in enumerate(planned.data) if isinstance(d, bytes)}
+        layout = self._layout(sync.rank, items, blobs)
+        tmp_dir = _commit.temporary_dir_for(final_dir, planned.token)
+        data = planned.data
+        metadata = planned.metadata
+        handle_box: list[SaveHandle] = []
+        slab_box: list[HostSlab] = []
+
+        def preload() -> WriteTask:
+            slab = self._stage(layout, data)
+            data.clear()  # drop references to the user's tensors
+            slab_box.append(slab)
+            return WriteTask(str(tmp_dir), slab.ref, layout.files, self.stager.live_slab_ids)
+
+        def finalize() -> None:
+            result: RankWriteResult = (self.queue.get_result(handle.call_idx) if handle.call_idx is not None
+                                       else sync_result[0])
+            commit_started = time.monotonic()
+            gathered = sync.all_gather_object((layout.storage_data, result))
+            status: str | None = None
+            if sync.rank == coordinator_rank:
+                try:
+                    storage_data: dict = {}
+                    for sd, _ in gathered:
+                        storage_data.update(sd)
+                    metadata.storage_data = storage_data
+                    metadata.version = CURRENT_DCP_VERSION
+                    files = [f for _, r in gathered for f in r.files]
+                    info = {"world_size": sync.world_size, "step": step}
+                    _commit.commit_directory(tmp_dir, final_dir, pickle.dumps(metadata), files, info)
+                    if on_commit is not None:
+                        on_commit(final_dir)
+                except Exception as exc:
+                    status = _format_exc(exc)
+            status = sync.broadcast_object(status, coordinator_rank)
+            if status is not None:
+                exc = CheckpointException(handle.call_idx if handle.call_idx is not None else -1,
+                                          {coordinator_rank: "commit failed: " + status})
+                handle._exception = exc
+                raise exc
+            now = time.monotonic()
+            write_s = max(r.write_s for _, r in gathered)
+            nbytes = sum(r.nbytes for _, r in gathered)
+            handle._set_committed(SaveTimings(
+                stall_s=handle._stall_s, write_s=write_s, finalize_s=now - commit_started,
+                total_s=now - handle._started, bytes=nbytes, gbps=nbytes / write_s / 1e9 if write_s > 0 else 0.0))
+
+        if not async_op:
+            # Synchronous: the same steps in this thread, no background process.
+            task = preload()
+            handle = SaveHandle(final_dir, None, None, step, 0.0, started)
+            sync_result: list[RankWriteResult] = []
+            error = None
+            try:
+                sync_result.append(write_rank_files(task))
+            except Exception as exc:
+                error = _format_exc(exc)
+            errors = {r: e for r, e in enumerate(sync.all_gather_object(error)) if e is not None}
+            if errors:
+                raise CheckpointException(-1, errors)
+            handle._stall_s = time.monotonic() - started
+            finalize()
+            return handle
+
+        request = AsyncRequest(write_rank_files, (), [finalize], preload_fn=preload)
+        call_idx = self.queue.schedule_async_request(request)
+        if slab_box:
+            self.stager.lease(slab_box[0], call_idx)
+        handle = SaveHandle(final_dir, call_idx, self.queue, step, time.monotonic() - started, started)
+        handle_box.append(handle)
+        return handle
+
+    def release(self) -> None:
+        """Free the staging buffers (only when no write of this saver runs)."""
+        self.stager.release_all()
+        self._layouts.clear()
+
+
+# ------------------------------------------------------------------ free functions
+_savers: "weakref.WeakKeyDictionary[AsyncCallsQueue, _Saver]" = weakref.WeakKeyDictionary()
+_default_queues: dict[int, tuple[Any, AsyncCallsQueue]] = {}
+_module_lock = threading.Lock()
+
+
+def _saver_for(queue: AsyncCallsQueue, staging_buffers: int = 1) -> _Saver:
+    with _module_lock:
+        saver = _savers.get(queue)
+        if saver is None:
+            saver = _Saver(queue, staging_buffers)
+            _savers[queue] = saver
+        return saver
+
+
+def _default_queue(process_group: Any) -> AsyncCallsQueue:
+    with _module_lock:
+        hit = _default_queues.get(id(process_group))
+        if hit is not None and hit[0] is process_group and not hit[1].closed:
+            return hit[1]
+        queue = AsyncCallsQueue(persistent=True, process_group=process_group)
+        _default_queues[id(process_group)] = (process_group, queue)
+        return queue
+
+
+def save(
+    state_dict: dict[str, Any],
+    checkpoint_dir: str | os.PathLike,
+    *,
+    async_op: bool = False,
+    calls_queue: AsyncCallsQueue | None = None,
+    process_group: Any = None,
+    coordinator_rank: int = 0,
+) -> SaveHandle:
+    """Save ``state_dict`` as a torch.distributed.checkpoint directory, atomically.
+
+    Collective: every rank of ``process_group`` calls it with its own state_dict.
+
+    Args:
+        state_dict: nested dicts / lists of tensors (CPU or CUDA, any dtype, DTensor
+            included) and picklable Python values.
+        checkpoint_dir: the directory to create; must not exist (or be empty).
+        async_op: ``False``: write and commit before returning. ``True``: stage (copy
+            into reused host buffers) and return; the write runs in the background and
+            the commit happens when the handle is waited for or the queue finalized.
+            Mutating the state after return never changes the checkpoint.
+        calls_queue: the queue that runs the write (default: a persistent worker
+            shared by all ``save`` calls of this process group).
+        process_group: the ranks saving together (default: the default group, or a
+            single process without ``torch.distributed``).
+        coordinator_rank: the rank (in ``process_group``) that commits.
+
+    Returns:
+        A :class:`SaveHandle`; for ``async_op=False`` it is already committed.
+
+    Raises:
+        CheckpointError: invalid input or target on any rank (raised on every rank,
+            before anything is written).
+        CheckpointException: (``async_op=False``) the write or commit failed on some
+            rank; nothing was committed.
+    """
+    queue = calls_queue if calls_queue is not None else _default_queue(process_group)
+    saver = _saver_for(queue)
+    with saver._lock:
+        return saver.save(state_dict, checkpoint_dir, async_op=async_op, process_group=process_group,
+                          coordinator_rank=coordinator_rank)
+
+
+def verify(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """Check a committed checkpoint against its manifest (sizes and CRC-32s).
+
+    Returns:
+        The manifest (``files``, ``total_bytes``, ``world_size``, ``step``, ...).
+
+    Raises:
+        CorruptCheckpointError: naming the first missing or mismatching file.
+    """
+    return _commit.verify_checkpoint(checkpoint_dir)
+
+
+def load(
+    state_dict: dict[str, Any],
+    checkpoint_dir: str | os.PathLike,
+    *,
+    process_group: Any = None,
+    verify: bool = True,
+) -> None:
+    """Load a checkpoint into ``state_dict`` in place, like ``torch.distributed.checkpoint.load``.
+
+    Tensors are copied into the given tensors (any device; resharded as DCP does);
+    other values are replaced in the given dicts. Collective over ``process_group``.
+
+    Args:
+        state_dict: the structure to fill; its keys select what is read.
+        checkpoint_dir: a committed checkpoint directory.
+        process_group: the ranks loading together.
+        verify: check sizes and checksums of the files first (each rank checks a
+            share of the files; any mismatch fails every rank).
+
+    Raises:
+        CorruptCheckpointError: missing or corrupt files (with ``verify``).
+        CheckpointError: ``checkpoint_dir`` is not a committed checkpoint.
+    """
+    path = Path(checkpoint_dir)
+    sync = SyncGroup(process_group)
+    error: str | None = None
+    if verify:
+        try:
+            manifest = _commit.read_manifest(path)
+            names = sorted(manifest["files"])[sync.rank::sync.world_size]
+            _commit.verify_checkpoint(path, names)
+        except CorruptCheckpointError as exc:
+            error = str(exc)
+    elif not _commit.is_committed(path):
+        error = f"{path} is not a committed checkpoint (no manifest or metadata)"
+    errors = [e for e in sync.all_gather_object(error) if e is not None]
+    if errors:
+        raise CorruptCheckpointError(errors[0], str(path))
+    dcp.load(state_dict, storage_reader=FileSystemReader(str(path)), process_group=process_group)
+
+
+# ------------------------------------------------------------------ manager
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointManager:
+    """Numbered asynchronous checkpoints in one root directory, with retention.
+
+    Layout: ``root_dir/step_00000100/`` (one committed checkpoint per step), and
+    ``root_dir/latest`` naming the newest committed one. Like Orbax's
+    CheckpointManager, policy (``keep_last``) is data.
+
+    Args:
+        root_dir: the root directory (created if missing).
+        keep_last: keep this many newest checkpoints (``None``: keep all). Older ones
+            are removed only after a newer one committed.
+        persistent: one long-lived worker (default) or a forked child per save.
+        process_group: the ranks saving together.
+        coordinator_rank: the rank that commits.
+        staging_buffers: host buffers (each one copy of this rank's state); 2 lets a
+            save stage while the previous one still writes.
+        start_method: ``"spawn"`` or ``"forkserver"`` for the persistent worker.
+        calls_queue: use this queue instead of creating one (then ``close`` does not
+            close it).
+
+    Collective: ``save``, ``maybe_finalize``, ``load`` and ``close`` are called by
+    every rank in the same order.
+    """
+
+    def __init__(
+        self,
+        root_dir: str | os.PathLike,
+        *,
+        keep_last: int | None = None,
+        persistent: bool = True,
+        process_group: Any = None,
+        coordinator_rank: int = 0,
+        staging_buffers: int = 1,
+        start_method: str = "spawn",
+        calls_queue: AsyncCallsQueue | None = None,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be >= 1 or None")
+        self.root_dir = Path(root_dir).absolute()
+        self.root_dir.mkdir(parents=True, exist_ok=True)
+        self.keep_last = keep_last
+        self.process_group = process_group
+        self.coordinator_rank = coordinator_rank
+        self._owns_queue = calls_queue is None
+        self.queue = calls_queue or AsyncCallsQueue(persistent, process_group=process_group,
+                                                    start_method=start_method)
+        self._saver = _Saver(self.queue, staging_buffers)
+        self._handles: dict[int, SaveHandle] = {}
+        self._closed = False
+        #: Timings of the most recently committed save (``None`` before the first).
+        self.last_committed_timings: SaveTimings | None = None
+
+    def step_dir(self, step: int) -> Path:
+        """The directory of step ``step``."""
+        return self.root_dir / f"step_{int(step):08d}"
+
+    def _on_commit(self, final_dir: Path) -> None:
+        # Coordinator only, inside finalize, after the rename: latest, then retention.
+        _commit.write_latest(self.root_dir, final_dir.name)
+        if self.keep_last is not None:
+            for old in self.steps()[:-self.keep_last]:
+                path = self.step_dir(old)
+                if path != final_dir:
+                    try:
+                        _commit.remove_checkpoint(path)
+                    except OSError:
+                        pass  # retention is best effort; never fails a committed save
+
+    def save(self, step: int, state_dict: dict[str, Any], *, async_op: bool = True) -> SaveHandle:
+        """Save ``state_dict`` as step ``step`` (see :func:`asyncckpt.save`).
+
+        Returns:
+            The handle; committed steps are also reported by :meth:`maybe_finalize`.
+
+        Raises:
+            CheckpointError: invalid input, or step ``step`` already exists.
+        """
+        if self._closed:
+            raise RuntimeError("CheckpointManager is closed")
+        handle = self._saver.save(state_dict, self.step_dir(step), async_op=async_op,
+                                  process_group=self.process_group, coordinator_rank=self.coordinator_rank,
+                                  step=int(step), on_commit=self._on_commit)
+        if async_op:
+            self._handles[handle.call_idx] = handle
+        else:
+            self.last_committed_timings = handle.timings
+        return handle
+
+    def maybe_finalize(self, blocking: bool = False) -> list[int]:
+        """Commit the saves that finished on every rank (collective).
+
+        Args:
+            blocking: wait for every pending save.
+
+        Returns:
+            The steps committed by this call, in order.
+
+        Raises:
+            CheckpointException: a save failed on some rank (same on every rank);
+                nothing of it was committed, ``latest`` is unchanged.
+        """
+        try:
+            call_idxs = self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointException as exc:
+            failed = self._handles.pop(exc.call_idx, None)
+            if failed is not None:
+                failed._exception = exc
+            raise
+        steps = []
+        for idx in call_idxs:
+            handle = self._handles.pop(idx, None)
+            if handle is not None:
+                steps.append(handle.step)
+                self.last_committed_timings = handle.timings
+        return steps
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (partial or temporary directories are ignored)."""
+        found = []
+        for entry in os.scandir(self.root_dir):
+            m = _STEP_RE.match(entry.name)
+            if m and entry.is_dir(follow_symlinks=False) and _commit.is_committed(Path(entry.path)):
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step: the one ``latest`` names, if it is committed,
+        else the largest committed step, else ``None``."""
+        name = _commit.read_latest(self.root_dir)
+        if name is not None:
+            m = _STEP_RE.match(name)
+            if m and _commit.is_committed(self.root_dir / name):
+                return int(m.group(1))
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def load(self, state_dict: dict[str, Any], step: int | None = None, *, verify: bool = True) -> int:
+        """Load step ``step`` (default: the latest) into ``state_dict`` in place.
+
+        Returns:
+            The step loaded.
+
+        Raises:
+            FileNotFoundError: there is no committed checkpoint (or not that step).
+            CorruptCheckpointError: the checkpoint does not match its manifest.
+        """
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no committed checkpoint in {self.root_dir}")
+        path = self.step_dir(step)
+        if not _commit.is_committed(path):
+            raise FileNotFoundError(f"step {step} has no committed checkpoint in {self.root_dir}")
+        load(state_dict, path, process_group=self.process_group, verify=verify)
+        return int(step)
+
+    def close(self, abort: bool = False) -> None:
+        """Commit pending saves and stop the worker; ``abort`` drops them instead.
+
+        Idempotent. With ``abort=True``: no collective, the worker is terminated,
+        pending saves stay uncommitted (their temporary directories are hidden).
+
+        Raises:
+            CheckpointException: (``abort=False``) a pending save failed.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._owns_queue:
+                self.queue.close(abort=abort)
+            elif not abort:
+                self.maybe_finalize(blocking=True)
+        finally:
+            if self._owns_queue or abort:
+                self._saver.release()
+            self._handles.clear()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.close(abort=exc_type is not None)

@@ -1,0 +1,116 @@
+"""Rank synchronization for the framework and checkpoint layers.
+
+All collectives of asyncckpt run on a dedicated gloo group (CPU tensors), created
+once per process group, so they work whatever the default backend is (NCCL included)
+and never interleave with the user's own collectives on the default group. With no
+process group initialized, everything behaves as world_size 1 and no collective is
+issued.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["SyncGroup"]
+
+_lock = threading.Lock()
+# (id of the user's group object or of the default group) -> (user group, gloo group)
+_gloo_groups: dict[int, tuple[Any, Any]] = {}
+
+
+def _resolve(process_group: Any) -> Any:
+    if process_group is not None:
+        return process_group
+    return dist.group.WORLD
+
+
+class SyncGroup:
+    """The ranks of one process group, seen through a dedicated gloo group.
+
+    Args:
+        process_group: the user's process group (``None``: the default group, or a
+            single process if ``torch.distributed`` is not initialized).
+
+    Attributes:
+        rank: this process's rank in ``process_group`` (0 without distributed).
+        world_size: number of ranks (1 without distributed).
+    """
+
+    def __init__(self, process_group: Any = None) -> None:
+        self._user_group = process_group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if self.distributed:
+            group = _resolve(process_group)
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+        else:
+            self.rank, self.world_size = 0, 1
+        self._gloo = None
+
+    @property
+    def gloo(self) -> Any:
+        """The dedicated gloo group (created collectively on first use)."""
+        if self._gloo is None:
+            self._gloo = _dedicated_gloo_group(self._user_group)
+        return self._gloo
+
+    @property
+    def active(self) -> bool:
+        """True if collectives are needed (distributed with world_size > 1)."""
+        return self.distributed and self.world_size > 1
+
+    def global_rank(self, group_rank: int) -> int:
+        """The default-group rank of ``group_rank`` (for src/dst arguments)."""
+        if not self.distributed or self._user_group is None:
+            return group_rank
+        return dist.get_global_rank(self._user_group, group_rank)
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Gather a short list of ints from every rank (one int64 all_gather).
+
+        Returns:
+            ``result[r]`` is rank ``r``'s list.
+        """
+        if not self.active:
+            return [list(values)]
+        local = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(out, local, group=self.gloo)
+        return [t.tolist() for t in out]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Gather one picklable object from every rank."""
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.gloo)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """Broadcast a picklable object from group rank ``src``; returns it on every rank."""
+        if not self.active:
+            return obj
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=self.global_rank(src), group=self.gloo)
+        return box[0]
+
+
+def _dedicated_gloo_group(process_group: Any) -> Any:
+    user = _resolve(process_group)
+    key = id(user)
+    with _lock:
+        hit = _gloo_groups.get(key)
+        if hit is not None and hit[0] is user:
+            return hit[1]
+    if process_group is None:
+        gloo = dist.new_group(backend="gloo")
+    else:
+        ranks = dist.get_process_group_ranks(process_group)
+        gloo = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    with _lock:
+        _gloo_groups[key] = (user, gloo)
+    return gloo

@@ -1,0 +1,217 @@
+"""The writer: runs in the background worker (or a forked child), without torch.
+
+The training process stages each rank's data files, complete byte images of them,
+into one shared host buffer (a "slab", see ``asyncckpt.staging``). The writer maps
+the slab by path, computes the CRC-32 of every tensor record and patches it into the
+record's zip fields, then writes each file with large sequential ``os.write`` calls,
+fsyncs it and the directory, and returns what the commit needs: per-file sizes and
+checksummed segments for the manifest, bytes written, and the write time.
+
+It never imports torch: a persistent worker that only writes starts fast, holds little
+memory, and cannot initialize CUDA.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+import zlib
+from typing import NamedTuple
+
+__all__ = ["SlabRef", "CrcPatch", "FileSpec", "WriteTask", "FileResult", "RankWriteResult", "write_rank_files"]
+
+#: Bytes per ``os.write`` call.
+WRITE_CHUNK_BYTES = 64 << 20
+#: Tensor records at least this large get a manifest segment of their own (their
+#: CRC-32 is computed once, for the zip record and the manifest together).
+BIG_SEGMENT_BYTES = 1 << 20
+
+
+class SlabRef(NamedTuple):
+    """A shared host buffer, as the worker finds it.
+
+    Attributes:
+        slab_id: unique id (never reused).
+        path: a path that opens it (``/proc/<pid>/fd/<fd>`` for a memfd).
+        nbytes: its size in bytes.
+    """
+
+    slab_id: str
+    path: str
+    nbytes: int
+
+
+class CrcPatch(NamedTuple):
+    """A tensor record's raw data and where its CRC-32 goes, in file coordinates.
+
+    Attributes:
+        data_offset: first byte of the raw tensor data (bytes from the file start).
+        data_nbytes: length of the raw data in bytes.
+        patch_offsets: offsets of the little-endian uint32 CRC-32 fields to fill in.
+    """
+
+    data_offset: int
+    data_nbytes: int
+    patch_offsets: tuple[int, ...]
+
+
+class FileSpec(NamedTuple):
+    """One data file: ``slab[slab_offset : slab_offset + nbytes]`` once patched.
+
+    Attributes:
+        name: file name inside the checkpoint directory (e.g. ``__0_0.distcp``).
+        slab_offset: where the file image starts in the slab (bytes).
+        nbytes: file size in bytes.
+        patches: the tensor records in file order.
+    """
+
+    name: str
+    slab_offset: int
+    nbytes: int
+    patches: tuple[CrcPatch, ...]
+
+
+class WriteTask(NamedTuple):
+    """Everything one rank writes for one checkpoint (picklable, torch-free).
+
+    Attributes:
+        directory: the (temporary) checkpoint directory; created if missing.
+        slab: the staged file images.
+        files: the files to write.
+        live_slab_ids: slabs the training process still owns; the worker unmaps others.
+        fsync: fsync every file and the directory before returning.
+    """
+
+    directory: str
+    slab: SlabRef
+    files: tuple[FileSpec, ...]
+    live_slab_ids: tuple[str, ...]
+    fsync: bool = True
+
+
+class FileResult(NamedTuple):
+    """A written file: its size and its checksummed segments.
+
+    Attributes:
+        name: file name.
+        nbytes: size in bytes.
+        segments: ``(offset, length, crc32)`` triples covering the file in order.
+    """
+
+    name: str
+    nbytes: int
+    segments: tuple[tuple[int, int, int], ...]
+
+
+class RankWriteResult(NamedTuple):
+    """What one rank's write produced.
+
+    Attributes:
+        files: one result per file.
+        nbytes: bytes written by this rank.
+        write_s: seconds from the first byte checksummed to the last fsync.
+        pid: the process that wrote.
+    """
+
+    files: tuple[FileResult, ...]
+    nbytes: int
+    write_s: float
+    pid: int
+
+
+# Slabs mapped by this process, by slab_id. A persistent worker keeps them mapped
+# across saves (no page-table rebuild per save) and drops those the trainer freed.
+_mapped: dict[str, mmap.mmap] = {}
+
+
+def _map_slab(slab: SlabRef, live: tuple[str, ...]) -> mmap.mmap:
+    for slab_id in [s for s in _mapped if s not in live and s != slab.slab_id]:
+        _mapped.pop(slab_id).close()
+    mapped = _mapped.get(slab.slab_id)
+    if mapped is None:
+        fd = os.open(slab.path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            mapped = mmap.mmap(fd, slab.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        _mapped[slab.slab_id] = mapped
+    return mapped
+
+
+def _checksum_and_patch(image: memoryview, patches: tuple[CrcPatch, ...]) -> tuple[tuple[int, int, int], ...]:
+    """CRC every tensor record, patch the zip fields, and cut the file into segments."""
+    segments: list[tuple[int, int, int]] = []
+    seg_start, seg_crc, pos = 0, 0, 0
+    for patch in patches:
+        end = patch.data_offset + patch.data_nbytes
+        data = image[patch.data_offset:end]
+        crc = zlib.crc32(data)
+        if patch.data_nbytes >= BIG_SEGMENT_BYTES:
+            seg_crc = zlib.crc32(image[pos:patch.data_offset], seg_crc)
+            if patch.data_offset > seg_start:
+                segments.append((seg_start, patch.data_offset - seg_start, seg_crc))
+            segments.append((patch.data_offset, patch.data_nbytes, crc))
+            seg_start, seg_crc = end, 0
+        else:
+            seg_crc = zlib.crc32(image[pos:end], seg_crc)
+        for offset in patch.patch_offsets:
+            struct.pack_into("<I", image, offset, crc)
+        pos = end
+    seg_crc = zlib.crc32(image[pos:], seg_crc)
+    if len(image) > seg_start or not segments:
+        segments.append((seg_start, len(image) - seg_start, seg_crc))
+    return tuple(segments)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    view, total = data, 0
+    while total < len(data):
+        n = os.write(fd, view[total:total + WRITE_CHUNK_BYTES])
+        if n <= 0:
+            raise OSError(f"os.write wrote {n} bytes")
+        total += n
+
+
+def fsync_directory(path: str) -> None:
+    """fsync a directory so that the names created or renamed in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_rank_files(task: WriteTask) -> RankWriteResult:
+    """Write one rank's staged data files into ``task.directory``.
+
+    Files are created with ``O_EXCL`` (an existing file is never overwritten) and the
+    process umask. Raises ``OSError`` on any I/O failure (disk full, permission...).
+
+    Returns:
+        The files' sizes and checksummed segments, for the manifest.
+    """
+    started = time.monotonic()
+    os.makedirs(task.directory, exist_ok=True)
+    mapped = _map_slab(task.slab, task.live_slab_ids)
+    results = []
+    total = 0
+    with memoryview(mapped) as slab_view:
+        for spec in task.files:
+            image = slab_view[spec.slab_offset:spec.slab_offset + spec.nbytes]
+            segments = _checksum_and_patch(image, spec.patches)
+            path = os.path.join(task.directory, spec.name)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            try:
+                _write_all(fd, image)
+                if task.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+                image.release()
+            results.append(FileResult(spec.name, spec.nbytes, segments))
+            total += spec.nbytes
+    if task.fsync:
+        fsync_directory(task.directory)
+    return RankWriteResult(tuple(results), total, time.monotonic() - started, os.getpid())

@@ -1,0 +1,396 @@
+#!/usr/bin/env python
+"""Train a small byte-level GPT on the Python standard library's own source code,
+checkpointing asynchronously with :class:`asyncckpt.CheckpointManager`.
+
+    python scripts/train.py                              # a few minutes on 2 CPU cores
+    python scripts/train.py --resume                     # continue from ./checkpoints
+    torchrun --nproc-per-node 2 scripts/train.py         # DDP (gloo on CPU)
+
+Everything needed for a bitwise-exact resume is checkpointed: model, AdamW state,
+LR schedule, data position and every RNG (per rank). SIGINT/SIGTERM stop training at
+the next step boundary, abort in-flight saves and exit with code 128+signum; the newest
+committed checkpoint can then be resumed with --resume.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import signal
+import statistics
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel
+
+import asyncckpt
+
+VOCAB = 256  # bytes
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=600, help="total optimizer steps (LR schedule length)")
+    p.add_argument("--stop-at", type=int, default=None,
+                   help="stop after this step (checkpointed), as if preempted; --resume continues to --steps")
+    p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps")
+    p.add_argument("--ckpt-dir", default="./checkpoints")
+    p.add_argument("--keep-last", type=int, default=3, help="keep only the newest N checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    p.add_argument("--temporal", action="store_true",
+                   help="write checkpoints from a forked process per save instead of a persistent worker")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=128, help="context length in bytes")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step per rank")
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--data-mb", type=float, default=4.0, help="cap on the training text, in MB")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    p.add_argument("--log-every", type=int, default=1, help="print the loss every N steps")
+    p.add_argument("--quiet", action="store_true", help="no per-step lines (checkpoints and summary only)")
+    p.add_argument("--save-final", default=None, metavar="PATH",
+                   help="torch.save the final model state_dict to PATH (rank 0)")
+    args = p.parse_args(argv)
+    if args.n_embd % args.n_head:
+        p.error("--n-embd must be divisible by --n-head")
+    if args.warmup is None:
+        args.warmup = max(1, args.steps // 20)
+    return args
+
+
+# ----------------------------------------------------------------------------- data
+
+def load_corpus(max_bytes: int) -> torch.Tensor:
+    """Concatenate the stdlib's ``*.py`` files, sorted by path, into a uint8 tensor of at most ``max_bytes``."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted((p for p in root.rglob("*.py")
+                    if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)),
+                   key=lambda p: p.relative_to(root).as_posix())
+    buf = bytearray()
+    for f in files:
+        if len(buf) >= max_bytes:
+            break
+        buf += f.read_bytes() + b"\n"
+    del buf[max_bytes:]
+    return torch.frombuffer(buf, dtype=torch.uint8).clone()
+
+
+class WindowSampler:
+    """Shuffled, non-overlapping ``block_size + 1``-byte windows, drawn without replacement per epoch.
+
+    All ranks share one permutation (drawn from a dedicated ``torch.Generator``) and take
+    disjoint slices of it. The state (epoch, position, generator state at the epoch's start)
+    is identical on every rank and fully determines the remaining batches.
+    """
+
+    def __init__(self, data: torch.Tensor, block_size: int, batch_size: int, seed: int,
+                 rank: int = 0, world_size: int = 1) -> None:
+        self.data, self.block, self.batch, self.rank, self.world = data, block_size, batch_size, rank, world_size
+        self.n_windows = (len(data) - 1) // block_size
+        if self.n_windows < batch_size * world_size:
+            raise ValueError(f"corpus too small: {self.n_windows} windows < {batch_size * world_size} per step")
+        self.gen = torch.Generator().manual_seed(seed)
+        self.epoch, self.pos = 0, 0
+        self._start_epoch()
+
+    def _start_epoch(self) -> None:
+        self.epoch_gen_state = self.gen.get_state()
+        self.perm = torch.randperm(self.n_windows, generator=self.gen)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return this rank's (inputs, targets), each of shape (batch, block) and dtype int64."""
+        per_step = self.batch * self.world
+        if self.pos + per_step > self.n_windows:
+            self.epoch, self.pos = self.epoch + 1, 0
+            self._start_epoch()
+        lo = self.pos + self.rank * self.batch
+        starts = self.perm[lo:lo + self.batch] * self.block
+        self.pos += per_step
+        w = self.data[starts[:, None] + torch.arange(self.block + 1)].long()
+        return w[:, :-1], w[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "pos": self.pos, "gen_state": self.epoch_gen_state.clone()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.gen.set_state(sd["gen_state"])
+        self._start_epoch()  # re-draws the epoch's permutation; leaves the generator as it was
+        self.epoch, self.pos = int(sd["epoch"]), int(sd["pos"])
+
+
+# ----------------------------------------------------------------------------- model
+
+@dataclass
+class GPTConfig:
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    dropout: float = 0.0
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention + MLP."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.ln1, self.ln2 = nn.LayerNorm(cfg.n_embd), nn.LayerNorm(cfg.n_embd)
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
+                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        x = x + F.dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)), self.dropout, self.training)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A minimal GPT over bytes."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(VOCAB, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, VOCAB, bias=False)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:  # GPT-2 init, with scaled residual projections
+                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def lr_lambda(warmup: int, total: int):
+    """Linear warmup to 1, then cosine decay to 0.1 at ``total`` steps (multiplier for LambdaLR)."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t))
+    return f
+
+
+# ----------------------------------------------------------------------------- RNG state
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's RNG states (torch CPU, Python ``random``, CUDA) as tensors."""
+    version, internal, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "python": torch.tensor(internal, dtype=torch.int64),
+             "python_gauss": torch.tensor([math.nan if gauss is None else gauss], dtype=torch.float64)}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Inverse of :func:`rng_state`."""
+    torch.set_rng_state(state["torch"])
+    gauss = float(state["python_gauss"][0])
+    random.setstate((3, tuple(state["python"].tolist()), None if math.isnan(gauss) else gauss))
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def all_rng_states(device: torch.device, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Every rank's RNG states under ``rank{i}`` keys, identical on all ranks (one all_gather)."""
+    mine = rng_state(device)
+    if world_size == 1:
+        return {"rank0": mine}
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, {k: v.cpu() for k, v in mine.items()})
+    return {f"rank{i}": {k: v.to(mine[k].device) for k, v in s.items()} for i, s in enumerate(gathered)}
+
+
+# ----------------------------------------------------------------------------- training
+
+class StopFlag:
+    """Signal handlers that only record the signal; a second signal kills the process."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.signum:  # second Ctrl-C: give up on a clean exit
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.signum = signum
+
+    def agreed(self, distributed: bool) -> int:
+        """The signal number any rank received (0 if none); a collective when ``distributed``."""
+        if not distributed:
+            return self.signum
+        t = torch.tensor([self.signum], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train; return the process exit code (0, or 128+signum when stopped by a signal)."""
+    args = parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    distributed = world_size > 1
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if distributed:
+        dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
+    rank = dist.get_rank() if distributed else 0
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(msg, flush=True)
+
+    stop = StopFlag()
+    data = load_corpus(int(args.data_mb * 1e6))
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+    cfg = GPTConfig(args.block_size, args.n_layer, args.n_head, args.n_embd, args.dropout)
+    raw_model = GPT(cfg).to(device)
+    torch.manual_seed(args.seed + 1 + rank)  # per-rank dropout streams
+    if use_cuda:
+        torch.cuda.manual_seed(args.seed + 1 + rank)
+    random.seed(args.seed + rank)
+    optimizer = torch.optim.AdamW(raw_model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps))
+    sampler = WindowSampler(data, args.block_size, args.batch_size, args.seed, rank, world_size)
+
+    def state_dict(step: int) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(raw_model, optimizer)
+        return {"model": model_sd, "optim": optim_sd, "sched": scheduler.state_dict(),
+                "data": sampler.state_dict(), "rng": all_rng_states(device, world_size), "step": step}
+
+    mgr = asyncckpt.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last, persistent=not args.temporal)
+    step, exit_code = 0, 0
+    try:
+        latest = mgr.latest_step()
+        if args.resume and latest is not None:
+            t0 = time.perf_counter()
+            sd = state_dict(0)  # template with the right structure (initialises AdamW's state)
+            step = mgr.load(sd)
+            set_state_dict(raw_model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            scheduler.load_state_dict(sd["sched"])
+            sampler.load_state_dict(sd["data"])
+            set_rng_state(sd["rng"][f"rank{rank}"], device)
+            log(f"resumed from step {step} in {args.ckpt_dir} ({time.perf_counter() - t0:.2f} s)")
+        elif latest is not None:
+            raise SystemExit(f"{args.ckpt_dir} already holds checkpoints (latest step {latest}); "
+                             "pass --resume to continue, or remove it / choose another --ckpt-dir")
+        model = DistributedDataParallel(raw_model) if distributed else raw_model
+        n_params = sum(p.numel() for p in raw_model.parameters())
+        log(f"corpus {len(data) / 1e6:.2f} MB of stdlib source | model {n_params / 1e6:.2f} M params | "
+            f"world size {world_size} | device {device} | "
+            f"{'temporal' if args.temporal else 'persistent'} checkpoint writer")
+
+        handles: dict[int, Any] = {}
+        stalls: list[float] = []
+        committed: list[tuple[int, Any]] = []
+
+        def report(steps: list[int]) -> None:
+            for s in steps:
+                t = handles.pop(s).timings
+                committed.append((s, t))
+                log(f"checkpoint step {s} committed | stall {t.stall_s * 1e3:.1f} ms | write {t.write_s:.3f} s | "
+                    f"{t.bytes / 1e6:.1f} MB at {t.gbps:.3f} GB/s")
+
+        model.train()
+        start_step, t_start = step, time.perf_counter()
+        while step < args.steps and (args.stop_at is None or step < args.stop_at):
+            signum = stop.agreed(distributed)
+            if signum:
+                exit_code = 128 + signum
+                log(f"received {signal.Signals(signum).name}: stopping at step {step}")
+                break
+            t0 = time.perf_counter()
+            x, y = (t.to(device) for t in sampler.next_batch())
+            loss = F.cross_entropy(model(x).view(-1, VOCAB), y.reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            if not args.quiet and (step % args.log_every == 0 or step == args.steps):
+                log(f"step {step:5d}/{args.steps} | loss {loss.item():.4f} | lr {scheduler.get_last_lr()[0]:.2e} "
+                    f"| {(time.perf_counter() - t0) * 1e3:.0f} ms")
+            last = step == args.steps or step == args.stop_at
+            if step % args.ckpt_every == 0 or last:
+                t1 = time.perf_counter()
+                handles[step] = mgr.save(step, state_dict(step))
+                stalls.append(time.perf_counter() - t1)
+                log(f"checkpoint step {step} staged | stall {stalls[-1] * 1e3:.1f} ms")
+            report(mgr.maybe_finalize())
+        train_s = time.perf_counter() - t_start
+
+        if exit_code:
+            mgr.close(abort=True)
+            log(f"aborted in-flight checkpoints; latest committed: step {mgr.latest_step()}")
+            return exit_code
+        t0 = time.perf_counter()
+        report(mgr.maybe_finalize(blocking=True))
+        mgr.close()
+        report([s for s in list(handles) if handles[s].done()])
+        close_s = time.perf_counter() - t0
+        if args.save_final and rank == 0:
+            torch.save(raw_model.state_dict(), args.save_final)
+
+        n = step - start_step
+        log("=" * 72)
+        log(f"summary: {n} steps in {train_s:.1f} s ({n / max(train_s, 1e-9):.2f} steps/s), "
+            f"final loss {loss.item() if n else float('nan'):.4f}")
+        if stalls:
+            log(f"  checkpoints: {len(stalls)} saved, {len(committed)} committed, kept {mgr.steps()}")
+            log(f"  stall: median {statistics.median(stalls) * 1e3:.1f} ms, max {max(stalls) * 1e3:.1f} ms, "
+                f"{100 * sum(stalls) / max(train_s, 1e-9):.1f}% of training time")
+        if committed:
+            ts = [t for _, t in committed]
+            log(f"  write: median {statistics.median(t.write_s for t in ts):.3f} s, "
+                f"median {statistics.median(t.gbps for t in ts):.3f} GB/s, "
+                f"{ts[-1].bytes / 1e6:.1f} MB each; final wait/close {close_s:.2f} s")
+        return 0
+    except BaseException:
+        mgr.close(abort=True)
+        raise
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

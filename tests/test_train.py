@@ -1,0 +1,193 @@
+"""End-to-end tests of the example training script ``scripts/train.py``.
+
+Each test runs the script in subprocesses with a tiny model and a tiny slice of the corpus,
+so the whole file takes a minute or two on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+# ~2 KB of text in 16-byte windows = 124 windows = 15 steps per epoch at batch 8:
+# the runs below cross epoch boundaries, so the data position is exercised too.
+TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
+        "--batch-size", "8", "--data-mb", "0.002", "--dropout", "0.1", "--lr", "3e-3"]
+STEPS, HALF = 24, 11  # "2K steps straight" vs "K steps, exit, resume to 2K"
+COMMIT_RE = re.compile(r"^checkpoint step (\d+) committed \| stall [\d.]+ ms \| write [\d.]+ s \| "
+                       r"[\d.]+ MB at [\d.]+ GB/s$", re.M)
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+@contextlib.contextmanager
+def _popen(cmd: list[str], cwd: Path) -> Iterator[subprocess.Popen]:
+    """Start ``cmd`` in its own process group; kill the whole group (stray workers too) on exit."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+
+
+def run(args: list[str], cwd: Path, *, timeout: float = 90, launcher: list[str] | None = None) -> str:
+    """Run the script to completion, assert it succeeded and return its output."""
+    cmd = [*(launcher or [sys.executable]), str(SCRIPT), *args]
+    with _popen(cmd, cwd) as proc:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}")
+        assert proc.returncode == 0, f"exit code {proc.returncode}: {' '.join(cmd)}\n{out}"
+    return out
+
+
+def assert_same_params(a: Path, b: Path) -> None:
+    sa, sb = torch.load(a), torch.load(b)
+    assert sa.keys() == sb.keys()
+    different = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not different, f"parameters differ after resume: {different}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One uninterrupted run of STEPS steps (default output): (final params, stdout)."""
+    d = tmp_path_factory.mktemp("straight")
+    out = run([*TINY, "--steps", str(STEPS), "--ckpt-every", "5", "--save-final", str(d / "final.pt")], d)
+    return d / "final.pt", out
+
+
+@pytest.mark.timeout(60)
+def test_default_output(straight: tuple[Path, str]) -> None:
+    _, out = straight
+    steps = [int(m) for m in re.findall(rf"^step\s+(\d+)/{STEPS} \| loss \d+\.\d+ \| lr ", out, re.M)]
+    assert steps == list(range(1, STEPS + 1)), out
+    # every 5 steps plus the final step, each committed once, printing stall / write time / GB/s
+    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [5, 10, 15, 20, 24], out
+    assert re.search(r"^summary: 24 steps in [\d.]+ s \([\d.]+ steps/s\)", out, re.M), out
+    assert re.search(r"checkpoints: 5 saved, 5 committed, kept \[15, 20, 24\]", out), out
+    assert re.search(r"stall: median [\d.]+ ms", out), out
+    assert (straight[0].parent / "checkpoints").is_dir()  # default --ckpt-dir is ./checkpoints
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("caller", ["persistent", "temporal"])
+def test_resume_is_bitwise_identical(straight: tuple[Path, str], tmp_path: Path, caller: str) -> None:
+    extra = ["--temporal"] if caller == "temporal" else []
+    common = [*TINY, *extra, "--steps", str(STEPS), "--ckpt-every", "5", "--quiet"]
+    out = run([*common, "--stop-at", str(HALF)], tmp_path)
+    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [5, 10, HALF], out
+    out = run([*common, "--resume", "--save-final", str(tmp_path / "final.pt")], tmp_path)
+    assert f"resumed from step {HALF}" in out, out
+    assert_same_params(straight[0], tmp_path / "final.pt")
+
+
+def test_refuses_to_start_over_existing_checkpoints(straight: tuple[Path, str]) -> None:
+    cwd = straight[0].parent
+    proc = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--steps", "2"], cwd=cwd, env=_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--resume" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig,to_group", [(signal.SIGTERM, False), (signal.SIGINT, True)],
+                         ids=["SIGTERM", "SIGINT-to-group (Ctrl-C)"])
+def test_signal_stops_cleanly_and_resumes(tmp_path: Path, sig: signal.Signals, to_group: bool) -> None:
+    cmd = [sys.executable, str(SCRIPT), *TINY, "--steps", "1000000", "--ckpt-every", "20", "--log-every", "100"]
+    lines: queue.Queue[str | None] = queue.Queue()
+    with _popen(cmd, tmp_path) as proc:
+        def pump() -> None:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                lines.put(line)
+            lines.put(None)
+        threading.Thread(target=pump, daemon=True).start()
+        out, deadline = "", time.monotonic() + 60
+        while not COMMIT_RE.search(out):
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no checkpoint committed within 60 s:\n{out}")
+            if line is None:
+                pytest.fail(f"exited early with {proc.wait()}:\n{out}")
+            out += line
+        time.sleep(0.3)  # let it run on, so a save may be in flight when the signal arrives
+        t0 = time.monotonic()
+        (os.killpg if to_group else os.kill)(proc.pid, sig)
+        try:
+            rc = proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 15 s after {sig.name}")
+        elapsed = time.monotonic() - t0
+        while (line := lines.get(timeout=10)) is not None:
+            out += line
+        assert rc == 128 + sig, f"exit code {rc}\n{out}"
+        # the checkpoint writer (persistent worker) must not outlive the training process
+        gone_by = time.monotonic() + 10
+        while time.monotonic() < gone_by:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("processes of the run are still alive 10 s after it exited")
+    assert f"received {sig.name}: stopping at step" in out, out
+    m = re.search(r"latest committed: step (\d+)", out)
+    assert m, out
+    latest, last_printed = int(m.group(1)), max(int(s) for s in COMMIT_RE.findall(out))
+    assert latest >= last_printed > 0, out
+    print(f"{sig.name}: stopped in {elapsed:.2f} s, latest committed step {latest}")
+
+    out = run([*TINY, "--steps", "1000000", "--ckpt-every", "20", "--resume", "--stop-at", str(latest + 3)],
+              tmp_path)
+    assert f"resumed from step {latest}" in out, out
+    assert re.search(rf"^step\s+{latest + 1}/1000000 \| loss", out, re.M), out
+    assert f"checkpoint step {latest + 3} committed" in out, out
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_two_ranks_resume_is_bitwise_identical(tmp_path: Path) -> None:
+    def torchrun() -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", str(free_port())]
+
+    args = [*TINY, "--batch-size", "4", "--steps", "12", "--ckpt-every", "4"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    out = run([*args, "--save-final", "final.pt"], tmp_path / "a", launcher=torchrun())
+    assert "world size 2" in out and "summary: 12 steps" in out, out
+    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [4, 8, 12], out
+    assert len(re.findall(r"^step\s+5/12 \| loss", out, re.M)) == 1, out  # rank 0 prints, once
+
+    out = run([*args, "--stop-at", "6"], tmp_path / "b", launcher=torchrun())
+    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [4, 6], out
+    out = run([*args, "--resume", "--save-final", "final.pt"], tmp_path / "b", launcher=torchrun())
+    assert "resumed from step 6" in out, out
+    # per-rank dropout RNG streams differ; restoring the wrong one would change the parameters
+    assert_same_params(tmp_path / "a" / "final.pt", tmp_path / "b" / "final.pt")
