@@ -302,16 +302,15 @@ class TemporalAsyncCaller(AsyncCaller):
             mp_connection.wait(handles, timeout)
 
     def close(self, abort: bool = False) -> None:
-        for call_idx, (proc, reader, _) in list(self._children.items()):
-            if abort:
-                _terminate(proc)
-            else:
-                proc.join()
-                _untrack(proc)
-            reader.close()
+        """Wait for the running children (``abort``: terminate them) and reap them."""
         if abort:
+            for proc, reader, _ in self._children.values():
+                _terminate(proc)
+                reader.close()
             self._children.clear()
-        else:
+            return
+        while self._children:
+            self.wait_any(1.0)
             self.poll()
 
 

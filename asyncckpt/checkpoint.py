@@ -21,6 +21,7 @@ import re
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -428,7 +429,10 @@ def load(
     errors = [e for e in sync.all_gather_object(error) if e is not None]
     if errors:
         raise CorruptCheckpointError(errors[0], str(path))
-    dcp.load(state_dict, storage_reader=FileSystemReader(str(path)), process_group=process_group)
+    with warnings.catch_warnings():
+        # Without a process group DCP warns that it loads in a single process: intended.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state_dict, storage_reader=FileSystemReader(str(path)), process_group=process_group)
 
 
 # ------------------------------------------------------------------ manager

@@ -1,0 +1,46 @@
+"""Shared fixtures: every test must leave no child process and no shared-memory entry."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import psutil
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+def _children() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Fail a test that leaves child processes or /dev/shm entries behind (and clean them up)."""
+    shm_before = _shm_entries()
+    yield
+    # Processes this test started must be gone; give reaping a moment.
+    leftover = []
+    for p in _children():
+        try:
+            p.wait(timeout=5)
+        except psutil.TimeoutExpired:
+            leftover.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    for p in leftover:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    new_shm = _shm_entries() - shm_before
+    assert not leftover, f"child processes left behind: {[(p.pid, p.name()) for p in leftover]}"
+    assert not new_shm, f"/dev/shm entries left behind: {sorted(new_shm)}"
