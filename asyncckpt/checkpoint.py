@@ -15,6 +15,7 @@ The format is torch.distributed.checkpoint's: stock ``dcp.load`` reads it.
 
 from __future__ import annotations
 
+import collections
 import os
 import pickle
 import re
@@ -219,6 +220,7 @@ class _Saver:
         coordinator_rank: int,
         step: int | None = None,
         on_commit: Callable[[Path], None] | None = None,
+        on_committed: Callable[[SaveHandle], None] | None = None,
     ) -> SaveHandle:
         started = time.monotonic()
         final_dir = Path(checkpoint_dir).absolute()
@@ -279,6 +281,8 @@ class _Saver:
             handle._set_committed(SaveTimings(
                 stall_s=handle._stall_s, write_s=write_s, finalize_s=now - commit_started,
                 total_s=now - handle._started, bytes=nbytes, gbps=nbytes / write_s / 1e9 if write_s > 0 else 0.0))
+            if on_committed is not None:
+                on_committed(handle)
 
         if not async_op:
             # Synchronous: the same steps in this thread, no background process.
@@ -487,6 +491,7 @@ class CheckpointManager:
                                                     start_method=start_method)
         self._saver = _Saver(self.queue, staging_buffers)
         self._handles: dict[int, SaveHandle] = {}
+        self._recent_commits: collections.OrderedDict[int, int] = collections.OrderedDict()  # call_idx -> step
         self._closed = False
         #: Timings of the most recently committed save (``None`` before the first).
         self.last_committed_timings: SaveTimings | None = None
@@ -520,12 +525,19 @@ class CheckpointManager:
             raise RuntimeError("CheckpointManager is closed")
         handle = self._saver.save(state_dict, self.step_dir(step), async_op=async_op,
                                   process_group=self.process_group, coordinator_rank=self.coordinator_rank,
-                                  step=int(step), on_commit=self._on_commit)
+                                  step=int(step), on_commit=self._on_commit, on_committed=self._on_committed)
         if async_op:
             self._handles[handle.call_idx] = handle
-        else:
-            self.last_committed_timings = handle.timings
         return handle
+
+    def _on_committed(self, handle: SaveHandle) -> None:
+        # Every rank, in finalize, whoever drove it (maybe_finalize, handle.wait, close).
+        self.last_committed_timings = handle.timings
+        if handle.call_idx is not None:
+            self._handles.pop(handle.call_idx, None)
+            self._recent_commits[handle.call_idx] = handle.step
+            while len(self._recent_commits) > 64:
+                self._recent_commits.popitem(last=False)
 
     def maybe_finalize(self, blocking: bool = False) -> list[int]:
         """Commit the saves that finished on every rank (collective).
@@ -547,13 +559,7 @@ class CheckpointManager:
             if failed is not None:
                 failed._exception = exc
             raise
-        steps = []
-        for idx in call_idxs:
-            handle = self._handles.pop(idx, None)
-            if handle is not None:
-                steps.append(handle.step)
-                self.last_committed_timings = handle.timings
-        return steps
+        return [self._recent_commits.pop(idx) for idx in call_idxs if idx in self._recent_commits]
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (partial or temporary directories are ignored)."""

@@ -149,8 +149,10 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
                 data.append(obj.detach())
     except Exception as exc:
         # Pickling a value failed here only: still symmetric, every rank learns it.
-        error = f"{type(exc).__name__}: {exc}"
+        error = f"state_dict entry {item.index.fqn!r} cannot be pickled: {type(exc).__name__}: {exc}"
     errors = {r: e for r, e in enumerate(sync.all_gather_object(error)) if e is not None}
     if errors:
-        raise CheckpointError("; ".join(f"rank {r}: a value cannot be pickled: {e}" for r, e in errors.items()))
+        if sync.world_size == 1:
+            raise CheckpointError(errors[0])
+        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in errors.items()))
     return SavePlanResult(plan, data, metadata, token)

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from .storage import writer as _writer
 from .storage.writer import SlabRef
 
 __all__ = ["HostSlab", "Stager"]
@@ -68,6 +69,9 @@ class HostSlab:
         if self._fd < 0:
             return
         self.u8 = None  # type: ignore[assignment]
+        writer_map = _writer._mapped.pop(self.slab_id, None)  # mapped here by a sync save
+        if writer_map is not None:
+            writer_map.close()
         try:
             self._mm.close()
         except BufferError:

@@ -12,14 +12,34 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def _shm_entries() -> set[str]:
+    # /dev/shm may be shared with other processes of the machine: multiprocessing's
+    # named semaphores (sem.mp-*, unlinked right after creation by their owners) can
+    # appear from elsewhere. Shared-memory segments (torch_*, psm_*, ...) are checked.
     try:
-        return set(os.listdir("/dev/shm"))
+        return {e for e in os.listdir("/dev/shm") if not e.startswith("sem.")}
     except FileNotFoundError:
         return set()
 
 
+def _is_mp_infrastructure(p: psutil.Process) -> bool:
+    # multiprocessing's resource tracker (and forkserver) are per-interpreter singletons
+    # that Python starts with the first spawn/forkserver child and stops at exit.
+    try:
+        cmd = " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return True
+    return "multiprocessing.resource_tracker" in cmd or "multiprocessing.forkserver" in cmd
+
+
 def _children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and not _is_mp_infrastructure(p):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 @pytest.fixture(autouse=True)
