@@ -115,27 +115,37 @@ def _untrack(proc: Any) -> None:
         _live_processes.discard(proc)
 
 
+def _terminate_many(procs: list[Any], grace_s: float = TERMINATE_GRACE_S) -> None:
+    """SIGTERM all, wait up to ``grace_s`` seconds in total, SIGKILL the rest; reap all."""
+    for proc in procs:
+        try:
+            if proc.is_alive():
+                proc.terminate()
+        except (OSError, ValueError, AssertionError):
+            pass
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(grace_s)
+        except (OSError, ValueError, AssertionError):
+            pass
+        finally:
+            _untrack(proc)
+
+
 def _terminate(proc: Any, grace_s: float = TERMINATE_GRACE_S) -> None:
     """SIGTERM, wait up to ``grace_s`` seconds, then SIGKILL; always reaps."""
-    try:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(grace_s)
-        if proc.is_alive():
-            proc.kill()
-        proc.join(grace_s)
-    except (OSError, ValueError, AssertionError):
-        pass
-    finally:
-        _untrack(proc)
+    _terminate_many([proc], grace_s)
 
 
 @atexit.register
 def _terminate_all_at_exit() -> None:
     with _live_lock:
         procs = list(_live_processes)
-    for proc in procs:
-        _terminate(proc, grace_s=1.0)
+    _terminate_many(procs, grace_s=1.0)
 
 
 # --------------------------------------------------------------------------- base
@@ -267,17 +277,24 @@ class TemporalAsyncCaller(AsyncCaller):
     def running(self) -> list[int]:
         return list(self._children)
 
+    @staticmethod
+    def _read_report(reader: Any) -> CallOutcome | None:
+        try:
+            if reader.poll(0):
+                return pickle.loads(reader.recv_bytes())
+        except (EOFError, OSError):
+            pass  # the child died before (or while) reporting
+        return None
+
     def poll(self) -> None:
         for call_idx, (proc, reader, reported) in list(self._children.items()):
             if reported is None:
-                try:
-                    if reader.poll(0):
-                        reported = pickle.loads(reader.recv_bytes())
-                        self._children[call_idx] = (proc, reader, reported)
-                except (EOFError, OSError):
-                    pass  # the child died before (or while) reporting
+                reported = self._read_report(reader)
+                self._children[call_idx] = (proc, reader, reported)
             if proc.is_alive():
                 continue
+            if reported is None:  # it may have reported just before exiting
+                reported = self._read_report(reader)
             proc.join()
             _untrack(proc)
             reader.close()
@@ -304,8 +321,8 @@ class TemporalAsyncCaller(AsyncCaller):
     def close(self, abort: bool = False) -> None:
         """Wait for the running children (``abort``: terminate them) and reap them."""
         if abort:
-            for proc, reader, _ in self._children.values():
-                _terminate(proc)
+            _terminate_many([proc for proc, _, _ in self._children.values()])
+            for _, reader, _ in self._children.values():
                 reader.close()
             self._children.clear()
             return
@@ -442,10 +459,8 @@ class PersistentAsyncCaller(AsyncCaller):
     def running(self) -> list[int]:
         return list(self._worker.inflight) if self._worker is not None else []
 
-    def poll(self) -> None:
-        worker = self._worker
-        if worker is None:
-            return
+    def _drain(self, worker: _Worker) -> bool:
+        """Record every result waiting in the pipe; False if the pipe is closed."""
         try:
             while worker.result_r.poll(0):
                 outcome: CallOutcome = pickle.loads(worker.result_r.recv_bytes())
@@ -453,15 +468,21 @@ class PersistentAsyncCaller(AsyncCaller):
                     worker.inflight.remove(outcome.call_idx)
                 self._record(outcome)
         except (EOFError, OSError):
-            self._worker_died(worker)
+            return False
+        return True
+
+    def poll(self) -> None:
+        worker = self._worker
+        if worker is None:
             return
-        if not worker.proc.is_alive():
+        if not self._drain(worker) or not worker.proc.is_alive():
             self._worker_died(worker)
 
     def _worker_died(self, worker: _Worker) -> None:
-        # Results the worker sent before dying were read by poll(); everything still
-        # in flight failed with the worker.
+        # A result sent just before the worker exited may have arrived after the last
+        # read: read everything left first; what is still in flight failed with it.
         worker.proc.join(TERMINATE_GRACE_S)
+        self._drain(worker)
         if worker.proc.is_alive():  # the pipe broke but the process lingers
             _terminate(worker.proc)
         _untrack(worker.proc)

@@ -1,0 +1,787 @@
+"""The checkpoint layer in one process: save / load / verify / SaveHandle / CheckpointManager.
+
+Real files in ``tmp_path``, real ``torch.distributed.checkpoint`` for interop, and both
+background callers: ``AsyncCallsQueue(persistent=False)`` (a forked child per call) and
+``persistent=True`` (one spawned worker). Every queue and manager is closed in a
+``finally`` so that the autouse ``no_leaks`` fixture sees no child process.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import asyncckpt
+import asyncckpt.checkpoint as ckpt_mod
+import asyncckpt.storage.commit as commit_mod
+from asyncckpt import (
+    AsyncCallsQueue,
+    CheckpointError,
+    CheckpointException,
+    CheckpointManager,
+    CorruptCheckpointError,
+    SaveHandle,
+    SaveTimings,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+CALLERS = ["temporal", "persistent"]
+
+
+# ----------------------------------------------------------------------------- helpers
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` reinterpreted as integers of the same width (bitwise comparison, NaN-safe)."""
+    t = t.detach().contiguous()
+    if t.dtype == torch.bool:
+        return t
+    if t.is_complex():
+        t = torch.view_as_real(t).contiguous()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same(expected: Any, got: Any, path: str = "state_dict") -> None:
+    """Recursive, bitwise comparison of two state structures."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{path}: expected a tensor, got {type(got).__name__}"
+        assert got.dtype == expected.dtype, f"{path}: dtype {got.dtype} != {expected.dtype}"
+        assert tuple(got.shape) == tuple(expected.shape), f"{path}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
+        assert torch.equal(_bits(got), _bits(expected)), f"{path}: values differ"
+    elif isinstance(expected, dict):
+        assert isinstance(got, dict), f"{path}: expected a dict, got {type(got).__name__}"
+        assert set(got) == set(expected), f"{path}: keys {sorted(got)} != {sorted(expected)}"
+        for k in expected:
+            assert_same(expected[k], got[k], f"{path}[{k!r}]")
+    elif isinstance(expected, list):
+        assert isinstance(got, list), f"{path}: expected a list, got {type(got).__name__}"
+        assert len(got) == len(expected), f"{path}: length {len(got)} != {len(expected)}"
+        for i, (e, g) in enumerate(zip(expected, got)):
+            assert_same(e, g, f"{path}[{i}]")
+    else:
+        assert type(got) is type(expected) and got == expected, f"{path}: {got!r} != {expected!r}"
+
+
+def clone_state(sd: Any) -> Any:
+    """A deep copy whose tensors are contiguous clones (the values as of now)."""
+    if isinstance(sd, torch.Tensor):
+        return sd.detach().clone()
+    if isinstance(sd, dict):
+        return {k: clone_state(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [clone_state(v) for v in sd]
+    return copy.deepcopy(sd)
+
+
+_PLACEHOLDER = "<not loaded>"
+
+
+def fresh_like(sd: Any) -> Any:
+    """A structure to load into: zero tensors of the same dtype/shape, placeholders elsewhere."""
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros(sd.shape, dtype=sd.dtype)
+    if isinstance(sd, dict):
+        return {k: fresh_like(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [fresh_like(v) for v in sd]
+    return _PLACEHOLDER
+
+
+def make_state(seed: int = 0) -> dict[str, Any]:
+    """Every kind of entry the round trip must preserve."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(6, 10, generator=g)
+    shared = torch.randint(-1000, 1000, (4, 10), generator=g, dtype=torch.int64)
+    return {
+        "f32": torch.randn(5, 7, generator=g),
+        "f16": torch.randn(33, generator=g).to(torch.float16),
+        "bf16": torch.randn(3, 4, 5, generator=g).to(torch.bfloat16),
+        "f64": torch.randn(4, generator=g, dtype=torch.float64),
+        "i64": torch.randint(-2**62, 2**62, (9,), generator=g, dtype=torch.int64),
+        "i8": torch.randint(-128, 128, (17,), generator=g, dtype=torch.int8),
+        "u8": torch.randint(0, 256, (2, 9), generator=g, dtype=torch.uint8),
+        "bool": torch.rand(11, generator=g) > 0.5,
+        "c64": torch.randn(3, generator=g, dtype=torch.complex64),
+        "f8": torch.randn(6, generator=g).to(torch.float8_e4m3fn),
+        "special": torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-45]),
+        "scalar": torch.tensor(2.5),
+        "scalar_i": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.empty(0),
+        "empty3": torch.empty(2, 0, 3, dtype=torch.bfloat16),
+        "transposed": base.t(),
+        "strided": base[::2, 1::3],
+        "base": base,
+        "view_a": shared[0],
+        "view_b": shared[1:, ::2],
+        "nested": {
+            "layer": {"w": torch.randn(3, 3, generator=g), "b": torch.zeros(3)},
+            "list": [torch.randn(2, generator=g), {"x": torch.ones(1, dtype=torch.int8)}, 5, "s"],
+        },
+        "py": {"int": 42, "big": 2**70, "float": 0.1, "str": "héllo", "none": None, "neg": -3},
+        "step": 17,
+        "param": torch.nn.Parameter(torch.randn(4, generator=g)),
+    }
+
+
+def data_files(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir() if p.name.endswith(".distcp"))
+
+
+@pytest.fixture(params=CALLERS)
+def calls_queue(request: pytest.FixtureRequest) -> Iterator[AsyncCallsQueue]:
+    queue = AsyncCallsQueue(persistent=request.param == "persistent")
+    try:
+        yield queue
+    finally:
+        try:
+            queue.close()
+        except CheckpointException:
+            pass  # a test's injected failure; the worker is stopped anyway
+
+
+@pytest.fixture(autouse=True)
+def _stop_resource_tracker() -> Iterator[None]:
+    """Stop multiprocessing's resource tracker after each test.
+
+    Starting a process with ``spawn`` (the persistent worker) starts the interpreter-wide
+    ``multiprocessing.resource_tracker`` helper, which lives until the interpreter
+    exits; conftest's ``no_leaks`` would count it as a leaked child. It is not started
+    by asyncckpt itself, so we stop it here (this fixture is torn down after the
+    test's queues and managers are closed, before ``no_leaks`` checks).
+    """
+    yield
+    import gc
+    from multiprocessing import resource_tracker
+
+    gc.collect()  # unlink the named semaphores of collected multiprocessing queues (/dev/shm/sem.mp-*)
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        stop()
+
+
+@pytest.fixture
+def temporal_queue() -> Iterator[AsyncCallsQueue]:
+    queue = AsyncCallsQueue(persistent=False)
+    try:
+        yield queue
+    finally:
+        try:
+            queue.close()
+        except CheckpointException:
+            pass
+
+
+@pytest.fixture
+def default_queues_closed() -> Iterator[None]:
+    """Close the module-level default queues that ``save()`` without ``calls_queue`` uses."""
+    try:
+        yield
+    finally:
+        for _, queue in list(ckpt_mod._default_queues.values()):
+            try:
+                queue.close()
+            except CheckpointException:
+                pass
+
+
+def _save_and_commit(state: dict, path: Path, mode: str, queue: AsyncCallsQueue | None) -> SaveHandle:
+    if mode == "sync":
+        handle = asyncckpt.save(state, path, async_op=False, calls_queue=queue)
+        assert handle.done()
+    else:
+        handle = asyncckpt.save(state, path, async_op=True, calls_queue=queue)
+        handle.wait(timeout=30)
+    return handle
+
+
+# ----------------------------------------------------------------------------- round trip
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["sync", "temporal", "persistent"])
+def test_round_trip_bitwise(tmp_path: Path, mode: str) -> None:
+    state = make_state()
+    state["alias"] = state["f32"]  # the same tensor object under two keys
+    expected = clone_state(state)
+    queue = AsyncCallsQueue(persistent=mode == "persistent")
+    try:
+        _save_and_commit(state, tmp_path / "ck", mode, queue)
+        assert queue.get_num_unfinalized_calls() == 0
+    finally:
+        queue.close()
+    # The state itself was not modified by saving.
+    assert_same(expected, state)
+
+    out = fresh_like(state)
+    asyncckpt.load(out, tmp_path / "ck")
+    assert_same(expected, out)
+
+    # Views sharing one storage are loaded as independent values.
+    assert torch.equal(out["view_a"], expected["base"].new_tensor(expected["view_a"]))
+
+
+@pytest.mark.timeout(60)
+def test_sync_save_without_queue_starts_no_worker(tmp_path: Path, default_queues_closed: None) -> None:
+    state = make_state(1)
+    handle = asyncckpt.save(state, tmp_path / "ck")  # async_op=False, default queue
+    assert handle.done() and handle.timings is not None and handle.call_idx is None
+    out = fresh_like(state)
+    asyncckpt.load(out, tmp_path / "ck")
+    assert_same(clone_state(state), out)
+
+
+@pytest.mark.timeout(60)
+def test_async_save_with_default_queue(tmp_path: Path, default_queues_closed: None) -> None:
+    state = {"w": torch.randn(1000), "n": 3}
+    expected = clone_state(state)
+    handle = asyncckpt.save(state, tmp_path / "ck", async_op=True)
+    state["w"].zero_()
+    handle.wait(timeout=30)
+    out = fresh_like(state)
+    asyncckpt.load(out, tmp_path / "ck")
+    assert_same(expected, out)
+
+
+# ----------------------------------------------------------------------------- format / interop
+@pytest.mark.timeout(60)
+def test_committed_checkpoint_is_a_dcp_directory(tmp_path: Path, temporal_queue: AsyncCallsQueue) -> None:
+    state = make_state(2)
+    expected = clone_state(state)
+    ckpt = tmp_path / "ck"
+    handle = asyncckpt.save(state, ckpt, async_op=True, calls_queue=temporal_queue)
+    handle.wait(timeout=30)
+
+    # Only the committed directory: no temporary directory left beside it.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert names == sorted([".metadata", ".manifest.json", "__0_0.distcp"])
+
+    # Stock DCP reads it (default FileSystemReader via checkpoint_id).
+    out = fresh_like(state)
+    dcp.load(out, checkpoint_id=str(ckpt))
+    assert_same(expected, out)
+
+    # dcp_to_torch_save: the whole content, without a template.
+    pt = tmp_path / "converted.pt"
+    dcp_to_torch_save(str(ckpt), str(pt))
+    converted = torch.load(pt, weights_only=False)
+    assert_same(expected, converted)
+
+    # The manifest: per-file sizes and CRC-32 segments covering each file.
+    manifest = json.loads((ckpt / ".manifest.json").read_bytes())
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+    for name, entry in manifest["files"].items():
+        content = (ckpt / name).read_bytes()
+        assert entry["size"] == len(content) > 0
+        pos = 0
+        for offset, length, crc in entry["segments"]:
+            assert offset == pos
+            assert zlib.crc32(content[offset:offset + length]) == crc, (name, offset, length)
+            pos = offset + length
+        assert pos == len(content)
+    assert manifest["total_bytes"] == sum(e["size"] for e in manifest["files"].values())
+    assert manifest["world_size"] == 1
+
+    assert asyncckpt.verify(ckpt)["files"] == manifest["files"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("target", ["__0_0.distcp", ".metadata"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing", "symlink"])
+def test_verify_detects_corruption(tmp_path: Path, temporal_queue: AsyncCallsQueue, damage: str,
+                                   target: str) -> None:
+    state = {"w": torch.randn(1 << 19), "b": torch.arange(10), "n": 5}  # w: own 2 MB manifest segment
+    ckpt = tmp_path / "ck"
+    asyncckpt.save(state, ckpt, calls_queue=temporal_queue)
+    asyncckpt.verify(ckpt)
+
+    path = ckpt / target
+    content = bytearray(path.read_bytes())
+    if damage == "flip":
+        content[len(content) // 2] ^= 0x01
+        path.write_bytes(bytes(content))
+    elif damage == "truncate":
+        path.write_bytes(bytes(content[:-1]))
+    elif damage == "symlink":  # same bytes, but not a regular file of the checkpoint
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.write_bytes(bytes(content))
+        path.unlink()
+        path.symlink_to(elsewhere)
+    else:
+        path.unlink()
+
+    with pytest.raises(CorruptCheckpointError) as info:
+        asyncckpt.verify(ckpt)
+    assert target in str(info.value)
+    assert info.value.path is not None and info.value.path.endswith(target)
+
+    out = fresh_like(state)
+    with pytest.raises(CorruptCheckpointError) as info:
+        asyncckpt.load(out, ckpt, verify=True)
+    assert target in str(info.value)
+    assert not out["w"].any() and out["n"] == _PLACEHOLDER, "a refused load must not change the state"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("damage", ["missing", "truncate", "outside"])
+def test_verify_detects_bad_manifest(tmp_path: Path, temporal_queue: AsyncCallsQueue, damage: str) -> None:
+    ckpt = tmp_path / "ck"
+    asyncckpt.save({"w": torch.randn(100)}, ckpt, calls_queue=temporal_queue)
+    manifest_path = ckpt / ".manifest.json"
+    text = manifest_path.read_text()
+    if damage == "missing":
+        manifest_path.unlink()
+    elif damage == "truncate":
+        manifest_path.write_text(text[: len(text) // 2])
+    else:  # a manifest naming a file outside the checkpoint directory
+        manifest = json.loads(text)
+        manifest["files"]["../outside"] = manifest["files"]["__0_0.distcp"]
+        manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(CorruptCheckpointError) as info:
+        asyncckpt.verify(ckpt)
+    assert ".manifest.json" in str(info.value)
+    with pytest.raises(CorruptCheckpointError):
+        asyncckpt.load({"w": torch.zeros(100)}, ckpt)
+
+
+@pytest.mark.timeout(60)
+def test_load_refuses_uncommitted_directory(tmp_path: Path) -> None:
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"junk")
+    for verify in (True, False):
+        with pytest.raises(CheckpointError):
+            asyncckpt.load({"w": torch.zeros(1)}, partial, verify=verify)
+
+
+# ----------------------------------------------------------------------------- snapshot semantics
+@pytest.mark.timeout(60)
+def test_mutation_after_async_save_does_not_change_checkpoint(tmp_path: Path, calls_queue: AsyncCallsQueue) -> None:
+    g = torch.Generator().manual_seed(3)
+    state = {
+        "big": torch.randn(2 << 20, generator=g),  # 8 MB, so the write takes a while
+        "m": torch.randn(256, 256, generator=g),
+        "half": torch.randn(1000, generator=g).to(torch.bfloat16),
+        "nested": {"t": torch.arange(100, dtype=torch.int64), "lst": [1, 2, torch.ones(3)]},
+        "counter": 5,
+        "name": "before",
+    }
+    expected = clone_state(state)
+    handle = asyncckpt.save(state, tmp_path / "ck", async_op=True, calls_queue=calls_queue)
+
+    # Mutate everything, in place, right away.
+    state["big"].add_(1)
+    state["m"].zero_()
+    state["half"].mul_(-2)
+    state["nested"]["t"].fill_(-1)
+    state["nested"]["lst"].append(3)
+    state["nested"]["lst"][2].add_(41)
+    state["counter"] = 6
+    state["name"] = "after"
+    state["new"] = torch.ones(2)
+
+    handle.wait(timeout=30)
+    asyncckpt.verify(tmp_path / "ck")
+    # Exactly what was there at the call, and nothing else (no template bias).
+    dcp_to_torch_save(str(tmp_path / "ck"), str(tmp_path / "all.pt"))
+    assert_same(expected, torch.load(tmp_path / "all.pt", weights_only=False))
+    out = fresh_like(expected)
+    asyncckpt.load(out, tmp_path / "ck")
+    assert_same(expected, out)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("staging_buffers", [1, 2])
+@pytest.mark.parametrize("caller", CALLERS)
+def test_back_to_back_saves_in_flight(tmp_path: Path, caller: str, staging_buffers: int) -> None:
+    g = torch.Generator().manual_seed(4)
+    state = {"big": torch.randn(8 << 20, generator=g), "small": torch.arange(64, dtype=torch.int32),
+             "meta": {"step": 0}}
+    manager = CheckpointManager(tmp_path / "root", persistent=caller == "persistent",
+                                staging_buffers=staging_buffers)
+    expected: dict[int, Any] = {}
+    try:
+        for step in (1, 2, 3):
+            state["meta"]["step"] = step
+            state["meta"]["tag"] = "x" * (100 * step)  # the pickled bytes change size
+            state["grow"] = torch.full(((1 << 12) * step,), float(step))  # needs a bigger buffer
+            manager.save(step, state, async_op=True)
+            expected[step] = clone_state(state)
+            # Mutate while the write (and possibly the previous one) is in flight.
+            state["big"].add_(1.5)
+            state["small"].mul_(3)
+            state["grow"].zero_()
+            assert len(manager._saver.stager.live_slab_ids) <= staging_buffers
+        assert manager.maybe_finalize(blocking=True) == [1, 2, 3]
+        assert manager.steps() == [1, 2, 3]
+        for step in (1, 2, 3):
+            asyncckpt.verify(manager.step_dir(step))
+            out = fresh_like(expected[step])
+            assert manager.load(out, step) == step
+            assert_same(expected[step], out)
+    finally:
+        manager.close()
+
+
+# ----------------------------------------------------------------------------- refused input
+def _sparse() -> dict:
+    return {"ok": torch.ones(2), "layer": {"weight": torch.eye(3).to_sparse()}}
+
+
+def _meta() -> dict:
+    return {"ok": torch.ones(2), "bias": torch.empty(3, device="meta")}
+
+
+def _quantized() -> dict:
+    return {"ok": torch.ones(2), "q": torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)}
+
+
+def _int_key() -> dict:
+    return {"ok": torch.ones(2), "opt": {7: torch.ones(1)}}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("make_bad,needle", [
+    (_sparse, "state_dict['layer']['weight']"),
+    (_meta, "state_dict['bias']"),
+    (_quantized, "state_dict['q']"),
+    (_int_key, "key 7"),
+], ids=["sparse", "meta", "quantized", "int_key"])
+def test_unsaveable_input_refused_before_writing(tmp_path: Path, temporal_queue: AsyncCallsQueue, make_bad: Any,
+                                                 needle: str, async_op: bool) -> None:
+    target = tmp_path / "ck"
+    with pytest.raises(CheckpointError) as info:
+        asyncckpt.save(make_bad(), target, async_op=async_op, calls_queue=temporal_queue)
+    assert needle in str(info.value)
+    if needle.startswith("key"):
+        assert "state_dict['opt']" in str(info.value)
+    assert not isinstance(info.value, CorruptCheckpointError)
+    assert not target.exists()
+    assert list(tmp_path.iterdir()) == [], "nothing may be written"
+    assert temporal_queue.get_num_unfinalized_calls() == 0
+
+
+@pytest.mark.timeout(60)
+def test_unpicklable_value_refused_before_writing(tmp_path: Path, temporal_queue: AsyncCallsQueue) -> None:
+    target = tmp_path / "ck"
+    with pytest.raises(CheckpointError):
+        asyncckpt.save({"w": torch.ones(1), "fn": lambda: 1}, target, async_op=True, calls_queue=temporal_queue)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+def test_existing_target_refused(tmp_path: Path, temporal_queue: AsyncCallsQueue) -> None:
+    state = {"w": torch.ones(3)}
+    nonempty = tmp_path / "nonempty"
+    nonempty.mkdir()
+    (nonempty / "keep.txt").write_text("precious")
+    for async_op in (False, True):
+        with pytest.raises(CheckpointError):
+            asyncckpt.save(state, nonempty, async_op=async_op, calls_queue=temporal_queue)
+    assert sorted(p.name for p in nonempty.iterdir()) == ["keep.txt"]
+    assert (nonempty / "keep.txt").read_text() == "precious"
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(CheckpointError):
+        asyncckpt.save(state, a_file, calls_queue=temporal_queue)
+    assert a_file.read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "nonempty"]
+
+    # An existing *empty* directory is accepted.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    asyncckpt.save(state, empty, calls_queue=temporal_queue)
+    asyncckpt.verify(empty)
+    assert temporal_queue.get_num_unfinalized_calls() == 0
+
+
+# ----------------------------------------------------------------------------- failed saves
+@pytest.mark.timeout(60)
+def test_failed_write_commits_nothing(tmp_path: Path, calls_queue: AsyncCallsQueue) -> None:
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("regular file")
+    target = blocker / "ck"  # its parent is a regular file: every write fails
+    state = {"w": torch.randn(100)}
+
+    with pytest.raises(CheckpointException) as info:
+        asyncckpt.save(state, target, async_op=False, calls_queue=calls_queue)
+    assert 0 in info.value.failures and "NotADirectoryError" in info.value.failures[0]
+
+    handle = asyncckpt.save(state, target, async_op=True, calls_queue=calls_queue)
+    with pytest.raises(CheckpointException) as info:
+        handle.wait(timeout=30)
+    assert "NotADirectoryError" in info.value.failures[0]
+    assert handle.done()
+    assert handle.exception() is info.value
+    assert handle.timings is None
+    assert "failed" in repr(handle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["not_a_dir"]
+
+    # The queue is usable afterwards.
+    good = asyncckpt.save(state, tmp_path / "good", async_op=True, calls_queue=calls_queue)
+    good.wait(timeout=30)
+    asyncckpt.verify(tmp_path / "good")
+
+
+# ----------------------------------------------------------------------------- SaveHandle
+@pytest.mark.timeout(60)
+def test_save_handle(tmp_path: Path, calls_queue: AsyncCallsQueue) -> None:
+    state = {"w": torch.randn(1 << 20), "i": torch.arange(1000), "n": 1}
+    handle = asyncckpt.save(state, tmp_path / "a", async_op=True, calls_queue=calls_queue)
+    assert isinstance(handle.call_idx, int)
+    assert handle.checkpoint_dir == (tmp_path / "a").absolute()
+    assert not handle.checkpoint_dir.exists(), "committed only in finalize"
+    timings = handle.wait(timeout=30)
+    assert handle.done() and handle.exception() is None
+    assert handle.timings == timings
+    assert isinstance(timings, SaveTimings)
+    assert "committed" in repr(handle)
+    assert handle.checkpoint_dir.is_dir()
+    asyncckpt.verify(handle.checkpoint_dir)
+
+    data_bytes = (handle.checkpoint_dir / "__0_0.distcp").stat().st_size
+    assert timings.bytes == data_bytes > 4 << 20
+    assert timings.write_s > 0 and timings.stall_s > 0 and timings.finalize_s > 0
+    assert timings.total_s >= timings.stall_s and timings.total_s >= timings.finalize_s
+    assert timings.total_s < 30
+    assert timings.gbps == pytest.approx(timings.bytes / timings.write_s / 1e9)
+    assert handle.wait() == timings  # idempotent
+
+    # done() alone makes progress with one process: poll until committed.
+    second = asyncckpt.save(state, tmp_path / "b", async_op=True, calls_queue=calls_queue)
+    deadline = time.monotonic() + 30
+    while not second.done():
+        assert time.monotonic() < deadline, "done() never became True"
+        time.sleep(0.01)
+    assert second.exception() is None and second.timings is not None
+    asyncckpt.verify(tmp_path / "b")
+
+    # A synchronous save returns an already committed handle.
+    sync = asyncckpt.save(state, tmp_path / "c", async_op=False, calls_queue=calls_queue)
+    assert sync.done() and sync.call_idx is None and sync.checkpoint_dir == (tmp_path / "c").absolute()
+    st = sync.wait()
+    assert st.bytes == data_bytes and st.write_s > 0 and st.total_s >= st.write_s
+
+
+# ----------------------------------------------------------------------------- CheckpointManager
+@pytest.mark.timeout(60)
+def test_manager_steps_latest_and_retention(tmp_path: Path, calls_queue: AsyncCallsQueue) -> None:
+    root = tmp_path / "root"
+    state = {"w": torch.zeros(1000), "step": 0}
+    expected: dict[int, Any] = {}
+    manager = CheckpointManager(root, keep_last=2, calls_queue=calls_queue)
+    try:
+        assert manager.steps() == [] and manager.latest_step() is None
+        with pytest.raises(FileNotFoundError):
+            manager.load(fresh_like(state))
+
+        def save(step: int) -> SaveHandle:
+            state["w"].fill_(step)
+            state["step"] = step
+            expected[step] = clone_state(state)
+            return manager.save(step, state, async_op=True)
+
+        save(1).wait(timeout=30)
+        assert manager.steps() == [1] and manager.latest_step() == 1
+        assert (root / "latest").read_text().strip() == "step_00000001"
+
+        save(2)
+        h3 = save(3)
+        # Nothing commits before finalize: step 1 still there, latest unchanged.
+        time.sleep(0.3)
+        assert manager.steps() == [1] and manager.latest_step() == 1
+        assert manager.maybe_finalize(blocking=True) == [2, 3]
+        assert h3.timings is not None and manager.last_committed_timings == h3.timings
+        # keep_last=2 removed step 1 only now that newer ones committed.
+        assert manager.steps() == [2, 3]
+        assert not manager.step_dir(1).exists()
+        assert manager.latest_step() == 3
+        assert (root / "latest").read_text().strip() == "step_00000003"
+
+        out = fresh_like(state)
+        assert manager.load(out) == 3
+        assert_same(expected[3], out)
+        out = fresh_like(state)
+        assert manager.load(out, step=2) == 2
+        assert_same(expected[2], out)
+        with pytest.raises(FileNotFoundError):
+            manager.load(fresh_like(state), step=1)
+
+        # Partial and hidden directories are never taken for checkpoints.
+        hidden = root / ".step_00000009.tmp-0123abcd"
+        hidden.mkdir()
+        (hidden / "__0_0.distcp").write_bytes(b"partial")
+        partial = root / "step_00000010"
+        partial.mkdir()
+        (partial / "__0_0.distcp").write_bytes(b"partial")
+        (partial / ".metadata").write_bytes(b"partial")  # but no manifest
+        assert manager.steps() == [2, 3]
+        assert manager.latest_step() == 3
+        # A `latest` naming a non-committed directory is not trusted.
+        (root / "latest").write_text("step_00000010\n")
+        assert manager.latest_step() == 3
+        assert manager.load(fresh_like(state)) == 3
+
+        # A step that already exists is refused before anything is written.
+        with pytest.raises(CheckpointError):
+            manager.save(3, state, async_op=True)
+        assert manager.steps() == [2, 3]
+
+        # Synchronous save through the manager.
+        state["w"].fill_(4)
+        expected[4] = clone_state(state)
+        handle = manager.save(4, state, async_op=False)
+        assert handle.done() and handle.step == 4
+        assert manager.steps() == [3, 4] and manager.latest_step() == 4
+    finally:
+        manager.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("caller", CALLERS)
+def test_manager_failed_save_leaves_latest_untouched(tmp_path: Path, caller: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "root"
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a regular file")
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    good = clone_state(state)
+    with CheckpointManager(root, keep_last=1, persistent=caller == "persistent") as manager:
+        manager.save(1, state).wait(timeout=30)
+        assert manager.steps() == [1]
+        before = {p.name: p.read_bytes() for p in manager.step_dir(1).iterdir()}
+        latest_before = (root / "latest").read_bytes()
+
+        # Fault: this save's data directory cannot be created (its parent is a file).
+        real_tmp = commit_mod.temporary_dir_for
+        monkeypatch.setattr(commit_mod, "temporary_dir_for",
+                            lambda final_dir, token: blocker / real_tmp(final_dir, token).name)
+        state["w"].add_(1)
+        failing = manager.save(2, state, async_op=True)
+        with pytest.raises(CheckpointException) as info:
+            manager.maybe_finalize(blocking=True)
+        assert info.value.call_idx == failing.call_idx
+        assert "NotADirectoryError" in info.value.failures[0]
+        assert failing.done() and failing.exception() is info.value
+
+        with pytest.raises(CheckpointException):
+            manager.save(3, state, async_op=False)
+
+        # Nothing of the failed saves is visible; keep_last removed nothing.
+        assert manager.steps() == [1] and manager.latest_step() == 1
+        assert (root / "latest").read_bytes() == latest_before
+        assert {p.name: p.read_bytes() for p in manager.step_dir(1).iterdir()} == before
+        assert not manager.step_dir(2).exists() and not manager.step_dir(3).exists()
+        asyncckpt.verify(manager.step_dir(1))
+        out = fresh_like(state)
+        assert manager.load(out) == 1
+        assert_same(good, out)
+        monkeypatch.undo()
+
+        # Fault at commit: the final name got taken by a non-empty directory meanwhile.
+        failing = manager.save(4, state, async_op=True)
+        manager.step_dir(4).mkdir()
+        (manager.step_dir(4) / "intruder").write_text("x")
+        with pytest.raises(CheckpointException):
+            manager.maybe_finalize(blocking=True)
+        assert manager.steps() == [1] and manager.latest_step() == 1
+        assert (root / "latest").read_bytes() == latest_before
+        assert sorted(p.name for p in manager.step_dir(4).iterdir()) == ["intruder"]
+
+        # The manager recovers: the next save commits and retention applies.
+        expected = clone_state(state)
+        manager.save(5, state).wait(timeout=30)
+        assert manager.steps() == [5] and manager.latest_step() == 5
+        out = fresh_like(state)
+        assert manager.load(out) == 5
+        assert_same(expected, out)
+
+
+@pytest.mark.timeout(60)
+def test_manager_last_committed_timings_after_handle_wait(tmp_path: Path, temporal_queue: AsyncCallsQueue) -> None:
+    """``last_committed_timings`` is "the timings of the most recently committed save",
+    also when the save was committed by ``SaveHandle.wait()`` rather than
+    ``maybe_finalize()``; the manager must not keep the committed handle pending."""
+    manager = CheckpointManager(tmp_path / "root", calls_queue=temporal_queue)
+    try:
+        handle = manager.save(1, {"w": torch.ones(10)}, async_op=True)
+        timings = handle.wait(timeout=30)
+        assert manager.steps() == [1]
+        assert manager.last_committed_timings == timings
+        assert manager.maybe_finalize(blocking=True) in ([], [1])
+        assert handle.call_idx not in manager._handles
+    finally:
+        manager.close()
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_saves_to_one_target_commit_once(tmp_path: Path, calls_queue: AsyncCallsQueue) -> None:
+    """Two async saves into the same (not yet existing) directory: the first commits,
+    the second fails at commit and never replaces it."""
+    target = tmp_path / "ck"
+    first = {"w": torch.full((1000,), 1.0)}
+    second = {"w": torch.full((1000,), 2.0)}
+    h1 = asyncckpt.save(first, target, async_op=True, calls_queue=calls_queue)
+    h2 = asyncckpt.save(second, target, async_op=True, calls_queue=calls_queue)
+    h1.wait(timeout=30)
+    with pytest.raises(CheckpointException) as info:
+        h2.wait(timeout=30)
+    assert "exists" in str(info.value)
+    asyncckpt.verify(target)
+    out = {"w": torch.zeros(1000)}
+    asyncckpt.load(out, target)
+    assert torch.equal(out["w"], first["w"])
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == ["ck"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("caller", CALLERS)
+def test_manager_close_commits_pending_and_abort_drops(tmp_path: Path, caller: str) -> None:
+    root = tmp_path / "root"
+    persistent = caller == "persistent"
+    state = {"big": torch.randn(4 << 20), "n": 1}
+    manager = CheckpointManager(root, persistent=persistent)
+    try:
+        manager.save(1, state, async_op=True)
+        manager.save(2, state, async_op=True)
+    finally:
+        manager.close()  # commits the pending saves
+    assert manager.steps() == [1, 2] and manager.latest_step() == 2
+    manager.close()  # idempotent
+    with pytest.raises(RuntimeError):
+        manager.save(3, state)
+
+    # abort: in-flight saves are dropped; nothing new is committed, latest unchanged.
+    manager = CheckpointManager(root, persistent=persistent)
+    try:
+        manager.save(3, state, async_op=True)
+    finally:
+        manager.close(abort=True)
+    assert manager.steps() == [1, 2] and manager.latest_step() == 2
+    assert (root / "latest").read_text().strip() == "step_00000002"
+    assert not manager.step_dir(3).exists()
+
+    # The context manager aborts on an exception, too.
+    with pytest.raises(ZeroDivisionError):
+        with CheckpointManager(root, persistent=persistent) as manager:
+            manager.save(4, state, async_op=True)
+            1 / 0
+    assert manager.steps() == [1, 2] and manager.latest_step() == 2
+    out = {"big": torch.zeros(4 << 20), "n": 0}
+    reader = CheckpointManager(root, persistent=False)
+    try:
+        assert reader.load(out) == 2
+    finally:
+        reader.close()
+    assert torch.equal(out["big"], state["big"]) and out["n"] == 1
