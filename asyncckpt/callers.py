@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import atexit
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -27,6 +28,7 @@ import pickle
 import queue
 import signal
 import struct
+import sys
 import threading
 import time
 import traceback
@@ -36,6 +38,7 @@ __all__ = ["AsyncCaller", "CallOutcome", "PersistentAsyncCaller", "TemporalAsync
 
 _HEADER = struct.Struct("<q")
 _STOP = -1
+_ABORT = -2
 #: Seconds between SIGTERM and SIGKILL when a worker or child is terminated.
 TERMINATE_GRACE_S = 3.0
 
@@ -101,23 +104,32 @@ def _dump_outcome(outcome: CallOutcome) -> bytes:
 # --------------------------------------------------------------------------- registry
 # Every process we start is tracked so that interpreter exit stops it (SIGTERM, grace,
 # SIGKILL) even without close(): an unfinalized save then stays uncommitted.
-_live_processes: set[Any] = set()
+# Each maps to an optional callable that asks the process to exit at once.
+_live_processes: dict[Any, Callable[[], None] | None] = {}
 _live_lock = threading.Lock()
 
 
-def _track(proc: Any) -> None:
+def _track(proc: Any, abort: Callable[[], None] | None = None) -> None:
     with _live_lock:
-        _live_processes.add(proc)
+        _live_processes[proc] = abort
 
 
 def _untrack(proc: Any) -> None:
     with _live_lock:
-        _live_processes.discard(proc)
+        _live_processes.pop(proc, None)
 
 
 def _terminate_many(procs: list[Any], grace_s: float = TERMINATE_GRACE_S) -> None:
-    """SIGTERM all, wait up to ``grace_s`` seconds in total, SIGKILL the rest; reap all."""
+    """Ask to exit (ABORT message) and SIGTERM all, wait up to ``grace_s`` seconds in
+    total, SIGKILL the rest; reap all."""
     for proc in procs:
+        with _live_lock:
+            abort = _live_processes.get(proc)
+        try:
+            if abort is not None:
+                abort()
+        except (OSError, ValueError):
+            pass
         try:
             if proc.is_alive():
                 proc.terminate()
@@ -234,6 +246,7 @@ class AsyncCaller(abc.ABC):
 # --------------------------------------------------------------------------- temporal
 def _temporal_child_main(conn: Any, call_idx: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides about Ctrl-C
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's inherited handler
     outcome = _run_call(call_idx, fn, args, kwargs)
     conn.send_bytes(_dump_outcome(outcome))
     conn.close()
@@ -333,21 +346,32 @@ class TemporalAsyncCaller(AsyncCaller):
 
 # --------------------------------------------------------------------------- persistent
 def _persistent_worker_main(task_conn: Any, result_conn: Any) -> None:
-    """Main loop of the persistent worker process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides about Ctrl-C
+    """Main loop of the persistent worker process.
+
+    Ctrl-C and SIGTERM sent to the whole process group (a terminal, a scheduler's
+    preemption notice) are ignored: the training process decides, e.g. to finish a
+    last checkpoint. The worker stops on a STOP message (after the calls it has),
+    at once on an ABORT message or when the training process is gone (end of file on
+    the task pipe), or on SIGKILL.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     tasks: queue.SimpleQueue = queue.SimpleQueue()
 
     def read_tasks() -> None:
         # Read eagerly so that the trainer never blocks on a full pipe while a long
-        # write runs. End of file without a STOP means the trainer is gone: any
-        # write in flight can never be committed, so stop at once.
+        # write runs. End of file means the trainer is gone: a write in flight can
+        # never be committed, so exit at once, as on ABORT.
         while True:
             try:
                 data = task_conn.recv_bytes()
             except (EOFError, OSError):
                 os._exit(0)
+            call_idx = _HEADER.unpack_from(data)[0]
+            if call_idx == _ABORT:
+                os._exit(0)
             tasks.put(data)
-            if _HEADER.unpack_from(data)[0] == _STOP:
+            if call_idx == _STOP:
                 return
 
     threading.Thread(target=read_tasks, name="asyncckpt-task-reader", daemon=True).start()
@@ -372,22 +396,55 @@ def _persistent_worker_main(task_conn: Any, result_conn: Any) -> None:
     result_conn.close()
 
 
+_main_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Any:
+    """Start a spawn child without re-importing the training script as ``__mp_main__``.
+
+    ``multiprocessing.spawn.get_preparation_data`` finds the main module through
+    ``__main__.__spec__`` and ``__main__.__file__``; hidden, the child skips it and
+    imports only what unpickling the calls needs (our writer imports no torch).
+    """
+    main = sys.modules.get("__main__")
+    with _main_lock:
+        saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+        try:
+            if main is not None:
+                main.__dict__.pop("__file__", None)
+                main.__dict__["__spec__"] = None
+            yield
+        finally:
+            if main is not None:
+                main.__dict__.pop("__spec__", None)
+                main.__dict__.update(saved)
+
+
 class _Worker:
     """One incarnation of the persistent worker: process + its two pipes."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: Any, import_main: bool) -> None:
         task_r, self.task_w = ctx.Pipe(duplex=False)
         self.result_r, result_w = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(target=_persistent_worker_main, args=(task_r, result_w),
                                 name="asyncckpt-worker", daemon=True)
         try:
-            self.proc.start()
+            if import_main:
+                self.proc.start()
+            else:
+                with _main_module_hidden():
+                    self.proc.start()
         finally:
             # Only the worker holds these ends: its death is then seen as EOF here.
             task_r.close()
             result_w.close()
-        _track(self.proc)
+        _track(self.proc, self.send_abort)
         self.inflight: list[int] = []
+
+    def send_abort(self) -> None:
+        """Ask the worker to exit at once (its task reader calls ``os._exit``)."""
+        self.task_w.send_bytes(_HEADER.pack(_ABORT))
 
     def close_pipes(self) -> None:
         for conn in (self.task_w, self.result_r):
@@ -403,6 +460,13 @@ class PersistentAsyncCaller(AsyncCaller):
     Args:
         start_method: ``"spawn"`` (default) or ``"forkserver"``. ``fork`` is refused:
             a forked long-lived worker would inherit the trainer's threads' locks.
+        import_main: (spawn) let the worker re-import the main script as
+            ``multiprocessing`` does, so that ``async_fn`` s defined there unpickle.
+            ``False`` starts a lighter worker (no training script, no torch unless
+            the calls need it) for calls defined in importable modules.
+
+    The worker ignores SIGINT and SIGTERM sent to the process group; see
+    :meth:`close` for how it is stopped.
 
     The request ``(async_fn, args, kwargs)`` is pickled with plain :mod:`pickle` in
     :meth:`schedule`, in the training thread, so the worker sees the arguments as of
@@ -411,11 +475,12 @@ class PersistentAsyncCaller(AsyncCaller):
     the worker maps by name.
     """
 
-    def __init__(self, start_method: str = "spawn") -> None:
+    def __init__(self, start_method: str = "spawn", import_main: bool = True) -> None:
         super().__init__()
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', not {start_method!r}")
         self.start_method = start_method
+        self.import_main = import_main or start_method != "spawn"
         self._ctx = mp.get_context(start_method)
         self._worker: _Worker | None = None
         #: How many workers were started (1 + the number of restarts).
@@ -430,7 +495,7 @@ class PersistentAsyncCaller(AsyncCaller):
     def _ensure_worker(self) -> _Worker:
         self.poll()
         if self._worker is None:
-            self._worker = _Worker(self._ctx)
+            self._worker = _Worker(self._ctx, self.import_main)
             self.num_starts += 1
         return self._worker
 
@@ -504,10 +569,11 @@ class PersistentAsyncCaller(AsyncCaller):
         """Stop the worker.
 
         Args:
-            abort: terminate it at once (SIGTERM, :data:`TERMINATE_GRACE_S` seconds,
-                SIGKILL); in-flight calls are dropped. Otherwise ask it to stop after
-                the calls it has, and wait up to ``timeout`` seconds (``None``: as
-                long as they run) before terminating it.
+            abort: terminate it at once: an ABORT message and SIGTERM, then SIGKILL
+                after :data:`TERMINATE_GRACE_S` seconds; in-flight calls are dropped.
+                Otherwise ask it to stop after the calls it has, and wait up to
+                ``timeout`` seconds (``None``: as long as they run) before
+                terminating it.
         """
         worker = self._worker
         if worker is None:
@@ -528,7 +594,7 @@ class PersistentAsyncCaller(AsyncCaller):
                 pass
             self.poll()
         if self._worker is not None:
-            _terminate(worker.proc)
+            _terminate(worker.proc)  # ABORT message, SIGTERM, grace, SIGKILL
             self._worker = None
         worker.inflight.clear()
         worker.close_pipes()

@@ -34,6 +34,9 @@ class AsyncCallsQueue:
         process_group: the ranks that schedule and finalize together (``None``: the
             default group, or a single process without ``torch.distributed``).
         start_method: ``"spawn"`` or ``"forkserver"`` for the persistent worker.
+        import_main: (spawn) whether the persistent worker re-imports the main
+            script, so that ``async_fn`` s defined there can be unpickled (see
+            :class:`PersistentAsyncCaller`).
         caller: a caller instance to use instead (overrides ``persistent``).
         failures_kept: how many recent failures :meth:`get_failure` remembers.
 
@@ -48,11 +51,12 @@ class AsyncCallsQueue:
         *,
         process_group: Any = None,
         start_method: str = "spawn",
+        import_main: bool = True,
         caller: AsyncCaller | None = None,
         failures_kept: int = 64,
     ) -> None:
         if caller is None:
-            caller = PersistentAsyncCaller(start_method) if persistent else TemporalAsyncCaller()
+            caller = PersistentAsyncCaller(start_method, import_main) if persistent else TemporalAsyncCaller()
         self.caller = caller
         self.persistent = isinstance(caller, PersistentAsyncCaller)
         self._process_group = process_group

@@ -31,6 +31,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystemReader
 
+from .callers import PersistentAsyncCaller
 from .calls_queue import AsyncCallsQueue
 from .dist import SyncGroup
 from .errors import CheckpointError, CheckpointException, CorruptCheckpointError
@@ -335,7 +336,7 @@ def _default_queue(process_group: Any) -> AsyncCallsQueue:
         hit = _default_queues.get(id(process_group))
         if hit is not None and hit[0] is process_group and not hit[1].closed:
             return hit[1]
-        queue = AsyncCallsQueue(persistent=True, process_group=process_group)
+        queue = AsyncCallsQueue(persistent=True, process_group=process_group, import_main=False)
         _default_queues[id(process_group)] = (process_group, queue)
         return queue
 
@@ -488,7 +489,9 @@ class CheckpointManager:
         self.coordinator_rank = coordinator_rank
         self._owns_queue = calls_queue is None
         self.queue = calls_queue or AsyncCallsQueue(persistent, process_group=process_group,
-                                                    start_method=start_method)
+                                                    start_method=start_method, import_main=False)
+        if self._owns_queue and isinstance(self.queue.caller, PersistentAsyncCaller):
+            self.queue.caller.start()  # ready before the first save: no start-up stall
         self._saver = _Saver(self.queue, staging_buffers)
         self._handles: dict[int, SaveHandle] = {}
         self._recent_commits: collections.OrderedDict[int, int] = collections.OrderedDict()  # call_idx -> step

@@ -24,7 +24,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -40,36 +40,37 @@ VOCAB = 256  # bytes
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=600, help="total optimizer steps (LR schedule length)")
-    p.add_argument("--stop-at", type=int, default=None,
-                   help="stop after this step (checkpointed), as if preempted; --resume continues to --steps")
-    p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps")
-    p.add_argument("--ckpt-dir", default="./checkpoints")
-    p.add_argument("--keep-last", type=int, default=3, help="keep only the newest N checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
-    p.add_argument("--temporal", action="store_true",
-                   help="write checkpoints from a forked process per save instead of a persistent worker")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=128, help="context length in bytes")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per step per rank")
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps)")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--data-mb", type=float, default=4.0, help="cap on the training text, in MB")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    p.add_argument("--log-every", type=int, default=1, help="print the loss every N steps")
-    p.add_argument("--quiet", action="store_true", help="no per-step lines (checkpoints and summary only)")
-    p.add_argument("--save-final", default=None, metavar="PATH",
-                   help="torch.save the final model state_dict to PATH (rank 0)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--steps", type=int, default=600, help="total optimizer steps, the LR schedule's length (%(default)s)")
+    a("--stop-at", type=int, metavar="STEP",
+      help="stop after this step, checkpointed, as if preempted; --resume then continues to --steps")
+    a("--ckpt-every", type=int, default=100, metavar="N", help="checkpoint every N steps (%(default)s)")
+    a("--ckpt-dir", default="./checkpoints", help="checkpoint root directory (%(default)s)")
+    a("--keep-last", type=int, default=3, metavar="N", help="keep the newest N checkpoints (%(default)s)")
+    a("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    a("--temporal", action="store_true",
+      help="write each checkpoint from a forked child instead of the persistent worker")
+    a("--seed", type=int, default=1337, help="(%(default)s)")
+    a("--n-layer", type=int, default=4, help="transformer blocks (%(default)s)")
+    a("--n-head", type=int, default=4, help="attention heads (%(default)s)")
+    a("--n-embd", type=int, default=128, help="model width (%(default)s)")
+    a("--block-size", type=int, default=128, help="context length in bytes (%(default)s)")
+    a("--batch-size", type=int, default=16, help="sequences per step and rank (%(default)s)")
+    a("--dropout", type=float, default=0.1, help="(%(default)s)")
+    a("--lr", type=float, default=1e-3, help="peak learning rate of AdamW (%(default)s)")
+    a("--warmup", type=int, help="linear warmup steps, then cosine decay (default: 5%% of --steps)")
+    a("--weight-decay", type=float, default=0.1, help="(%(default)s)")
+    a("--data-mb", type=float, default=4.0, help="cap on the training text, in MB (%(default)s)")
+    a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(%(default)s)")
+    a("--log-every", type=int, default=1, metavar="N", help="print the loss every N steps (%(default)s)")
+    a("--quiet", action="store_true", help="no per-step lines, only checkpoints and the summary")
+    a("--save-final", metavar="PATH", help="torch.save the final model state_dict to PATH (rank 0)")
     args = p.parse_args(argv)
     if args.n_embd % args.n_head:
         p.error("--n-embd must be divisible by --n-head")
+    if min(args.steps, args.ckpt_every, args.log_every) < 1:
+        p.error("--steps, --ckpt-every and --log-every must be positive")
     if args.warmup is None:
         args.warmup = max(1, args.steps // 20)
     return args
@@ -193,7 +194,7 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def lr_lambda(warmup: int, total: int):
+def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
     """Linear warmup to 1, then cosine decay to 0.1 at ``total`` steps (multiplier for LambdaLR)."""
     def f(step: int) -> float:
         if step < warmup:
@@ -206,8 +207,12 @@ def lr_lambda(warmup: int, total: int):
 # ----------------------------------------------------------------------------- RNG state
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    """This process's RNG states (torch CPU, Python ``random``, CUDA) as tensors."""
-    version, internal, gauss = random.getstate()
+    """This process's RNG states (torch CPU, Python ``random``, CUDA) as CPU tensors.
+
+    Nothing here draws from Python's ``random``; it is saved anyway, like every RNG a
+    training loop might touch (augmentations, samplers, user code).
+    """
+    _, internal, gauss = random.getstate()
     state = {"torch": torch.get_rng_state(),
              "python": torch.tensor(internal, dtype=torch.int64),
              "python_gauss": torch.tensor([math.nan if gauss is None else gauss], dtype=torch.float64)}
@@ -220,7 +225,8 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
     """Inverse of :func:`rng_state`."""
     torch.set_rng_state(state["torch"])
     gauss = float(state["python_gauss"][0])
-    random.setstate((3, tuple(state["python"].tolist()), None if math.isnan(gauss) else gauss))
+    internal = tuple(state["python"].tolist())
+    random.setstate((random.Random.VERSION, internal, None if math.isnan(gauss) else gauss))
     if device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
 
@@ -231,8 +237,8 @@ def all_rng_states(device: torch.device, world_size: int) -> dict[str, dict[str,
     if world_size == 1:
         return {"rank0": mine}
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, {k: v.cpu() for k, v in mine.items()})
-    return {f"rank{i}": {k: v.to(mine[k].device) for k, v in s.items()} for i, s in enumerate(gathered)}
+    dist.all_gather_object(gathered, mine)
+    return {f"rank{i}": s for i, s in enumerate(gathered)}
 
 
 # ----------------------------------------------------------------------------- training
@@ -296,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         return {"model": model_sd, "optim": optim_sd, "sched": scheduler.state_dict(),
                 "data": sampler.state_dict(), "rng": all_rng_states(device, world_size), "step": step}
 
+    n_params = sum(p.numel() for p in raw_model.parameters())
+    log(f"corpus {len(data) / 1e6:.2f} MB of stdlib source | model {n_params / 1e6:.2f} M params | "
+        f"world size {world_size} | device {device} | "
+        f"{'temporal' if args.temporal else 'persistent'} checkpoint writer")
     mgr = asyncckpt.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last, persistent=not args.temporal)
     step, exit_code = 0, 0
     try:
@@ -309,23 +319,20 @@ def main(argv: list[str] | None = None) -> int:
             sampler.load_state_dict(sd["data"])
             set_rng_state(sd["rng"][f"rank{rank}"], device)
             log(f"resumed from step {step} in {args.ckpt_dir} ({time.perf_counter() - t0:.2f} s)")
+        elif args.resume:
+            log(f"no checkpoint in {args.ckpt_dir}: starting from step 0")
         elif latest is not None:
             raise SystemExit(f"{args.ckpt_dir} already holds checkpoints (latest step {latest}); "
                              "pass --resume to continue, or remove it / choose another --ckpt-dir")
         model = DistributedDataParallel(raw_model) if distributed else raw_model
-        n_params = sum(p.numel() for p in raw_model.parameters())
-        log(f"corpus {len(data) / 1e6:.2f} MB of stdlib source | model {n_params / 1e6:.2f} M params | "
-            f"world size {world_size} | device {device} | "
-            f"{'temporal' if args.temporal else 'persistent'} checkpoint writer")
-
-        handles: dict[int, Any] = {}
-        stalls: list[float] = []
-        committed: list[tuple[int, Any]] = []
+        handles: dict[int, Any] = {}  # step -> SaveHandle, until committed
+        blocked: list[float] = []  # seconds the loop spent in state_dict() + save(), per checkpoint
+        committed: list[Any] = []  # SaveTimings of the committed saves
 
         def report(steps: list[int]) -> None:
             for s in steps:
                 t = handles.pop(s).timings
-                committed.append((s, t))
+                committed.append(t)
                 log(f"checkpoint step {s} committed | stall {t.stall_s * 1e3:.1f} ms | write {t.write_s:.3f} s | "
                     f"{t.bytes / 1e6:.1f} MB at {t.gbps:.3f} GB/s")
 
@@ -353,9 +360,16 @@ def main(argv: list[str] | None = None) -> int:
             if step % args.ckpt_every == 0 or last:
                 t1 = time.perf_counter()
                 handles[step] = mgr.save(step, state_dict(step))
-                stalls.append(time.perf_counter() - t1)
-                log(f"checkpoint step {step} staged | stall {stalls[-1] * 1e3:.1f} ms")
-            report(mgr.maybe_finalize())
+                blocked.append(time.perf_counter() - t1)
+                log(f"checkpoint step {step} staged in {blocked[-1] * 1e3:.1f} ms, writing in the background")
+            try:
+                report(mgr.maybe_finalize())
+            except asyncckpt.CheckpointException as exc:  # raised on every rank alike
+                # A signal sent to the whole process group (Slurm, systemd) may have killed
+                # the checkpoint writer mid-write: then stop as planned; otherwise fail.
+                if not stop.agreed(distributed):
+                    raise
+                log(f"a checkpoint failed while stopping: {str(exc).splitlines()[0]}")
         train_s = time.perf_counter() - t_start
 
         if exit_code:
@@ -372,17 +386,18 @@ def main(argv: list[str] | None = None) -> int:
 
         n = step - start_step
         log("=" * 72)
-        log(f"summary: {n} steps in {train_s:.1f} s ({n / max(train_s, 1e-9):.2f} steps/s), "
+        log(f"summary: {n} steps in {train_s:.1f} s ({n / max(train_s, 1e-9):.2f} steps/s, "
+            f"{n * args.batch_size * args.block_size * world_size / max(train_s, 1e-9):,.0f} tokens/s), "
             f"final loss {loss.item() if n else float('nan'):.4f}")
-        if stalls:
-            log(f"  checkpoints: {len(stalls)} saved, {len(committed)} committed, kept {mgr.steps()}")
-            log(f"  stall: median {statistics.median(stalls) * 1e3:.1f} ms, max {max(stalls) * 1e3:.1f} ms, "
-                f"{100 * sum(stalls) / max(train_s, 1e-9):.1f}% of training time")
+        log(f"  checkpoints: {len(blocked)} saved, {len(committed)} committed, kept {mgr.steps()} "
+            f"in {args.ckpt_dir}")
         if committed:
-            ts = [t for _, t in committed]
-            log(f"  write: median {statistics.median(t.write_s for t in ts):.3f} s, "
-                f"median {statistics.median(t.gbps for t in ts):.3f} GB/s, "
-                f"{ts[-1].bytes / 1e6:.1f} MB each; final wait/close {close_s:.2f} s")
+            log(f"  stall: median {statistics.median(t.stall_s for t in committed) * 1e3:.1f} ms, "
+                f"max {max(t.stall_s for t in committed) * 1e3:.1f} ms; training loop blocked "
+                f"{sum(blocked):.2f} s in all ({100 * sum(blocked) / max(train_s, 1e-9):.1f}% of training time)")
+            log(f"  write: median {statistics.median(t.write_s for t in committed):.3f} s at "
+                f"{statistics.median(t.gbps for t in committed):.3f} GB/s, {committed[-1].bytes / 1e6:.1f} MB "
+                f"per checkpoint; final wait + close {close_s:.2f} s")
         return 0
     except BaseException:
         mgr.close(abort=True)
@@ -392,5 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
+# The persistent checkpoint writer is started with "spawn", which re-imports this file in
+# a fresh interpreter: everything above only defines things; training starts here.
 if __name__ == "__main__":
     sys.exit(main())
