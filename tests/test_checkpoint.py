@@ -785,3 +785,20 @@ def test_manager_close_commits_pending_and_abort_drops(tmp_path: Path, caller: s
     finally:
         reader.close()
     assert torch.equal(out["big"], state["big"]) and out["n"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_manager_starts_a_light_worker_before_the_first_save(tmp_path):
+    import psutil
+
+    manager = asyncckpt.CheckpointManager(tmp_path / "root")
+    try:
+        pid = manager.queue.caller.worker_pid
+        assert pid is not None, "the persistent worker must be up before the first save"
+        manager.save(1, {"w": torch.ones(4)}).wait()
+        worker = psutil.Process(pid)
+        assert manager.queue.caller.worker_pid == pid
+        # The writer imports no torch and the training script is not re-imported.
+        assert worker.memory_info().rss < 150 * 2**20
+    finally:
+        manager.close()

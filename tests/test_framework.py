@@ -724,3 +724,79 @@ def test_result_sent_just_before_the_process_exits_is_not_lost(make_queue, persi
             q.maybe_finalize_async_calls(blocking=True)
         assert info.value.call_idx == idx + 1 and "SIGKILL" in info.value.failures[0]
     q.close()
+
+
+# --------------------------------------------------------------------------- worker signals / main
+MAIN_SCRIPT = """\
+import os, sys
+sys.path.insert(0, {tests_dir!r})
+import test_framework
+from asyncckpt.calls_queue import AsyncCallsQueue
+from asyncckpt.request import AsyncRequest
+
+print("main module executed in pid", os.getpid(), flush=True)
+if __name__ == "__main__":
+    for import_main in (True, False):
+        q = AsyncCallsQueue(persistent=True, import_main=import_main)
+        seen = []
+        q.schedule_async_request(AsyncRequest(test_framework.main_module_file, (),
+                                 [lambda: seen.append(q.get_result(0))]))
+        q.close()
+        print("import_main", import_main, "worker saw", seen[0], flush=True)
+"""
+
+
+def main_module_file():
+    main = sys.modules.get("__mp_main__") or sys.modules.get("__main__")
+    return getattr(main, "__file__", None)
+
+
+@pytest.mark.timeout(60)
+def test_import_main_false_keeps_the_training_script_out_of_the_worker(tmp_path):
+    script = tmp_path / "train_like.py"
+    script.write_text(MAIN_SCRIPT.format(tests_dir=str(TESTS_DIR)))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    # The script ran once in the trainer, once more in the import_main=True worker only.
+    assert sum("main module executed" in line for line in lines) == 2, out.stdout
+    assert f"import_main True worker saw {script}" in out.stdout
+    assert "import_main False worker saw None" in out.stdout
+
+
+@pytest.mark.timeout(60)
+def test_persistent_worker_ignores_group_sigterm_but_abort_stops_it_fast(tmp_path):
+    marker = str(tmp_path / "pid")
+    q = asyncckpt.AsyncCallsQueue(persistent=True)
+    try:
+        q.schedule_async_request(AsyncRequest(mark_and_sleep, (1.0, marker)))
+        wait_for_file(marker)
+        pid = q.caller.worker_pid
+        os.kill(pid, signal.SIGTERM)  # as a scheduler's notice to the whole process group would
+        assert q.maybe_finalize_async_calls(blocking=True) == [0], "the write must survive SIGTERM"
+        assert q.caller.worker_pid == pid
+        q.schedule_async_request(AsyncRequest(ignore_sigterm_and_sleep, (60, marker + "2")))
+        wait_for_file(marker + "2")
+        t = time.monotonic()
+        q.close(abort=True)
+        assert time.monotonic() - t < TERMINATE_GRACE_S, "abort must not wait for the grace period"
+        assert process_gone(pid, timeout=5.0)
+    finally:
+        q.close(abort=True)
+
+
+@pytest.mark.timeout(60)
+def test_temporal_child_does_not_inherit_the_trainers_sigterm_handler(tmp_path):
+    marker = str(tmp_path / "pid")
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # a trainer's "stop" flag handler
+    q = asyncckpt.AsyncCallsQueue(persistent=False)
+    try:
+        q.schedule_async_request(AsyncRequest(mark_and_sleep, (30, marker)))
+        wait_for_file(marker)
+        t = time.monotonic()
+        q.close(abort=True)
+        assert time.monotonic() - t < TERMINATE_GRACE_S, "the child must die on SIGTERM, not wait for SIGKILL"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        q.close(abort=True)
