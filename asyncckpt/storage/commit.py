@@ -22,6 +22,7 @@ from typing import Any, Iterable
 
 from filelock import FileLock
 
+from .. import _faults
 from ..errors import CorruptCheckpointError
 from .writer import FileResult, fsync_directory
 
@@ -105,6 +106,7 @@ def commit_directory(
     }
     _write_new_file(tmp_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
     fsync_directory(str(tmp_dir))
+    _faults.hit("commit")
     if final_dir.exists() and any(final_dir.iterdir()):
         raise FileExistsError(f"{final_dir} exists and is not empty; it is never overwritten")
     os.rename(tmp_dir, final_dir)  # atomic; replaces an empty directory

@@ -20,6 +20,8 @@ import time
 import zlib
 from typing import NamedTuple
 
+from .. import _faults
+
 __all__ = ["SlabRef", "CrcPatch", "FileSpec", "WriteTask", "FileResult", "RankWriteResult", "write_rank_files"]
 
 #: Bytes per ``os.write`` call.
@@ -204,7 +206,13 @@ def write_rank_files(task: WriteTask) -> RankWriteResult:
             path = os.path.join(task.directory, spec.name)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
             try:
-                _write_all(fd, image)
+                if not results:
+                    half = len(image) // 2
+                    _write_all(fd, image[:half])
+                    _faults.hit("mid_write")
+                    _write_all(fd, image[half:])
+                else:
+                    _write_all(fd, image)
                 if task.fsync:
                     os.fsync(fd)
             finally:
@@ -214,4 +222,5 @@ def write_rank_files(task: WriteTask) -> RankWriteResult:
             total += spec.nbytes
     if task.fsync:
         fsync_directory(task.directory)
+    _faults.hit("after_write")
     return RankWriteResult(tuple(results), total, time.monotonic() - started, os.getpid())

@@ -1,0 +1,52 @@
+"""Fault injection points for the reliability tests (failpoints), off unless asked for.
+
+The environment variable ``ASYNCCKPT_FAULT`` holds ``;``-separated directives
+``POINT:ACTION`` read by the process that reaches ``POINT`` (the background writer
+inherits the training process's environment when it is started). Points:
+
+- ``mid_write``: in the writer, after the first half of the first data file is written;
+- ``after_write``: in the writer, after every file is written and fsynced, before the
+  result is returned;
+- ``commit``: in the coordinator's commit, before the directory is renamed.
+
+Actions: ``sleep=SECONDS``, ``raise`` (``OSError(EIO)``), ``enospc``
+(``OSError(ENOSPC)``), ``exit=CODE`` (``os._exit``), ``kill`` (SIGKILL to itself),
+``touch=PATH`` (create ``PATH``; lets a test know the point was reached).
+Several actions for one point run in order: ``mid_write:touch=/tmp/x;mid_write:sleep=5``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+
+ENV = "ASYNCCKPT_FAULT"
+
+
+def hit(point: str) -> None:
+    """Run the actions configured for ``point`` (no-op unless ``ASYNCCKPT_FAULT`` is set)."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    for directive in spec.split(";"):
+        name, _, action = directive.strip().partition(":")
+        if name != point:
+            continue
+        verb, _, arg = action.partition("=")
+        if verb == "sleep":
+            time.sleep(float(arg))
+        elif verb == "raise":
+            raise OSError(errno.EIO, f"injected I/O error at {point}")
+        elif verb == "enospc":
+            raise OSError(errno.ENOSPC, f"injected: No space left on device at {point}")
+        elif verb == "exit":
+            os._exit(int(arg or 1))
+        elif verb == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif verb == "touch":
+            with open(arg, "a"):
+                pass
+        else:
+            raise ValueError(f"{ENV}: unknown action {action!r}")
