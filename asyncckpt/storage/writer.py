@@ -16,6 +16,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 import time
 import zlib
 from typing import NamedTuple
@@ -142,11 +143,47 @@ def _map_slab(slab: SlabRef, live: tuple[str, ...]) -> mmap.mmap:
     return mapped
 
 
-def _checksum_and_patch(image: memoryview, patches: tuple[CrcPatch, ...]) -> tuple[tuple[int, int, int], ...]:
+class _Progress:
+    """How much of a file image is final: every CRC-32 field before ``final`` is patched.
+
+    The checksum thread advances it; the writing thread writes up to it. Tensor data
+    is final from the start, so a record's bytes are written while its CRC is still
+    being computed; only its zip fields after the data wait for the CRC.
+    """
+
+    def __init__(self, patches: tuple[CrcPatch, ...], nbytes: int) -> None:
+        limits = [nbytes] * (len(patches) + 1)
+        for i in range(len(patches) - 1, -1, -1):
+            limits[i] = patches[i].patch_offsets[0] if patches[i].patch_offsets else limits[i + 1]
+        self.limits = limits
+        self.final = limits[0]
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+
+    def advance(self, final: int) -> None:
+        with self._cond:
+            self.final = final
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self.error = error
+            self._cond.notify_all()
+
+    def wait_beyond(self, pos: int) -> int:
+        with self._cond:
+            self._cond.wait_for(lambda: self.final > pos or self.error is not None)
+            if self.error is not None:
+                raise self.error
+            return self.final
+
+
+def _checksum_and_patch(image: memoryview, patches: tuple[CrcPatch, ...],
+                        progress: _Progress | None = None) -> tuple[tuple[int, int, int], ...]:
     """CRC every tensor record, patch the zip fields, and cut the file into segments."""
     segments: list[tuple[int, int, int]] = []
     seg_start, seg_crc, pos = 0, 0, 0
-    for patch in patches:
+    for i, patch in enumerate(patches):
         end = patch.data_offset + patch.data_nbytes
         data = image[patch.data_offset:end]
         crc = zlib.crc32(data)
@@ -160,11 +197,55 @@ def _checksum_and_patch(image: memoryview, patches: tuple[CrcPatch, ...]) -> tup
             seg_crc = zlib.crc32(image[pos:end], seg_crc)
         for offset in patch.patch_offsets:
             struct.pack_into("<I", image, offset, crc)
+        if progress is not None:
+            progress.advance(progress.limits[i + 1])
         pos = end
     seg_crc = zlib.crc32(image[pos:], seg_crc)
     if len(image) > seg_start or not segments:
         segments.append((seg_start, len(image) - seg_start, seg_crc))
     return tuple(segments)
+
+
+def _write_file(fd: int, image: memoryview, patches: tuple[CrcPatch, ...], first: bool) -> tuple:
+    """Checksum (a helper thread) and write (this thread) one file image, overlapped.
+
+    ``zlib.crc32`` and ``os.write`` both release the GIL, so the checksum costs no
+    write time as long as it is faster than the disk.
+
+    Returns:
+        The file's checksummed segments.
+    """
+    progress = _Progress(patches, len(image))
+    box: list = []
+
+    def checksum() -> None:
+        try:
+            box.append(_checksum_and_patch(image, patches, progress))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the writing thread
+            progress.fail(exc)
+        else:
+            progress.advance(len(image))
+
+    thread = threading.Thread(target=checksum, name="asyncckpt-crc", daemon=True)
+    thread.start()
+    try:
+        pos, half = 0, len(image) // 2
+        fault_pending = first
+        while pos < len(image):
+            final = progress.wait_beyond(pos)
+            end = min(final, pos + WRITE_CHUNK_BYTES)
+            if fault_pending and pos < half <= end:
+                end = half
+            _write_all(fd, image[pos:end])
+            pos = end
+            if fault_pending and pos >= half:
+                fault_pending = False
+                _faults.hit("mid_write")
+    finally:
+        thread.join()
+    if progress.error is not None:
+        raise progress.error
+    return box[0]
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -202,17 +283,10 @@ def write_rank_files(task: WriteTask) -> RankWriteResult:
     with memoryview(mapped) as slab_view:
         for spec in task.files:
             image = slab_view[spec.slab_offset:spec.slab_offset + spec.nbytes]
-            segments = _checksum_and_patch(image, spec.patches)
             path = os.path.join(task.directory, spec.name)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
             try:
-                if not results:
-                    half = len(image) // 2
-                    _write_all(fd, image[:half])
-                    _faults.hit("mid_write")
-                    _write_all(fd, image[half:])
-                else:
-                    _write_all(fd, image)
+                segments = _write_file(fd, image, spec.patches, first=not results)
                 if task.fsync:
                     os.fsync(fd)
             finally:
