@@ -35,7 +35,7 @@ from .callers import PersistentAsyncCaller
 from .calls_queue import AsyncCallsQueue
 from .dist import SyncGroup
 from .errors import CheckpointError, CheckpointException, CorruptCheckpointError
-from .planning import plan_save
+from .planning import PlanCache, plan_save
 from .request import AsyncRequest
 from .staging import HostSlab, Stager
 from .storage import commit as _commit
@@ -170,6 +170,7 @@ class _Saver:
     def __init__(self, queue: AsyncCallsQueue, staging_buffers: int = 1) -> None:
         self.queue = queue
         self.stager = Stager(staging_buffers)
+        self.plan_cache = PlanCache()
         self._layouts: dict[Any, RankLayout] = {}
         self._lock = threading.Lock()
 
@@ -234,7 +235,7 @@ class _Saver:
                 raise FileExistsError(f"{final_dir} exists and is not an empty directory; "
                                       "a checkpoint never overwrites one")
 
-        planned = plan_save(state_dict, str(final_dir), sync, coordinator_rank, precheck)
+        planned = plan_save(state_dict, str(final_dir), sync, coordinator_rank, precheck, self.plan_cache)
         items = list(planned.plan.items)
         blobs = {i: len(d) for i, d in enumerate(planned.data) if isinstance(d, bytes)}
         layout = self._layout(sync.rank, items, blobs)

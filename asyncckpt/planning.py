@@ -8,11 +8,14 @@ is raised, with the same message, on every rank before anything is written.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import io
 import uuid
 from typing import Any, Mapping, NamedTuple
 
 import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
@@ -20,7 +23,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from .dist import SyncGroup
 from .errors import CheckpointError
 
-__all__ = ["validate_state_dict", "SavePlanResult", "plan_save"]
+__all__ = ["validate_state_dict", "SavePlanResult", "PlanCache", "plan_save"]
 
 
 def _path_str(path: tuple) -> str:
@@ -99,9 +102,64 @@ class SavePlanResult(NamedTuple):
     token: str
 
 
+class PlanCache:
+    """The last global save plan, reused while the state's structure is unchanged.
+
+    DCP plans every save (a collective gather of local plans, dedup, metadata), which
+    costs tens of milliseconds per thousand tensors. The structure (keys, dtypes,
+    shapes, devices of plain tensors; which entries are non-tensors) is all the plan
+    depends on, so a save whose structure equals the last one's on every rank (one
+    all_gather of a short digest) reuses it. DTensor and other tensor subclasses are
+    planned afresh each time. The idea is DCP's own plan caching
+    (``DefaultSavePlanner(enable_plan_caching=True)``), keyed on the structure here.
+    """
+
+    def __init__(self) -> None:
+        self.signature: Any = None
+        self.digest: str | None = None
+        self.plan: SavePlan | None = None
+        self.metadata: Metadata | None = None
+        self.hits = 0
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _signature(flat: dict[str, Any]) -> tuple | None:
+    parts = []
+    for fqn, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            if type(value) not in _PLAIN_TENSOR_TYPES:
+                return None  # DTensor, ShardedTensor...: planned each time
+            parts.append((fqn, value.dtype, tuple(value.shape), value.device.type))
+        else:
+            parts.append((fqn, None))
+    return tuple(parts)
+
+
+def _resolve(plan: SavePlan, lookup: Any) -> list[Any]:
+    data: list[Any] = []
+    for item in plan.items:
+        try:
+            obj = lookup(item)
+            if item.type == WriteItemType.BYTE_IO:
+                if isinstance(obj, io.BytesIO):
+                    data.append(obj.getvalue())
+                else:
+                    buf = io.BytesIO()
+                    torch.save(obj, buf)
+                    data.append(buf.getvalue())
+            else:
+                data.append(obj.detach())
+        except Exception as exc:
+            raise CheckpointError(f"state_dict entry {item.index.fqn!r} cannot be pickled: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+    return data
+
+
 def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, coordinator_rank: int,
-              precheck: Any = None) -> SavePlanResult:
-    """Validate, plan collectively, and resolve this rank's data.
+              precheck: Any = None, cache: PlanCache | None = None) -> SavePlanResult:
+    """Validate, plan collectively (or reuse the cached plan), and resolve this rank's data.
 
     Args:
         state_dict: the user's state_dict.
@@ -110,49 +168,76 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
         coordinator_rank: the rank that commits.
         precheck: optional callable run on the coordinator before planning (e.g. the
             target must not exist); its exception fails the save on every rank.
+        cache: reuse and update this plan cache.
 
     Raises:
-        CheckpointError: on every rank, if any rank's input is invalid or the precheck
-            failed; the message names the rank(s).
+        CheckpointError: on every rank, if any rank's input is invalid, a value cannot
+            be pickled, or the precheck failed; the message names the rank(s).
     """
     is_coordinator = sync.rank == coordinator_rank
     error: str | None = None
-    local_plan: SavePlan | None = None
-    planner = DefaultSavePlanner()
+    signature = digest = None
+    flat: dict[str, Any] = {}
     try:
         validate_state_dict(state_dict)
         if is_coordinator and precheck is not None:
             precheck()
-        storage_meta = StorageMeta(checkpoint_id=checkpoint_id, save_id=uuid.uuid4().hex)
-        planner.set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
-        local_plan = planner.create_local_plan()
+        if cache is not None:
+            flat, _ = flatten_state_dict(state_dict)
+            signature = _signature(flat)
+            if signature is not None:
+                digest = signature_digest(signature) if signature != cache.signature else cache.digest
     except Exception as exc:  # reported on every rank below
         error = f"{type(exc).__name__}: {exc}"
     token = uuid.uuid4().hex if is_coordinator else None
-    gathered = sync.all_gather_object((error, local_plan, token))
-    errors = {r: e for r, (e, _, _) in enumerate(gathered) if e is not None}
-    if errors:
-        if len(errors) == 1 and sync.world_size == 1:
-            raise CheckpointError(errors[0])
-        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in errors.items()))
+    cached = cache is not None and digest is not None and digest == cache.digest and error is None
+    gathered = sync.all_gather_object((error, cached, token))
+    _raise_errors(sync, [e for e, _, _ in gathered])
     token = gathered[coordinator_rank][2]
-    global_plans, metadata = planner.create_global_plan([p for _, p, _ in gathered])
-    plan = planner.finish_plan(global_plans[sync.rank])
-    data: list[Any] = []
-    try:
-        for item in plan.items:
-            obj = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                assert isinstance(obj, io.BytesIO)
-                data.append(obj.getvalue())
-            else:
-                data.append(obj.detach())
-    except Exception as exc:
-        # Pickling a value failed here only: still symmetric, every rank learns it.
-        error = f"state_dict entry {item.index.fqn!r} cannot be pickled: {type(exc).__name__}: {exc}"
-    errors = {r: e for r, e in enumerate(sync.all_gather_object(error)) if e is not None}
-    if errors:
-        if sync.world_size == 1:
-            raise CheckpointError(errors[0])
-        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in errors.items()))
+    storage_meta = StorageMeta(checkpoint_id=checkpoint_id, save_id=uuid.uuid4().hex)
+    error = None
+    if all(c for _, c, _ in gathered):
+        assert cache is not None and cache.plan is not None and cache.metadata is not None
+        cache.hits += 1
+        plan = cache.plan
+        metadata = dataclasses.replace(cache.metadata, storage_meta=storage_meta)
+        try:
+            data = _resolve(plan, lambda item: flat[item.index.fqn])
+        except CheckpointError as exc:
+            error, data = str(exc), []
+    else:
+        planner = DefaultSavePlanner()
+        local_plan: SavePlan | None = None
+        try:
+            planner.set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
+            local_plan = planner.create_local_plan()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        gathered_plans = sync.all_gather_object((error, local_plan))
+        _raise_errors(sync, [e for e, _ in gathered_plans])
+        global_plans, metadata = planner.create_global_plan([p for _, p in gathered_plans])
+        plan = planner.finish_plan(global_plans[sync.rank])
+        try:
+            data = _resolve(plan, planner.resolve_data)
+        except CheckpointError as exc:
+            error, data = str(exc), []
+        if cache is not None:
+            cache.signature, cache.digest = signature, digest
+            cache.plan, cache.metadata = plan, dataclasses.replace(metadata, storage_data=None, storage_meta=None)
+    # Pickling a value failed here only: still symmetric, every rank learns it.
+    _raise_errors(sync, sync.all_gather_object(error))
     return SavePlanResult(plan, data, metadata, token)
+
+
+def signature_digest(signature: tuple) -> str:
+    """A short digest of a structure signature (compared across ranks)."""
+    return hashlib.sha256(repr(signature).encode()).hexdigest()
+
+
+def _raise_errors(sync: SyncGroup, errors: list[str | None]) -> None:
+    found = {r: e for r, e in enumerate(errors) if e is not None}
+    if not found:
+        return
+    if sync.world_size == 1:
+        raise CheckpointError(found[0])
+    raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in found.items()))

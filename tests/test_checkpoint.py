@@ -802,3 +802,33 @@ def test_manager_starts_a_light_worker_before_the_first_save(tmp_path):
         assert worker.memory_info().rss < 150 * 2**20
     finally:
         manager.close()
+
+
+@pytest.mark.timeout(60)
+def test_plan_is_cached_while_the_structure_is_unchanged(tmp_path):
+    queue = asyncckpt.AsyncCallsQueue(persistent=False)
+    try:
+        saver = asyncckpt.checkpoint._saver_for(queue)
+        states = [
+            {"a": torch.ones(3), "b": [torch.zeros(2, 2)], "step": 1},
+            {"a": torch.full((3,), 2.0), "b": [torch.ones(2, 2)], "step": 2},      # same structure: hit
+            {"a": torch.ones(4), "b": [torch.zeros(2, 2)], "step": 3},            # shape changed
+            {"a": torch.ones(4, dtype=torch.float64), "b": [torch.zeros(2, 2)], "step": 4},  # dtype
+            {"a": torch.ones(4, dtype=torch.float64), "b": [torch.zeros(2, 2)], "c": 1, "step": 5},  # new key
+            {"a": torch.ones(4, dtype=torch.float64), "b": [torch.zeros(2, 2)], "c": "x" * 1000, "step": 6},
+        ]
+        hits = []
+        for i, state in enumerate(states):
+            asyncckpt.save(state, tmp_path / f"c{i}", async_op=True, calls_queue=queue).wait()
+            hits.append(saver.plan_cache.hits)
+        assert hits == [0, 1, 1, 1, 1, 2]
+        for i, state in enumerate(states):
+            out = {k: (torch.empty_like(v) if torch.is_tensor(v) else
+                       [torch.empty_like(t) for t in v] if isinstance(v, list) else None)
+                   for k, v in state.items()}
+            asyncckpt.load(out, tmp_path / f"c{i}")
+            assert torch.equal(out["a"], state["a"]) and out["a"].dtype == state["a"].dtype
+            assert torch.equal(out["b"][0], state["b"][0])
+            assert out["step"] == state["step"] and out.get("c") == state.get("c")
+    finally:
+        queue.close()
