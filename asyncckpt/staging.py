@@ -58,6 +58,8 @@ class HostSlab:
         self.nbytes = nbytes
         self.u8 = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes)
         self.layout_key: Any = None
+        #: ``(item index, tensor view)`` per staged tensor of ``layout_key``.
+        self.views: list[tuple[int, torch.Tensor]] = []
         self.ref = SlabRef(self.slab_id, f"/proc/{os.getpid()}/fd/{self._fd}", nbytes)
 
     def write_bytes(self, offset: int, data: bytes | memoryview) -> None:
@@ -69,6 +71,7 @@ class HostSlab:
         if self._fd < 0:
             return
         self.u8 = None  # type: ignore[assignment]
+        self.views = []
         writer_map = _writer._mapped.pop(self.slab_id, None)  # mapped here by a sync save
         if writer_map is not None:
             writer_map.close()
