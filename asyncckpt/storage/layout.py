@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from .torchsave import TensorFraming, tensor_framing
-from .writer import CrcPatch, FileSpec
+from .writer import CrcPatch, FileSpec, pack_patches
 
 __all__ = ["RankLayout", "build_layout", "layout_key"]
 
@@ -128,7 +128,7 @@ def build_layout(rank: int, items: list[WriteItem], blobs: dict[int, int]) -> Ra
         patches.append(CrcPatch(data, framing.nbytes, tuple(end + o for o in framing.crc_offsets)))
         pos = end + len(framing.suffix)
         storage_data[item.index] = _StorageInfo(name, start, pos - start)
-    files = (FileSpec(name, 0, pos, tuple(patches)),)
+    files = (FileSpec(name, 0, pos, pack_patches(patches)),)
     return RankLayout(
         key=layout_key(rank, items, blobs),
         slab_nbytes=_align(max(pos, 1), _FILE_ALIGN),
