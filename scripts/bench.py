@@ -33,6 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import asyncckpt  # noqa: E402
+import asyncckpt.checkpoint  # noqa: E402,F401 - imported before timing: not a save cost
+import torch.distributed.checkpoint  # noqa: E402,F401
 
 
 def make_state(total_bytes: int, num_tensors: int, seed: int = 0) -> dict[str, torch.Tensor]:
