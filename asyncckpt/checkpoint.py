@@ -29,7 +29,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpointException
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
 from .callers import PersistentAsyncCaller
 from .calls_queue import AsyncCallsQueue
@@ -40,7 +41,8 @@ from .request import AsyncRequest
 from .staging import HostSlab, Stager
 from .storage import commit as _commit
 from .storage.layout import RankLayout, build_layout
-from .storage.writer import RankWriteResult, WriteTask, write_rank_files
+from .storage.reader import SafeFileSystemReader, SafeLoadPlanner
+from .storage.writer import RankWriteResult, WriteTask, current_umask, write_rank_files
 
 __all__ = ["save", "load", "verify", "SaveHandle", "SaveTimings", "CheckpointManager"]
 
@@ -174,16 +176,17 @@ class _Saver:
         self._layouts: dict[Any, RankLayout] = {}
         self._lock = threading.Lock()
 
-    def _layout(self, rank: int, items: list, blobs: dict[int, int]) -> RankLayout:
-        from .storage.layout import layout_key
-
-        key = layout_key(rank, items, blobs)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = build_layout(rank, items, blobs)
-            if len(self._layouts) >= 4:
-                self._layouts.pop(next(iter(self._layouts)))
-            self._layouts[key] = layout
+    def _layout(self, rank: int, plan: Any, blobs: dict[int, int]) -> RankLayout:
+        # Keyed by the plan object (cached plans are reused as is) and the sizes of
+        # the non-tensor values, which may change from save to save.
+        key = (rank, id(plan), tuple(sorted(blobs.items())))
+        hit = self._layouts.get(key)
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        layout = build_layout(rank, list(plan.items), blobs)
+        if len(self._layouts) >= 4:
+            self._layouts.pop(next(iter(self._layouts)))
+        self._layouts[key] = (plan, layout)
         return layout
 
     def _is_running(self, call_idx: int) -> bool:
@@ -193,17 +196,18 @@ class _Saver:
         slab = self.stager.acquire(layout.slab_nbytes, layout.key, self._is_running,
                                    lambda idx: self.queue.wait_local(idx))
         if slab.layout_key != layout.key:
+            # Format once per layout: the torch.save framing, and the tensor views the
+            # copies go through (reused by every later save of this layout).
             for offset, framing in layout.static:
                 slab.write_bytes(offset, framing)
+            u8 = slab.u8
+            slab.views = [(slot.item, u8[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape))
+                          for slot in layout.tensors if slot.nbytes]
             slab.layout_key = layout.key
-        u8 = slab.u8
         cuda_used = False
-        for slot in layout.tensors:
-            src = data[slot.item]
-            if slot.nbytes == 0:
-                continue
-            dst = u8[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-            if src.device.type == "cuda":
+        for item, dst in slab.views:
+            src = data[item]
+            if src.is_cuda:
                 cuda_used = True
             dst.copy_(src)
         if cuda_used:
@@ -236,9 +240,8 @@ class _Saver:
                                       "a checkpoint never overwrites one")
 
         planned = plan_save(state_dict, str(final_dir), sync, coordinator_rank, precheck, self.plan_cache)
-        items = list(planned.plan.items)
         blobs = {i: len(d) for i, d in enumerate(planned.data) if isinstance(d, bytes)}
-        layout = self._layout(sync.rank, items, blobs)
+        layout = self._layout(sync.rank, planned.plan, blobs)
         tmp_dir = _commit.temporary_dir_for(final_dir, planned.token)
         data = planned.data
         metadata = planned.metadata
@@ -249,7 +252,8 @@ class _Saver:
             slab = self._stage(layout, data)
             data.clear()  # drop references to the user's tensors
             slab_box.append(slab)
-            return WriteTask(str(tmp_dir), slab.ref, layout.files, self.stager.live_slab_ids)
+            return WriteTask(str(tmp_dir), slab.ref, layout.files, self.stager.live_slab_ids,
+                             umask=current_umask())
 
         def finalize() -> None:
             result: RankWriteResult = (self.queue.get_result(handle.call_idx) if handle.call_idx is not None
@@ -403,42 +407,69 @@ def load(
     *,
     process_group: Any = None,
     verify: bool = True,
+    allow_pickle: bool = False,
 ) -> None:
     """Load a checkpoint into ``state_dict`` in place, like ``torch.distributed.checkpoint.load``.
 
     Tensors are copied into the given tensors (any device; resharded as DCP does);
     other values are replaced in the given dicts. Collective over ``process_group``.
 
+    The checkpoint is not trusted (:mod:`asyncckpt.storage.reader`): ``.metadata`` is
+    unpickled with an allowlist of DCP metadata classes; every file it or the manifest
+    names must be a plain file name of a regular file (not a symlink) inside
+    ``checkpoint_dir``; non-tensor values load with ``torch.load(weights_only=True)``
+    semantics, all decoded before any tensor of ``state_dict`` is written.
+
     Args:
         state_dict: the structure to fill; its keys select what is read.
         checkpoint_dir: a committed checkpoint directory.
         process_group: the ranks loading together.
-        verify: check sizes and checksums of the files first (each rank checks a
-            share of the files; any mismatch fails every rank).
+        verify: check sizes and CRC-32 checksums of the files first (each rank checks
+            a share of the files; any mismatch fails every rank). The path checks
+            above run either way.
+        allow_pickle: unpickle non-tensor values of any class (stock DCP's
+            ``weights_only=False``). Unpickling runs code chosen by whoever wrote the
+            checkpoint: pass ``True`` only for checkpoints you trust. To allow a few
+            classes instead, use ``torch.serialization.safe_globals([...])``.
 
     Raises:
-        CorruptCheckpointError: missing or corrupt files (with ``verify``).
-        CheckpointError: ``checkpoint_dir`` is not a committed checkpoint.
+        CorruptCheckpointError: ``checkpoint_dir`` is not a committed checkpoint; a
+            file is missing or corrupt (with ``verify``); the metadata holds a
+            disallowed global; the metadata or the manifest names a path outside the
+            directory or a symlink.
+        CheckpointError: a non-tensor value needs ``allow_pickle=True`` (its entry is
+            named; ``state_dict`` is left unchanged).
     """
     path = Path(checkpoint_dir)
     sync = SyncGroup(process_group)
-    error: str | None = None
-    if verify:
-        try:
-            manifest = _commit.read_manifest(path)
+    reader = SafeFileSystemReader(str(path))
+    error: tuple[str, str | None] | None = None
+    try:
+        manifest = _commit.read_manifest(path)  # also refuses names outside the directory
+        if verify:
             names = sorted(manifest["files"])[sync.rank::sync.world_size]
             _commit.verify_checkpoint(path, names)
-        except CorruptCheckpointError as exc:
-            error = str(exc)
-    elif not _commit.is_committed(path):
-        error = f"{path} is not a committed checkpoint (no manifest or metadata)"
+        reader.check_manifest(manifest["files"])  # reads and checks .metadata
+    except CorruptCheckpointError as exc:
+        error = (str(exc), exc.path)
     errors = [e for e in sync.all_gather_object(error) if e is not None]
     if errors:
-        raise CorruptCheckpointError(errors[0], str(path))
-    with warnings.catch_warnings():
-        # Without a process group DCP warns that it loads in a single process: intended.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state_dict, storage_reader=FileSystemReader(str(path)), process_group=process_group)
+        raise CorruptCheckpointError(errors[0][0], errors[0][1] or str(path))
+    planner = SafeLoadPlanner(allow_pickle=allow_pickle)
+    try:
+        with warnings.catch_warnings():
+            # Without a process group DCP warns that it loads in a single process: intended.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
+    except _DcpCheckpointException as exc:
+        # DCP wraps every rank's failure; ours (CheckpointError) are re-raised as such,
+        # the same one (the lowest rank's) on every rank.
+        for _, (cause, _tb) in sorted(exc.failures.items()):
+            if isinstance(cause, CorruptCheckpointError):
+                raise CorruptCheckpointError(str(cause), cause.path) from exc
+            if isinstance(cause, CheckpointError):
+                raise CheckpointError(str(cause)) from exc
+        raise
 
 
 # ------------------------------------------------------------------ manager
@@ -585,15 +616,20 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def load(self, state_dict: dict[str, Any], step: int | None = None, *, verify: bool = True) -> int:
+    def load(self, state_dict: dict[str, Any], step: int | None = None, *, verify: bool = True,
+             allow_pickle: bool = False) -> int:
         """Load step ``step`` (default: the latest) into ``state_dict`` in place.
+
+        ``verify`` and ``allow_pickle`` are those of :func:`asyncckpt.load`.
 
         Returns:
             The step loaded.
 
         Raises:
             FileNotFoundError: there is no committed checkpoint (or not that step).
-            CorruptCheckpointError: the checkpoint does not match its manifest.
+            CorruptCheckpointError: the checkpoint does not match its manifest, or
+                names a path outside its directory.
+            CheckpointError: a non-tensor value needs ``allow_pickle=True``.
         """
         if step is None:
             step = self.latest_step()
@@ -602,7 +638,7 @@ class CheckpointManager:
         path = self.step_dir(step)
         if not _commit.is_committed(path):
             raise FileNotFoundError(f"step {step} has no committed checkpoint in {self.root_dir}")
-        load(state_dict, path, process_group=self.process_group, verify=verify)
+        load(state_dict, path, process_group=self.process_group, verify=verify, allow_pickle=allow_pickle)
         return int(step)
 
     def close(self, abort: bool = False) -> None:

@@ -51,27 +51,41 @@ def validate_state_dict(state_dict: Any, max_depth: int = 200) -> None:
     CUDA tensors (DTensor included), of any dtype; other values that ``torch.save``
     can pickle.
 
+    The walk is iterative (no ``RecursionError`` however deep the input), and
+    ``max_depth`` keeps the input within what DCP's recursive flattening handles.
+
+    Args:
+        state_dict: the state to check.
+        max_depth: the deepest container nesting accepted (levels of dicts / lists).
+
     Raises:
         CheckpointError: for the first offending entry (sparse, meta, quantized or
-            nested tensor; non-``str`` key; nesting deeper than ``max_depth``).
+            nested tensor; non-``str`` key; a container that contains itself;
+            nesting deeper than ``max_depth``).
     """
     if not isinstance(state_dict, Mapping):
         raise CheckpointError(f"state_dict must be a dict, not {type(state_dict).__name__}")
-    stack: list[tuple[tuple, Any]] = [((), state_dict)]
+    # (path, value, ids of the containers above value)
+    stack: list[tuple[tuple, Any, tuple[int, ...]]] = [((), state_dict, ())]
     while stack:
-        path, value = stack.pop()
+        path, value, above = stack.pop()
         if len(path) > max_depth:
             raise CheckpointError(f"{_path_str(path[:5])}...: nesting deeper than {max_depth} levels")
+        if isinstance(value, (Mapping, list)):
+            if id(value) in above:
+                at = _path_str(path[:above.index(id(value))])
+                raise CheckpointError(f"{_path_str(path)}: a cycle; this container is {at} itself")
+            above = above + (id(value),)
         if isinstance(value, Mapping):
             for k, v in value.items():
                 if not isinstance(k, str):
                     raise CheckpointError(
                         f"{_path_str(path)}: key {k!r} is a {type(k).__name__}; keys must be str "
                         "(torch.distributed.checkpoint names entries by str paths)")
-                stack.append((path + (k,), v))
+                stack.append((path + (k,), v, above))
         elif isinstance(value, list):
             for i, v in enumerate(value):
-                stack.append((path + (i,), v))
+                stack.append((path + (i,), v, above))
         elif isinstance(value, torch.Tensor):
             local = value.to_local() if hasattr(value, "to_local") and hasattr(value, "placements") else value
             problem = _tensor_problem(local)
@@ -188,7 +202,7 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
             if signature is not None:
                 digest = signature_digest(signature) if signature != cache.signature else cache.digest
     except Exception as exc:  # reported on every rank below
-        error = f"{type(exc).__name__}: {exc}"
+        error = _describe(exc)
     token = uuid.uuid4().hex if is_coordinator else None
     cached = cache is not None and digest is not None and digest == cache.digest and error is None
     gathered = sync.all_gather_object((error, cached, token))
@@ -212,7 +226,7 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
             planner.set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
             local_plan = planner.create_local_plan()
         except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
+            error = _describe(exc)
         gathered_plans = sync.all_gather_object((error, local_plan))
         _raise_errors(sync, [e for e, _ in gathered_plans])
         global_plans, metadata = planner.create_global_plan([p for _, p in gathered_plans])
@@ -232,6 +246,10 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
 def signature_digest(signature: tuple) -> str:
     """A short digest of a structure signature (compared across ranks)."""
     return hashlib.sha256(repr(signature).encode()).hexdigest()
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
 
 
 def _raise_errors(sync: SyncGroup, errors: list[str | None]) -> None:

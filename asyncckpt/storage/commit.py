@@ -11,10 +11,12 @@ fsync) under a file lock (:mod:`filelock`).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
 import shutil
+import stat
 import time
 import zlib
 from pathlib import Path
@@ -23,7 +25,7 @@ from typing import Any, Iterable
 from filelock import FileLock
 
 from .. import _faults
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from .writer import FileResult, fsync_directory
 
 __all__ = [
@@ -114,26 +116,69 @@ def commit_directory(
     return manifest
 
 
-def read_manifest(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
-    """Read and sanity-check a checkpoint's manifest.
+def _open_no_follow(path: Path) -> int:
+    """Open the regular file ``path`` for reading, never through a symlink.
 
     Raises:
-        CorruptCheckpointError: missing, unreadable, or naming a path outside the
-            checkpoint directory.
+        FileNotFoundError: ``path`` does not exist.
+        CorruptCheckpointError: ``path`` is a symlink or not a regular file.
+        OSError: any other failure.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptCheckpointError(f"{path} is a symlink; checkpoint files must be regular files",
+                                         str(path)) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{path} is not a regular file", str(path))
+    return fd
+
+
+def _is_plain_name(name: Any) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\x00" not in name and os.sep not in name and not os.path.isabs(name)
+            and (os.altsep is None or os.altsep not in name))
+
+
+def _is_uint(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def read_manifest(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """Read and sanity-check a checkpoint's manifest (no symlink is followed).
+
+    Every file name must be a plain name inside the directory (no ``/``, ``\\`` or
+    NUL, not ``.``/``..``, not absolute), every entry a ``size`` in bytes and
+    ``segments`` of ``[offset, length, crc32]`` non-negative integers.
+
+    Raises:
+        CorruptCheckpointError: missing, a symlink, unreadable, malformed, or naming
+            a path outside the checkpoint directory.
     """
     path = Path(checkpoint_dir) / MANIFEST_NAME
     try:
-        manifest = json.loads(path.read_bytes())
+        fd = _open_no_follow(path)
+        with open(fd, "rb") as f:
+            manifest = json.loads(f.read())
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path} is missing: {checkpoint_dir} is not a committed checkpoint",
                                      str(path)) from None
     except (OSError, ValueError) as exc:
         raise CorruptCheckpointError(f"{path} cannot be read: {exc}", str(path)) from exc
-    if manifest.get("format") != MANIFEST_FORMAT or not isinstance(manifest.get("files"), dict):
+    if (not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT
+            or not isinstance(manifest.get("files"), dict)):
         raise CorruptCheckpointError(f"{path} is not an asyncckpt manifest", str(path))
-    for name in manifest["files"]:
-        if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name:
+    for name, entry in manifest["files"].items():
+        if not _is_plain_name(name):
             raise CorruptCheckpointError(f"{path} names a file outside the checkpoint: {name!r}", str(path))
+        segments = entry.get("segments") if isinstance(entry, dict) else None
+        if (not _is_uint(entry.get("size") if isinstance(entry, dict) else None) or not isinstance(segments, list)
+                or not all(isinstance(seg, list) and len(seg) == 3 and all(_is_uint(v) for v in seg)
+                           for seg in segments)):
+            raise CorruptCheckpointError(f"{path}: malformed entry for {name!r}", str(path))
     return manifest
 
 
@@ -160,19 +205,23 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike, names: Iterable[str] | 
     manifest = read_manifest(root)
     files = manifest["files"]
     for name in (sorted(files) if names is None else names):
-        entry = files[name]
+        entry = files.get(name)
         path = root / name
-        if path.is_symlink():
-            raise CorruptCheckpointError(f"{path} is a symlink; checkpoint files must be regular files", str(path))
+        if entry is None:
+            raise CorruptCheckpointError(f"{path} is not listed in the manifest", str(path))
         try:
-            size = path.stat().st_size
+            fd = _open_no_follow(path)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path} is missing (listed in the manifest)", str(path)) from None
+        except OSError as exc:
+            raise CorruptCheckpointError(f"{path} cannot be read: {exc}", str(path)) from exc
+        size = os.fstat(fd).st_size
         if size != entry["size"]:
+            os.close(fd)
             raise CorruptCheckpointError(
                 f"{path} has {size} bytes, the manifest says {entry['size']}", str(path))
         expected_pos = 0
-        with open(path, "rb", buffering=0) as f:
+        with open(fd, "rb", buffering=0) as f:
             for offset, length, crc in entry["segments"]:
                 if offset != expected_pos:
                     raise CorruptCheckpointError(f"{path}: manifest segments do not cover the file", str(path))
@@ -193,9 +242,53 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike, names: Iterable[str] | 
     return manifest
 
 
+def _lock_path(root: Path) -> str:
+    """``root/.asyncckpt.lock``, with any symlink at that name removed, never followed.
+
+    Recent filelock releases (4.x) open the lock file with ``O_NOFOLLOW`` and then fail
+    on a symlink (``ELOOP``), which would fail the save after its directory was
+    renamed; older ones opened it with ``O_TRUNC`` through the symlink, truncating its
+    target. A symlink is never our lock file, so it is unlinked.
+
+    Raises:
+        CheckpointError: the lock path exists and is neither a regular file nor a symlink.
+    """
+    lock = root / LOCK_NAME
+    try:
+        mode = os.lstat(lock).st_mode
+    except FileNotFoundError:
+        return str(lock)
+    if stat.S_ISLNK(mode):
+        try:
+            os.unlink(lock)  # removes the link itself, not its target
+        except FileNotFoundError:
+            pass
+    elif not stat.S_ISREG(mode):
+        raise CheckpointError(f"{lock} exists and is not a regular file; it cannot be used as the lock file")
+    return str(lock)
+
+
 def write_latest(root: Path, name: str) -> None:
-    """Point ``root/latest`` at checkpoint directory ``name``, atomically and durably."""
-    with FileLock(str(root / LOCK_NAME)):
+    """Point ``root/latest`` at checkpoint directory ``name``, atomically and durably.
+
+    Under the file lock ``root/.asyncckpt.lock`` (:mod:`filelock`; a symlink there is
+    removed, never followed), writes ``name`` to a new temporary file with a 64-bit
+    random name (``O_EXCL``: never through an existing file or symlink), fsyncs it,
+    renames it over ``latest`` (a symlink named ``latest`` is replaced, its target
+    untouched) and fsyncs ``root``.
+
+    Args:
+        root: the directory holding ``latest``.
+        name: a checkpoint directory name in ``root`` (a plain name, no separator).
+
+    Raises:
+        ValueError: ``name`` is not a plain file name.
+        CheckpointError: the lock path is neither a regular file nor a symlink.
+        OSError: any I/O failure (``latest`` is then unchanged).
+    """
+    if not _is_plain_name(name) or "\n" in name:
+        raise ValueError(f"latest must name a directory in {root}, not {name!r}")
+    with FileLock(_lock_path(root)):
         tmp = root / f".{LATEST_NAME}.tmp-{secrets.token_hex(8)}"
         try:
             _write_new_file(tmp, (name + "\n").encode())
@@ -206,13 +299,27 @@ def write_latest(root: Path, name: str) -> None:
         fsync_directory(str(root))
 
 
+#: ``latest`` holds one directory name; a larger file is not ours.
+_LATEST_MAX_BYTES = 4096
+
+
 def read_latest(root: Path) -> str | None:
-    """The checkpoint directory name ``root/latest`` points at, or ``None``."""
+    """The checkpoint directory name ``root/latest`` points at, or ``None``.
+
+    ``None`` also when ``latest`` is a symlink (never followed), not a regular file,
+    larger than 4096 bytes, not UTF-8, or not a plain file name.
+    """
     try:
-        name = (root / LATEST_NAME).read_text().strip()
-    except FileNotFoundError:
+        fd = _open_no_follow(root / LATEST_NAME)
+    except (OSError, CorruptCheckpointError):
         return None
-    if not name or os.path.basename(name) != name or name in (".", ".."):
+    try:
+        with open(fd, "rb") as f:
+            data = f.read(_LATEST_MAX_BYTES + 1)
+        name = data.decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if len(data) > _LATEST_MAX_BYTES or not _is_plain_name(name):
         return None
     return name
 

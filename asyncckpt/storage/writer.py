@@ -105,6 +105,8 @@ class WriteTask(NamedTuple):
         files: the files to write.
         live_slab_ids: slabs the training process still owns; the worker unmaps others.
         fsync: fsync every file and the directory before returning.
+        umask: the training process's umask at save time, applied by the writer
+            (a long-lived worker would otherwise keep the umask it started with).
     """
 
     directory: str
@@ -112,6 +114,7 @@ class WriteTask(NamedTuple):
     files: tuple[FileSpec, ...]
     live_slab_ids: tuple[str, ...]
     fsync: bool = True
+    umask: int | None = None
 
 
 class FileResult(NamedTuple):
@@ -286,6 +289,21 @@ def fsync_directory(path: str) -> None:
         os.close(fd)
 
 
+def current_umask() -> int:
+    """This process's umask, read without changing it (Linux ``/proc``; else set and
+    restore, briefly)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_rank_files(task: WriteTask) -> RankWriteResult:
     """Write one rank's staged data files into ``task.directory``.
 
@@ -296,6 +314,8 @@ def write_rank_files(task: WriteTask) -> RankWriteResult:
         The files' sizes and checksummed segments, for the manifest.
     """
     started = time.monotonic()
+    if task.umask is not None:
+        os.umask(task.umask)
     os.makedirs(task.directory, exist_ok=True)
     mapped = _map_slab(task.slab, task.live_slab_ids)
     results = []

@@ -1,0 +1,307 @@
+"""Hostile input (issue 3, deliverable 4): one table, one test.
+
+Each row is a state_dict (and a target path) that a user might hand to ``save``. The
+promise: either the state round-trips bit for bit through ``asyncckpt.save`` and
+``asyncckpt.load`` into a fresh structure, or ``save`` raises a clear
+``CheckpointError`` naming the offending entry before anything is written (the target
+does not exist afterwards, no temporary directory is left, the queue has no call).
+
+Rows run synchronously (``async_op=False``); a few also through the persistent
+worker (``async_op=True``), to show the background path refuses and round-trips the
+same. The 100 000-tiny-tensors row prints its save / load times.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+
+import asyncckpt
+from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointException, CorruptCheckpointError
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+# ----------------------------------------------------------------------------- helpers
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    if t.dtype == torch.bool:
+        return t
+    if t.is_complex():
+        t = torch.view_as_real(t).contiguous()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same(expected: Any, got: Any, path: str = "state_dict") -> None:
+    """Recursive comparison; tensors bitwise (dtype, shape and bits)."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{path}: expected a tensor, got {type(got).__name__}"
+        assert got.dtype == expected.dtype and tuple(got.shape) == tuple(expected.shape), path
+        assert torch.equal(_bits(got), _bits(expected)), f"{path}: values differ"
+    elif isinstance(expected, dict):
+        assert isinstance(got, dict) and set(got) == set(expected), f"{path}: keys differ"
+        if len(expected) > 1000 and all(type(v) is torch.Tensor and v.dtype == torch.float32 and v.shape == (2,)
+                                        for d in (expected, got) for v in d.values()):
+            # Many tiny tensors: one stacked bitwise comparison instead of one per entry.
+            keys = list(expected)
+            assert torch.equal(torch.stack([got[k] for k in keys]).view(torch.int32),
+                               torch.stack([expected[k] for k in keys]).view(torch.int32)), f"{path}: values differ"
+            return
+        for k in expected:
+            assert_same(expected[k], got[k], f"{path}[{k!r}]")
+    elif isinstance(expected, list):
+        assert isinstance(got, list) and len(got) == len(expected), f"{path}: list differs"
+        for i, (e, g) in enumerate(zip(expected, got)):
+            assert_same(e, g, f"{path}[{i}]")
+    else:
+        assert type(got) is type(expected) and got == expected, f"{path}: {got!r} != {expected!r}"
+
+
+def snapshot(sd: Any) -> Any:
+    """The values as of now: tensors cloned (detached), containers copied, leaves shared."""
+    if isinstance(sd, torch.Tensor):
+        return sd.detach().clone()
+    if isinstance(sd, dict):
+        return {k: snapshot(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [snapshot(v) for v in sd]
+    return sd
+
+
+PLACEHOLDER = "<not loaded>"
+
+
+def fresh_like(sd: Any) -> Any:
+    """A structure to load into: zero tensors (same dtype, shape, requires_grad), placeholders."""
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros(sd.shape, dtype=sd.dtype, requires_grad=sd.requires_grad)
+    if isinstance(sd, dict):
+        return {k: fresh_like(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [fresh_like(v) for v in sd]
+    return PLACEHOLDER
+
+
+@dataclasses.dataclass
+class Hyper:
+    """A user class: picklable, but not something ``weights_only`` unpickles."""
+
+    lr: float
+    name: str
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+def _nested(depth: int) -> dict:
+    d: dict = {"leaf": torch.arange(3, dtype=torch.int16), "n": depth}
+    for i in range(depth - 1):
+        d = {"k": d, "i": i}
+    return d
+
+
+def _gen() -> Iterator[int]:
+    yield 1
+
+
+# ----------------------------------------------------------------------------- the table
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One hostile input.
+
+    Attributes:
+        id: the test id.
+        make: builds the state_dict.
+        error: ``None``: must round-trip; else a substring of the CheckpointError.
+        modes: ``"sync"`` (``async_op=False``) and/or ``"persistent"`` (async worker).
+        target: the checkpoint directory, relative to ``tmp_path``.
+        relative: pass ``target`` as a relative path (after ``chdir(tmp_path)``).
+        existing: pre-create ``target`` with a file in it.
+        allow_pickle: load with ``allow_pickle=True``.
+        timed: report and bound the save / load times.
+    """
+
+    id: str
+    make: Callable[[], dict]
+    error: str | None = None
+    modes: tuple[str, ...] = ("sync",)
+    target: str = "ck"
+    relative: bool = False
+    existing: bool = False
+    allow_pickle: bool = False
+    timed: bool = False
+
+
+def _python_values() -> dict:
+    return {"w": torch.ones(3), "set": {1, 2, 3}, "bytes": b"\x00\xff\x10", "complex": 1 - 2.5j,
+            "tuple": (1, "a", None, 2.5), "od": collections.OrderedDict(b=1, a=2), "big": 2**100,
+            "neg0": -0.0, "bool": True, "none": None, "str": "é✓", "empty": {}, "elist": [],
+            "size": torch.Size([2, 3]), "dtype": torch.bfloat16, "device": torch.device("cpu")}
+
+
+def _requires_grad() -> dict:
+    x = torch.randn(4, requires_grad=True)
+    return {"leaf": x, "param": torch.nn.Parameter(torch.randn(2, 3)), "nonleaf": x * 2 + 1,
+            "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False)}
+
+
+def _same_tensor_twice() -> dict:
+    t = torch.randn(5)
+    return {"a": t, "b": t, "nested": {"c": t}, "list": [t, t]}
+
+
+def _views_of_one_base() -> dict:
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    return {"base": base, "row": base[1], "cols": base[:, 1::2], "t": base.t(), "overlap": base[1:3, 2:5],
+            "flat": base.view(-1)[5:20], "expand": torch.ones(3).expand(4, 3),
+            "conj": torch.randn(3, dtype=torch.complex64).conj(), "neg": torch.randn(3).neg(),
+            "channels_last": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)}
+
+
+def _zero_size() -> dict:
+    return {"e0": torch.empty(0), "e3": torch.empty(2, 0, 3, dtype=torch.bfloat16),
+            "ebool": torch.empty(0, dtype=torch.bool), "ec": torch.empty(0, 4, dtype=torch.complex128),
+            "scalar": torch.tensor(3.5), "only": [torch.empty(0, dtype=torch.int8)]}
+
+
+def _unicode_keys() -> dict:
+    return {"ключ✓": torch.arange(4), "键": {"値": torch.ones(2, dtype=torch.float16)}, "😀": "émoji",
+            "x" * 10_000: torch.zeros(1)}
+
+
+TINY = 100_000
+
+
+def _tiny_tensors() -> dict:
+    return {f"t{i}": torch.full((2,), float(i)) for i in range(TINY)}
+
+
+ROWS = [
+    # Non-tensor values.
+    Row("python_values", _python_values, modes=("sync", "persistent")),
+    Row("user_dataclass", lambda: {"w": torch.ones(2), "hp": Hyper(0.1, "adam")}, allow_pickle=True),
+    Row("unpicklable_lambda", lambda: {"w": torch.ones(2), "fn": lambda: 1}, "'fn'",
+        modes=("sync", "persistent")),
+    Row("unpicklable_lock", lambda: {"w": torch.ones(2), "cfg": {"lock": threading.Lock()}}, "'cfg.lock'"),
+    Row("unpicklable_generator", lambda: {"w": torch.ones(2), "gen": _gen()}, "'gen'"),
+    # Tensors that cannot be saved.
+    Row("sparse", lambda: {"ok": torch.ones(2), "s": {"w": torch.eye(3).to_sparse()}}, "state_dict['s']['w']"),
+    Row("sparse_csr", lambda: {"ok": torch.ones(2), "csr": torch.eye(3).to_sparse_csr()}, "state_dict['csr']"),
+    Row("meta", lambda: {"ok": torch.ones(2), "m": torch.empty(3, device="meta")}, "state_dict['m']"),
+    Row("quantized", lambda: {"q": torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)},
+        "state_dict['q']"),
+    # Tensors that must round-trip.
+    Row("requires_grad", _requires_grad, modes=("sync", "persistent")),
+    Row("same_tensor_under_several_keys", _same_tensor_twice, modes=("sync", "persistent")),
+    Row("views_of_one_base", _views_of_one_base),
+    Row("zero_size", _zero_size, modes=("sync", "persistent")),
+    # Keys.
+    Row("int_key", lambda: {"ok": torch.ones(1), "opt": {7: torch.ones(1)}}, "state_dict['opt']: key 7"),
+    Row("tuple_key", lambda: {"ok": torch.ones(1), ("a", 1): torch.ones(1)}, "key ('a', 1)"),
+    Row("none_key", lambda: {"ok": torch.ones(1), "d": {None: 1}}, "state_dict['d']: key None"),
+    Row("dotted_key_collision", lambda: {"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}, "a.b"),
+    Row("unicode_keys", _unicode_keys),
+    # Structure.
+    Row("nesting_500", lambda: _nested(500), "nesting deeper than"),
+    Row("nesting_50", lambda: _nested(50), modes=("sync", "persistent")),
+    Row("cycle", lambda: (lambda d: (d["sub"].__setitem__("me", d), d)[1])({"sub": {"w": torch.ones(1)}}),
+        "a cycle"),
+    Row("tiny_tensors_100k", _tiny_tensors, timed=True),
+    # Targets.
+    Row("unicode_path", lambda: {"w": torch.randn(3)}, target="chéckpoint_✓/步骤", modes=("sync", "persistent")),
+    Row("relative_path", lambda: {"w": torch.randn(3)}, target="rel/ck", relative=True,
+        modes=("sync", "persistent")),
+    Row("existing_nonempty_target", lambda: {"w": torch.randn(3)}, "not an empty directory", existing=True,
+        modes=("sync", "persistent")),
+]
+
+CASES = [pytest.param(row, mode, id=f"{row.id}-{mode}") for row in ROWS for mode in row.modes]
+
+#: Timings of the timed rows, printed at the end of each: {id: (save_s, load_s)}.
+TIMINGS: dict[str, tuple[float, float]] = {}
+
+
+@pytest.fixture(autouse=True)
+def _stop_resource_tracker() -> Iterator[None]:
+    """Stop multiprocessing's resource tracker (started by a spawned worker) after each
+    test, so that conftest's leak check does not count it (as in test_checkpoint.py)."""
+    yield
+    import gc
+    from multiprocessing import resource_tracker
+
+    gc.collect()
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        stop()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("row,mode", CASES)
+def test_hostile_input(row: Row, mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                       capsys: pytest.CaptureFixture[str]) -> None:
+    if row.relative:
+        monkeypatch.chdir(tmp_path)
+        target: Path = Path(row.target)
+        absolute = tmp_path / row.target
+    else:
+        target = absolute = tmp_path / row.target
+    if row.existing:
+        absolute.mkdir(parents=True)
+        (absolute / "keep.txt").write_text("precious")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    state = row.make()
+    expected = snapshot(state) if row.error is None else None  # (error rows may be cyclic or too deep)
+
+    queue = AsyncCallsQueue(persistent=mode == "persistent")
+    try:
+        started = time.perf_counter()
+        if row.error is not None:
+            with pytest.raises(CheckpointError) as info:
+                asyncckpt.save(state, target, async_op=mode != "sync", calls_queue=queue)
+            message = str(info.value)
+            assert row.error in message, message
+            assert not isinstance(info.value, CorruptCheckpointError)
+            # Refused before anything was written.
+            assert queue.get_num_unfinalized_calls() == 0
+            assert sorted(p.name for p in tmp_path.iterdir()) == before, "nothing may be written"
+            if row.existing:
+                assert sorted(p.name for p in absolute.iterdir()) == ["keep.txt"]
+                assert (absolute / "keep.txt").read_text() == "precious"
+            else:
+                assert not absolute.exists()
+            # A clear error, never a RecursionError somewhere in the chain.
+            cause: BaseException | None = info.value
+            while cause is not None:
+                assert not isinstance(cause, RecursionError)
+                cause = cause.__cause__ or cause.__context__
+            return
+        handle = asyncckpt.save(state, target, async_op=mode != "sync", calls_queue=queue)
+        if mode != "sync":
+            handle.wait(timeout=120)
+        save_s = time.perf_counter() - started
+    finally:
+        try:
+            queue.close()
+        except CheckpointException:
+            pass
+    assert_same(expected, state)  # saving did not modify the state
+    assert absolute.is_dir() and asyncckpt.verify(absolute)
+    assert [p for p in absolute.parent.iterdir() if ".tmp-" in p.name] == []
+
+    out = fresh_like(state)
+    started = time.perf_counter()
+    asyncckpt.load(out, target, allow_pickle=row.allow_pickle)
+    load_s = time.perf_counter() - started
+    assert_same(expected, out)
+    for key, value in out.items() if row.id == "requires_grad" else ():
+        assert value.requires_grad == state[key].requires_grad, key  # the template's flag is kept
+    if row.timed:
+        TIMINGS[row.id] = (save_s, load_s)
+        with capsys.disabled():
+            print(f"\n[{row.id}-{mode}] {TINY} tensors: save {save_s:.1f} s, load {load_s:.1f} s")
+        assert save_s < 120 and load_s < 120, (save_s, load_s)
