@@ -19,6 +19,7 @@ import collections
 import os
 import pickle
 import re
+import shutil
 import threading
 import time
 import traceback
@@ -170,11 +171,20 @@ class _Saver:
     """Per-queue save state: staging buffers and layout cache."""
 
     def __init__(self, queue: AsyncCallsQueue, staging_buffers: int = 1) -> None:
-        self.queue = queue
+        # A weak reference: the module's saver registry is keyed weakly by the queue,
+        # and its buffers are freed when the queue goes (see _saver_for).
+        self._queue_ref = weakref.ref(queue)
         self.stager = Stager(staging_buffers)
         self.plan_cache = PlanCache()
         self._layouts: dict[Any, RankLayout] = {}
         self._lock = threading.Lock()
+
+    @property
+    def queue(self) -> AsyncCallsQueue:
+        queue = self._queue_ref()
+        if queue is None:
+            raise RuntimeError("the AsyncCallsQueue of this saver was garbage-collected")
+        return queue
 
     def _layout(self, rank: int, plan: Any, blobs: dict[int, int]) -> RankLayout:
         # Keyed by the plan object (cached plans are reused as is) and the sizes of
@@ -333,6 +343,7 @@ def _saver_for(queue: AsyncCallsQueue, staging_buffers: int = 1) -> _Saver:
         if saver is None:
             saver = _Saver(queue, staging_buffers)
             _savers[queue] = saver
+            weakref.finalize(queue, saver.release)  # free the staging buffers with the queue
         return saver
 
 
@@ -474,6 +485,7 @@ def load(
 
 # ------------------------------------------------------------------ manager
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_LEFTOVER_RE = re.compile(r"^\.step_(\d+)\.(?:tmp|deleting)-[0-9a-f]+$")
 
 
 class CheckpointManager:
@@ -536,7 +548,8 @@ class CheckpointManager:
         return self.root_dir / f"step_{int(step):08d}"
 
     def _on_commit(self, final_dir: Path) -> None:
-        # Coordinator only, inside finalize, after the rename: latest, then retention.
+        # Coordinator only, inside finalize, after the rename: latest, then retention,
+        # then leftovers of saves that can no longer commit.
         _commit.write_latest(self.root_dir, final_dir.name)
         if self.keep_last is not None:
             for old in self.steps()[:-self.keep_last]:
@@ -546,6 +559,20 @@ class CheckpointManager:
                         _commit.remove_checkpoint(path)
                     except OSError:
                         pass  # retention is best effort; never fails a committed save
+        m = _STEP_RE.match(final_dir.name)
+        if m:
+            self._remove_leftovers(int(m.group(1)))
+
+    def _remove_leftovers(self, committed_step: int) -> None:
+        """Remove hidden temporary directories of steps up to ``committed_step`` (saves
+        that failed or were killed: finalize runs in ``call_idx`` order, so none of them
+        can still commit) and half-deleted old checkpoints."""
+        pending = {h.step for h in self._handles.values()}
+        for entry in os.scandir(self.root_dir):
+            m = _LEFTOVER_RE.match(entry.name)
+            if (m and int(m.group(1)) <= committed_step and int(m.group(1)) not in pending
+                    and entry.is_dir(follow_symlinks=False)):
+                shutil.rmtree(entry.path, ignore_errors=True)
 
     def save(self, step: int, state_dict: dict[str, Any], *, async_op: bool = True) -> SaveHandle:
         """Save ``state_dict`` as step ``step`` (see :func:`asyncckpt.save`).
@@ -606,13 +633,13 @@ class CheckpointManager:
         return sorted(found)
 
     def latest_step(self) -> int | None:
-        """The newest committed step: the one ``latest`` names, if it is committed,
-        else the largest committed step, else ``None``."""
-        name = _commit.read_latest(self.root_dir)
-        if name is not None:
-            m = _STEP_RE.match(name)
-            if m and _commit.is_committed(self.root_dir / name):
-                return int(m.group(1))
+        """The newest committed step, or ``None``.
+
+        A renamed step directory is complete (the rename is the commit), and ``latest``
+        is replaced only after it, so ``latest`` can lag behind the newest committed
+        step (a crash between the two) but never lead it: the newest committed step
+        is what to resume from. ``latest`` is for readers outside asyncckpt.
+        """
         steps = self.steps()
         return steps[-1] if steps else None
 

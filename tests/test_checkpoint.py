@@ -832,3 +832,25 @@ def test_plan_is_cached_while_the_structure_is_unchanged(tmp_path):
             assert out["step"] == state["step"] and out.get("c") == state.get("c")
     finally:
         queue.close()
+
+
+@pytest.mark.timeout(60)
+def test_manager_removes_leftovers_of_failed_saves_and_resumes_from_newest_commit(tmp_path):
+    root = tmp_path / "root"
+    manager = asyncckpt.CheckpointManager(root, persistent=False)
+    try:
+        manager.save(1, {"w": torch.ones(2)}).wait()
+        # A killed save of step 2, a half-deleted step 0, and a later save's temp dir.
+        for name in (".step_00000002.tmp-0123abcd", ".step_00000000.deleting-beef", ".step_00000009.tmp-77"):
+            (root / name).mkdir()
+            (root / name / "__0_0.distcp").write_bytes(b"partial")
+        # A crash between the rename of step 3 and the update of `latest`:
+        manager.save(3, {"w": torch.ones(2)}).wait()
+        (root / "latest").write_text("step_00000001\n")
+        assert manager.latest_step() == 3, "resume from the newest committed step, not a lagging latest"
+        leftovers = sorted(p.name for p in root.iterdir() if p.name.startswith(".step_"))
+        assert leftovers == [".step_00000009.tmp-77"]
+        manager.save(4, {"w": torch.ones(2)}).wait()
+        assert (root / "latest").read_text().strip() == "step_00000004"
+    finally:
+        manager.close()
