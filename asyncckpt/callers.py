@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import multiprocessing.util as mp_util
 import os
 import pickle
 import queue
@@ -158,6 +159,12 @@ def _terminate_all_at_exit() -> None:
     with _live_lock:
         procs = list(_live_processes)
     _terminate_many(procs, grace_s=1.0)
+
+
+# A process started by multiprocessing (e.g. a rank of torch.multiprocessing.spawn)
+# exits through multiprocessing's own exit path, which skips atexit hooks and then
+# waits, without a time limit, for its daemonic children: run ours first there too.
+mp_util.Finalize(None, _terminate_all_at_exit, exitpriority=100)
 
 
 # --------------------------------------------------------------------------- base

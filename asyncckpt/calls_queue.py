@@ -168,9 +168,7 @@ class AsyncCallsQueue:
                     failures = {r: c for r, c in enumerate(causes) if c is not None}
                 self._drop(call_idx)
                 exc = CheckpointException(call_idx, failures)
-                self._failures[call_idx] = exc
-                while len(self._failures) > self._failures_kept:
-                    self._failures.popitem(last=False)
+                self._remember(exc)
                 raise exc
             if all(s == _OK for s in statuses):
                 outcome = self.caller.pop_outcome(call_idx)
@@ -187,6 +185,11 @@ class AsyncCallsQueue:
                 break
             time.sleep(0.001)  # only reachable if a rank's status changed under us
         return finalized
+
+    def _remember(self, exc: CheckpointException) -> None:
+        self._failures[exc.call_idx] = exc
+        while len(self._failures) > self._failures_kept:
+            self._failures.popitem(last=False)
 
     def _drop(self, call_idx: int) -> None:
         self._pending.pop(call_idx, None)
@@ -253,8 +256,11 @@ class AsyncCallsQueue:
                         first_error = first_error or exc
         finally:
             self.caller.close(abort=abort)
+            rank = self._sync.rank if self._sync is not None else 0
             for call_idx in list(self._pending):
                 self._drop(call_idx)
+                self._remember(CheckpointException(
+                    call_idx, {rank: "dropped by close(abort=True) before it was finalized"}))
         if first_error is not None:
             raise first_error
 

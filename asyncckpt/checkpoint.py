@@ -154,7 +154,8 @@ class SaveHandle:
             self._check_failed()
             if self._exception is not None:
                 raise self._exception
-        assert self.timings is not None
+        if self.timings is None:
+            raise CheckpointError(f"the save of {self.checkpoint_dir} was dropped before it was finalized")
         return self.timings
 
     def __repr__(self) -> str:

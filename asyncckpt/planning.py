@@ -41,6 +41,11 @@ def _tensor_problem(t: torch.Tensor) -> str | None:
         return "meta tensors have no data and cannot be saved"
     if t.device.type not in ("cpu", "cuda"):
         return f"tensors on device {t.device} are not supported (cpu or cuda)"
+    if t.numel():
+        extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+        if t.untyped_storage().nbytes() < extent * t.element_size():
+            return ("the tensor's storage is smaller than its shape needs (freed or resized storage, "
+                    "e.g. an FSDP-managed parameter outside its forward pass)")
     return None
 
 

@@ -319,22 +319,38 @@ def write_rank_files(task: WriteTask) -> RankWriteResult:
     os.makedirs(task.directory, exist_ok=True)
     mapped = _map_slab(task.slab, task.live_slab_ids)
     results = []
+    created: list[str] = []
     total = 0
-    with memoryview(mapped) as slab_view:
-        for spec in task.files:
-            image = slab_view[spec.slab_offset:spec.slab_offset + spec.nbytes]
-            path = os.path.join(task.directory, spec.name)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        with memoryview(mapped) as slab_view:
+            for spec in task.files:
+                image = slab_view[spec.slab_offset:spec.slab_offset + spec.nbytes]
+                path = os.path.join(task.directory, spec.name)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                created.append(path)
+                try:
+                    segments = _write_file(fd, image, tuple(unpack_patches(spec.patches)), first=not results)
+                    if task.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                    image.release()
+                results.append(FileResult(spec.name, spec.nbytes, segments))
+                total += spec.nbytes
+        if task.fsync:
+            fsync_directory(task.directory)
+        _faults.hit("after_write")
+    except BaseException:
+        # Give the space back at once (a full disk must not stay full because of us);
+        # the directory goes too once no other rank's files are in it.
+        for path in created:
             try:
-                segments = _write_file(fd, image, tuple(unpack_patches(spec.patches)), first=not results)
-                if task.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-                image.release()
-            results.append(FileResult(spec.name, spec.nbytes, segments))
-            total += spec.nbytes
-    if task.fsync:
-        fsync_directory(task.directory)
-    _faults.hit("after_write")
+                os.unlink(path)
+            except OSError:
+                pass
+        try:
+            os.rmdir(task.directory)
+        except OSError:
+            pass
+        raise
     return RankWriteResult(tuple(results), total, time.monotonic() - started, os.getpid())
