@@ -341,16 +341,13 @@ def write_rank_files(task: WriteTask) -> RankWriteResult:
             fsync_directory(task.directory)
         _faults.hit("after_write")
     except BaseException:
-        # Give the space back at once (a full disk must not stay full because of us);
-        # the directory goes too once no other rank's files are in it.
+        # Give the space back at once (a full disk must not stay full because of us).
+        # The directory stays: other ranks may be about to create their files in it;
+        # CheckpointManager removes such leftovers at its next commit.
         for path in created:
             try:
                 os.unlink(path)
             except OSError:
                 pass
-        try:
-            os.rmdir(task.directory)
-        except OSError:
-            pass
         raise
     return RankWriteResult(tuple(results), total, time.monotonic() - started, os.getpid())
