@@ -256,7 +256,6 @@ class _Saver:
         tmp_dir = _commit.temporary_dir_for(final_dir, planned.token)
         data = planned.data
         metadata = planned.metadata
-        handle_box: list[SaveHandle] = []
         slab_box: list[HostSlab] = []
 
         def preload() -> WriteTask:
@@ -323,7 +322,6 @@ class _Saver:
         if slab_box:
             self.stager.lease(slab_box[0], call_idx)
         handle = SaveHandle(final_dir, call_idx, self.queue, step, time.monotonic() - started, started)
-        handle_box.append(handle)
         return handle
 
     def release(self) -> None:
