@@ -64,3 +64,18 @@ def no_leaks():
     new_shm = _shm_entries() - shm_before
     assert not leftover, f"child processes left behind: {[(p.pid, p.name()) for p in leftover]}"
     assert not new_shm, f"/dev/shm entries left behind: {sorted(new_shm)}"
+
+
+@pytest.fixture
+def temporal_queue():
+    """An ``AsyncCallsQueue`` that forks a child per call, closed after the test."""
+    from asyncckpt import AsyncCallsQueue, CheckpointException
+
+    queue = AsyncCallsQueue(persistent=False)
+    try:
+        yield queue
+    finally:
+        try:
+            queue.close()
+        except CheckpointException:
+            pass

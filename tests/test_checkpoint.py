@@ -8,7 +8,6 @@ background callers: ``AsyncCallsQueue(persistent=False)`` (a forked child per ca
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import time
@@ -24,6 +23,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
 import asyncckpt.checkpoint as ckpt_mod
+from helpers import assert_same, bits, clone_state
 import asyncckpt.storage.commit as commit_mod
 from asyncckpt import (
     AsyncCallsQueue,
@@ -41,48 +41,6 @@ CALLERS = ["temporal", "persistent"]
 
 
 # ----------------------------------------------------------------------------- helpers
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` reinterpreted as integers of the same width (bitwise comparison, NaN-safe)."""
-    t = t.detach().contiguous()
-    if t.dtype == torch.bool:
-        return t
-    if t.is_complex():
-        t = torch.view_as_real(t).contiguous()
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def assert_same(expected: Any, got: Any, path: str = "state_dict") -> None:
-    """Recursive, bitwise comparison of two state structures."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(got, torch.Tensor), f"{path}: expected a tensor, got {type(got).__name__}"
-        assert got.dtype == expected.dtype, f"{path}: dtype {got.dtype} != {expected.dtype}"
-        assert tuple(got.shape) == tuple(expected.shape), f"{path}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
-        assert torch.equal(_bits(got), _bits(expected)), f"{path}: values differ"
-    elif isinstance(expected, dict):
-        assert isinstance(got, dict), f"{path}: expected a dict, got {type(got).__name__}"
-        assert set(got) == set(expected), f"{path}: keys {sorted(got)} != {sorted(expected)}"
-        for k in expected:
-            assert_same(expected[k], got[k], f"{path}[{k!r}]")
-    elif isinstance(expected, list):
-        assert isinstance(got, list), f"{path}: expected a list, got {type(got).__name__}"
-        assert len(got) == len(expected), f"{path}: length {len(got)} != {len(expected)}"
-        for i, (e, g) in enumerate(zip(expected, got)):
-            assert_same(e, g, f"{path}[{i}]")
-    else:
-        assert type(got) is type(expected) and got == expected, f"{path}: {got!r} != {expected!r}"
-
-
-def clone_state(sd: Any) -> Any:
-    """A deep copy whose tensors are contiguous clones (the values as of now)."""
-    if isinstance(sd, torch.Tensor):
-        return sd.detach().clone()
-    if isinstance(sd, dict):
-        return {k: clone_state(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [clone_state(v) for v in sd]
-    return copy.deepcopy(sd)
-
-
 _PLACEHOLDER = "<not loaded>"
 
 
@@ -170,16 +128,6 @@ def _stop_resource_tracker() -> Iterator[None]:
         stop()
 
 
-@pytest.fixture
-def temporal_queue() -> Iterator[AsyncCallsQueue]:
-    queue = AsyncCallsQueue(persistent=False)
-    try:
-        yield queue
-    finally:
-        try:
-            queue.close()
-        except CheckpointException:
-            pass
 
 
 @pytest.fixture

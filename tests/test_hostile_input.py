@@ -24,55 +24,15 @@ import pytest
 import torch
 
 import asyncckpt
+from helpers import assert_same, bits, clone_state
 from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointException, CorruptCheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 # ----------------------------------------------------------------------------- helpers
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().resolve_conj().resolve_neg().contiguous()
-    if t.dtype == torch.bool:
-        return t
-    if t.is_complex():
-        t = torch.view_as_real(t).contiguous()
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def assert_same(expected: Any, got: Any, path: str = "state_dict") -> None:
-    """Recursive comparison; tensors bitwise (dtype, shape and bits)."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(got, torch.Tensor), f"{path}: expected a tensor, got {type(got).__name__}"
-        assert got.dtype == expected.dtype and tuple(got.shape) == tuple(expected.shape), path
-        assert torch.equal(_bits(got), _bits(expected)), f"{path}: values differ"
-    elif isinstance(expected, dict):
-        assert isinstance(got, dict) and set(got) == set(expected), f"{path}: keys differ"
-        if len(expected) > 1000 and all(type(v) is torch.Tensor and v.dtype == torch.float32 and v.shape == (2,)
-                                        for d in (expected, got) for v in d.values()):
-            # Many tiny tensors: one stacked bitwise comparison instead of one per entry.
-            keys = list(expected)
-            assert torch.equal(torch.stack([got[k] for k in keys]).view(torch.int32),
-                               torch.stack([expected[k] for k in keys]).view(torch.int32)), f"{path}: values differ"
-            return
-        for k in expected:
-            assert_same(expected[k], got[k], f"{path}[{k!r}]")
-    elif isinstance(expected, list):
-        assert isinstance(got, list) and len(got) == len(expected), f"{path}: list differs"
-        for i, (e, g) in enumerate(zip(expected, got)):
-            assert_same(e, g, f"{path}[{i}]")
-    else:
-        assert type(got) is type(expected) and got == expected, f"{path}: {got!r} != {expected!r}"
-
-
 def snapshot(sd: Any) -> Any:
-    """The values as of now: tensors cloned (detached), containers copied, leaves shared."""
-    if isinstance(sd, torch.Tensor):
-        return sd.detach().clone()
-    if isinstance(sd, dict):
-        return {k: snapshot(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [snapshot(v) for v in sd]
-    return sd
+    return clone_state(sd, copy_leaves=False)
 
 
 PLACEHOLDER = "<not loaded>"

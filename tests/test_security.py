@@ -58,16 +58,6 @@ def _stop_resource_tracker() -> Iterator[None]:
         stop()
 
 
-@pytest.fixture
-def temporal_queue() -> Iterator[AsyncCallsQueue]:
-    queue = AsyncCallsQueue(persistent=False)
-    try:
-        yield queue
-    finally:
-        try:
-            queue.close()
-        except CheckpointException:
-            pass
 
 
 def make_state() -> dict[str, Any]:

@@ -1,0 +1,58 @@
+"""Helpers shared by the tests: bitwise comparison of state structures, snapshots."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` reinterpreted as integers of the same width (bitwise comparison, NaN-safe)."""
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    if t.dtype == torch.bool:
+        return t
+    if t.is_complex():
+        t = torch.view_as_real(t).contiguous()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same(expected: Any, got: Any, path: str = "state_dict") -> None:
+    """Recursive comparison of two state structures; tensors bitwise (dtype, shape, bits)."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{path}: expected a tensor, got {type(got).__name__}"
+        assert got.dtype == expected.dtype, f"{path}: dtype {got.dtype} != {expected.dtype}"
+        assert tuple(got.shape) == tuple(expected.shape), f"{path}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
+        assert torch.equal(bits(got), bits(expected)), f"{path}: values differ"
+    elif isinstance(expected, dict):
+        assert isinstance(got, dict), f"{path}: expected a dict, got {type(got).__name__}"
+        assert set(got) == set(expected), f"{path}: keys {sorted(got)[:5]}... != {sorted(expected)[:5]}..."
+        if len(expected) > 1000 and all(type(v) is torch.Tensor and v.dtype == torch.float32 and v.shape == (2,)
+                                        for d in (expected, got) for v in d.values()):
+            # Many tiny tensors: one stacked bitwise comparison instead of one per entry.
+            keys = list(expected)
+            assert torch.equal(torch.stack([got[k] for k in keys]).view(torch.int32),
+                               torch.stack([expected[k] for k in keys]).view(torch.int32)), f"{path}: values differ"
+            return
+        for k in expected:
+            assert_same(expected[k], got[k], f"{path}[{k!r}]")
+    elif isinstance(expected, list):
+        assert isinstance(got, list), f"{path}: expected a list, got {type(got).__name__}"
+        assert len(got) == len(expected), f"{path}: length {len(got)} != {len(expected)}"
+        for i, (e, g) in enumerate(zip(expected, got)):
+            assert_same(e, g, f"{path}[{i}]")
+    else:
+        assert type(got) is type(expected) and got == expected, f"{path}: {got!r} != {expected!r}"
+
+
+def clone_state(sd: Any, copy_leaves: bool = True) -> Any:
+    """The values as of now: tensors cloned (detached), containers copied, other leaves
+    deep-copied (or shared with ``copy_leaves=False``)."""
+    if isinstance(sd, torch.Tensor):
+        return sd.detach().clone()
+    if isinstance(sd, dict):
+        return {k: clone_state(v, copy_leaves) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [clone_state(v, copy_leaves) for v in sd]
+    return copy.deepcopy(sd) if copy_leaves else sd
