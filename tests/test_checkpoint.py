@@ -107,29 +107,6 @@ def calls_queue(request: pytest.FixtureRequest) -> Iterator[AsyncCallsQueue]:
             pass  # a test's injected failure; the worker is stopped anyway
 
 
-@pytest.fixture(autouse=True)
-def _stop_resource_tracker() -> Iterator[None]:
-    """Stop multiprocessing's resource tracker after each test.
-
-    Starting a process with ``spawn`` (the persistent worker) starts the interpreter-wide
-    ``multiprocessing.resource_tracker`` helper, which lives until the interpreter
-    exits; conftest's ``no_leaks`` would count it as a leaked child. It is not started
-    by asyncckpt itself, so we stop it here (this fixture is torn down after the
-    test's queues and managers are closed, before ``no_leaks`` checks).
-    """
-    yield
-    import gc
-    from multiprocessing import resource_tracker
-
-    gc.collect()  # unlink the named semaphores of collected multiprocessing queues (/dev/shm/sem.mp-*)
-
-    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
-    if stop is not None:
-        stop()
-
-
-
-
 @pytest.fixture
 def default_queues_closed() -> Iterator[None]:
     """Close the module-level default queues that ``save()`` without ``calls_queue`` uses."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -23,24 +23,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 CALLERS = ["temporal", "persistent"]
 WORLD = 2
-
-
-@pytest.fixture(autouse=True)
-def _stop_resource_tracker() -> Iterator[None]:
-    """Stop multiprocessing's interpreter-wide resource tracker after each test.
-
-    ``run_ranks`` (a spawn context and its Queue) starts it; it lives until the
-    interpreter exits and conftest's ``no_leaks`` would count it as a leaked child.
-    """
-    yield
-    import gc
-    from multiprocessing import resource_tracker
-
-    gc.collect()  # unlink the named semaphores of collected multiprocessing queues (/dev/shm/sem.mp-*)
-
-    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
-    if stop is not None:
-        stop()
 
 
 # ----------------------------------------------------------------------------- helpers (both sides)

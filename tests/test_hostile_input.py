@@ -186,20 +186,6 @@ CASES = [pytest.param(row, mode, id=f"{row.id}-{mode}") for row in ROWS for mode
 TIMINGS: dict[str, tuple[float, float]] = {}
 
 
-@pytest.fixture(autouse=True)
-def _stop_resource_tracker() -> Iterator[None]:
-    """Stop multiprocessing's resource tracker (started by a spawned worker) after each
-    test, so that conftest's leak check does not count it (as in test_checkpoint.py)."""
-    yield
-    import gc
-    from multiprocessing import resource_tracker
-
-    gc.collect()
-    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
-    if stop is not None:
-        stop()
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("row,mode", CASES)
 def test_hostile_input(row: Row, mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -27,7 +27,7 @@ import time
 import warnings
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -44,22 +44,6 @@ DATA = "__0_0.distcp"
 
 
 # ----------------------------------------------------------------------------- helpers
-@pytest.fixture(autouse=True)
-def _stop_resource_tracker() -> Iterator[None]:
-    """Stop multiprocessing's resource tracker (started by a spawned worker) after each
-    test, so that conftest's leak check does not count it (as in test_checkpoint.py)."""
-    yield
-    import gc
-    from multiprocessing import resource_tracker
-
-    gc.collect()
-    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
-    if stop is not None:
-        stop()
-
-
-
-
 def make_state() -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     return {"w": torch.randn(64, generator=g), "b": torch.arange(5), "n": 7, "name": "model"}
