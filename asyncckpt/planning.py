@@ -31,6 +31,12 @@ def _path_str(path: tuple) -> str:
 
 
 def _tensor_problem(t: torch.Tensor) -> str | None:
+    if not t.is_nested and t.layout == torch.strided and not t.is_quantized and t.is_contiguous():
+        # The common case, cheaply: a dense contiguous tensor needs storage for
+        # storage_offset + numel elements.
+        if t.device.type in ("cpu", "cuda"):
+            if t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size():
+                return None
     if getattr(t, "is_nested", False):
         return "nested tensors cannot be saved"
     if t.layout != torch.strided:
@@ -74,6 +80,11 @@ def validate_state_dict(state_dict: Any, max_depth: int = 200) -> None:
     stack: list[tuple[tuple, Any, tuple[int, ...]]] = [((), state_dict, ())]
     while stack:
         path, value, above = stack.pop()
+        if type(value) in _PLAIN_TENSOR_TYPES:  # the common leaf, before the ABC checks
+            problem = _tensor_problem(value)
+            if problem:
+                raise CheckpointError(f"{_path_str(path)}: {problem}")
+            continue
         if len(path) > max_depth:
             raise CheckpointError(f"{_path_str(path[:5])}...: nesting deeper than {max_depth} levels")
         if isinstance(value, (Mapping, list)):
