@@ -137,7 +137,9 @@ def _open_no_follow(path: Path) -> int:
     return fd
 
 
-def _is_plain_name(name: Any) -> bool:
+def is_plain_name(name: Any) -> bool:
+    """True for a non-empty ``str`` naming an entry of a directory and nothing else: no
+    ``/``, ``\\`` or NUL, not ``.``/``..``, not absolute."""
     return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
             and "\x00" not in name and os.sep not in name and not os.path.isabs(name)
             and (os.altsep is None or os.altsep not in name))
@@ -172,7 +174,7 @@ def read_manifest(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
             or not isinstance(manifest.get("files"), dict)):
         raise CorruptCheckpointError(f"{path} is not an asyncckpt manifest", str(path))
     for name, entry in manifest["files"].items():
-        if not _is_plain_name(name):
+        if not is_plain_name(name):
             raise CorruptCheckpointError(f"{path} names a file outside the checkpoint: {name!r}", str(path))
         segments = entry.get("segments") if isinstance(entry, dict) else None
         if (not _is_uint(entry.get("size") if isinstance(entry, dict) else None) or not isinstance(segments, list)
@@ -286,7 +288,7 @@ def write_latest(root: Path, name: str) -> None:
         CheckpointError: the lock path is neither a regular file nor a symlink.
         OSError: any I/O failure (``latest`` is then unchanged).
     """
-    if not _is_plain_name(name) or "\n" in name:
+    if not is_plain_name(name) or "\n" in name:
         raise ValueError(f"latest must name a directory in {root}, not {name!r}")
     with FileLock(_lock_path(root)):
         tmp = root / f".{LATEST_NAME}.tmp-{secrets.token_hex(8)}"
@@ -319,7 +321,7 @@ def read_latest(root: Path) -> str | None:
         name = data.decode("utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
-    if len(data) > _LATEST_MAX_BYTES or not _is_plain_name(name):
+    if len(data) > _LATEST_MAX_BYTES or not is_plain_name(name):
         return None
     return name
 

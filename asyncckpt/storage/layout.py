@@ -31,7 +31,12 @@ _SERIALIZATION_ID = "0" * 24 + "0a5c0c4b70000001"
 
 
 @functools.lru_cache(maxsize=8192)
-def _framing(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorFraming:
+def record_framing(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorFraming:
+    """The framing our writer gives every tensor record of ``dtype`` and ``shape`` (cached).
+
+    Raises:
+        ValueError: the record is too large for one zip record.
+    """
     return tensor_framing(dtype, shape, _SERIALIZATION_ID)
 
 
@@ -118,7 +123,7 @@ def build_layout(rank: int, items: list[WriteItem], blobs: dict[int, int]) -> Ra
             continue
         td = item.tensor_data
         shape = tuple(int(s) for s in td.chunk.sizes)
-        framing = _framing(td.properties.dtype, shape)
+        framing = record_framing(td.properties.dtype, shape)
         start = pos
         static.append((start, framing.prefix))
         data = start + len(framing.prefix)

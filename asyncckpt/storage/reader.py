@@ -27,7 +27,6 @@ integrity is the manifest's job (``verify_checkpoint``), not this module's.
 from __future__ import annotations
 
 import collections
-import functools
 import io
 import os
 import pathlib
@@ -46,7 +45,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from .torchsave import TensorFraming, tensor_framing
+from .commit import METADATA_NAME, is_plain_name
+from .layout import record_framing
+from .torchsave import TensorFraming
 
 __all__ = [
     "METADATA_NAME",
@@ -56,7 +57,6 @@ __all__ = [
     "SafeFileSystemReader",
 ]
 
-METADATA_NAME = ".metadata"
 #: Records up to this size are read with one ``pread``; larger ones in three.
 _SMALL_RECORD_BYTES = 1 << 20
 
@@ -100,11 +100,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def check_file_name(name: Any, where: str) -> str:
-    """Return ``name`` if it is a plain file name, else raise.
-
-    A plain name is a non-empty ``str`` without ``/``, ``\\`` or NUL, other than ``.``
-    and ``..``, and not absolute: joined to a directory, it names an entry of that
-    directory and nothing else.
+    """Return ``name`` if it is a plain file name (see
+    :func:`asyncckpt.storage.commit.is_plain_name`): joined to a directory, it names an
+    entry of that directory and nothing else.
 
     Args:
         name: the candidate (from a manifest or metadata).
@@ -113,9 +111,7 @@ def check_file_name(name: Any, where: str) -> str:
     Raises:
         CorruptCheckpointError: ``name`` is not a plain file name.
     """
-    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name
-            or "\x00" in name or os.path.isabs(name)
-            or (os.altsep is not None and os.altsep in name) or os.sep in name):
+    if not is_plain_name(name):
         raise CorruptCheckpointError(f"{where} names a file outside the checkpoint directory: {name!r}", where)
     return name
 
@@ -312,12 +308,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 # ----------------------------------------------------------------------------- reader
-@functools.lru_cache(maxsize=8192)
 def _writer_framing(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorFraming | None:
-    from .layout import _SERIALIZATION_ID  # the id our writer puts in every record
-
     try:
-        return tensor_framing(dtype, shape, _SERIALIZATION_ID)
+        return record_framing(dtype, shape)  # what our writer puts around every record
     except ValueError:
         return None
 
