@@ -16,7 +16,6 @@ the raw tensor bytes and patches two CRC-32 fields. Tests compare our framing wi
 from __future__ import annotations
 
 import collections
-import hashlib
 import io
 import pickle
 import struct
@@ -210,9 +209,3 @@ def tensor_framing(dtype: torch.dtype, shape: tuple[int, ...], serialization_id:
     out.extend(_EOCD.pack(0x06054B50, 0, 0, n, n, cd_size, cd_offset, 0))
     crc_offsets = (4, crc_central) if nbytes else ()
     return TensorFraming(prefix, bytes(out), crc_offsets, nbytes)
-
-
-def serialization_id_for(*parts: object) -> str:
-    """A deterministic 40-digit id from ``parts`` (for ``.data/serialization_id``)."""
-    digest = hashlib.sha256(repr(parts).encode()).digest()
-    return str(int.from_bytes(digest[:17], "little")).rjust(40, "0")[-40:]
