@@ -19,6 +19,7 @@ import collections
 import io
 import pickle
 import struct
+import zlib
 from typing import Any, NamedTuple
 
 import torch
@@ -142,8 +143,6 @@ def tensor_framing(dtype: torch.dtype, shape: tuple[int, ...], serialization_id:
     sid = serialization_id.encode("ascii")
     if len(sid) != 40:
         raise ValueError("serialization_id must be 40 ASCII characters")
-    import zlib
-
     records_before = [
         (b"archive/data.pkl", data_pickle(dtype, shape)),
         (b"archive/.format_version", b"1"),
