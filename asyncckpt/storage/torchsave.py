@@ -154,8 +154,9 @@ def tensor_framing(dtype: torch.dtype, shape: tuple[int, ...], serialization_id:
     out = bytearray()
     central: list[tuple[bytes, int, int, int]] = []  # name, crc, size, header offset
 
-    def add_small(name: bytes, data: bytes) -> None:
-        offset = len(out)
+    def add_small(out: bytearray, name: bytes, data: bytes, base: int = 0) -> None:
+        # ``out`` starts at byte ``base`` of the archive.
+        offset = base + len(out)
         out.extend(_local_header(name, offset))
         out.extend(data)
         crc = zlib.crc32(data)
@@ -163,7 +164,7 @@ def tensor_framing(dtype: torch.dtype, shape: tuple[int, ...], serialization_id:
         central.append((name, crc, len(data), offset))
 
     for name, data in records_before:
-        add_small(name, data)
+        add_small(out, name, data)
     data_name = b"archive/data/0"
     data_header_offset = len(out)
     data_flags = _FLAGS if nbytes else 0x0800
@@ -179,18 +180,8 @@ def tensor_framing(dtype: torch.dtype, shape: tuple[int, ...], serialization_id:
     central.append((data_name, 0, nbytes, data_header_offset))
     data_central_index = len(central) - 1
 
-    # add_small positions records at len(out); shift by ``base`` for header offsets.
-    def add_small_after(name: bytes, data: bytes) -> None:
-        offset = base + len(out)
-        header = _local_header(name, offset)
-        out.extend(header)
-        out.extend(data)
-        crc = zlib.crc32(data)
-        out.extend(_DESCRIPTOR.pack(0x08074B50, crc, len(data), len(data)))
-        central.append((name, crc, len(data), offset))
-
     for name, data in records_after:
-        add_small_after(name, data)
+        add_small(out, name, data, base)
     cd_offset = base + len(out)
     crc_central = -1
     for i, (name, crc, size, offset) in enumerate(central):
