@@ -25,11 +25,13 @@ _EXPORTS = {
     "CheckpointException": "errors",
     "CheckpointError": "errors",
     "CorruptCheckpointError": "errors",
+    "CallbackError": "errors",
     "save": "checkpoint",
     "load": "checkpoint",
     "verify": "checkpoint",
     "SaveHandle": "checkpoint",
     "SaveTimings": "checkpoint",
+    "SaveResult": "checkpoint",
     "CheckpointManager": "checkpoint",
 }
 

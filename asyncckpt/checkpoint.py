@@ -16,6 +16,7 @@ The format is torch.distributed.checkpoint's: stock ``dcp.load`` reads it.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import pickle
 import re
@@ -36,16 +37,18 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from .callers import PersistentAsyncCaller
 from .calls_queue import AsyncCallsQueue
 from .dist import SyncGroup
-from .errors import CheckpointError, CheckpointException, CorruptCheckpointError
+from .errors import CallbackError, CheckpointError, CheckpointException, CorruptCheckpointError
 from .planning import PlanCache, plan_save
 from .request import AsyncRequest
-from .staging import HostSlab, Stager
+from .staging import HostSlab, Stager, StagingCopier
 from .storage import commit as _commit
 from .storage.layout import RankLayout, build_layout
 from .storage.reader import SafeFileSystemReader, SafeLoadPlanner
 from .storage.writer import RankWriteResult, WriteTask, current_umask, write_rank_files
 
-__all__ = ["save", "load", "verify", "SaveHandle", "SaveTimings", "CheckpointManager"]
+__all__ = ["save", "load", "verify", "SaveHandle", "SaveTimings", "SaveResult", "SaveCallback", "CheckpointManager"]
+
+_log = logging.getLogger("asyncckpt")
 
 
 class SaveTimings(NamedTuple):
@@ -69,18 +72,41 @@ class SaveTimings(NamedTuple):
     gbps: float
 
 
+class SaveResult(NamedTuple):
+    """What a completion callback receives for a committed save.
+
+    Attributes:
+        path: the committed checkpoint directory.
+        step: the step (``CheckpointManager`` saves), else ``None``.
+        timings: the save's :class:`SaveTimings`.
+        bytes: bytes written by all ranks (``timings.bytes``).
+    """
+
+    path: Path
+    step: int | None
+    timings: SaveTimings
+    bytes: int
+
+
+#: A completion callback: called once, in the training process, after finalize,
+#: with the :class:`SaveResult` of a committed save or the exception of a failed one.
+SaveCallback = Callable[["SaveResult | BaseException"], None]
+
+
 class SaveHandle:
     """A future-like handle of one save.
 
     Attributes:
         checkpoint_dir: the final (committed) path.
-        call_idx: the call in the queue (``None`` for a synchronous save).
+        call_idx: the call in the queue (``None`` for a synchronous save, and for an
+            overlapped save until :meth:`synchronize_staging`).
         step: the step (``CheckpointManager`` saves), else ``None``.
         timings: :class:`SaveTimings` once committed, else ``None``.
     """
 
     def __init__(self, checkpoint_dir: Path, call_idx: int | None, queue: AsyncCallsQueue | None,
-                 step: int | None, stall_s: float, started: float) -> None:
+                 step: int | None, stall_s: float, started: float,
+                 callback: SaveCallback | None = None, saver: "_Saver | None" = None) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.call_idx = call_idx
         self.step = step
@@ -90,6 +116,9 @@ class SaveHandle:
         self._started = started
         self._exception: BaseException | None = None
         self._committed = False
+        self._callback = callback
+        self._saver = saver
+        self._staging: "_OverlappedStaging | None" = None
 
     def _set_committed(self, timings: SaveTimings) -> None:
         self.timings = timings
@@ -98,6 +127,18 @@ class SaveHandle:
     def _check_failed(self) -> None:
         if self._exception is None and self._queue is not None and self.call_idx is not None:
             self._exception = self._queue.get_failure(self.call_idx)
+
+    def synchronize_staging(self) -> None:
+        """Wait until the state is staged, then start the write (overlapped saves).
+
+        With ``overlap_staging=True`` the copy into host buffers runs while training
+        goes on (the next forward/backward); call this before the state is mutated
+        (before ``optimizer.step()``). Collective: every rank calls it (or a later
+        ``save``/``wait``/``maybe_finalize``, which call it implicitly). The time
+        spent here counts as stall. No-op for other saves.
+        """
+        if self._staging is not None and self._saver is not None:
+            self._saver.synchronize_staging()
 
     def done(self) -> bool:
         """True once the save was committed or failed.
@@ -112,12 +153,15 @@ class SaveHandle:
         if self._exception is not None:
             return True
         queue = self._queue
-        if queue is not None and not queue.closed and not queue.sync.active and queue.is_pending(self.call_idx):
+        if (queue is not None and self.call_idx is not None and not queue.closed and not queue.sync.active
+                and queue.is_pending(self.call_idx)):
             try:
                 queue.maybe_finalize_async_calls(blocking=False)
             except CheckpointException:
                 pass  # recorded by the queue; reported by exception()/wait()
             self._check_failed()
+            if self._saver is not None:
+                self._saver.fire_failure_callbacks()
         return self._committed or self._exception is not None
 
     def exception(self) -> BaseException | None:
@@ -128,7 +172,8 @@ class SaveHandle:
     def wait(self, timeout: float | None = None) -> SaveTimings:
         """Block until the checkpoint is committed on all ranks (collective).
 
-        Finalizes, in order, every earlier pending call of the queue too.
+        Finalizes, in order, every earlier pending call of the queue too (and
+        synchronizes an overlapped staging first).
 
         Args:
             timeout: seconds to wait for this rank's write (``None``: no limit). The
@@ -139,21 +184,33 @@ class SaveHandle:
 
         Raises:
             CheckpointException: this save (or an earlier pending one) failed.
+            CallbackError: a completion callback of this or an earlier save raised
+                (the checkpoint itself is committed).
             TimeoutError: this rank's write did not finish within ``timeout``.
         """
-        if not self._committed:
-            self._check_failed()
-            if self._exception is not None:
-                raise self._exception
-            queue = self._queue
-            assert queue is not None and self.call_idx is not None
-            if timeout is not None and not queue.wait_local(self.call_idx, timeout):
-                raise TimeoutError(f"the write of {self.checkpoint_dir} did not finish within {timeout} s")
-            if queue.is_pending(self.call_idx):
-                queue.maybe_finalize_async_calls(blocking=True, until=self.call_idx)
-            self._check_failed()
-            if self._exception is not None:
-                raise self._exception
+        self.synchronize_staging()
+        saver = self._saver
+        try:
+            if not self._committed:
+                self._check_failed()
+                if self._exception is not None:
+                    raise self._exception
+                queue = self._queue
+                assert queue is not None and self.call_idx is not None
+                if timeout is not None and not queue.wait_local(self.call_idx, timeout):
+                    raise TimeoutError(f"the write of {self.checkpoint_dir} did not finish within {timeout} s")
+                if queue.is_pending(self.call_idx):
+                    queue.maybe_finalize_async_calls(blocking=True, until=self.call_idx)
+                self._check_failed()
+                if self._exception is not None:
+                    raise self._exception
+        except CheckpointException as exc:
+            if saver is not None:
+                saver.fire_failure_callbacks(exc)
+            raise
+        if saver is not None:
+            saver.fire_failure_callbacks()
+            saver.raise_callback_errors()
         if self.timings is None:
             raise CheckpointError(f"the save of {self.checkpoint_dir} was dropped before it was finalized")
         return self.timings
@@ -168,17 +225,53 @@ def _format_exc(exc: BaseException) -> str:
         traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
-class _Saver:
-    """Per-queue save state: staging buffers and layout cache."""
+class _OverlappedStaging:
+    """A staging copy running in a thread while training goes on."""
 
-    def __init__(self, queue: AsyncCallsQueue, staging_buffers: int = 1) -> None:
+    def __init__(self, handle: SaveHandle, request: AsyncRequest, slab: HostSlab,
+                 on_scheduled: Callable[[SaveHandle], None] | None, run: Callable[[], None]) -> None:
+        self.handle = handle
+        self.request = request
+        self.slab = slab
+        self.on_scheduled = on_scheduled
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(run,), name="asyncckpt-staging", daemon=True)
+        self.thread.start()
+
+    def _run(self, run: Callable[[], None]) -> None:
+        try:
+            run()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the request's preload_fn
+            self.error = exc
+
+
+class _Saver:
+    """Per-queue save state: staging buffers, copier, plan and layout caches, callbacks.
+
+    Args:
+        queue: the queue that runs the writes.
+        staging_buffers: slabs that may exist at once (see :class:`Stager`).
+        copy_threads: Python threads for staging copies (see :class:`StagingCopier`).
+        write_threads: threads writing each data file (see ``WriteTask.threads``).
+        plan_cache: reuse the save plan while the state's structure is unchanged.
+    """
+
+    def __init__(self, queue: AsyncCallsQueue, staging_buffers: int = 1, *, copy_threads: int = 1,
+                 write_threads: int = 1, plan_cache: bool = True) -> None:
+        if write_threads < 1:
+            raise ValueError("write_threads must be >= 1")
         # A weak reference: the module's saver registry is keyed weakly by the queue,
         # and its buffers are freed when the queue goes (see _saver_for).
         self._queue_ref = weakref.ref(queue)
         self.stager = Stager(staging_buffers)
-        self.plan_cache = PlanCache()
+        self.copier = StagingCopier(copy_threads)
+        self.write_threads = write_threads
+        self.plan_cache: PlanCache | None = PlanCache() if plan_cache else None
         self._layouts: dict[Any, RankLayout] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._overlapped: _OverlappedStaging | None = None
+        self._awaiting: dict[int, SaveHandle] = {}  # call_idx -> handle with a callback not yet called
+        self._callback_errors: list[tuple[SaveHandle, BaseException]] = []
 
     @property
     def queue(self) -> AsyncCallsQueue:
@@ -203,7 +296,8 @@ class _Saver:
     def _is_running(self, call_idx: int) -> bool:
         return self.queue.caller.is_running(call_idx)
 
-    def _stage(self, layout: RankLayout, data: list[Any]) -> HostSlab:
+    def _slab_for(self, layout: RankLayout, data: list[Any]) -> HostSlab:
+        """A free slab formatted for ``layout`` (pinned if ``data`` has CUDA tensors)."""
         slab = self.stager.acquire(layout.slab_nbytes, layout.key, self._is_running,
                                    lambda idx: self.queue.wait_local(idx))
         if slab.layout_key != layout.key:
@@ -215,17 +309,75 @@ class _Saver:
             slab.views = [(slot.item, u8[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape))
                           for slot in layout.tensors if slot.nbytes]
             slab.layout_key = layout.key
-        cuda_used = False
-        for item, dst in slab.views:
-            src = data[item]
-            if src.is_cuda:
-                cuda_used = True
-            dst.copy_(src)
-        if cuda_used:
-            torch.cuda.synchronize()
+        if not slab.pinned and any(isinstance(d, torch.Tensor) and d.is_cuda for d in data):
+            slab.pin()
+        return slab
+
+    def _copy(self, slab: HostSlab, layout: RankLayout, data: list[Any], synchronize: bool = True,
+              cuda: bool = True) -> None:
+        """Copy ``data`` into ``slab`` (tensors, then the non-tensor bytes)."""
+        views = slab.views
+        self.copier.copy([dst for _, dst in views], [data[item] for item, _ in views], cuda=cuda)
         for slot in layout.blobs:
             slab.write_bytes(slot.offset, data[slot.item])
-        return slab
+        if synchronize:
+            self.copier.synchronize()
+
+    # ------------------------------------------------------------------ callbacks
+    def _call_back(self, handle: SaveHandle, outcome: Any) -> None:
+        callback, handle._callback = handle._callback, None  # called once
+        if handle.call_idx is not None:
+            self._awaiting.pop(handle.call_idx, None)
+        if callback is None:
+            return
+        try:
+            callback(outcome)
+        except Exception as exc:  # reported by raise_callback_errors, never swallowed
+            _log.error("the completion callback of the save of %s raised", handle.checkpoint_dir, exc_info=exc)
+            self._callback_errors.append((handle, exc))
+
+    def fire_failure_callbacks(self, exc: CheckpointException | None = None) -> None:
+        """Call the callbacks of saves that failed (found by the queue)."""
+        queue = self._queue_ref()
+        for call_idx, handle in list(self._awaiting.items()):
+            failure = (exc if exc is not None and exc.call_idx == call_idx
+                       else queue.get_failure(call_idx) if queue is not None else None)
+            if failure is not None:
+                handle._exception = handle._exception or failure
+                self._call_back(handle, failure)
+        if exc is not None and self._callback_errors:
+            for handle, error in self._callback_errors:
+                exc.add_note(f"the completion callback of the save of {handle.checkpoint_dir} also raised "
+                             f"{type(error).__name__}: {error}")
+            self._callback_errors.clear()
+
+    def raise_callback_errors(self) -> None:
+        """Raise :class:`CallbackError` for the callbacks that raised since the last call."""
+        if not self._callback_errors:
+            return
+        errors, self._callback_errors = self._callback_errors, []
+        lines = [f"{h.checkpoint_dir} (committed): {type(e).__name__}: {e}" for h, e in errors]
+        raise CallbackError("a completion callback raised: " + "; ".join(lines), [e for _, e in errors]) \
+            from errors[0][1]
+
+    # ------------------------------------------------------------------ overlap
+    def synchronize_staging(self) -> None:
+        """Finish an overlapped staging and schedule its write (collective)."""
+        with self._lock:
+            pending, self._overlapped = self._overlapped, None
+            if pending is None:
+                return
+            started = time.monotonic()
+            call_idx = self.queue.schedule_async_request(pending.request)  # preload joins the copy
+            self.stager.lease(pending.slab, call_idx)
+            handle = pending.handle
+            handle.call_idx = call_idx
+            handle._staging = None
+            handle._stall_s += time.monotonic() - started
+            if handle._callback is not None:
+                self._awaiting[call_idx] = handle
+            if pending.on_scheduled is not None:
+                pending.on_scheduled(handle)
 
     def save(
         self,
@@ -236,10 +388,14 @@ class _Saver:
         process_group: Any,
         coordinator_rank: int,
         step: int | None = None,
+        overlap_staging: bool = False,
+        callback: SaveCallback | None = None,
         on_commit: Callable[[Path], None] | None = None,
         on_committed: Callable[[SaveHandle], None] | None = None,
+        on_scheduled: Callable[[SaveHandle], None] | None = None,
     ) -> SaveHandle:
         started = time.monotonic()
+        self.synchronize_staging()  # an earlier overlapped save is scheduled first
         final_dir = Path(checkpoint_dir).absolute()
         sync = SyncGroup(process_group)
         if not 0 <= coordinator_rank < sync.world_size:
@@ -256,18 +412,31 @@ class _Saver:
         tmp_dir = _commit.temporary_dir_for(final_dir, planned.token)
         data = planned.data
         metadata = planned.metadata
+        handle = SaveHandle(final_dir, None, None, step, 0.0, started, callback, self)
         slab_box: list[HostSlab] = []
+        overlapped: list[_OverlappedStaging] = []
+
+        def task_for(slab: HostSlab) -> WriteTask:
+            return WriteTask(str(tmp_dir), slab.ref, layout.files, self.stager.live_slab_ids,
+                             umask=current_umask(), threads=self.write_threads)
 
         def preload() -> WriteTask:
-            slab = self._stage(layout, data)
+            if overlapped:  # the copy ran in a thread: wait for it
+                pending = overlapped.pop()
+                pending.thread.join()
+                data.clear()
+                self.copier.synchronize()
+                if pending.error is not None:
+                    raise pending.error
+                return task_for(pending.slab)
+            slab = self._slab_for(layout, data)
+            self._copy(slab, layout, data)
             data.clear()  # drop references to the user's tensors
             slab_box.append(slab)
-            return WriteTask(str(tmp_dir), slab.ref, layout.files, self.stager.live_slab_ids,
-                             umask=current_umask())
+            return task_for(slab)
 
         def finalize() -> None:
-            result: RankWriteResult = (self.queue.get_result(handle.call_idx) if handle.call_idx is not None
-                                       else sync_result[0])
+            result: RankWriteResult = (self.queue.get_result(handle.call_idx) if async_op else sync_result[0])
             commit_started = time.monotonic()
             gathered = sync.all_gather_object((layout.storage_data, result))
             status: str | None = None
@@ -294,16 +463,17 @@ class _Saver:
             now = time.monotonic()
             write_s = max(r.write_s for _, r in gathered)
             nbytes = sum(r.nbytes for _, r in gathered)
-            handle._set_committed(SaveTimings(
+            timings = SaveTimings(
                 stall_s=handle._stall_s, write_s=write_s, finalize_s=now - commit_started,
-                total_s=now - handle._started, bytes=nbytes, gbps=nbytes / write_s / 1e9 if write_s > 0 else 0.0))
+                total_s=now - handle._started, bytes=nbytes, gbps=nbytes / write_s / 1e9 if write_s > 0 else 0.0)
+            handle._set_committed(timings)
             if on_committed is not None:
                 on_committed(handle)
+            self._call_back(handle, SaveResult(final_dir, step, timings, nbytes))
 
         if not async_op:
             # Synchronous: the same steps in this thread, no background process.
             task = preload()
-            handle = SaveHandle(final_dir, None, None, step, 0.0, started)
             sync_result: list[RankWriteResult] = []
             error = None
             try:
@@ -311,21 +481,54 @@ class _Saver:
             except Exception as exc:
                 error = _format_exc(exc)
             errors = {r: e for r, e in enumerate(sync.all_gather_object(error)) if e is not None}
-            if errors:
-                raise CheckpointException(-1, errors)
-            handle._stall_s = time.monotonic() - started
-            finalize()
+            try:
+                if errors:
+                    raise CheckpointException(-1, errors)
+                handle._stall_s = time.monotonic() - started
+                finalize()
+            except CheckpointException as exc:
+                handle._exception = exc
+                self._call_back(handle, exc)
+                for h, error in self._callback_errors:
+                    exc.add_note(f"the completion callback of the save of {h.checkpoint_dir} also raised "
+                                 f"{type(error).__name__}: {error}")
+                self._callback_errors.clear()
+                raise
+            self.raise_callback_errors()
             return handle
 
+        handle._queue = self.queue
         request = AsyncRequest(write_rank_files, (), [finalize], preload_fn=preload)
+        if overlap_staging:
+            slab = self._slab_for(layout, data)
+            # D2H copies are issued here (ordered after this thread's current stream,
+            # they run asynchronously); the CPU copies run in a thread.
+            views = slab.views
+            self.copier.copy([dst for _, dst in views], [data[item] for item, _ in views], cpu=False)
+            pending = _OverlappedStaging(handle, request, slab, on_scheduled,
+                                         lambda: self._copy(slab, layout, data, synchronize=False, cuda=False))
+            overlapped.append(pending)
+            handle._staging = pending
+            handle._stall_s = time.monotonic() - started
+            self._overlapped = pending
+            return handle
         call_idx = self.queue.schedule_async_request(request)
         if slab_box:
             self.stager.lease(slab_box[0], call_idx)
-        handle = SaveHandle(final_dir, call_idx, self.queue, step, time.monotonic() - started, started)
+        handle.call_idx = call_idx
+        handle._stall_s = time.monotonic() - started
+        if callback is not None:
+            self._awaiting[call_idx] = handle
+        if on_scheduled is not None:
+            on_scheduled(handle)
         return handle
 
     def release(self) -> None:
         """Free the staging buffers (only when no write of this saver runs)."""
+        pending, self._overlapped = self._overlapped, None
+        if pending is not None:
+            pending.thread.join()
+        self.copier.close()
         self.stager.release_all()
         self._layouts.clear()
 
@@ -364,6 +567,8 @@ def save(
     calls_queue: AsyncCallsQueue | None = None,
     process_group: Any = None,
     coordinator_rank: int = 0,
+    overlap_staging: bool = False,
+    callback: SaveCallback | None = None,
 ) -> SaveHandle:
     """Save ``state_dict`` as a torch.distributed.checkpoint directory, atomically.
 
@@ -371,7 +576,8 @@ def save(
 
     Args:
         state_dict: nested dicts / lists of tensors (CPU or CUDA, any dtype, DTensor
-            included) and picklable Python values.
+            included: each rank stages and writes only its local shards) and
+            picklable Python values.
         checkpoint_dir: the directory to create; must not exist (or be empty).
         async_op: ``False``: write and commit before returning. ``True``: stage (copy
             into reused host buffers) and return; the write runs in the background and
@@ -382,6 +588,14 @@ def save(
         process_group: the ranks saving together (default: the default group, or a
             single process without ``torch.distributed``).
         coordinator_rank: the rank (in ``process_group``) that commits.
+        overlap_staging: (``async_op=True``) return right after planning and copy in
+            a background thread, overlapping the next forward/backward; the state
+            must not be mutated until ``handle.synchronize_staging()`` (call it before
+            ``optimizer.step()``), as with DCP's ``AsyncStager.synchronize_staging``.
+        callback: called once, in this process, after finalize, with the
+            :class:`SaveResult` (committed) or the exception (failed). If it raises,
+            the error is logged and raised as :class:`CallbackError` by the next
+            ``wait`` (the queue and the checkpoint are unaffected).
 
     Returns:
         A :class:`SaveHandle`; for ``async_op=False`` it is already committed.
@@ -391,12 +605,15 @@ def save(
             before anything is written).
         CheckpointException: (``async_op=False``) the write or commit failed on some
             rank; nothing was committed.
+        ValueError: ``overlap_staging`` without ``async_op``.
     """
+    if overlap_staging and not async_op:
+        raise ValueError("overlap_staging needs async_op=True")
     queue = calls_queue if calls_queue is not None else _default_queue(process_group)
     saver = _saver_for(queue)
     with saver._lock:
         return saver.save(state_dict, checkpoint_dir, async_op=async_op, process_group=process_group,
-                          coordinator_rank=coordinator_rank)
+                          coordinator_rank=coordinator_rank, overlap_staging=overlap_staging, callback=callback)
 
 
 def verify(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
@@ -506,6 +723,17 @@ class CheckpointManager:
         start_method: ``"spawn"`` or ``"forkserver"`` for the persistent worker.
         calls_queue: use this queue instead of creating one (then ``close`` does not
             close it).
+        overlap_staging: ``save`` returns right after planning and the copy runs in
+            a background thread while training goes on; call
+            :meth:`synchronize_staging` before the state is mutated (before
+            ``optimizer.step()``). Default ``False``: ``save`` returns once staged.
+        copy_threads: Python threads for the staging copy of CPU tensors (default 1:
+            torch's intra-op threads already split each copy).
+        write_threads: threads writing each data file with positioned writes
+            (default 1: one sequential stream).
+        plan_cache: reuse the save plan and metadata while the state's structure
+            is unchanged (default ``True``).
+        callback: the default completion callback of :meth:`save` (see there).
 
     Collective: ``save``, ``maybe_finalize``, ``load`` and ``close`` are called by
     every rank in the same order.
@@ -522,6 +750,11 @@ class CheckpointManager:
         staging_buffers: int = 1,
         start_method: str = "spawn",
         calls_queue: AsyncCallsQueue | None = None,
+        overlap_staging: bool = False,
+        copy_threads: int = 1,
+        write_threads: int = 1,
+        plan_cache: bool = True,
+        callback: SaveCallback | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 or None")
@@ -535,7 +768,10 @@ class CheckpointManager:
                                                     start_method=start_method, import_main=False)
         if self._owns_queue and isinstance(self.queue.caller, PersistentAsyncCaller):
             self.queue.caller.start()  # ready before the first save: no start-up stall
-        self._saver = _Saver(self.queue, staging_buffers)
+        self.overlap_staging = overlap_staging
+        self.callback = callback
+        self._saver = _Saver(self.queue, staging_buffers, copy_threads=copy_threads,
+                             write_threads=write_threads, plan_cache=plan_cache)
         self._handles: dict[int, SaveHandle] = {}
         self._recent_commits: collections.OrderedDict[int, int] = collections.OrderedDict()  # call_idx -> step
         self._closed = False
@@ -573,8 +809,19 @@ class CheckpointManager:
                     and entry.is_dir(follow_symlinks=False)):
                 shutil.rmtree(entry.path, ignore_errors=True)
 
-    def save(self, step: int, state_dict: dict[str, Any], *, async_op: bool = True) -> SaveHandle:
+    def save(self, step: int, state_dict: dict[str, Any], *, async_op: bool = True,
+             callback: SaveCallback | None = None) -> SaveHandle:
         """Save ``state_dict`` as step ``step`` (see :func:`asyncckpt.save`).
+
+        Args:
+            step: the step number (names the directory ``step_%08d``).
+            state_dict: the state (see :func:`asyncckpt.save`).
+            async_op: stage and return (default), or write and commit first.
+            callback: called once, in this process, after finalize, with the
+                :class:`SaveResult` (committed) or the exception (failed); default
+                the manager's ``callback``. If it raises, the error is logged and
+                raised as :class:`CallbackError` by the next :meth:`maybe_finalize`,
+                ``handle.wait`` or :meth:`close`; the queue goes on.
 
         Returns:
             The handle; committed steps are also reported by :meth:`maybe_finalize`.
@@ -584,12 +831,26 @@ class CheckpointManager:
         """
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
-        handle = self._saver.save(state_dict, self.step_dir(step), async_op=async_op,
-                                  process_group=self.process_group, coordinator_rank=self.coordinator_rank,
-                                  step=int(step), on_commit=self._on_commit, on_committed=self._on_committed)
-        if async_op:
-            self._handles[handle.call_idx] = handle
-        return handle
+        with self._saver._lock:
+            return self._saver.save(
+                state_dict, self.step_dir(step), async_op=async_op, process_group=self.process_group,
+                coordinator_rank=self.coordinator_rank, step=int(step),
+                overlap_staging=self.overlap_staging and async_op,
+                callback=callback if callback is not None else self.callback,
+                on_commit=self._on_commit, on_committed=self._on_committed, on_scheduled=self._on_scheduled)
+
+    def synchronize_staging(self) -> None:
+        """Wait until an overlapped save is staged and start its write (collective).
+
+        With ``overlap_staging=True``, call it after the next forward/backward and
+        before ``optimizer.step()``: the state must not change while it is copied.
+        The wait counts as the save's stall. No-op when nothing is being staged.
+        """
+        self._saver.synchronize_staging()
+
+    def _on_scheduled(self, handle: SaveHandle) -> None:
+        assert handle.call_idx is not None
+        self._handles[handle.call_idx] = handle
 
     def _on_committed(self, handle: SaveHandle) -> None:
         # Every rank, in finalize, whoever drove it (maybe_finalize, handle.wait, close).
@@ -612,15 +873,21 @@ class CheckpointManager:
         Raises:
             CheckpointException: a save failed on some rank (same on every rank);
                 nothing of it was committed, ``latest`` is unchanged.
+            CallbackError: a completion callback raised (its save is committed).
         """
+        self._saver.synchronize_staging()
         try:
             call_idxs = self.queue.maybe_finalize_async_calls(blocking=blocking)
         except CheckpointException as exc:
             failed = self._handles.pop(exc.call_idx, None)
             if failed is not None:
                 failed._exception = exc
+            self._saver.fire_failure_callbacks(exc)
             raise
-        return [self._recent_commits.pop(idx) for idx in call_idxs if idx in self._recent_commits]
+        self._saver.fire_failure_callbacks()
+        steps = [self._recent_commits.pop(idx) for idx in call_idxs if idx in self._recent_commits]
+        self._saver.raise_callback_errors()
+        return steps
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (partial or temporary directories are ignored)."""
@@ -675,15 +942,25 @@ class CheckpointManager:
 
         Raises:
             CheckpointException: (``abort=False``) a pending save failed.
+            CallbackError: (``abort=False``) a completion callback raised.
         """
         if self._closed:
             return
         self._closed = True
         try:
-            if self._owns_queue:
-                self.queue.close(abort=abort)
-            elif not abort:
-                self.maybe_finalize(blocking=True)
+            if not abort:
+                self._saver.synchronize_staging()
+            try:
+                if self._owns_queue:
+                    self.queue.close(abort=abort)
+                elif not abort:
+                    self.maybe_finalize(blocking=True)
+            except CheckpointException as exc:
+                self._saver.fire_failure_callbacks(exc)
+                raise
+            self._saver.fire_failure_callbacks()  # saves dropped by an abort
+            if not abort:
+                self._saver.raise_callback_errors()
         finally:
             if self._owns_queue or abort:
                 self._saver.release()

@@ -10,7 +10,7 @@ rank), extended with the ``call_idx`` the failure belongs to.
 
 from __future__ import annotations
 
-__all__ = ["CheckpointException", "CheckpointError", "CorruptCheckpointError"]
+__all__ = ["CheckpointException", "CheckpointError", "CorruptCheckpointError", "CallbackError"]
 
 
 class CheckpointException(Exception):
@@ -56,3 +56,20 @@ class CorruptCheckpointError(CheckpointError):
     def __init__(self, message: str, path: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+
+
+class CallbackError(CheckpointError):
+    """A save's completion callback raised.
+
+    The save itself committed (or its own failure is reported separately); the
+    error is raised by the next ``SaveHandle.wait``, ``CheckpointManager.maybe_finalize``
+    or ``CheckpointManager.close`` of that process, after the queue has moved on, and
+    logged (logger ``asyncckpt``) when it happens.
+
+    Attributes:
+        errors: the exceptions the callbacks raised, oldest first.
+    """
+
+    def __init__(self, message: str, errors: list[BaseException] | None = None) -> None:
+        super().__init__(message)
+        self.errors = list(errors or [])

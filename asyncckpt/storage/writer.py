@@ -107,6 +107,9 @@ class WriteTask(NamedTuple):
         fsync: fsync every file and the directory before returning.
         umask: the training process's umask at save time, applied by the writer
             (a long-lived worker would otherwise keep the umask it started with).
+        threads: threads writing each file: the file image is cut into this many
+            contiguous ranges, each written with large positioned writes
+            (``os.pwrite``); 1 writes one sequential stream.
     """
 
     directory: str
@@ -115,6 +118,7 @@ class WriteTask(NamedTuple):
     live_slab_ids: tuple[str, ...]
     fsync: bool = True
     umask: int | None = None
+    threads: int = 1
 
 
 class FileResult(NamedTuple):
@@ -229,11 +233,14 @@ def _checksum_and_patch(image: memoryview, patches: tuple[CrcPatch, ...],
     return tuple(segments)
 
 
-def _write_file(fd: int, image: memoryview, patches: tuple[CrcPatch, ...], first: bool) -> tuple:
-    """Checksum (a helper thread) and write (this thread) one file image, overlapped.
+def _write_file(fd: int, image: memoryview, patches: tuple[CrcPatch, ...], first: bool,
+                threads: int = 1) -> tuple:
+    """Checksum (a helper thread) and write (``threads`` threads) one file image, overlapped.
 
-    ``zlib.crc32`` and ``os.write`` both release the GIL, so the checksum costs no
-    write time as long as it is faster than the disk.
+    ``zlib.crc32``, ``os.write`` and ``os.pwrite`` release the GIL, so the checksum
+    costs no write time as long as it is faster than the disk. Each writing thread
+    owns a contiguous range of the file and writes it, in order, as far as the
+    checksum thread has made it final.
 
     Returns:
         The file's checksummed segments.
@@ -249,26 +256,63 @@ def _write_file(fd: int, image: memoryview, patches: tuple[CrcPatch, ...], first
         else:
             progress.advance(len(image))
 
+    half = len(image) // 2
+    fault_pending = [first]
+
+    def write_range(lo: int, hi: int, positioned: bool) -> None:
+        pos = lo
+        while pos < hi:
+            final = progress.wait_beyond(pos)
+            end = min(final, hi, pos + WRITE_CHUNK_BYTES)
+            if fault_pending[0] and pos < half <= end:
+                end = half
+            if positioned:
+                _pwrite_all(fd, image[pos:end], pos)
+            else:
+                _write_all(fd, image[pos:end])
+            pos = end
+            if fault_pending[0] and lo <= half <= pos:
+                fault_pending[0] = False
+                _faults.hit("mid_write")
+
     thread = threading.Thread(target=checksum, name="asyncckpt-crc", daemon=True)
     thread.start()
     try:
-        pos, half = 0, len(image) // 2
-        fault_pending = first
-        while pos < len(image):
-            final = progress.wait_beyond(pos)
-            end = min(final, pos + WRITE_CHUNK_BYTES)
-            if fault_pending and pos < half <= end:
-                end = half
-            _write_all(fd, image[pos:end])
-            pos = end
-            if fault_pending and pos >= half:
-                fault_pending = False
-                _faults.hit("mid_write")
+        if threads <= 1 or len(image) < 2 * WRITE_CHUNK_BYTES:
+            write_range(0, len(image), positioned=False)
+        else:
+            bounds = [len(image) * k // threads for k in range(threads + 1)]
+            errors: list[BaseException] = []
+
+            def run(lo: int, hi: int) -> None:
+                try:
+                    write_range(lo, hi, positioned=True)
+                except BaseException as exc:  # noqa: BLE001 - re-raised below
+                    errors.append(exc)
+                    progress.fail(exc)  # the other writers stop waiting
+
+            writers = [threading.Thread(target=run, args=(bounds[k], bounds[k + 1]), name=f"asyncckpt-write-{k}",
+                                        daemon=True) for k in range(threads)]
+            for w in writers:
+                w.start()
+            for w in writers:
+                w.join()
+            if errors:
+                raise errors[0]
     finally:
         thread.join()
     if progress.error is not None:
         raise progress.error
     return box[0]
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    total = 0
+    while total < len(data):
+        n = os.pwrite(fd, data[total:total + WRITE_CHUNK_BYTES], offset + total)
+        if n <= 0:
+            raise OSError(f"os.pwrite wrote {n} bytes")
+        total += n
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -329,7 +373,8 @@ def write_rank_files(task: WriteTask) -> RankWriteResult:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
                 created.append(path)
                 try:
-                    segments = _write_file(fd, image, tuple(unpack_patches(spec.patches)), first=not results)
+                    segments = _write_file(fd, image, tuple(unpack_patches(spec.patches)), first=not results,
+                                           threads=task.threads)
                     if task.fsync:
                         os.fsync(fd)
                 finally:

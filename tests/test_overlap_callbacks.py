@@ -1,0 +1,235 @@
+"""Overlapped staging (synchronize_staging), completion callbacks, copy and write threads."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import asyncckpt
+from asyncckpt.errors import CallbackError, CheckpointException
+from asyncckpt.storage import writer as _writer
+from helpers import assert_same, clone_state
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _state(seed: int = 0, n: int = 6, numel: int = 50_000) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {f"w{i}": torch.randn(numel, generator=g) for i in range(n)},
+        "half": torch.randn(33, 7, generator=g).to(torch.bfloat16),
+        "t": torch.randn(64, 32, generator=g).t(),  # not contiguous
+        "step": seed,
+    }
+
+
+def _load(path, like: dict) -> dict:
+    out = {k: (v.clone().zero_() if isinstance(v, torch.Tensor) else v) for k, v in like.items()}
+    out["model"] = {k: torch.zeros_like(v) for k, v in like["model"].items()}
+    dcp.load(out, checkpoint_id=str(path))
+    return out
+
+
+# ------------------------------------------------------------------ overlapped staging
+def test_overlap_staging_snapshot_after_synchronize(tmp_path):
+    """The checkpoint holds the values at save(); mutation after synchronize_staging is invisible."""
+    sd = _state(1)
+    expected = clone_state(sd)
+    with asyncckpt.CheckpointManager(tmp_path, overlap_staging=True) as mgr:
+        handle = mgr.save(1, sd)
+        assert handle.call_idx is None  # the write starts at synchronize_staging
+        mgr.synchronize_staging()
+        assert handle.call_idx is not None
+        for t in sd["model"].values():
+            t.add_(1.0)  # optimizer.step()
+        sd["half"].fill_(3)
+        timings = handle.wait()
+    assert timings.stall_s > 0 and timings.bytes > 0
+    assert_same(expected, _load(tmp_path / "step_00000001", expected))
+
+
+def test_overlap_staging_implicit_synchronize(tmp_path):
+    """A later save, maybe_finalize, handle.wait and close all synchronize first."""
+    states = [_state(s) for s in range(4)]
+    with asyncckpt.CheckpointManager(tmp_path, overlap_staging=True, staging_buffers=2) as mgr:
+        h0 = mgr.save(0, states[0])
+        h1 = mgr.save(1, states[1])        # synchronizes save 0
+        assert h0.call_idx is not None and h1.call_idx is None
+        mgr.maybe_finalize(blocking=True)  # synchronizes save 1, commits both
+        assert h1.done() and h0.done()
+        h2 = mgr.save(2, states[2])
+        h2.wait()                           # synchronizes and commits
+        mgr.save(3, states[3])              # committed by close
+    assert mgr.steps() == [0, 1, 2, 3]
+    for s in range(4):
+        assert_same(states[s], _load(tmp_path / f"step_{s:08d}", states[s]))
+
+
+def test_overlap_staging_with_save_function(tmp_path, temporal_queue):
+    sd = _state(2)
+    expected = clone_state(sd)
+    handle = asyncckpt.save(sd, tmp_path / "ckpt", async_op=True, overlap_staging=True, calls_queue=temporal_queue)
+    handle.synchronize_staging()
+    sd["model"]["w0"].zero_()
+    handle.wait()
+    assert_same(expected, _load(tmp_path / "ckpt", expected))
+    with pytest.raises(ValueError, match="async_op"):
+        asyncckpt.save(sd, tmp_path / "other", overlap_staging=True, calls_queue=temporal_queue)
+
+
+def test_overlap_staging_abort_drops_the_save(tmp_path):
+    """close(abort=True) with a staging in flight: nothing is committed, nothing leaks."""
+    results = []
+    mgr = asyncckpt.CheckpointManager(tmp_path, overlap_staging=True, callback=results.append)
+    mgr.save(5, _state(5))
+    mgr.close(abort=True)
+    assert mgr.steps() == []
+    assert results == []  # never scheduled: no call to report
+
+
+# ------------------------------------------------------------------ callbacks
+def test_callback_called_once_with_result_in_training_thread(tmp_path):
+    calls = []
+
+    def callback(result):
+        calls.append((result, os.getpid(), threading.current_thread() is threading.main_thread()))
+
+    with asyncckpt.CheckpointManager(tmp_path, callback=callback) as mgr:
+        h1 = mgr.save(1, _state(1))
+        h2 = mgr.save(2, _state(2), callback=lambda r: calls.append(("own", r.step)))
+        assert mgr.maybe_finalize(blocking=True) == [1, 2]
+        h1.wait()
+        h2.wait()
+    assert len(calls) == 2
+    result, pid, main = calls[0]
+    assert isinstance(result, asyncckpt.SaveResult)
+    assert pid == os.getpid() and main
+    assert result.path == tmp_path / "step_00000001" and result.step == 1
+    assert result.bytes == result.timings.bytes > 0 and result.timings is h1.timings
+    assert (result.path / ".metadata").exists()  # called after the commit
+    assert calls[1] == ("own", 2)
+
+
+def test_callback_with_save_function_sync_and_async(tmp_path, temporal_queue):
+    got = []
+    asyncckpt.save(_state(1), tmp_path / "a", callback=got.append, calls_queue=temporal_queue)
+    handle = asyncckpt.save(_state(2), tmp_path / "b", async_op=True, callback=got.append, calls_queue=temporal_queue)
+    handle.wait()
+    assert [r.path.name for r in got] == ["a", "b"]
+    assert got[1].step is None
+
+
+def test_callback_gets_the_exception_of_a_failed_save(tmp_path, monkeypatch):
+    got = []
+    with asyncckpt.CheckpointManager(tmp_path, persistent=False, callback=got.append) as mgr:
+        monkeypatch.setenv("ASYNCCKPT_FAULT", "after_write:raise")
+        mgr.save(1, _state(1))
+        with pytest.raises(CheckpointException) as info:
+            mgr.maybe_finalize(blocking=True)
+        monkeypatch.delenv("ASYNCCKPT_FAULT")
+        assert len(got) == 1 and got[0] is info.value
+        mgr.save(2, _state(2))
+        mgr.maybe_finalize(blocking=True)
+    assert len(got) == 2 and isinstance(got[1], asyncckpt.SaveResult)
+    assert mgr.steps() == [2]
+
+
+def test_callback_errors_are_raised_not_swallowed_and_the_queue_goes_on(tmp_path, caplog):
+    def bad(result):
+        raise ValueError(f"upload of {result.step} failed")
+
+    with asyncckpt.CheckpointManager(tmp_path, callback=bad) as mgr:
+        mgr.save(1, _state(1))
+        with pytest.raises(CallbackError, match="upload of 1 failed") as info:
+            mgr.maybe_finalize(blocking=True)
+        assert isinstance(info.value.__cause__, ValueError)
+        assert mgr.steps() == [1]  # the checkpoint itself committed
+        assert "upload of 1 failed" in caplog.text  # logged when it happened
+        handle = mgr.save(2, _state(2), callback=lambda r: None)
+        assert handle.wait().bytes > 0  # the queue is not broken
+        handle = mgr.save(3, _state(3))
+        with pytest.raises(CallbackError):
+            handle.wait()
+        mgr.save(4, _state(4))
+        with pytest.raises(CallbackError, match="upload of 4"):
+            mgr.close()
+    assert mgr.steps() == [1, 2, 3, 4]
+
+
+def test_callback_error_during_a_failed_save_is_attached_to_the_exception(tmp_path, monkeypatch):
+    def bad(outcome):
+        raise RuntimeError("alerting is down")
+
+    with asyncckpt.CheckpointManager(tmp_path, persistent=False, callback=bad) as mgr:
+        monkeypatch.setenv("ASYNCCKPT_FAULT", "after_write:raise")
+        mgr.save(1, _state(1))
+        with pytest.raises(CheckpointException) as info:
+            mgr.maybe_finalize(blocking=True)
+        monkeypatch.delenv("ASYNCCKPT_FAULT")
+    assert any("alerting is down" in note for note in info.value.__notes__)
+
+
+# ------------------------------------------------------------------ copy and write threads
+@pytest.mark.parametrize("copy_threads,write_threads", [(2, 1), (1, 3), (3, 2)])
+def test_threads_write_the_same_bytes(tmp_path, monkeypatch, copy_threads, write_threads):
+    """Copies spread across threads and files written by several threads give the
+    same files, byte for byte, as one thread each (small chunks force the paths)."""
+    from asyncckpt import staging
+    monkeypatch.setattr(_writer, "WRITE_CHUNK_BYTES", 64 << 10)  # sync saves write in this process
+    monkeypatch.setattr(staging.StagingCopier, "CHUNK_BYTES", 48 << 10)
+    used = {"pwrite": 0, "split": 0}
+    real_pwrite, real_split = _writer._pwrite_all, staging._split
+
+    def pwrite_all(*args):
+        used["pwrite"] += 1
+        return real_pwrite(*args)
+
+    def split(*args):
+        used["split"] += 1
+        return real_split(*args)
+
+    monkeypatch.setattr(_writer, "_pwrite_all", pwrite_all)
+    monkeypatch.setattr(staging, "_split", split)
+    sd = _state(7, n=5, numel=300_000)
+    files = {}
+    for name, kw in (("one", {}), ("many", dict(copy_threads=copy_threads, write_threads=write_threads))):
+        with asyncckpt.CheckpointManager(tmp_path / name, **kw) as mgr:
+            mgr.save(1, sd, async_op=False)
+        files[name] = (tmp_path / name / "step_00000001" / "__0_0.distcp").read_bytes()
+        asyncckpt.verify(tmp_path / name / "step_00000001")
+    assert len(files["one"]) > 5 << 20
+    assert (used["pwrite"] > 0) == (write_threads > 1) and (used["split"] > 0) == (copy_threads > 1)
+    assert files["one"] == files["many"]
+    assert_same(sd, _load(tmp_path / "many" / "step_00000001", sd))
+
+
+def test_write_threads_failure_removes_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(_writer, "WRITE_CHUNK_BYTES", 64 << 10)
+    monkeypatch.setenv("ASYNCCKPT_FAULT", "mid_write:enospc")
+    with asyncckpt.CheckpointManager(tmp_path, write_threads=4) as mgr:
+        with pytest.raises(CheckpointException, match="No space left"):
+            mgr.save(1, _state(3, n=4, numel=200_000), async_op=False)
+    assert mgr.steps() == []
+    assert not any(p.name.endswith(".distcp") for p in tmp_path.rglob("*"))
+
+
+def test_staging_copier_splits_by_bytes():
+    from asyncckpt.staging import StagingCopier, _split
+    srcs = [torch.randn(1000), torch.randn(10), torch.randn(5000).view(50, 100).t()]
+    dsts = [torch.empty(1000), torch.empty(10), torch.empty(100, 50)]
+    groups = _split(dsts, srcs, 3, 400)
+    assert sum(len(d) for d, _ in groups) > 3  # the contiguous 1000 was cut
+    copier = StagingCopier(threads=3)
+    copier.CHUNK_BYTES = 400
+    try:
+        copier.copy(dsts, srcs)
+    finally:
+        copier.close()
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d, s)
+    with pytest.raises(ValueError):
+        StagingCopier(0)
