@@ -20,7 +20,7 @@ import stat
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from filelock import FileLock
 
@@ -48,7 +48,7 @@ LATEST_NAME = "latest"
 LOCK_NAME = ".asyncckpt.lock"
 MANIFEST_FORMAT = "asyncckpt.manifest"
 MANIFEST_VERSION = 1
-_READ_CHUNK = 16 << 20
+_READ_CHUNK = 8 << 20
 
 
 def temporary_dir_for(final_dir: Path, token: str) -> Path:
@@ -189,12 +189,17 @@ def is_committed(checkpoint_dir: Path) -> bool:
     return (checkpoint_dir / MANIFEST_NAME).is_file() and (checkpoint_dir / METADATA_NAME).is_file()
 
 
-def verify_checkpoint(checkpoint_dir: str | os.PathLike, names: Iterable[str] | None = None) -> dict[str, Any]:
+def verify_checkpoint(checkpoint_dir: str | os.PathLike, names: Iterable[str] | None = None,
+                      on_bytes: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Check sizes and CRC-32 checksums of a checkpoint's files against its manifest.
+
+    Files are read with ``readinto`` into one reused buffer (no allocation, no page
+    fault per chunk), so the check runs at the speed of ``zlib.crc32``.
 
     Args:
         checkpoint_dir: the committed checkpoint directory.
         names: check only these files (default: all files of the manifest).
+        on_bytes: called with the number of bytes just checked (progress bars).
 
     Returns:
         The manifest.
@@ -206,6 +211,7 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike, names: Iterable[str] | 
     root = Path(checkpoint_dir)
     manifest = read_manifest(root)
     files = manifest["files"]
+    buf: memoryview | None = None
     for name in (sorted(files) if names is None else names):
         entry = files.get(name)
         path = root / name
@@ -223,17 +229,21 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike, names: Iterable[str] | 
             raise CorruptCheckpointError(
                 f"{path} has {size} bytes, the manifest says {entry['size']}", str(path))
         expected_pos = 0
+        if buf is None:
+            buf = memoryview(bytearray(_READ_CHUNK))
         with open(fd, "rb", buffering=0) as f:
             for offset, length, crc in entry["segments"]:
                 if offset != expected_pos:
                     raise CorruptCheckpointError(f"{path}: manifest segments do not cover the file", str(path))
                 actual, left = 0, length
                 while left:
-                    chunk = f.read(min(left, _READ_CHUNK))
-                    if not chunk:
+                    n = f.readinto(buf[:min(left, _READ_CHUNK)])
+                    if not n:
                         raise CorruptCheckpointError(f"{path} is truncated", str(path))
-                    actual = zlib.crc32(chunk, actual)
-                    left -= len(chunk)
+                    actual = zlib.crc32(buf[:n], actual)
+                    left -= n
+                    if on_bytes is not None:
+                        on_bytes(n)
                 if actual != crc:
                     raise CorruptCheckpointError(
                         f"{path}: checksum mismatch in bytes [{offset}, {offset + length}) "

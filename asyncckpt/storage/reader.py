@@ -27,6 +27,7 @@ integrity is the manifest's job (``verify_checkpoint``), not this module's.
 from __future__ import annotations
 
 import collections
+import ctypes
 import io
 import os
 import pathlib
@@ -59,6 +60,8 @@ __all__ = [
 
 #: Records up to this size are read with one ``pread``; larger ones in three.
 _SMALL_RECORD_BYTES = 1 << 20
+#: Records with at least this many data bytes are read straight into the destination.
+_DIRECT_READ_BYTES = 64 << 10
 
 # ----------------------------------------------------------------------------- metadata
 _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
@@ -441,6 +444,35 @@ class SafeFileSystemReader(FileSystemReader):
                 path)
         return tensor
 
+    def _read_into(self, fd: int, path: str, req: ReadItem, target: torch.Tensor) -> bool:
+        """Read a whole record of our writer straight into ``target``'s memory.
+
+        One copy (page cache to the destination), no intermediate buffer: taken when
+        ``target`` is a contiguous CPU tensor of the record's dtype and shape and the
+        request covers the whole chunk. Returns ``False`` (nothing read) otherwise.
+        """
+        if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
+            return False
+        info: _StorageInfo = self.storage_data[req.storage_index]
+        spec = None if info.transform_descriptors else self._chunk_spec(req.storage_index)
+        if spec is None or spec[0] != target.dtype or tuple(target.shape) != spec[1]:
+            return False
+        if any(req.storage_offsets) or tuple(req.lengths) != spec[1]:
+            return False
+        framing = _writer_framing(*spec)
+        if framing is None or target.numel() * target.element_size() != framing.nbytes:
+            return False
+        head_n, data_n = len(framing.prefix), framing.nbytes
+        if info.length != head_n + data_n + len(framing.suffix) or data_n < _DIRECT_READ_BYTES:
+            return False
+        head = _pread(fd, head_n, info.offset, path)
+        tail = _pread(fd, len(framing.suffix), info.offset + head_n + data_n, path)
+        if head != framing.prefix or not _suffix_matches(memoryview(tail), framing):
+            return False
+        dest = (ctypes.c_char * data_n).from_address(target.data_ptr())
+        _pread_into(fd, memoryview(dest).cast("B"), info.offset + head_n, path)
+        return True
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         root = os.fspath(self.path)
         per_file: dict[str, list[ReadItem]] = {}
@@ -474,9 +506,12 @@ class SafeFileSystemReader(FileSystemReader):
                 tensor_reqs = [r for r in reqs if r.type != LoadItemType.BYTE_IO]
                 tensor_reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
                 for req in tensor_reqs:
+                    target = planner.resolve_tensor(req).detach()
+                    if self._read_into(fds[name], path, req, target):
+                        planner.commit_tensor(req, target)
+                        continue
                     tensor = narrow_tensor_by_index(self._read_tensor(fds[name], path, req),
                                                     req.storage_offsets, req.lengths)
-                    target = planner.resolve_tensor(req).detach()
                     if target.size() != tensor.size():
                         raise CorruptCheckpointError(
                             f"{path}: entry {req.storage_index.fqn!r} has size {tuple(tensor.size())}, "
