@@ -19,7 +19,6 @@ import collections
 import logging
 import os
 import pickle
-import re
 import shutil
 import threading
 import time
@@ -700,8 +699,8 @@ def load(
 
 
 # ------------------------------------------------------------------ manager
-_STEP_RE = re.compile(r"^step_(\d+)$")
-_LEFTOVER_RE = re.compile(r"^\.step_(\d+)\.(?:tmp|deleting)-[0-9a-f]+$")
+_STEP_RE = _commit.STEP_DIR_RE
+_LEFTOVER_RE = _commit.LEFTOVER_RE
 
 
 class CheckpointManager:
@@ -780,7 +779,7 @@ class CheckpointManager:
 
     def step_dir(self, step: int) -> Path:
         """The directory of step ``step``."""
-        return self.root_dir / f"step_{int(step):08d}"
+        return self.root_dir / _commit.step_dir_name(step)
 
     def _on_commit(self, final_dir: Path) -> None:
         # Coordinator only, inside finalize, after the rename: latest, then retention,
