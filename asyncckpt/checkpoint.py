@@ -359,6 +359,20 @@ class _Saver:
         raise CallbackError("a completion callback raised: " + "; ".join(lines), [e for _, e in errors]) \
             from errors[0][1]
 
+    def prepare(self, state_dict: dict[str, Any], process_group: Any, coordinator_rank: int) -> int:
+        """Plan ``state_dict`` and allocate and format its staging buffer, writing nothing.
+
+        Returns:
+            The bytes of host memory the staging buffer holds.
+        """
+        with self._lock:
+            self.synchronize_staging()
+            sync = SyncGroup(process_group)
+            planned = plan_save(state_dict, "", sync, coordinator_rank, None, self.plan_cache)
+            blobs = {i: len(d) for i, d in enumerate(planned.data) if isinstance(d, bytes)}
+            layout = self._layout(sync.rank, planned.plan, blobs)
+            return self._slab_for(layout, planned.data).nbytes
+
     # ------------------------------------------------------------------ overlap
     def synchronize_staging(self) -> None:
         """Finish an overlapped staging and schedule its write (collective)."""
@@ -837,6 +851,28 @@ class CheckpointManager:
                 overlap_staging=self.overlap_staging and async_op,
                 callback=callback if callback is not None else self.callback,
                 on_commit=self._on_commit, on_committed=self._on_committed, on_scheduled=self._on_scheduled)
+
+    def prepare(self, state_dict: dict[str, Any]) -> int:
+        """Get ready for saves of ``state_dict``'s structure before the first one (collective).
+
+        Plans the save (the plan is cached), then allocates, page-faults and formats
+        the staging buffer, so that the first ``save`` stalls no longer than later
+        ones: allocating fresh host memory costs several times a copy into memory
+        already mapped. Nothing is written. Optional; call it e.g. after building the
+        model and optimizer state.
+
+        Args:
+            state_dict: a state of the structure (keys, dtypes, shapes) to be saved.
+
+        Returns:
+            The bytes of host memory the staging buffer holds (this rank).
+
+        Raises:
+            CheckpointError: invalid input on any rank (raised on every rank).
+        """
+        if self._closed:
+            raise RuntimeError("CheckpointManager is closed")
+        return self._saver.prepare(state_dict, self.process_group, self.coordinator_rank)
 
     def synchronize_staging(self) -> None:
         """Wait until an overlapped save is staged and start its write (collective).

@@ -52,7 +52,11 @@ class HostSlab:
         self._fd = os.memfd_create(f"asyncckpt-{self.slab_id[:8]}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, nbytes)
-            self._mm = mmap.mmap(self._fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE: the pages are allocated and mapped in one go (no page
+            # fault per 4 KiB during the first copy; the same kernel work, done
+            # without holding the GIL).
+            self._mm = mmap.mmap(self._fd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                 mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self._fd)
             raise

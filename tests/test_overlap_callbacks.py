@@ -233,3 +233,18 @@ def test_staging_copier_splits_by_bytes():
         assert torch.equal(d, s)
     with pytest.raises(ValueError):
         StagingCopier(0)
+
+
+def test_prepare_formats_the_buffer_without_writing(tmp_path):
+    """prepare() plans and allocates; the first save then reuses both."""
+    sd = _state(4)
+    with asyncckpt.CheckpointManager(tmp_path) as mgr:
+        nbytes = mgr.prepare(sd)
+        assert nbytes >= sum(t.numel() * t.element_size() for t in sd["model"].values())
+        assert list(tmp_path.iterdir()) == []  # nothing written
+        slab_ids = mgr._saver.stager.live_slab_ids
+        plans = mgr._saver.plan_cache.hits
+        mgr.save(1, sd).wait()
+        assert mgr._saver.stager.live_slab_ids == slab_ids  # the prepared buffer was used
+        assert mgr._saver.plan_cache.hits == plans + 1      # and the prepared plan
+    assert_same(sd, _load(tmp_path / "step_00000001", sd))
