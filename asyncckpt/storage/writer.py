@@ -31,6 +31,9 @@ WRITE_CHUNK_BYTES = 64 << 20
 #: Tensor records at least this large get a manifest segment of their own (their
 #: CRC-32 is computed once, for the zip record and the manifest together).
 BIG_SEGMENT_BYTES = 1 << 20
+#: Runs of smaller records are cut into manifest segments of about this size, so that
+#: ``verify_checkpoint`` can check them on several threads.
+MAX_SEGMENT_BYTES = 16 << 20
 
 
 class SlabRef(NamedTuple):
@@ -222,6 +225,9 @@ def _checksum_and_patch(image: memoryview, patches: tuple[CrcPatch, ...],
             seg_start, seg_crc = end, 0
         else:
             seg_crc = zlib.crc32(image[pos:end], seg_crc)
+            if end - seg_start >= MAX_SEGMENT_BYTES:  # segments stay short enough to check in parallel
+                segments.append((seg_start, end - seg_start, seg_crc))
+                seg_start, seg_crc = end, 0
         for offset in patch.patch_offsets:
             struct.pack_into("<I", image, offset, crc)
         if progress is not None:
