@@ -5,11 +5,18 @@ checkpointing asynchronously with :class:`asyncckpt.CheckpointManager`.
     python scripts/train.py                              # a few minutes on 2 CPU cores
     python scripts/train.py --resume                     # continue from ./checkpoints
     torchrun --nproc-per-node 2 scripts/train.py         # DDP (gloo on CPU)
+    torchrun --nproc-per-node 2 scripts/train.py --fsdp  # FSDP2: parameters and AdamW state sharded
 
 Everything needed for a bitwise-exact resume is checkpointed: model, AdamW state,
 LR schedule, data position and every RNG (per rank). SIGINT/SIGTERM stop training at
 the next step boundary, abort in-flight saves and exit with code 128+signum; the newest
 committed checkpoint can then be resumed with --resume.
+
+With --fsdp (``fully_shard`` per block, then the root) every rank saves and stages only
+its shards (DTensors from ``get_state_dict``), and --resume also works with a different
+number of ranks: the checkpoint is resharded on load. The data order stays the same if
+the global batch (--batch-size times the number of ranks) does; dropout streams of ranks
+that did not exist in the checkpoint start from their seeds.
 """
 from __future__ import annotations
 
@@ -34,7 +41,8 @@ import torch  # noqa: E402
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 from torch.nn.parallel import DistributedDataParallel
 
 import asyncckpt
@@ -55,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
     a("--temporal", action="store_true",
       help="write each checkpoint from a forked child instead of the persistent worker")
+    a("--fsdp", action="store_true",
+      help="shard parameters and optimizer state with FSDP2 (fully_shard per block + root) instead of DDP")
     a("--seed", type=int, default=1337, help="(%(default)s)")
     a("--n-layer", type=int, default=4, help="transformer blocks (%(default)s)")
     a("--n-head", type=int, default=4, help="attention heads (%(default)s)")
@@ -276,9 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     distributed = world_size > 1
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if distributed:
-        dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
-    rank = dist.get_rank() if distributed else 0
+    # FSDP needs a process group even on one rank (without torchrun: an in-process store).
+    use_pg = distributed or args.fsdp
+    if use_pg:
+        backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    rank = dist.get_rank() if use_pg else 0
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -292,6 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)  # same initial weights on every rank
     cfg = GPTConfig(args.block_size, args.n_layer, args.n_head, args.n_embd, args.dropout)
     raw_model = GPT(cfg).to(device)
+    if args.fsdp:
+        # Every rank built the same full weights; each keeps its shard (dim 0) of them.
+        from torch.distributed.fsdp import fully_shard
+        for block in raw_model.blocks:
+            fully_shard(block)
+        fully_shard(raw_model)
     torch.manual_seed(args.seed + 1 + rank)  # per-rank dropout streams
     if use_cuda:
         torch.cuda.manual_seed(args.seed + 1 + rank)
@@ -301,14 +323,27 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps))
     sampler = WindowSampler(data, args.block_size, args.batch_size, args.seed, rank, world_size)
 
-    def state_dict(step: int) -> dict[str, Any]:
+    def state_dict(step: int, rng_ranks: int | None = None) -> dict[str, Any]:
+        """The checkpointed state (with --fsdp, model and optimizer values are DTensor shards).
+        ``rng_ranks``: build a load template for a checkpoint saved by that many ranks."""
         model_sd, optim_sd = get_state_dict(raw_model, optimizer)
+        rng = (all_rng_states(device, world_size) if rng_ranks is None
+               else {f"rank{i}": rng_state(device) for i in range(rng_ranks)})
         return {"model": model_sd, "optim": optim_sd, "sched": scheduler.state_dict(),
-                "data": sampler.state_dict(), "rng": all_rng_states(device, world_size), "step": step}
+                "data": sampler.state_dict(), "rng": rng, "step": step, "world_size": world_size}
+
+    def global_loss(loss: torch.Tensor) -> float:
+        """The loss to print: with --fsdp the mean over all ranks (comparable across world sizes)."""
+        if not (args.fsdp and distributed):
+            return loss.item()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        return t.item() / world_size
 
     n_params = sum(p.numel() for p in raw_model.parameters())
     log(f"corpus {len(data) / 1e6:.2f} MB of stdlib source | model {n_params / 1e6:.2f} M params | "
-        f"world size {world_size} | device {device} | "
+        f"world size {world_size} | {'FSDP' if args.fsdp else 'DDP' if distributed else 'single process'} | "
+        f"device {device} | "
         f"{'temporal' if args.temporal else 'persistent'} checkpoint writer")
     mgr = asyncckpt.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last, persistent=not args.temporal)
     step, exit_code = 0, 0
@@ -316,19 +351,27 @@ def main(argv: list[str] | None = None) -> int:
         latest = mgr.latest_step()
         if args.resume and latest is not None:
             t0 = time.perf_counter()
-            sd = state_dict(0)  # template with the right structure (initialises AdamW's state)
-            step = mgr.load(sd)
+            # The saving world size first (a small read): it fixes which RNG states exist.
+            probe = {"world_size": 0}
+            mgr.load(probe, latest, verify=False)
+            saved_ws = int(probe["world_size"])
+            # A template with the right structure (initialises AdamW's state); DCP reshards
+            # the saved tensors into this rank's shards of it.
+            sd = state_dict(0, rng_ranks=saved_ws)
+            step = mgr.load(sd, latest)
             set_state_dict(raw_model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
             scheduler.load_state_dict(sd["sched"])
             sampler.load_state_dict(sd["data"])
-            set_rng_state(sd["rng"][f"rank{rank}"], device)
-            log(f"resumed from step {step} in {args.ckpt_dir} ({time.perf_counter() - t0:.2f} s)")
+            if rank < saved_ws:
+                set_rng_state(sd["rng"][f"rank{rank}"], device)
+            log(f"resumed from step {step} in {args.ckpt_dir} ({time.perf_counter() - t0:.2f} s)"
+                + (f", saved by {saved_ws} ranks, resharded to {world_size}" if saved_ws != world_size else ""))
         elif args.resume:
             log(f"no checkpoint in {args.ckpt_dir}: starting from step 0")
         elif latest is not None:
             raise SystemExit(f"{args.ckpt_dir} already holds checkpoints (latest step {latest}); "
                              "pass --resume to continue, or remove it / choose another --ckpt-dir")
-        model = DistributedDataParallel(raw_model) if distributed else raw_model
+        model = DistributedDataParallel(raw_model) if distributed and not args.fsdp else raw_model
         handles: dict[int, Any] = {}  # step -> SaveHandle, until committed
         blocked: list[float] = []  # seconds the loop spent in state_dict() + save(), per checkpoint
         committed: list[Any] = []  # SaveTimings of the committed saves
@@ -358,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             scheduler.step()
             step += 1
             if not args.quiet and (step % args.log_every == 0 or step == args.steps):
-                log(f"step {step:5d}/{args.steps} | loss {loss.item():.4f} | lr {scheduler.get_last_lr()[0]:.2e} "
+                log(f"step {step:5d}/{args.steps} | loss {global_loss(loss):.4f} | lr {scheduler.get_last_lr()[0]:.2e} "
                     f"| {(time.perf_counter() - t0) * 1e3:.0f} ms")
             last = step == args.steps or step == args.stop_at
             if step % args.ckpt_every == 0 or last:
@@ -385,14 +428,18 @@ def main(argv: list[str] | None = None) -> int:
         mgr.close()
         report([s for s in list(handles) if handles[s].done()])
         close_s = time.perf_counter() - t0
-        if args.save_final and rank == 0:
+        if args.save_final and args.fsdp:  # collective: gathers the full tensors to rank 0
+            full = get_model_state_dict(raw_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if rank == 0:
+                torch.save(full, args.save_final)
+        elif args.save_final and rank == 0:
             torch.save(raw_model.state_dict(), args.save_final)
 
         n = step - start_step
         log("=" * 72)
         log(f"summary: {n} steps in {train_s:.1f} s ({n / max(train_s, 1e-9):.2f} steps/s, "
             f"{n * args.batch_size * args.block_size * world_size / max(train_s, 1e-9):,.0f} tokens/s), "
-            f"final loss {loss.item() if n else float('nan'):.4f}")
+            f"final loss {global_loss(loss) if n else float('nan'):.4f}")
         log(f"  checkpoints: {len(blocked)} saved, {len(committed)} committed, kept {mgr.steps()} "
             f"in {args.ckpt_dir}")
         if committed:
@@ -407,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         mgr.close(abort=True)
         raise
     finally:
-        if distributed:
+        if use_pg:
             dist.destroy_process_group()
 
 

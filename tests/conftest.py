@@ -11,14 +11,28 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def _foreign_torch_segment(name: str, ours: set[int]) -> bool:
+    # torch_<pid>_...: created by process <pid>; one alive outside this test process
+    # tree (another job on the machine) is not this test's leak.
+    parts = name.split("_")
+    if len(parts) < 3 or parts[0] != "torch" or not parts[1].isdigit():
+        return False
+    pid = int(parts[1])
+    return pid not in ours and psutil.pid_exists(pid)
+
+
 def _shm_entries() -> set[str]:
     # /dev/shm may be shared with other processes of the machine: multiprocessing's
     # named semaphores (sem.mp-*, unlinked right after creation by their owners) can
-    # appear from elsewhere. Shared-memory segments (torch_*, psm_*, ...) are checked.
+    # appear from elsewhere, and so can torch segments of other jobs. Shared-memory
+    # segments (torch_*, psm_*, ...) of this process tree are checked.
     try:
-        return {e for e in os.listdir("/dev/shm") if not e.startswith("sem.")}
+        names = [e for e in os.listdir("/dev/shm") if not e.startswith("sem.")]
     except FileNotFoundError:
         return set()
+    me = psutil.Process()
+    ours = {me.pid} | {c.pid for c in me.children(recursive=True)}
+    return {e for e in names if not _foreign_torch_segment(e, ours)}
 
 
 def _is_mp_infrastructure(p: psutil.Process) -> bool:

@@ -9,6 +9,7 @@ import contextlib
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -220,3 +221,94 @@ def test_torchrun_two_ranks_resume_is_bitwise_identical(tmp_path: Path) -> None:
     assert "resumed from step 6" in out, out
     # per-rank dropout RNG streams differ; restoring the wrong one would change the parameters
     assert_same_params(tmp_path / "a" / "final.pt", tmp_path / "b" / "final.pt")
+
+
+# ----------------------------------------------------------------------------- FSDP2 (--fsdp)
+# No dropout: runs on different numbers of ranks then compute the same thing, up to the
+# order of floating-point reductions, when the global batch is the same (6 = 2 x 3 = 1 x 6 = 3 x 2).
+FSDP = [*TINY, "--fsdp", "--dropout", "0", "--steps", "12", "--ckpt-every", "4"]
+LOSS_RE = re.compile(r"^step\s+(\d+)/12 \| loss (\d+\.\d+) \|", re.M)
+
+
+def torchrun(nproc: int) -> list[str]:
+    # --standalone: the rendezvous store binds a free port itself (no race for a chosen one)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+
+
+def losses(out: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in LOSS_RE.findall(out)}
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """On 2 ranks with --fsdp: a straight run of 12 steps, and a run stopped at step 6."""
+    straight_dir, stopped_dir = tmp_path_factory.mktemp("fsdp_straight"), tmp_path_factory.mktemp("fsdp_stopped")
+    straight_out = run([*FSDP, "--batch-size", "3", "--temporal", "--save-final", "final.pt"], straight_dir,
+                       launcher=torchrun(2))
+    stopped_out = run([*FSDP, "--batch-size", "3", "--stop-at", "6", "--save-final", "at6.pt"], stopped_dir,
+                      launcher=torchrun(2))
+    return {"final": straight_dir / "final.pt", "straight_out": straight_out, "straight_dir": straight_dir,
+            "at6": stopped_dir / "at6.pt", "ckpts": stopped_dir / "checkpoints", "stopped_out": stopped_out}
+
+
+def _resume_dir(fsdp_runs: dict[str, object], tmp_path: Path) -> Path:
+    shutil.copytree(fsdp_runs["ckpts"], tmp_path / "checkpoints")  # type: ignore[arg-type]
+    return tmp_path
+
+
+def assert_close_continuation(fsdp_runs: dict[str, object], out: str, final: Path) -> None:
+    """A run resumed at step 6 on another number of ranks continues the straight run:
+    the same losses (printed: the mean over ranks) and, up to rounding, parameters."""
+    straight = losses(fsdp_runs["straight_out"])  # type: ignore[arg-type]
+    resumed = losses(out)
+    assert sorted(resumed) == list(range(7, 13)), out
+    assert all(abs(resumed[s] - straight[s]) <= 2e-4 for s in resumed), (resumed, straight)
+    sa, sb = torch.load(fsdp_runs["final"]), torch.load(final)  # type: ignore[arg-type]
+    assert sa.keys() == sb.keys()
+    # Restoring the wrong AdamW state (or none) moves parameters by ~lr = 1e-3 per step.
+    worst = max((sa[k] - sb[k]).abs().max().item() for k in sa)
+    assert worst < 1e-5, f"parameters differ by up to {worst}"
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_torchrun_resume_is_bitwise_identical(fsdp_runs: dict[str, object], tmp_path: Path) -> None:
+    out = fsdp_runs["straight_out"]
+    assert "world size 2 | FSDP" in out and "summary: 12 steps" in out, out
+    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [4, 8, 12], out  # type: ignore[arg-type]
+    assert sorted(losses(out)) == list(range(1, 13)), out  # type: ignore[arg-type]
+    # Each rank wrote its own shards (DCP gives the small replicated entries, RNG states,
+    # Adam's step counts, to the rank with fewer bytes so far): two data files of similar size.
+    ckpt = fsdp_runs["straight_dir"] / "checkpoints" / "step_00000012"  # type: ignore[operator]
+    sizes = [(ckpt / f"__{r}_0.distcp").stat().st_size for r in range(2)]
+    assert all(0.3 < size / sum(sizes) < 0.7 for size in sizes), sizes
+
+    d = _resume_dir(fsdp_runs, tmp_path)
+    out = run([*FSDP, "--batch-size", "3", "--resume", "--save-final", "final.pt"], d, launcher=torchrun(2))
+    assert "resumed from step 6 in ./checkpoints" in out and "resharded" not in out, out
+    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [8, 12], out
+    assert_same_params(fsdp_runs["final"], d / "final.pt")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(90)
+def test_fsdp_resume_two_ranks_on_one(fsdp_runs: dict[str, object], tmp_path: Path) -> None:
+    d = _resume_dir(fsdp_runs, tmp_path)
+    # Resumed and stopped at once: the parameters are exactly those saved at step 6.
+    out = run([*FSDP, "--batch-size", "6", "--resume", "--stop-at", "6", "--save-final", "at6.pt"], d)
+    assert "resumed from step 6 in ./checkpoints" in out and "saved by 2 ranks, resharded to 1" in out, out
+    assert_same_params(fsdp_runs["at6"], d / "at6.pt")  # type: ignore[arg-type]
+    # Resumed to the end on one rank (a single-process group, no torchrun).
+    out = run([*FSDP, "--batch-size", "6", "--resume", "--save-final", "final.pt"], d)
+    assert "world size 1 | FSDP" in out and "resharded to 1" in out, out
+    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [8, 12], out
+    assert_close_continuation(fsdp_runs, out, d / "final.pt")
+    assert sorted(p.name for p in (d / "checkpoints" / "step_00000012").glob("*.distcp")) == ["__0_0.distcp"]
+
+
+@pytest.mark.timeout(90)
+def test_fsdp_resume_two_ranks_on_three(fsdp_runs: dict[str, object], tmp_path: Path) -> None:
+    d = _resume_dir(fsdp_runs, tmp_path)
+    out = run([*FSDP, "--batch-size", "2", "--resume", "--save-final", "final.pt"], d, launcher=torchrun(3))
+    assert "world size 3 | FSDP" in out and "saved by 2 ranks, resharded to 3" in out, out
+    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [8, 12], out
+    assert_close_continuation(fsdp_runs, out, d / "final.pt")
+    assert len(list((d / "checkpoints" / "step_00000012").glob("*.distcp"))) == 3
