@@ -465,13 +465,22 @@ class SafeFileSystemReader(FileSystemReader):
         head_n, data_n = len(framing.prefix), framing.nbytes
         if info.length != head_n + data_n + len(framing.suffix) or data_n < _DIRECT_READ_BYTES:
             return False
-        head = _pread(fd, head_n, info.offset, path)
-        tail = _pread(fd, len(framing.suffix), info.offset + head_n + data_n, path)
-        if head != framing.prefix or not _suffix_matches(memoryview(tail), framing):
-            return False
-        dest = (ctypes.c_char * data_n).from_address(target.data_ptr())
-        _pread_into(fd, memoryview(dest).cast("B"), info.offset + head_n, path)
-        return True
+        # One preadv: framing before, the data into the destination, framing after.
+        # The target is written before the framing is checked; a record that turns
+        # out not to be ours is then read again the general way, overwriting it.
+        head, tail = bytearray(head_n), bytearray(len(framing.suffix))
+        dest = memoryview((ctypes.c_char * data_n).from_address(target.data_ptr())).cast("B")
+        want = head_n + data_n + len(tail)
+        got = os.preadv(fd, [head, dest, tail], info.offset)
+        if got != want:  # short read (rare): finish it piece by piece
+            bufs = [memoryview(head), dest, memoryview(tail)]
+            pos = 0
+            for b in bufs:
+                lo = max(0, got - pos)
+                if lo < len(b):
+                    _pread_into(fd, b[lo:], info.offset + pos + lo, path)
+                pos += len(b)
+        return head == framing.prefix and _suffix_matches(memoryview(tail), framing)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         root = os.fspath(self.path)
