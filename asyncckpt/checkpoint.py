@@ -788,6 +788,7 @@ class CheckpointManager:
         self._handles: dict[int, SaveHandle] = {}
         self._recent_commits: collections.OrderedDict[int, int] = collections.OrderedDict()  # call_idx -> step
         self._closed = False
+        self._deletions: list[threading.Thread] = []  # retention removals in flight
         #: Timings of the most recently committed save (``None`` before the first).
         self.last_committed_timings: SaveTimings | None = None
 
@@ -804,9 +805,12 @@ class CheckpointManager:
                 path = self.step_dir(old)
                 if path != final_dir:
                     try:
-                        _commit.remove_checkpoint(path)
+                        thread = _commit.remove_checkpoint(path, background=True)
                     except OSError:
-                        pass  # retention is best effort; never fails a committed save
+                        continue  # retention is best effort; never fails a committed save
+                    self._deletions = [t for t in self._deletions if t.is_alive()]
+                    if thread is not None:
+                        self._deletions.append(thread)
         m = _STEP_RE.match(final_dir.name)
         if m:
             self._remove_leftovers(int(m.group(1)))
@@ -816,10 +820,11 @@ class CheckpointManager:
         that failed or were killed: finalize runs in ``call_idx`` order, so none of them
         can still commit) and half-deleted old checkpoints."""
         pending = {h.step for h in self._handles.values()}
+        being_deleted = {t.name.partition(":")[2] for t in self._deletions if t.is_alive()}
         for entry in os.scandir(self.root_dir):
             m = _LEFTOVER_RE.match(entry.name)
             if (m and int(m.group(1)) <= committed_step and int(m.group(1)) not in pending
-                    and entry.is_dir(follow_symlinks=False)):
+                    and entry.name not in being_deleted and entry.is_dir(follow_symlinks=False)):
                 shutil.rmtree(entry.path, ignore_errors=True)
 
     def save(self, step: int, state_dict: dict[str, Any], *, async_op: bool = True,
@@ -1000,6 +1005,9 @@ class CheckpointManager:
             if self._owns_queue or abort:
                 self._saver.release()
             self._handles.clear()
+            for thread in self._deletions:
+                thread.join()
+            self._deletions.clear()
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -394,10 +394,24 @@ def read_latest(root: Path) -> str | None:
     return name
 
 
-def remove_checkpoint(path: Path) -> None:
+def remove_checkpoint(path: Path, background: bool = False) -> threading.Thread | None:
     """Delete a checkpoint directory: first renamed to a hidden name (so a crash
-    mid-delete never leaves a partial directory under a committed name), then removed."""
+    mid-delete never leaves a partial directory under a committed name), then removed.
+
+    Args:
+        path: the checkpoint directory.
+        background: remove the renamed directory in a daemon thread (returned) so
+            that the caller (the training thread, in a commit) does not wait for the
+            unlinks; a removal cut short by exit leaves a hidden ``.deleting-`` name
+            that ``CheckpointManager`` and ``asyncckpt clean`` remove later.
+    """
     doomed = path.parent / f".{path.name}.deleting-{secrets.token_hex(6)}"
     os.rename(path, doomed)
     fsync_directory(str(path.parent))
-    shutil.rmtree(doomed, ignore_errors=True)
+    if not background:
+        shutil.rmtree(doomed, ignore_errors=True)
+        return None
+    thread = threading.Thread(target=shutil.rmtree, args=(doomed,), kwargs={"ignore_errors": True},
+                              name=f"asyncckpt-retention:{doomed.name}", daemon=True)
+    thread.start()
+    return thread
