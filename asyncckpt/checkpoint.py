@@ -804,6 +804,8 @@ class CheckpointManager:
             for old in self.steps()[:-self.keep_last]:
                 path = self.step_dir(old)
                 if path != final_dir:
+                    for earlier in self._deletions:  # at most one removal in flight: bounded disk use
+                        earlier.join()
                     try:
                         thread = _commit.remove_checkpoint(path, background=True)
                     except OSError:
