@@ -292,6 +292,13 @@ class _Saver:
         self._layouts[key] = (plan, layout)
         return layout
 
+    def _plan(self, state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, coordinator_rank: int,
+              precheck: Callable[[], None] | None) -> tuple[Any, RankLayout]:
+        """Plan collectively (or reuse the cached plan) and lay out this rank's files."""
+        planned = plan_save(state_dict, checkpoint_id, sync, coordinator_rank, precheck, self.plan_cache)
+        blobs = {i: len(d) for i, d in enumerate(planned.data) if isinstance(d, bytes)}
+        return planned, self._layout(sync.rank, planned.plan, blobs)
+
     def _is_running(self, call_idx: int) -> bool:
         return self.queue.caller.is_running(call_idx)
 
@@ -344,11 +351,15 @@ class _Saver:
             if failure is not None:
                 handle._exception = handle._exception or failure
                 self._call_back(handle, failure)
-        if exc is not None and self._callback_errors:
-            for handle, error in self._callback_errors:
-                exc.add_note(f"the completion callback of the save of {handle.checkpoint_dir} also raised "
-                             f"{type(error).__name__}: {error}")
-            self._callback_errors.clear()
+        if exc is not None:
+            self._attach_callback_errors(exc)
+
+    def _attach_callback_errors(self, exc: BaseException) -> None:
+        """Report the pending callback errors as notes of ``exc`` (which is raised instead)."""
+        for handle, error in self._callback_errors:
+            exc.add_note(f"the completion callback of the save of {handle.checkpoint_dir} also raised "
+                         f"{type(error).__name__}: {error}")
+        self._callback_errors.clear()
 
     def raise_callback_errors(self) -> None:
         """Raise :class:`CallbackError` for the callbacks that raised since the last call."""
@@ -368,9 +379,7 @@ class _Saver:
         with self._lock:
             self.synchronize_staging()
             sync = SyncGroup(process_group)
-            planned = plan_save(state_dict, "", sync, coordinator_rank, None, self.plan_cache)
-            blobs = {i: len(d) for i, d in enumerate(planned.data) if isinstance(d, bytes)}
-            layout = self._layout(sync.rank, planned.plan, blobs)
+            planned, layout = self._plan(state_dict, "", sync, coordinator_rank, None)
             return self._slab_for(layout, planned.data).nbytes
 
     # ------------------------------------------------------------------ overlap
@@ -419,9 +428,7 @@ class _Saver:
                 raise FileExistsError(f"{final_dir} exists and is not an empty directory; "
                                       "a checkpoint never overwrites one")
 
-        planned = plan_save(state_dict, str(final_dir), sync, coordinator_rank, precheck, self.plan_cache)
-        blobs = {i: len(d) for i, d in enumerate(planned.data) if isinstance(d, bytes)}
-        layout = self._layout(sync.rank, planned.plan, blobs)
+        planned, layout = self._plan(state_dict, str(final_dir), sync, coordinator_rank, precheck)
         tmp_dir = _commit.temporary_dir_for(final_dir, planned.token)
         data = planned.data
         metadata = planned.metadata
@@ -502,10 +509,7 @@ class _Saver:
             except CheckpointException as exc:
                 handle._exception = exc
                 self._call_back(handle, exc)
-                for h, error in self._callback_errors:
-                    exc.add_note(f"the completion callback of the save of {h.checkpoint_dir} also raised "
-                                 f"{type(error).__name__}: {error}")
-                self._callback_errors.clear()
+                self._attach_callback_errors(exc)
                 raise
             self.raise_callback_errors()
             return handle
@@ -788,7 +792,7 @@ class CheckpointManager:
         self._handles: dict[int, SaveHandle] = {}
         self._recent_commits: collections.OrderedDict[int, int] = collections.OrderedDict()  # call_idx -> step
         self._closed = False
-        self._deletions: list[threading.Thread] = []  # retention removals in flight
+        self._deletion: threading.Thread | None = None  # the retention removal in flight
         #: Timings of the most recently committed save (``None`` before the first).
         self.last_committed_timings: SaveTimings | None = None
 
@@ -804,15 +808,11 @@ class CheckpointManager:
             for old in self.steps()[:-self.keep_last]:
                 path = self.step_dir(old)
                 if path != final_dir:
-                    for earlier in self._deletions:  # at most one removal in flight: bounded disk use
-                        earlier.join()
+                    self._join_deletion()  # at most one removal in flight: bounded disk use
                     try:
-                        thread = _commit.remove_checkpoint(path, background=True)
+                        self._deletion = _commit.remove_checkpoint(path, background=True)
                     except OSError:
-                        continue  # retention is best effort; never fails a committed save
-                    self._deletions = [t for t in self._deletions if t.is_alive()]
-                    if thread is not None:
-                        self._deletions.append(thread)
+                        pass  # retention is best effort; never fails a committed save
         m = _STEP_RE.match(final_dir.name)
         if m:
             self._remove_leftovers(int(m.group(1)))
@@ -822,11 +822,12 @@ class CheckpointManager:
         that failed or were killed: finalize runs in ``call_idx`` order, so none of them
         can still commit) and half-deleted old checkpoints."""
         pending = {h.step for h in self._handles.values()}
-        being_deleted = {t.name.partition(":")[2] for t in self._deletions if t.is_alive()}
+        deletion = self._deletion
+        being_deleted = deletion.name.partition(":")[2] if deletion is not None and deletion.is_alive() else None
         for entry in os.scandir(self.root_dir):
             m = _LEFTOVER_RE.match(entry.name)
             if (m and int(m.group(1)) <= committed_step and int(m.group(1)) not in pending
-                    and entry.name not in being_deleted and entry.is_dir(follow_symlinks=False)):
+                    and entry.name != being_deleted and entry.is_dir(follow_symlinks=False)):
                 shutil.rmtree(entry.path, ignore_errors=True)
 
     def save(self, step: int, state_dict: dict[str, Any], *, async_op: bool = True,
@@ -1007,9 +1008,12 @@ class CheckpointManager:
             if self._owns_queue or abort:
                 self._saver.release()
             self._handles.clear()
-            for thread in self._deletions:
-                thread.join()
-            self._deletions.clear()
+            self._join_deletion()
+
+    def _join_deletion(self) -> None:
+        if self._deletion is not None:
+            self._deletion.join()
+            self._deletion = None
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -83,13 +83,7 @@ def no_leaks():
 @pytest.fixture
 def temporal_queue():
     """An ``AsyncCallsQueue`` that forks a child per call, closed after the test."""
-    from asyncckpt import AsyncCallsQueue, CheckpointException
+    from helpers import closing_queue
 
-    queue = AsyncCallsQueue(persistent=False)
-    try:
+    with closing_queue(persistent=False) as queue:
         yield queue
-    finally:
-        try:
-            queue.close()
-        except CheckpointException:
-            pass

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -56,3 +57,19 @@ def clone_state(sd: Any, copy_leaves: bool = True) -> Any:
     if isinstance(sd, list):
         return [clone_state(v, copy_leaves) for v in sd]
     return copy.deepcopy(sd) if copy_leaves else sd
+
+
+@contextlib.contextmanager
+def closing_queue(persistent: bool) -> Iterator[Any]:
+    """An ``AsyncCallsQueue`` closed on the way out; a failure a test injected into its
+    last call is not raised again by ``close`` (the worker is stopped anyway)."""
+    from asyncckpt import AsyncCallsQueue, CheckpointException
+
+    queue = AsyncCallsQueue(persistent=persistent)
+    try:
+        yield queue
+    finally:
+        try:
+            queue.close()
+        except CheckpointException:
+            pass

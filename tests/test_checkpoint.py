@@ -9,9 +9,7 @@ background callers: ``AsyncCallsQueue(persistent=False)`` (a forked child per ca
 from __future__ import annotations
 
 import json
-import os
 import time
-import warnings
 import zlib
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,7 +21,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
 import asyncckpt.checkpoint as ckpt_mod
-from helpers import assert_same, bits, clone_state
+from helpers import assert_same, clone_state, closing_queue
 import asyncckpt.storage.commit as commit_mod
 from asyncckpt import (
     AsyncCallsQueue,
@@ -97,14 +95,8 @@ def data_files(path: Path) -> list[str]:
 
 @pytest.fixture(params=CALLERS)
 def calls_queue(request: pytest.FixtureRequest) -> Iterator[AsyncCallsQueue]:
-    queue = AsyncCallsQueue(persistent=request.param == "persistent")
-    try:
+    with closing_queue(persistent=request.param == "persistent") as queue:
         yield queue
-    finally:
-        try:
-            queue.close()
-        except CheckpointException:
-            pass  # a test's injected failure; the worker is stopped anyway
 
 
 @pytest.fixture

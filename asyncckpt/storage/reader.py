@@ -334,6 +334,25 @@ def _tensor_from(buf: bytearray, offset: int, nbytes: int, dtype: torch.dtype, s
     return raw.view(dtype).view(shape)
 
 
+def _read_record(fd: int, path: str, offset: int, framing: TensorFraming, dest: memoryview) -> bool:
+    """Read one record of our writer at ``offset``: its data into ``dest`` and its
+    framing, in one ``preadv``. Returns whether the framing is ours.
+
+    Raises:
+        CorruptCheckpointError: the file ends inside the record.
+    """
+    head, tail = bytearray(len(framing.prefix)), bytearray(len(framing.suffix))
+    got = os.preadv(fd, [head, dest, tail], offset)
+    if got != len(head) + len(dest) + len(tail):  # short read (rare): finish it piece by piece
+        pos = 0
+        for b in (memoryview(head), dest, memoryview(tail)):
+            lo = max(0, got - pos)
+            if lo < len(b):
+                _pread_into(fd, b[lo:], offset + pos + lo, path)
+            pos += len(b)
+    return head == framing.prefix and _suffix_matches(memoryview(tail), framing)
+
+
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` that checks every path and never follows a symlink.
 
@@ -424,10 +443,8 @@ class SafeFileSystemReader(FileSystemReader):
                     if ok:
                         return _tensor_from(buf, head_n, data_n, spec[0], spec[1])
                 else:
-                    head = _pread(fd, head_n, info.offset, path)
-                    tail = _pread(fd, len(framing.suffix), info.offset + head_n + data_n, path)
-                    if head == framing.prefix and _suffix_matches(memoryview(tail), framing):
-                        buf = _pread(fd, data_n, info.offset + head_n, path)
+                    buf = bytearray(data_n)
+                    if _read_record(fd, path, info.offset, framing, memoryview(buf)):
                         return _tensor_from(buf, 0, data_n, spec[0], spec[1])
         # Not our framing: what DCP's FileSystemReader does, weights_only.
         record = io.BytesIO(_pread(fd, info.length, info.offset, path))
@@ -462,25 +479,13 @@ class SafeFileSystemReader(FileSystemReader):
         framing = _writer_framing(*spec)
         if framing is None or target.numel() * target.element_size() != framing.nbytes:
             return False
-        head_n, data_n = len(framing.prefix), framing.nbytes
-        if info.length != head_n + data_n + len(framing.suffix) or data_n < _DIRECT_READ_BYTES:
+        data_n = framing.nbytes
+        if info.length != len(framing.prefix) + data_n + len(framing.suffix) or data_n < _DIRECT_READ_BYTES:
             return False
-        # One preadv: framing before, the data into the destination, framing after.
         # The target is written before the framing is checked; a record that turns
         # out not to be ours is then read again the general way, overwriting it.
-        head, tail = bytearray(head_n), bytearray(len(framing.suffix))
         dest = memoryview((ctypes.c_char * data_n).from_address(target.data_ptr())).cast("B")
-        want = head_n + data_n + len(tail)
-        got = os.preadv(fd, [head, dest, tail], info.offset)
-        if got != want:  # short read (rare): finish it piece by piece
-            bufs = [memoryview(head), dest, memoryview(tail)]
-            pos = 0
-            for b in bufs:
-                lo = max(0, got - pos)
-                if lo < len(b):
-                    _pread_into(fd, b[lo:], info.offset + pos + lo, path)
-                pos += len(b)
-        return head == framing.prefix and _suffix_matches(memoryview(tail), framing)
+        return _read_record(fd, path, info.offset, framing, dest)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         root = os.fspath(self.path)
