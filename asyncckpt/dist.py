@@ -9,6 +9,7 @@ issued.
 
 from __future__ import annotations
 
+import pickle
 import threading
 from typing import Any
 
@@ -83,20 +84,39 @@ class SyncGroup:
         return [t.tolist() for t in out]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Gather one picklable object from every rank."""
+        """Gather one picklable object from every rank; ``result[r]`` is rank ``r``'s.
+
+        Two all_gathers on the gloo group: the pickled sizes (int64), then the bytes
+        padded to the largest (uint8). Unlike ``torch.distributed.all_gather_object``
+        (which goes through ``Tensor.numpy()`` in torch 2.13) it needs no NumPy.
+        """
         if not self.active:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.gloo)
-        return out
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        sizes = [s[0] for s in self.all_gather_ints([len(payload)])]
+        width = max(max(sizes), 1)
+        local = bytearray(width)
+        local[:len(payload)] = payload
+        bufs = [bytearray(width) for _ in range(self.world_size)]
+        dist.all_gather([torch.frombuffer(b, dtype=torch.uint8) for b in bufs],
+                        torch.frombuffer(local, dtype=torch.uint8), group=self.gloo)
+        return [pickle.loads(memoryview(b)[:n]) for b, n in zip(bufs, sizes)]
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
-        """Broadcast a picklable object from group rank ``src``; returns it on every rank."""
+        """Broadcast a picklable object from group rank ``src``; returns it on every rank.
+
+        The size (int64), then the pickled bytes (uint8), broadcast on the gloo group;
+        no NumPy needed (see :meth:`all_gather_object`).
+        """
         if not self.active:
             return obj
-        box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=self.global_rank(src), group=self.gloo)
-        return box[0]
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == src else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        dist.broadcast(size, src=self.global_rank(src), group=self.gloo)
+        buf = bytearray(payload) if self.rank == src else bytearray(int(size.item()))
+        if buf:
+            dist.broadcast(torch.frombuffer(buf, dtype=torch.uint8), src=self.global_rank(src), group=self.gloo)
+        return obj if self.rank == src else pickle.loads(buf)
 
 
 def _dedicated_gloo_group(process_group: Any) -> Any:

@@ -29,15 +29,11 @@ import statistics
 import sys
 import sysconfig
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-# torch warns at import when NumPy is absent; this example does not use NumPy.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-
-import torch  # noqa: E402
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
