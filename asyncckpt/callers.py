@@ -35,6 +35,8 @@ import time
 import traceback
 from typing import Any, Callable, NamedTuple
 
+from .errors import RankFailure
+
 __all__ = ["AsyncCaller", "CallOutcome", "PersistentAsyncCaller", "TemporalAsyncCaller"]
 
 _HEADER = struct.Struct("<q")
@@ -51,8 +53,9 @@ class CallOutcome(NamedTuple):
         call_idx: the call.
         ok: True if ``async_fn`` returned normally and the process that ran it is
             healthy.
-        error: on failure, the cause as text (exception type, message, remote
-            traceback, or the exit status of a dead process); else ``None``.
+        error: on failure, the cause (a ``str`` subclass: exception type, message,
+            remote traceback, or the exit status of a dead process; with the
+            exception's type name and errno); else ``None``.
         value: the return value of ``async_fn`` (``None`` on failure).
         started: ``time.monotonic()`` when ``async_fn`` started (system-wide clock,
             comparable across processes on one host), or ``None``.
@@ -61,7 +64,7 @@ class CallOutcome(NamedTuple):
 
     call_idx: int
     ok: bool
-    error: str | None
+    error: RankFailure | None
     value: Any = None
     started: float | None = None
     finished: float | None = None
@@ -79,9 +82,8 @@ def _describe_exit(pid: int | None, exitcode: int | None) -> str:
     return f"process {pid} exited with code {exitcode}"
 
 
-def _format_exception(exc: BaseException) -> str:
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return f"{type(exc).__name__}: {exc}\nRemote traceback (pid {os.getpid()}):\n{text}"
+def _format_exception(exc: BaseException, context: str = "") -> RankFailure:
+    return RankFailure.from_exception(exc, context)
 
 
 def _run_call(call_idx: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> CallOutcome:
@@ -97,8 +99,8 @@ def _dump_outcome(outcome: CallOutcome) -> bytes:
     try:
         return pickle.dumps(outcome)
     except Exception as exc:  # the return value of async_fn is not picklable
-        bad = CallOutcome(outcome.call_idx, False, "the return value of async_fn cannot be pickled: "
-                          + _format_exception(exc), None, outcome.started, outcome.finished)
+        bad = CallOutcome(outcome.call_idx, False, _format_exception(
+                          exc, "the return value of async_fn cannot be pickled: "), None, outcome.started, outcome.finished)
         return pickle.dumps(bad)
 
 
@@ -167,17 +169,45 @@ def _terminate_all_at_exit() -> None:
 mp_util.Finalize(None, _terminate_all_at_exit, exitpriority=100)
 
 
+def _wait_handles(handles: list[Any], timeout: float | None) -> None:
+    """Wait until one of ``handles`` (connections, sentinels) is ready, or ``timeout`` s.
+
+    Another thread may close a connection meanwhile (a dead worker's pipes): that ends
+    the wait, as readiness would; the caller then polls under its lock.
+    """
+    if not handles:
+        return
+    try:
+        mp_connection.wait(handles, timeout)
+    except (OSError, ValueError):
+        pass
+
+
 # --------------------------------------------------------------------------- base
 class AsyncCaller(abc.ABC):
     """Runs ``async_fn`` calls in the background and reports their outcomes.
 
     Subclasses implement :meth:`schedule`, :meth:`poll`, :meth:`wait_any` and
-    :meth:`close`. All methods are called from the training thread only.
+    :meth:`close`. Thread-safe: the training thread schedules while a finalizer
+    thread (``AsyncCallsQueue(background_finalize=True)``) waits for outcomes; the
+    state is guarded by one re-entrant lock, never held while blocking.
+
+    A caller that is dropped without :meth:`close` is closed with ``abort=True`` when
+    it is garbage-collected (as Megatron-core and NVRx close in ``__del__``).
     """
 
     def __init__(self) -> None:
+        self._lock = threading.RLock()
         self._outcomes: dict[int, CallOutcome] = {}
         self._abandoned: set[int] = set()
+
+    def __del__(self) -> None:
+        if getattr(self, "_lock", None) is None:
+            return  # __init__ did not finish
+        try:
+            self.close(abort=True)
+        except Exception:  # noqa: BLE001 - nothing to report to at collection time
+            pass
 
     @abc.abstractmethod
     def schedule(self, call_idx: int, async_fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
@@ -205,31 +235,36 @@ class AsyncCaller(abc.ABC):
 
     # -- shared logic ------------------------------------------------------------
     def _record(self, outcome: CallOutcome) -> None:
-        if outcome.call_idx in self._abandoned:
-            self._abandoned.discard(outcome.call_idx)
-            return
-        self._outcomes[outcome.call_idx] = outcome
+        with self._lock:
+            if outcome.call_idx in self._abandoned:
+                self._abandoned.discard(outcome.call_idx)
+                return
+            self._outcomes[outcome.call_idx] = outcome
 
     def outcome(self, call_idx: int) -> CallOutcome | None:
         """The outcome of ``call_idx`` if it finished on this rank, else ``None``."""
-        self.poll()
-        return self._outcomes.get(call_idx)
+        with self._lock:
+            self.poll()
+            return self._outcomes.get(call_idx)
 
     def pop_outcome(self, call_idx: int) -> CallOutcome | None:
         """Remove and return the outcome of ``call_idx`` (``None`` if not finished)."""
-        self.poll()
-        return self._outcomes.pop(call_idx, None)
+        with self._lock:
+            self.poll()
+            return self._outcomes.pop(call_idx, None)
 
     def abandon(self, call_idx: int) -> None:
         """Forget ``call_idx``: its outcome, now or when it arrives, is dropped."""
-        self._outcomes.pop(call_idx, None)
-        if call_idx in self.running():
-            self._abandoned.add(call_idx)
+        with self._lock:
+            self._outcomes.pop(call_idx, None)
+            if call_idx in self.running():
+                self._abandoned.add(call_idx)
 
     def is_running(self, call_idx: int) -> bool:
         """True while this rank's ``async_fn`` for ``call_idx`` may still be running."""
-        self.poll()
-        return call_idx in self.running()
+        with self._lock:
+            self.poll()
+            return call_idx in self.running()
 
     def wait(self, call_idx: int, timeout: float | None = None) -> bool:
         """Wait until ``call_idx`` no longer runs on this rank.
@@ -278,6 +313,10 @@ class TemporalAsyncCaller(AsyncCaller):
         self._children: dict[int, tuple[Any, Any, CallOutcome | None]] = {}
 
     def schedule(self, call_idx: int, async_fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        with self._lock:
+            self._schedule(call_idx, async_fn, args, kwargs)
+
+    def _schedule(self, call_idx: int, async_fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         try:
             reader, writer = self._ctx.Pipe(duplex=False)
             proc = self._ctx.Process(
@@ -288,14 +327,15 @@ class TemporalAsyncCaller(AsyncCaller):
             )
             proc.start()
         except Exception as exc:  # e.g. fork failed (ENOMEM, EAGAIN)
-            self._record(CallOutcome(call_idx, False, "could not fork a child: " + _format_exception(exc)))
+            self._record(CallOutcome(call_idx, False, _format_exception(exc, "could not fork a child: ")))
             return
         _track(proc)
         writer.close()
         self._children[call_idx] = (proc, reader, None)
 
     def running(self) -> list[int]:
-        return list(self._children)
+        with self._lock:
+            return list(self._children)
 
     @staticmethod
     def _read_report(reader: Any) -> CallOutcome | None:
@@ -307,6 +347,10 @@ class TemporalAsyncCaller(AsyncCaller):
         return None
 
     def poll(self) -> None:
+        with self._lock:
+            self._poll()
+
+    def _poll(self) -> None:
         for call_idx, (proc, reader, reported) in list(self._children.items()):
             if reported is None:
                 reported = self._read_report(reader)
@@ -321,30 +365,32 @@ class TemporalAsyncCaller(AsyncCaller):
             del self._children[call_idx]
             exit_text = _describe_exit(proc.pid, proc.exitcode)
             if reported is None:
-                outcome = CallOutcome(call_idx, False, f"forked child {exit_text} without reporting a result")
+                outcome = CallOutcome(call_idx, False,
+                                      RankFailure(f"forked child {exit_text} without reporting a result"))
             elif proc.exitcode != 0 and reported.ok:
                 outcome = reported._replace(ok=False, value=None,
-                                            error=f"forked child reported success but {exit_text}")
+                                            error=RankFailure(f"forked child reported success but {exit_text}"))
             else:
                 outcome = reported
             self._record(outcome)
 
     def wait_any(self, timeout: float | None) -> None:
         handles = []
-        for proc, reader, reported in self._children.values():
-            handles.append(proc.sentinel)
-            if reported is None:
-                handles.append(reader)
-        if handles:
-            mp_connection.wait(handles, timeout)
+        with self._lock:
+            for proc, reader, reported in self._children.values():
+                handles.append(proc.sentinel)
+                if reported is None:
+                    handles.append(reader)
+        _wait_handles(handles, timeout)
 
     def close(self, abort: bool = False) -> None:
         """Wait for the running children (``abort``: terminate them) and reap them."""
         if abort:
-            _terminate_many([proc for proc, _, _ in self._children.values()])
-            for _, reader, _ in self._children.values():
+            with self._lock:
+                children, self._children = dict(self._children), {}
+            _terminate_many([proc for proc, _, _ in children.values()])
+            for _, reader, _ in children.values():
                 reader.close()
-            self._children.clear()
             return
         while self._children:
             self.wait_any(1.0)
@@ -390,8 +436,8 @@ def _persistent_worker_main(task_conn: Any, result_conn: Any) -> None:
         try:
             fn, args, kwargs = pickle.loads(memoryview(data)[_HEADER.size:])
         except BaseException as exc:  # noqa: BLE001
-            outcome = CallOutcome(call_idx, False, "the worker could not unpickle the request: "
-                                  + _format_exception(exc))
+            outcome = CallOutcome(call_idx, False,
+                                  _format_exception(exc, "the worker could not unpickle the request: "))
         else:
             del data
             outcome = _run_call(call_idx, fn, args, kwargs)
@@ -500,11 +546,12 @@ class PersistentAsyncCaller(AsyncCaller):
         return worker.proc.pid if worker is not None and worker.proc.is_alive() else None
 
     def _ensure_worker(self) -> _Worker:
-        self.poll()
-        if self._worker is None:
-            self._worker = _Worker(self._ctx, self.import_main)
-            self.num_starts += 1
-        return self._worker
+        with self._lock:
+            self.poll()
+            if self._worker is None:
+                self._worker = _Worker(self._ctx, self.import_main)
+                self.num_starts += 1
+            return self._worker
 
     def start(self) -> None:
         """Start the worker now instead of at the first call (optional)."""
@@ -514,22 +561,24 @@ class PersistentAsyncCaller(AsyncCaller):
         try:
             payload = pickle.dumps((async_fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
-            self._record(CallOutcome(call_idx, False, "the request cannot be pickled for the "
-                                     "persistent worker: " + _format_exception(exc)))
+            self._record(CallOutcome(call_idx, False, _format_exception(
+                exc, "the request cannot be pickled for the persistent worker: ")))
             return
-        try:
-            worker = self._ensure_worker()
-        except Exception as exc:
-            self._record(CallOutcome(call_idx, False, "could not start the worker: " + _format_exception(exc)))
-            return
-        worker.inflight.append(call_idx)
-        try:
-            worker.task_w.send_bytes(_HEADER.pack(call_idx) + payload)
-        except (BrokenPipeError, OSError):
-            self._worker_died(worker)  # fails call_idx with the worker's exit status
+        with self._lock:
+            try:
+                worker = self._ensure_worker()
+            except Exception as exc:
+                self._record(CallOutcome(call_idx, False, _format_exception(exc, "could not start the worker: ")))
+                return
+            worker.inflight.append(call_idx)
+            try:
+                worker.task_w.send_bytes(_HEADER.pack(call_idx) + payload)
+            except (BrokenPipeError, OSError):
+                self._worker_died(worker)  # fails call_idx with the worker's exit status
 
     def running(self) -> list[int]:
-        return list(self._worker.inflight) if self._worker is not None else []
+        with self._lock:
+            return list(self._worker.inflight) if self._worker is not None else []
 
     def _drain(self, worker: _Worker) -> bool:
         """Record every result waiting in the pipe; False if the pipe is closed."""
@@ -544,11 +593,12 @@ class PersistentAsyncCaller(AsyncCaller):
         return True
 
     def poll(self) -> None:
-        worker = self._worker
-        if worker is None:
-            return
-        if not self._drain(worker) or not worker.proc.is_alive():
-            self._worker_died(worker)
+        with self._lock:
+            worker = self._worker
+            if worker is None:
+                return
+            if not self._drain(worker) or not worker.proc.is_alive():
+                self._worker_died(worker)
 
     def _worker_died(self, worker: _Worker) -> None:
         # A result sent just before the worker exited may have arrived after the last
@@ -560,17 +610,19 @@ class PersistentAsyncCaller(AsyncCaller):
         _untrack(worker.proc)
         text = _describe_exit(worker.proc.pid, worker.proc.exitcode)
         for call_idx in worker.inflight:
-            self._record(CallOutcome(call_idx, False, f"the persistent worker {text} while call "
-                                     f"{call_idx} was in flight (it is restarted for the next call)"))
+            self._record(CallOutcome(call_idx, False, RankFailure(
+                f"the persistent worker {text} while call {call_idx} was in flight (it is restarted for "
+                "the next call)")))
         worker.inflight.clear()
         worker.close_pipes()
         if self._worker is worker:
             self._worker = None
 
     def wait_any(self, timeout: float | None) -> None:
-        worker = self._worker
-        if worker is not None:
-            mp_connection.wait([worker.result_r, worker.proc.sentinel], timeout)
+        with self._lock:
+            worker = self._worker
+            handles = [] if worker is None else [worker.result_r, worker.proc.sentinel]
+        _wait_handles(handles, timeout)
 
     def close(self, abort: bool = False, timeout: float | None = None) -> None:
         """Stop the worker.
@@ -600,8 +652,11 @@ class PersistentAsyncCaller(AsyncCaller):
             except (BrokenPipeError, OSError):
                 pass
             self.poll()
-        if self._worker is not None:
+        with self._lock:
+            still_ours = self._worker is worker
+            if still_ours:
+                self._worker = None
+        if still_ours:
             _terminate(worker.proc)  # ABORT message, SIGTERM, grace, SIGKILL
-            self._worker = None
         worker.inflight.clear()
         worker.close_pipes()

@@ -1,28 +1,210 @@
 """AsyncCallsQueue: schedule asynchronous calls and finalize them collectively.
 
 The shape is Megatron-core's ``AsyncCallsQueue``; the behaviour follows the contracts
-of DESIGN.md: per-rank failures (a raising ``preload_fn`` or ``async_fn``, a dead
-worker, a forked child that exited non-zero) are recorded against the call and
-reported by :meth:`AsyncCallsQueue.maybe_finalize_async_calls`, which raises the same
-:class:`~asyncckpt.errors.CheckpointException` on every rank. Completion is agreed on
-with one all_gather of per-rank status over a dedicated gloo group.
+of docs/DESIGN.md: per-rank failures (a raising or interrupted ``preload_fn``, a raising
+``async_fn``, a dead worker, a forked child that exited non-zero) are recorded against
+the call and reported on every rank as the same
+:class:`~asyncckpt.errors.CheckpointException`. Completion is agreed on with one
+all_gather of per-rank status over a dedicated gloo group.
+
+Two ways to finalize:
+
+- **In the training loop** (default, Megatron's semantics):
+  :meth:`AsyncCallsQueue.maybe_finalize_async_calls` is called by every rank, in the
+  same order; it runs the status all_gather and the ``finalize_fns`` in the calling
+  thread.
+- **In the background** (``background_finalize=True``, what ``CheckpointManager`` and
+  ``asyncckpt.save`` use): one finalizer thread per queue, on a gloo group of its own,
+  takes the calls strictly in ``call_idx`` order on every rank, waits for this rank's
+  outcome, runs the status all_gather and the ``finalize_fns`` (their collectives use
+  :attr:`AsyncCallsQueue.finalize_sync`). ``maybe_finalize_async_calls`` then only
+  harvests outcomes: no collective, so ranks may call it different numbers of times.
+  This is how DCP's ``async_save`` runs its collectives in its executor.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
+import queue as _queue
+import threading
 import time
-import traceback
-from typing import Any
+from typing import Any, Callable
 
 from .callers import AsyncCaller, PersistentAsyncCaller, TemporalAsyncCaller
 from .dist import SyncGroup
-from .errors import CheckpointException
+from .errors import CheckpointException, RankFailure
 from .request import AsyncRequest
 
-__all__ = ["AsyncCallsQueue"]
+__all__ = ["AsyncCallsQueue", "SettleListener"]
+
+_log = logging.getLogger("asyncckpt")
 
 _RUNNING, _OK, _FAILED = 0, 1, 2
+
+#: Called once per call when it is settled, with its ``call_idx`` and ``None``
+#: (finalized: its ``finalize_fns`` ran) or the :class:`CheckpointException` it failed
+#: with (also when dropped by ``close(abort=True)``). Runs in the thread that settled
+#: the call: the finalizer thread (``background_finalize=True``) or the thread that
+#: called ``maybe_finalize_async_calls`` / ``close``.
+SettleListener = Callable[[int, "CheckpointException | None"], None]
+
+
+class _Book:
+    """A queue's calls and their outcomes, shared by the training and finalizer threads.
+
+    Everything here is guarded by ``cond``'s lock; no lock is held while a call
+    runs, a finalize function runs, or a collective is in flight.
+    """
+
+    def __init__(self, caller: AsyncCaller, failures_kept: int) -> None:
+        self.caller = caller
+        self.cond = threading.Condition(threading.RLock())
+        self.pending: dict[int, AsyncRequest] = {}  # insertion order is call_idx order
+        self.preload_failures: dict[int, RankFailure] = {}
+        self.results: dict[int, Any] = {}
+        self.failures: collections.OrderedDict[int, CheckpointException] = collections.OrderedDict()
+        self.failures_kept = failures_kept
+        #: Settled in the background, not yet reported by maybe_finalize_async_calls.
+        self.unharvested: collections.deque[tuple[int, CheckpointException | None]] = collections.deque()
+        self.listeners: list[SettleListener] = []
+        self.background = False
+
+    def local_status(self, call_idx: int, request: AsyncRequest, blocking: bool,
+                     stop: threading.Event | None = None) -> tuple[int, RankFailure | None]:
+        """This rank's status of ``call_idx`` (waiting for it with ``blocking``)."""
+        with self.cond:
+            failure = self.preload_failures.get(call_idx)
+        if failure is not None:
+            return _FAILED, failure
+        if request.async_fn is None:
+            return _OK, None
+        if blocking:
+            while self.caller.is_running(call_idx) and not (stop is not None and stop.is_set()):
+                self.caller.wait_any(0.5)
+        outcome = self.caller.outcome(call_idx)
+        if outcome is None:
+            if blocking and not (stop is not None and stop.is_set()):
+                # Not running and no outcome: it was never handed to the caller.
+                return _FAILED, RankFailure(f"call {call_idx} was never started on this rank")
+            return _RUNNING, None
+        return (_OK, None) if outcome.ok else (_FAILED, outcome.error)
+
+    def claim(self, call_idx: int) -> AsyncRequest | None:
+        """Take ``call_idx`` out of the pending calls; ``None`` if another thread did."""
+        with self.cond:
+            request = self.pending.pop(call_idx, None)
+            self.preload_failures.pop(call_idx, None)
+            return request
+
+    def run_finalize(self, call_idx: int, request: AsyncRequest, rank: int) -> CheckpointException | None:
+        """Run the ``finalize_fns`` of a call that succeeded everywhere (already claimed).
+
+        Returns:
+            ``None``, or the failure they raised (a ``CheckpointException`` as is,
+            anything else wrapped). A ``BaseException`` that is not an ``Exception``
+            (Ctrl-C) is re-raised after the call is settled as failed.
+        """
+        outcome = self.caller.pop_outcome(call_idx)
+        self.results[call_idx] = None if outcome is None else outcome.value
+        try:
+            for fn in request.finalize_fns:
+                fn()
+        except CheckpointException as exc:
+            return exc
+        except Exception as exc:  # noqa: BLE001 - reported as the call's failure
+            return CheckpointException(call_idx, {rank: RankFailure.from_exception(exc, "a finalize function raised ")})
+        except BaseException as exc:
+            self.settle(call_idx, CheckpointException(
+                call_idx, {rank: RankFailure.from_exception(exc, "finalize interrupted: ")}))
+            raise
+        finally:
+            self.results.pop(call_idx, None)
+        return None
+
+    def settle(self, call_idx: int, exc: CheckpointException | None) -> None:
+        """Record a claimed call's end, tell the listeners, then publish it."""
+        if exc is not None:
+            self.caller.abandon(call_idx)
+        for listener in list(self.listeners):
+            try:
+                listener(call_idx, exc)
+            except Exception:  # noqa: BLE001 - a listener must not break the queue
+                _log.exception("a settle listener of call %d raised", call_idx)
+        with self.cond:
+            if exc is not None:
+                self.failures[call_idx] = exc
+                while len(self.failures) > self.failures_kept:
+                    self.failures.popitem(last=False)
+            if self.background:
+                self.unharvested.append((call_idx, exc))
+            self.cond.notify_all()
+
+    def drop_all(self, rank: int, why: str) -> None:
+        """Settle every pending call as failed with ``why`` (no collective)."""
+        with self.cond:
+            call_idxs = list(self.pending)
+        for call_idx in call_idxs:
+            if self.claim(call_idx) is not None:
+                self.settle(call_idx, CheckpointException(call_idx, {rank: RankFailure(why)}))
+
+
+class _Finalizer:
+    """The background finalizer of one queue: a thread and its own gloo group.
+
+    It holds no reference to the queue, so a dropped queue can be collected (and its
+    ``__del__`` stops this thread and the worker).
+    """
+
+    def __init__(self, book: _Book, sync: SyncGroup) -> None:
+        self.book = book
+        self.sync = sync
+        self.work: _queue.SimpleQueue[int | None] = _queue.SimpleQueue()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="asyncckpt-finalizer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        book, sync = self.book, self.sync
+        while True:
+            call_idx = self.work.get()
+            if call_idx is None or self.stop.is_set():
+                return
+            with book.cond:
+                request = book.pending.get(call_idx)
+            if request is None:
+                continue  # dropped by close(abort=True)
+            status, cause = book.local_status(call_idx, request, blocking=True, stop=self.stop)
+            if self.stop.is_set():
+                return  # aborting: no more collectives
+            try:
+                statuses = [s[0] for s in sync.all_gather_ints([status])]
+                if _FAILED in statuses:
+                    causes = sync.all_gather_object(cause)
+                    exc: CheckpointException | None = CheckpointException(
+                        call_idx, {r: c for r, c in enumerate(causes) if c is not None})
+                    if book.claim(call_idx) is not None:
+                        book.settle(call_idx, exc)
+                    continue
+                if book.claim(call_idx) is None:
+                    continue
+                exc = book.run_finalize(call_idx, request, sync.rank)
+                book.settle(call_idx, exc)
+            except BaseException as error:  # noqa: BLE001 - a broken collective: the ranks are out of step
+                why = RankFailure.from_exception(error, "the background finalizer failed: ")
+                if book.claim(call_idx) is not None:
+                    book.settle(call_idx, CheckpointException(call_idx, {sync.rank: why}))
+                book.drop_all(sync.rank, "the background finalizer stopped after an earlier failure:\n" + why)
+                self.stop.set()
+                return
+
+    def close(self, timeout: float | None) -> None:
+        """Stop the thread after the calls it has (``timeout`` seconds at most)."""
+        self.work.put(None)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+        if not self.thread.is_alive():
+            self.sync.destroy()
 
 
 class AsyncCallsQueue:
@@ -39,10 +221,19 @@ class AsyncCallsQueue:
             :class:`PersistentAsyncCaller`).
         caller: a caller instance to use instead (overrides ``persistent``).
         failures_kept: how many recent failures :meth:`get_failure` remembers.
+        background_finalize: finalize in a thread of this queue instead of in
+            :meth:`maybe_finalize_async_calls` (see the module docstring).
 
-    Collective contract: :meth:`schedule_async_request`,
-    :meth:`maybe_finalize_async_calls` (unless ``no_dist=True``) and :meth:`close`
-    are called by every rank of ``process_group`` in the same order.
+    Collective contract (all ranks of ``process_group``, in the same order):
+
+    1. :meth:`schedule_async_request` (all ranks). The first one creates the
+       finalizer's gloo group when ``background_finalize`` (or call :meth:`start`).
+    2. :meth:`maybe_finalize_async_calls` (all ranks, unless ``no_dist=True``), only
+       when not ``background_finalize``; with it, any rank, any number of times.
+    3. :meth:`close` (all ranks; with ``abort=True``: any rank, no collective).
+
+    A queue dropped without :meth:`close` is closed with ``abort=True`` when
+    garbage-collected: its worker is stopped; pending calls are dropped (logged).
     """
 
     def __init__(
@@ -54,19 +245,20 @@ class AsyncCallsQueue:
         import_main: bool = True,
         caller: AsyncCaller | None = None,
         failures_kept: int = 64,
+        background_finalize: bool = False,
     ) -> None:
+        self._closed = True  # until constructed: __del__ then does nothing
         if caller is None:
             caller = PersistentAsyncCaller(start_method, import_main) if persistent else TemporalAsyncCaller()
         self.caller = caller
         self.persistent = isinstance(caller, PersistentAsyncCaller)
+        self.background_finalize = bool(background_finalize)
         self._process_group = process_group
         self._sync: SyncGroup | None = None
         self._next_call_idx = 0
-        self._pending: dict[int, AsyncRequest] = {}
-        self._preload_failures: dict[int, str] = {}
-        self._results: dict[int, Any] = {}
-        self._failures: collections.OrderedDict[int, CheckpointException] = collections.OrderedDict()
-        self._failures_kept = failures_kept
+        self._book = _Book(caller, failures_kept)
+        self._book.background = self.background_finalize
+        self._finalizer: _Finalizer | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ properties
@@ -78,8 +270,54 @@ class AsyncCallsQueue:
         return self._sync
 
     @property
+    def finalize_sync(self) -> SyncGroup:
+        """The group the ``finalize_fns`` must use for their collectives: the
+        finalizer's own gloo group with ``background_finalize`` (after :meth:`start`),
+        else :attr:`sync`."""
+        return self._finalizer.sync if self._finalizer is not None else self.sync
+
+    @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def next_call_idx(self) -> int:
+        """The ``call_idx`` the next :meth:`schedule_async_request` will assign (a caller
+        may register it first; scheduling is not thread-safe: one thread schedules)."""
+        return self._next_call_idx
+
+    def add_settle_listener(self, listener: SettleListener) -> None:
+        """Call ``listener(call_idx, exc_or_None)`` once for every call settled from now on.
+
+        The checkpoint layer uses it to settle save handles, run completion callbacks
+        and remove a failed save's files on every rank, whichever way the failure is
+        observed. A listener that raises is logged and ignored.
+        """
+        self._book.listeners.append(listener)
+
+    def remove_settle_listener(self, listener: SettleListener) -> None:
+        """Stop calling ``listener`` (no error if it was not added)."""
+        try:
+            self._book.listeners.remove(listener)
+        except ValueError:
+            pass
+
+    def start(self) -> None:
+        """Start the persistent worker and, with ``background_finalize``, the finalizer.
+
+        Collective the first time with ``background_finalize`` (it creates the
+        finalizer's gloo group); idempotent. Optional: the first
+        :meth:`schedule_async_request` does it.
+
+        Raises:
+            RuntimeError: the queue is closed.
+        """
+        if self._closed:
+            raise RuntimeError("AsyncCallsQueue is closed")
+        if isinstance(self.caller, PersistentAsyncCaller):
+            self.caller.start()
+        if self.background_finalize and self._finalizer is None:
+            self._finalizer = _Finalizer(self._book, SyncGroup.private(self._process_group))
 
     # ------------------------------------------------------------------ scheduling
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
@@ -93,51 +331,57 @@ class AsyncCallsQueue:
 
         Raises:
             RuntimeError: the queue is closed.
+            KeyboardInterrupt: (or any ``BaseException`` that is not an ``Exception``)
+                interrupted the ``preload_fn``; the call is recorded as failed on this
+                rank (reported on every rank by finalization), then it is re-raised.
 
-        A ``preload_fn`` that raises does not raise here (other ranks would go on and
-        diverge): the failure is recorded and reported by
-        :meth:`maybe_finalize_async_calls` on every rank.
+        A ``preload_fn`` that raises an ``Exception`` does not raise here (other ranks
+        would go on and diverge): the failure is recorded and reported on every rank.
         """
         if self._closed:
             raise RuntimeError("AsyncCallsQueue is closed")
+        if self.background_finalize and self._finalizer is None:
+            self.start()
         call_idx = self._next_call_idx
         self._next_call_idx += 1
         request = async_request._replace(call_idx=call_idx).freeze()
-        self._pending[call_idx] = request
-        args = request.async_fn_args
-        if request.preload_fn is not None:
-            try:
+        book = self._book
+        with book.cond:
+            book.pending[call_idx] = request
+        started = False
+        try:
+            args = request.async_fn_args
+            if request.preload_fn is not None:
                 args = (request.preload_fn(),) + tuple(args)
-            except Exception as exc:
-                self._preload_failures[call_idx] = "preload_fn raised " + "".join(
-                    traceback.format_exception(type(exc), exc, exc.__traceback__))
-                return call_idx
-        if request.async_fn is not None:
-            self.caller.schedule(call_idx, request.async_fn, tuple(args), dict(request.async_fn_kwargs or {}))
+            if request.async_fn is not None:
+                self.caller.schedule(call_idx, request.async_fn, tuple(args), dict(request.async_fn_kwargs or {}))
+                started = True
+        except BaseException as exc:  # noqa: BLE001 - recorded against the call, on this rank
+            if not started:
+                with book.cond:
+                    book.preload_failures[call_idx] = RankFailure.from_exception(exc, "preload_fn raised ")
+            if not isinstance(exc, Exception):
+                self._hand_to_finalizer(call_idx)
+                raise
+        self._hand_to_finalizer(call_idx)
         return call_idx
 
-    # ------------------------------------------------------------------ finalization
-    def _local_status(self, call_idx: int, request: AsyncRequest, blocking: bool) -> tuple[int, str | None]:
-        if call_idx in self._preload_failures:
-            return _FAILED, self._preload_failures[call_idx]
-        if request.async_fn is None:
-            return _OK, None
-        if blocking:
-            self.caller.wait(call_idx)
-        outcome = self.caller.outcome(call_idx)
-        if outcome is None:
-            return _RUNNING, None
-        return (_OK, None) if outcome.ok else (_FAILED, outcome.error)
+    def _hand_to_finalizer(self, call_idx: int) -> None:
+        if self._finalizer is not None:
+            self._finalizer.work.put(call_idx)
 
+    # ------------------------------------------------------------------ finalization
     def maybe_finalize_async_calls(
         self, blocking: bool = False, no_dist: bool = False, *, until: int | None = None
     ) -> list[int]:
         """Finalize the calls that finished on every rank, in ``call_idx`` order.
 
-        For the oldest pending call, the ranks exchange their local status (running,
-        succeeded, failed) in one all_gather. If it succeeded everywhere its
-        ``finalize_fns`` run; if it failed anywhere, every rank raises; otherwise
-        (still running somewhere) this returns, unless ``blocking``.
+        Without ``background_finalize``: for the oldest pending call, the ranks
+        exchange their local status (running, succeeded, failed) in one all_gather.
+        If it succeeded everywhere its ``finalize_fns`` run; if it failed anywhere,
+        every rank raises; otherwise (still running somewhere) this returns, unless
+        ``blocking``. With ``background_finalize`` the finalizer thread did that:
+        this only reports what it settled since the last call (no collective).
 
         Args:
             blocking: wait until every pending call (up to ``until``) is finalized.
@@ -145,20 +389,27 @@ class AsyncCallsQueue:
             until: finalize only calls with ``call_idx <= until``.
 
         Returns:
-            The ``call_idx`` of each call finalized by this call, in order.
+            The ``call_idx`` of each call finalized (since the last call, in the
+            background mode), in order.
 
         Raises:
             CheckpointException: the oldest pending call failed on some rank; the same
                 exception (``call_idx`` and per-rank causes) on every rank. The call is
                 dropped without running its finalize_fns; later calls stay pending.
         """
+        if self.background_finalize:
+            return self._harvest(blocking, until)
         finalized: list[int] = []
         sync = None if no_dist else self.sync
-        while self._pending:
-            call_idx, request = next(iter(self._pending.items()))
+        book = self._book
+        while True:
+            with book.cond:
+                if not book.pending:
+                    break
+                call_idx, request = next(iter(book.pending.items()))
             if until is not None and call_idx > until:
                 break
-            status, cause = self._local_status(call_idx, request, blocking)
+            status, cause = book.local_status(call_idx, request, blocking)
             statuses = [status] if sync is None else [s[0] for s in sync.all_gather_ints([status])]
             if _FAILED in statuses:
                 if sync is None:
@@ -166,19 +417,17 @@ class AsyncCallsQueue:
                 else:
                     causes = sync.all_gather_object(cause)
                     failures = {r: c for r, c in enumerate(causes) if c is not None}
-                self._drop(call_idx)
                 exc = CheckpointException(call_idx, failures)
-                self._remember(exc)
+                if book.claim(call_idx) is not None:
+                    book.settle(call_idx, exc)
                 raise exc
             if all(s == _OK for s in statuses):
-                outcome = self.caller.pop_outcome(call_idx)
-                self._results[call_idx] = None if outcome is None else outcome.value
-                del self._pending[call_idx]
-                try:
-                    for fn in request.finalize_fns:
-                        fn()
-                finally:
-                    self._results.pop(call_idx, None)
+                if book.claim(call_idx) is None:
+                    continue
+                error = book.run_finalize(call_idx, request, self.sync.rank)
+                book.settle(call_idx, error)
+                if error is not None:
+                    raise error
                 finalized.append(call_idx)
                 continue
             if not blocking:
@@ -186,15 +435,30 @@ class AsyncCallsQueue:
             time.sleep(0.001)  # only reachable if a rank's status changed under us
         return finalized
 
-    def _remember(self, exc: CheckpointException) -> None:
-        self._failures[exc.call_idx] = exc
-        while len(self._failures) > self._failures_kept:
-            self._failures.popitem(last=False)
-
-    def _drop(self, call_idx: int) -> None:
-        self._pending.pop(call_idx, None)
-        self._preload_failures.pop(call_idx, None)
-        self.caller.abandon(call_idx)
+    def _harvest(self, blocking: bool, until: int | None) -> list[int]:
+        book = self._book
+        out: list[int] = []
+        with book.cond:
+            if blocking:
+                def settled() -> bool:
+                    return not any(until is None or i <= until for i in book.pending)
+                while not book.cond.wait_for(settled, timeout=1.0):
+                    if self._finalizer is None or not self._finalizer.thread.is_alive():
+                        break
+            while book.unharvested:
+                call_idx, exc = book.unharvested[0]
+                if until is not None and call_idx > until:
+                    break
+                if exc is not None:
+                    if out:
+                        break  # reported by the next call
+                    book.unharvested.popleft()
+                    raise exc
+                book.unharvested.popleft()
+                out.append(call_idx)
+        if blocking and self._finalizer is not None and not self._finalizer.thread.is_alive():
+            book.drop_all(self.sync.rank, "the background finalizer is not running")
+        return out
 
     def get_result(self, call_idx: int) -> Any:
         """The return value of ``async_fn`` for ``call_idx``, on this rank.
@@ -204,15 +468,17 @@ class AsyncCallsQueue:
         Raises:
             KeyError: ``call_idx`` is not being finalized.
         """
-        return self._results[call_idx]
+        return self._book.results[call_idx]
 
     def get_failure(self, call_idx: int) -> CheckpointException | None:
         """The exception raised for ``call_idx``, if it failed recently, else ``None``."""
-        return self._failures.get(call_idx)
+        with self._book.cond:
+            return self._book.failures.get(call_idx)
 
     def is_pending(self, call_idx: int) -> bool:
         """True if ``call_idx`` was scheduled and is not finalized nor failed yet."""
-        return call_idx in self._pending
+        with self._book.cond:
+            return call_idx in self._book.pending
 
     def wait_local(self, call_idx: int, timeout: float | None = None) -> bool:
         """Wait until this rank's ``async_fn`` for ``call_idx`` no longer runs.
@@ -227,7 +493,8 @@ class AsyncCallsQueue:
 
     def get_num_unfinalized_calls(self) -> int:
         """Number of scheduled calls not finalized yet (on this rank)."""
-        return len(self._pending)
+        with self._book.cond:
+            return len(self._book.pending)
 
     # ------------------------------------------------------------------ shutdown
     def close(self, abort: bool = False) -> None:
@@ -247,22 +514,41 @@ class AsyncCallsQueue:
             return
         self._closed = True
         first_error: CheckpointException | None = None
+        book = self._book
         try:
             if not abort:
-                while self._pending:
+                while True:
+                    with book.cond:
+                        if not book.pending and not book.unharvested:
+                            break
                     try:
                         self.maybe_finalize_async_calls(blocking=True)
                     except CheckpointException as exc:
                         first_error = first_error or exc
         finally:
-            self.caller.close(abort=abort)
+            if self._finalizer is not None:
+                if abort:
+                    self._finalizer.stop.set()
+                self.caller.close(abort=abort)
+                self._finalizer.close(timeout=1.0 if abort else None)
+            else:
+                self.caller.close(abort=abort)
             rank = self._sync.rank if self._sync is not None else 0
-            for call_idx in list(self._pending):
-                self._drop(call_idx)
-                self._remember(CheckpointException(
-                    call_idx, {rank: "dropped by close(abort=True) before it was finalized"}))
+            book.drop_all(rank, "dropped by close(abort=True) before it was finalized")
         if first_error is not None:
             raise first_error
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        try:
+            pending = self.get_num_unfinalized_calls()
+            if pending:
+                _log.warning("an AsyncCallsQueue with %d unfinalized call(s) was dropped without close(): "
+                             "they are aborted", pending)
+            self.close(abort=True)
+        except Exception:  # noqa: BLE001 - nothing to report to at collection time
+            pass
 
     def __enter__(self) -> "AsyncCallsQueue":
         return self

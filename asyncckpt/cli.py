@@ -36,6 +36,7 @@ from typing import Any, Sequence, TextIO
 
 from . import __version__
 from .errors import CheckpointError, CorruptCheckpointError
+from . import root as _root
 from .storage import commit as _commit
 
 __all__ = [
@@ -59,9 +60,9 @@ PROG = "asyncckpt"
 #: (bytes), when stderr is a terminal.
 PROGRESS_MIN_BYTES = 256 << 20
 
-# The directory names of ``CheckpointManager`` (storage/commit.py is torch-free).
-_STEP_RE = _commit.STEP_DIR_RE
-_LEFTOVER_RE = _commit.LEFTOVER_RE
+# The directory names of ``CheckpointManager`` (asyncckpt/root.py is torch-free).
+_STEP_RE = _root.STEP_DIR_RE
+_LEFTOVER_RE = _root.LEFTOVER_RE
 
 
 class CliError(Exception):

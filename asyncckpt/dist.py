@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import RankFailure
+
 __all__ = ["SyncGroup"]
 
 _lock = threading.Lock()
@@ -51,6 +53,33 @@ class SyncGroup:
         else:
             self.rank, self.world_size = 0, 1
         self._gloo = None
+        self._private = False
+
+    @classmethod
+    def private(cls, process_group: Any = None) -> "SyncGroup":
+        """A group over the same ranks with a gloo group of its own (collective).
+
+        For collectives issued from another thread (a queue's finalizer): two threads
+        must never issue collectives on one group, or their order could differ
+        between ranks. Free it with :meth:`destroy`.
+        """
+        sync = cls(process_group)
+        if sync.active:
+            sync._gloo = _new_gloo_group(process_group)
+            sync._private = True
+        return sync
+
+    def destroy(self) -> None:
+        """Destroy a :meth:`private` gloo group (no-op otherwise, or if torch.distributed
+        was shut down already)."""
+        if not self._private or self._gloo is None:
+            return
+        gloo, self._gloo, self._private = self._gloo, None, False
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group(gloo)
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass
 
     @property
     def gloo(self) -> Any:
@@ -82,6 +111,23 @@ class SyncGroup:
         out = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(out, local, group=self.gloo)
         return [t.tolist() for t in out]
+
+    def gather_failures(self, failure: RankFailure | None) -> dict[int, RankFailure]:
+        """Every rank's failure, the same dict on every rank (all ranks; the error funnel).
+
+        One int64 all_gather of a flag; only if some rank failed, one all_gather of the
+        failures. The model is DCP's ``_DistWrapper.reduce_scatter`` /
+        ``all_gather`` with ``CheckpointException``: whatever fails on one rank is
+        raised, the same, on all of them, so that no rank goes on alone.
+
+        Returns:
+            ``rank -> failure`` for the failing ranks (empty: none failed).
+        """
+        flags = self.all_gather_ints([failure is not None])
+        if not any(f[0] for f in flags):
+            return {}
+        causes = self.all_gather_object(failure)
+        return {r: c for r, c in enumerate(causes) if c is not None}
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Gather one picklable object from every rank; ``result[r]`` is rank ``r``'s.
@@ -119,6 +165,13 @@ class SyncGroup:
         return obj if self.rank == src else pickle.loads(buf)
 
 
+def _new_gloo_group(process_group: Any) -> Any:
+    if process_group is None:
+        return dist.new_group(backend="gloo")
+    ranks = dist.get_process_group_ranks(process_group)
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+
+
 def _dedicated_gloo_group(process_group: Any) -> Any:
     user = _resolve(process_group)
     key = id(user)
@@ -126,11 +179,7 @@ def _dedicated_gloo_group(process_group: Any) -> Any:
         hit = _gloo_groups.get(key)
         if hit is not None and hit[0] is user:
             return hit[1]
-    if process_group is None:
-        gloo = dist.new_group(backend="gloo")
-    else:
-        ranks = dist.get_process_group_ranks(process_group)
-        gloo = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    gloo = _new_gloo_group(process_group)
     with _lock:
         _gloo_groups[key] = (user, gloo)
     return gloo

@@ -1,49 +1,157 @@
-"""Errors raised by asyncckpt.
+"""Errors raised by asyncckpt: one base class, and per-rank causes that keep their type.
 
-The framework layer reports every failure of an asynchronous call (a raising
-``preload_fn`` or ``async_fn``, a worker that died, a forked child that exited
-non-zero) through :class:`CheckpointException`, raised identically on every rank
-by ``AsyncCallsQueue.maybe_finalize_async_calls``. The shape follows
-``torch.distributed.checkpoint.api.CheckpointException`` (``failures`` keyed by
-rank), extended with the ``call_idx`` the failure belongs to.
+Every error the library raises on purpose derives from :class:`AsyncckptError` (an
+``Exception``), so ``except asyncckpt.AsyncckptError`` catches them all:
+
+- :class:`CheckpointException`: an asynchronous call (a save) failed on at least one
+  rank; raised identically on every rank. The shape is
+  ``torch.distributed.checkpoint.api.CheckpointException`` (``failures`` keyed by
+  rank), extended with the ``call_idx`` the failure belongs to.
+- :class:`CheckpointError` (also a ``RuntimeError``): a checkpoint cannot be saved or
+  loaded as asked; input errors found before the write are gathered from every rank
+  and raised, the same on every rank, with ``failures`` keyed by rank.
+- :class:`CorruptCheckpointError`, :class:`CallbackError`: subclasses of it.
+
+A rank's cause is a :class:`RankFailure`: the text (it *is* a ``str``, so existing
+code that searches it keeps working) plus the exception's type name, its ``errno``
+and the exception itself when it survives pickling, so that a caller can tell ENOSPC
+from EACCES. Like filelock's ``Timeout``, every error here pickles losslessly.
+
+This module does not import torch (the background worker uses it).
 """
 
 from __future__ import annotations
 
-__all__ = ["CheckpointException", "CheckpointError", "CorruptCheckpointError", "CallbackError"]
+import os
+import pickle
+import traceback
+from typing import Any, Mapping
+
+__all__ = [
+    "AsyncckptError",
+    "RankFailure",
+    "CheckpointException",
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "CallbackError",
+]
 
 
-class CheckpointException(Exception):
+class AsyncckptError(Exception):
+    """Base class of every error asyncckpt raises on purpose."""
+
+
+class RankFailure(str):
+    """One rank's cause of a failure: its text, plus what a program needs to act on it.
+
+    A ``str`` subclass: ``str(failure)`` and ``"ENOSPC" in failure`` see the text
+    (exception type, message and the remote traceback, or a dead process's status).
+
+    Attributes:
+        exc_type: the exception's class name, qualified by its module unless it is a
+            builtin (``"OSError"``, ``"asyncckpt.errors.CheckpointError"``), or ``None``
+            when there was no exception (e.g. a process killed by a signal).
+        errno: the exception's ``errno`` (an ``OSError``), else ``None``.
+        exception: the exception itself, without its traceback, if it could be
+            pickled (it crossed a process boundary), else ``None``.
+    """
+
+    exc_type: str | None
+    errno: int | None
+    exception: BaseException | None
+
+    def __new__(cls, text: str, exc_type: str | None = None, errno: int | None = None,
+                exception: BaseException | None = None) -> "RankFailure":
+        self = super().__new__(cls, text)
+        self.exc_type = exc_type
+        self.errno = errno
+        self.exception = exception
+        return self
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, context: str = "") -> "RankFailure":
+        """The failure for ``exc``: ``context``, type, message, and the traceback (with the
+        pid of the process that raised it) as text.
+
+        Args:
+            exc: the exception.
+            context: a prefix saying where it happened (e.g. ``"preload_fn raised "``).
+        """
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        name = type(exc).__qualname__
+        module = type(exc).__module__
+        if module not in ("builtins", "__main__"):
+            name = f"{module}.{name}"
+        kept: BaseException | None
+        try:
+            kept = pickle.loads(pickle.dumps(exc))
+            kept.__traceback__ = None
+        except Exception:  # noqa: BLE001 - an exception that does not pickle keeps its text only
+            kept = None
+        code = getattr(exc, "errno", None)
+        return cls(f"{context}{type(exc).__name__}: {exc}\nRemote traceback (pid {os.getpid()}):\n{text}", name,
+                   code if isinstance(code, int) else None, kept)
+
+    def __reduce__(self) -> tuple:
+        return (RankFailure, (str(self), self.exc_type, self.errno, self.exception))
+
+
+def _as_failures(failures: Mapping[int, Any]) -> dict[int, RankFailure]:
+    return {int(k): v if isinstance(v, RankFailure) else RankFailure(str(v)) for k, v in sorted(failures.items())}
+
+
+def _format_failures(head: str, failures: Mapping[int, RankFailure]) -> str:
+    lines = [head]
+    for rank, cause in failures.items():
+        body = cause.rstrip().replace("\n", "\n    ")
+        lines.append(f"  [rank {rank}] {body}")
+    return "\n".join(lines)
+
+
+class CheckpointException(AsyncckptError):
     """An asynchronous call failed on at least one rank.
 
     Raised on every rank of the process group with the same content, so that
     collective code never diverges.
 
+    Args:
+        call_idx: the ``call_idx`` of the failed call (see ``AsyncRequest``; ``-1``
+            for a synchronous save).
+        failures: each failing rank's cause (a :class:`RankFailure`, or text).
+
     Attributes:
-        call_idx: the ``call_idx`` of the failed call (see ``AsyncRequest``).
-        failures: maps each failing rank to its cause: exception type, message
-            and the remote traceback (or the worker's exit status), as text.
+        call_idx: as above.
+        failures: ``rank -> RankFailure``, ascending ranks.
     """
 
-    def __init__(self, call_idx: int, failures: dict[int, str]) -> None:
+    def __init__(self, call_idx: int, failures: Mapping[int, Any]) -> None:
         self.call_idx = int(call_idx)
-        self.failures = {int(k): str(v) for k, v in sorted(failures.items())}
-        super().__init__(self._format())
-
-    def _format(self) -> str:
+        self.failures = _as_failures(failures)
         ranks = ", ".join(str(r) for r in self.failures)
-        lines = [f"async call {self.call_idx} failed on rank(s) {ranks}:"]
-        for rank, cause in self.failures.items():
-            body = cause.rstrip().replace("\n", "\n    ")
-            lines.append(f"  [rank {rank}] {body}")
-        return "\n".join(lines)
+        super().__init__(_format_failures(f"async call {self.call_idx} failed on rank(s) {ranks}:", self.failures))
 
-    def __reduce__(self):  # keep pickling (e.g. across processes) lossless
+    def __reduce__(self) -> tuple:  # keep pickling (e.g. across processes) lossless
         return (type(self), (self.call_idx, self.failures))
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded as asked (bad input or bad target)."""
+class CheckpointError(AsyncckptError, RuntimeError):
+    """A checkpoint cannot be saved or loaded as asked (bad input or bad target).
+
+    Args:
+        message: what is wrong, naming the entry or path.
+        failures: for an error found on several ranks before the write, each
+            failing rank's cause (raised the same on every rank).
+
+    Attributes:
+        failures: ``rank -> RankFailure`` (empty when raised by one process alone).
+    """
+
+    def __init__(self, message: str, failures: Mapping[int, Any] | None = None) -> None:
+        super().__init__(message)
+        self.failures = _as_failures(failures or {})
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.failures))
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -56,6 +164,9 @@ class CorruptCheckpointError(CheckpointError):
     def __init__(self, message: str, path: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.path))
 
 
 class CallbackError(CheckpointError):
@@ -73,3 +184,6 @@ class CallbackError(CheckpointError):
     def __init__(self, message: str, errors: list[BaseException] | None = None) -> None:
         super().__init__(message)
         self.errors = list(errors or [])
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.errors))

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import secrets
 import uuid
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from .dist import SyncGroup
-from .errors import CheckpointError
+from .errors import CheckpointError, RankFailure
 
 __all__ = ["validate_state_dict", "SavePlanResult", "PlanCache", "plan_save"]
 
@@ -188,24 +189,42 @@ def _resolve(plan: SavePlan, lookup: Any) -> list[Any]:
 
 
 def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, coordinator_rank: int,
-              precheck: Any = None, cache: PlanCache | None = None) -> SavePlanResult:
+              precheck: Callable[[], None] | None = None, cache: PlanCache | None = None,
+              finish: Callable[[SavePlanResult], Any] | None = None) -> tuple[SavePlanResult, Any]:
     """Validate, plan collectively (or reuse the cached plan), and resolve this rank's data.
+
+    Call sequence (all ranks, every step a collective on ``sync`` except where said):
+
+    1. (each rank) validate ``state_dict``; (coordinator) run ``precheck``; digest the
+       structure for the cache.
+    2. one int64 all_gather: failed?, cache hit?, the coordinator's random token.
+       A failure anywhere raises here, on every rank.
+    3. every rank hit the cache: reuse its plan; else DCP's ``DefaultSavePlanner``
+       (one all_gather of the local plans, then the same global plan on every rank).
+    4. (each rank) resolve this rank's data, then ``finish`` (e.g. the file layout).
+    5. the error funnel once more: a failure of 3-4 on any rank raises on every rank.
 
     Args:
         state_dict: the user's state_dict.
         checkpoint_id: the final checkpoint path (recorded in the metadata).
         sync: the ranks saving together.
         coordinator_rank: the rank that commits.
-        precheck: optional callable run on the coordinator before planning (e.g. the
-            target must not exist); its exception fails the save on every rank.
+        precheck: run on the coordinator before planning (e.g. the target must not
+            exist); its exception fails the save on every rank.
         cache: reuse and update this plan cache.
+        finish: run on the resolved plan before the last error funnel; its return
+            value is returned (its exceptions are funnelled like the others).
+
+    Returns:
+        This rank's plan, and what ``finish`` returned (``None`` without it).
 
     Raises:
         CheckpointError: on every rank, if any rank's input is invalid, a value cannot
-            be pickled, or the precheck failed; the message names the rank(s).
+            be pickled, the precheck or ``finish`` failed; ``failures`` holds each
+            failing rank's cause (type and errno kept), the message names the ranks.
     """
     is_coordinator = sync.rank == coordinator_rank
-    error: str | None = None
+    failure: RankFailure | None = None
     signature = digest = None
     flat: dict[str, Any] = {}
     try:
@@ -218,23 +237,24 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
             if signature is not None:
                 digest = signature_digest(signature) if signature != cache.signature else cache.digest
     except Exception as exc:  # reported on every rank below
-        error = _describe(exc)
-    token = uuid.uuid4().hex if is_coordinator else None
-    cached = cache is not None and digest is not None and digest == cache.digest and error is None
-    gathered = sync.all_gather_object((error, cached, token))
-    _raise_errors(sync, [e for e, _, _ in gathered])
-    token = gathered[coordinator_rank][2]
+        failure = _describe(exc)
+    cached = cache is not None and digest is not None and digest == cache.digest and failure is None
+    token_parts = [secrets.randbits(63), secrets.randbits(63)] if is_coordinator else [0, 0]
+    gathered = sync.all_gather_ints([failure is not None, cached, *token_parts])
+    if any(g[0] for g in gathered):
+        _raise_errors(sync, sync.all_gather_object(failure))
+    token = "".join(f"{v:016x}" for v in gathered[coordinator_rank][2:4])
     storage_meta = StorageMeta(checkpoint_id=checkpoint_id, save_id=uuid.uuid4().hex)
-    error = None
-    if all(c for _, c, _ in gathered):
+    data: list[Any] = []
+    if all(g[1] for g in gathered):
         assert cache is not None and cache.plan is not None and cache.metadata is not None
         cache.hits += 1
         plan = cache.plan
         metadata = dataclasses.replace(cache.metadata, storage_meta=storage_meta)
         try:
             data = _resolve(plan, lambda item: flat[item.index.fqn])
-        except CheckpointError as exc:
-            error, data = str(exc), []
+        except Exception as exc:
+            failure = _describe(exc)
     else:
         planner = DefaultSavePlanner()
         local_plan: SavePlan | None = None
@@ -242,21 +262,30 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
             planner.set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
             local_plan = planner.create_local_plan()
         except Exception as exc:
-            error = _describe(exc)
-        gathered_plans = sync.all_gather_object((error, local_plan))
-        _raise_errors(sync, [e for e, _ in gathered_plans])
+            failure = _describe(exc)
+        gathered_plans = sync.all_gather_object((failure, local_plan))
+        _raise_errors(sync, [f for f, _ in gathered_plans])
         global_plans, metadata = planner.create_global_plan([p for _, p in gathered_plans])
         plan = planner.finish_plan(global_plans[sync.rank])
         try:
             data = _resolve(plan, planner.resolve_data)
-        except CheckpointError as exc:
-            error, data = str(exc), []
+        except Exception as exc:
+            failure = _describe(exc)
         if cache is not None:
             cache.signature, cache.digest = signature, digest
             cache.plan, cache.metadata = plan, dataclasses.replace(metadata, storage_data=None, storage_meta=None)
-    # Pickling a value failed here only: still symmetric, every rank learns it.
-    _raise_errors(sync, sync.all_gather_object(error))
-    return SavePlanResult(plan, data, metadata, token)
+    result = SavePlanResult(plan, data, metadata, token)
+    finished = None
+    if failure is None and finish is not None:
+        try:
+            finished = finish(result)
+        except Exception as exc:
+            failure = _describe(exc)
+    # A failure of this rank's resolve or finish: still symmetric, every rank learns it.
+    failures = sync.gather_failures(failure)
+    if failures:
+        _raise_errors(sync, [failures.get(r) for r in range(sync.world_size)])
+    return result, finished
 
 
 def signature_digest(signature: tuple) -> str:
@@ -264,14 +293,18 @@ def signature_digest(signature: tuple) -> str:
     return hashlib.sha256(repr(signature).encode()).hexdigest()
 
 
-def _describe(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+def _describe(exc: BaseException) -> RankFailure:
+    """A short failure for an input error: the message (a CheckpointError's as is),
+    the exception's type and errno, no traceback (the message names the entry)."""
+    text = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+    full = RankFailure.from_exception(exc)
+    return RankFailure(text, full.exc_type, full.errno, full.exception)
 
 
-def _raise_errors(sync: SyncGroup, errors: list[str | None]) -> None:
-    found = {r: e for r, e in enumerate(errors) if e is not None}
+def _raise_errors(sync: SyncGroup, failures: list[RankFailure | None]) -> None:
+    found = {r: f for r, f in enumerate(failures) if f is not None}
     if not found:
         return
     if sync.world_size == 1:
-        raise CheckpointError(found[0])
-    raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in found.items()))
+        raise CheckpointError(str(found[0]), found)
+    raise CheckpointError("; ".join(f"rank {r}: {f}" for r, f in found.items()), found)

@@ -1,16 +1,21 @@
-"""Staging: host buffers the training process copies the state into.
+"""Staging: the host buffers the training process copies the state into (D2H).
 
-A save's data files are laid out, byte for byte, in one shared host buffer per rank
-(a *slab*): the ``torch.save`` framing of every tensor record is written once when
-the slab is formatted for a layout, and each save only copies the tensors' bytes
-into their places (device-to-host for CUDA tensors) and the few bytes of non-tensor
-values. The background writer maps the slab by path and writes it out sequentially.
+A save's data files are laid out, byte for byte, in one shared host *staging buffer*
+per rank: the ``torch.save`` framing of every tensor record is written once when the
+buffer is formatted for a layout, and each save only copies the tensors' bytes into
+their places (device-to-host for CUDA tensors) and the few bytes of non-tensor
+values. The background writer maps the buffer by path and writes it out.
 
-Slabs are anonymous memory files (``memfd_create``): nothing appears in /dev/shm, and
-the memory goes away with the last process that maps it, also after SIGKILL. They are
-allocated once and reused across saves (the idea of DCP's cached stager,
-``torch.distributed.checkpoint.staging``), and a slab is never handed out again while
-a write that reads it may still run (DESIGN.md: known failure 5).
+Buffers are anonymous memory files (``memfd_create``): nothing appears in /dev/shm,
+and the memory goes away with the last process that maps it, also after SIGKILL.
+A :class:`StagingPool` allocates them once and reuses them across saves (the idea of
+DCP's cached staging, ``torch.distributed.checkpoint.staging``), and never hands a
+buffer out again while a write that reads it may still run (DESIGN.md: known
+failure 5). A buffer is freed with its owner (the pool, and so the saver, manager or
+queue that owns the pool), or when it is garbage-collected.
+
+(The names follow the field: in DCP a "stager" is what copies a state_dict; the
+buffers here are staging buffers, the pool that reuses them a buffer pool.)
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -26,21 +32,28 @@ import torch
 from .storage import writer as _writer
 from .storage.writer import SlabRef
 
-__all__ = ["HostSlab", "Stager", "StagingCopier"]
+__all__ = ["StagingBuffer", "StagingPool", "StagingCopier", "HostSlab", "Stager"]
 
 _PAGE = mmap.PAGESIZE
 
 
-class HostSlab:
-    """One shared host buffer backed by a memfd.
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+class StagingBuffer:
+    """One shared host staging buffer backed by a memfd.
 
     Args:
         nbytes: size in bytes (rounded up to a whole page).
 
     Attributes:
         ref: how the writer finds it (:class:`~asyncckpt.storage.writer.SlabRef`).
-        u8: a ``torch.uint8`` tensor of shape ``(nbytes,)`` over the whole slab.
-        layout_key: the layout the slab is currently formatted for (or ``None``).
+        u8: a ``torch.uint8`` tensor of shape ``(nbytes,)`` over the whole buffer.
+        layout_key: the layout the buffer is currently formatted for (or ``None``).
 
     Raises:
         OSError: the memory cannot be allocated.
@@ -67,6 +80,23 @@ class HostSlab:
         self.views: list[tuple[int, torch.Tensor]] = []
         self.ref = SlabRef(self.slab_id, f"/proc/{os.getpid()}/fd/{self._fd}", nbytes)
         self.pinned = False
+        # Dropped without release(): the mapping goes with its last view, the fd here.
+        self._fd_finalizer = weakref.finalize(self, _close_fd, self._fd)
+
+    def format(self, layout: Any) -> None:
+        """Format the buffer for ``layout`` (a ``RankLayout``), once per layout.
+
+        Writes the ``torch.save`` framing of every record and builds the tensor views
+        the staging copies go through (reused by every later save of this layout).
+        """
+        if self.layout_key == layout.key:
+            return
+        for offset, framing in layout.static:
+            self.write_bytes(offset, framing)
+        u8 = self.u8
+        self.views = [(slot.item, u8[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape))
+                      for slot in layout.tensors if slot.nbytes]
+        self.layout_key = layout.key
 
     def pin(self) -> None:
         """Page-lock the slab for CUDA (``cudaHostRegister``), once.
@@ -106,25 +136,25 @@ class HostSlab:
             self._mm.close()
         except BufferError:
             pass  # a view still exists; the mapping goes with the last reference
-        os.close(self._fd)
+        self._fd_finalizer()  # closes the fd, once
         self._fd = -1
 
 
 class _Entry:
     __slots__ = ("slab", "call_idx")
 
-    def __init__(self, slab: HostSlab) -> None:
+    def __init__(self, slab: StagingBuffer) -> None:
         self.slab = slab
         self.call_idx: int | None = None  # the call whose write may read the slab
 
 
-class Stager:
-    """A small pool of reusable slabs.
+class StagingPool:
+    """A small pool of reusable staging buffers.
 
     Args:
-        num_buffers: how many slabs may exist at once. 1 (default) bounds the extra
+        num_buffers: how many buffers may exist at once. 1 (default) bounds the extra
             host memory to one copy of the state: a save then waits until the
-            previous write no longer reads the slab. 2 double-buffers.
+            previous write no longer reads the buffer. 2 double-buffers.
     """
 
     def __init__(self, num_buffers: int = 1) -> None:
@@ -148,7 +178,7 @@ class Stager:
         layout_key: Any,
         is_running: Callable[[int], bool],
         wait: Callable[[int], Any],
-    ) -> HostSlab:
+    ) -> StagingBuffer:
         """A slab of at least ``nbytes`` that no running write reads.
 
         Prefers a free slab already formatted for ``layout_key``. If every slab may
@@ -171,7 +201,7 @@ class Stager:
         if fitting:
             return fitting[0].slab
         if len(self._entries) < self.num_buffers:
-            entry = _Entry(HostSlab(nbytes))
+            entry = _Entry(StagingBuffer(nbytes))
             self._entries.append(entry)
             return entry.slab
         victim = free[0] if free else self._oldest()
@@ -182,14 +212,14 @@ class Stager:
             return victim.slab
         self._entries.remove(victim)
         victim.slab.release()
-        entry = _Entry(HostSlab(nbytes))
+        entry = _Entry(StagingBuffer(nbytes))
         self._entries.append(entry)
         return entry.slab
 
     def _oldest(self) -> _Entry:
         return min(self._entries, key=lambda e: -1 if e.call_idx is None else e.call_idx)
 
-    def lease(self, slab: HostSlab, call_idx: int) -> None:
+    def lease(self, slab: StagingBuffer, call_idx: int) -> None:
         """Mark ``slab`` as read by the write of ``call_idx``."""
         for e in self._entries:
             if e.slab is slab:
@@ -200,6 +230,11 @@ class Stager:
         for e in self._entries:
             e.slab.release()
         self._entries.clear()
+
+
+#: Former names (kept as aliases).
+HostSlab = StagingBuffer
+Stager = StagingPool
 
 
 class StagingCopier:
@@ -213,7 +248,7 @@ class StagingCopier:
     is why the default is 1 (``scripts/bench.py`` measures both).
 
     CUDA tensors are copied device-to-host with ``non_blocking=True`` into the
-    pinned slab (see :meth:`HostSlab.pin`) on a side stream that first waits for the
+    pinned slab (see :meth:`StagingBuffer.pin`) on a side stream that first waits for the
     current (compute) stream, so all copies overlap each other and later compute;
     one event marks their end and :meth:`synchronize` waits for it once (the
     overlapped transfers of JAX's ``async_serialize`` and DCP's pinned stager).

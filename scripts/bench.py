@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 import asyncckpt  # noqa: E402
-import asyncckpt.checkpoint  # noqa: E402,F401 - imported before timing: not a save cost
+import asyncckpt.manager  # noqa: E402,F401 - imported before timing: not a save cost
 
 MiB, GiB = 1 << 20, 1 << 30
 DEFAULT_WORKLOADS = "256M/16,1G/16,4G/16,1G/4096,train"
@@ -304,11 +304,15 @@ def raw_read(sd: Any, path: Path) -> float:
 
 class Pending:
     """One save in flight: ``staged()`` blocks until the state may be mutated,
-    ``committed()`` until the checkpoint is durable and committed."""
+    ``committed()`` until the checkpoint is durable and committed. For asyncckpt,
+    ``poll`` is the training loop's ``maybe_finalize()`` and ``done`` the handle's
+    ``done()``: the benchmark times ``poll`` while the commit is pending."""
 
     def __init__(self, path: Path, staged: Callable[[], Any] = lambda: None,
-                 committed: Callable[[], Any] = lambda: None) -> None:
+                 committed: Callable[[], Any] = lambda: None, poll: Callable[[], Any] | None = None,
+                 done: Callable[[], bool] | None = None) -> None:
         self.path, self.staged, self.committed = path, staged, committed
+        self.poll, self.done = poll, done
 
 
 def manager_params() -> set[str]:
@@ -440,7 +444,8 @@ class Asyncckpt(System):
             return Pending(mgr.step_dir(i))
         handle = mgr.save(i, sd)
         staged = getattr(mgr, "synchronize_staging", None) or handle.synchronize_staging
-        return Pending(mgr.step_dir(i), staged if self.overlap else (lambda: None), handle.wait)
+        return Pending(mgr.step_dir(i), staged if self.overlap else (lambda: None), handle.wait,
+                       poll=mgr.maybe_finalize, done=handle.done)
 
     def close(self) -> None:
         if self.mgr is not None:
@@ -480,7 +485,7 @@ def run_system(system: System, sd: Any, root: Path, saves: int, sampler: MemoryS
     base = sampler.now()
     sampler.reset()
     system.open(root)
-    returns, stalls, committed, after = [], [], [], []
+    returns, stalls, committed, after, polls = [], [], [], [], []
     pendings: list[Pending] = []
     try:
         for i in range(saves):
@@ -493,6 +498,11 @@ def run_system(system: System, sd: Any, root: Path, saves: int, sampler: MemoryS
             returns.append(t1 - t0)
             stalls.append(t2 - t0)
             if interval_s is None:
+                while p.poll is not None and p.done is not None and not p.done():
+                    t3 = time.perf_counter()
+                    p.poll()  # the training loop's maybe_finalize() while the commit is pending
+                    polls.append(time.perf_counter() - t3)
+                    time.sleep(0.002)
                 p.committed()
                 committed.append(time.perf_counter() - t0)
                 after.append(sampler.now() - base)
@@ -515,6 +525,8 @@ def run_system(system: System, sd: Any, root: Path, saves: int, sampler: MemoryS
     out: dict[str, Any] = {
         "first_stall_s": stalls[0], "stall_s": med(stalls[1:]), "mean_stall_s": statistics.fmean(stalls[1:]),
         "returns_s": med(returns[1:]), "stalls_s": stalls,
+        "maybe_finalize_s": med(polls) if polls else None, "maybe_finalize_max_s": max(polls) if polls else None,
+        "maybe_finalize_calls": len(polls),
         "peak_extra_bytes": peak, "peak_extra_ratio": peak / nbytes,
     }
     if interval_s is None:
@@ -992,6 +1004,13 @@ def render_markdown(res: dict[str, Any]) -> str:
                      f"{fmt_x(committed_ratio(s, lim))} | {s['gbps']:.2f} | "
                      f"{s['peak_extra_ratio']:.2f}x | {s['extra_after_first_bytes'] / MiB:.0f} / "
                      f"{s['extra_after_last_bytes'] / MiB:.0f} |")
+        polled = [(name, s) for name, s in w["systems"].items() if s.get("maybe_finalize_calls")]
+        if polled:
+            L.append("\nThe training thread's time in asyncckpt's `maybe_finalize()`, called every 2 ms while "
+                     "the commit was pending (the commit runs in the finalizer thread): "
+                     + "; ".join(f"{name}: median {fmt_ms(s['maybe_finalize_s'])} ms, max "
+                                 f"{fmt_ms(s['maybe_finalize_max_s'])} ms over {s['maybe_finalize_calls']} calls"
+                                 for name, s in polled) + ".")
         L.append("")
         if w.get("loads"):
             raw = w["loads"]["raw read (cold cache)"]["s"]

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
-import asyncckpt.checkpoint as ckpt_mod
+import asyncckpt.saving as ckpt_mod
 from helpers import assert_same, clone_state, closing_queue
 import asyncckpt.storage.commit as commit_mod
 from asyncckpt import (
@@ -337,7 +337,7 @@ def test_back_to_back_saves_in_flight(tmp_path: Path, caller: str, staging_buffe
             state["big"].add_(1.5)
             state["small"].mul_(3)
             state["grow"].zero_()
-            assert len(manager._saver.stager.live_slab_ids) <= staging_buffers
+            assert len(manager._saver.pool.live_slab_ids) <= staging_buffers
         assert manager.maybe_finalize(blocking=True) == [1, 2, 3]
         assert manager.steps() == [1, 2, 3]
         for step in (1, 2, 3):
@@ -637,7 +637,7 @@ def test_manager_last_committed_timings_after_handle_wait(tmp_path: Path, tempor
         assert manager.steps() == [1]
         assert manager.last_committed_timings == timings
         assert manager.maybe_finalize(blocking=True) in ([], [1])
-        assert handle.call_idx not in manager._handles
+        assert handle.call_idx not in manager._saver.pending_steps() and not manager._saver.pending_steps()
     finally:
         manager.close()
 
@@ -725,7 +725,7 @@ def test_manager_starts_a_light_worker_before_the_first_save(tmp_path):
 def test_plan_is_cached_while_the_structure_is_unchanged(tmp_path):
     queue = asyncckpt.AsyncCallsQueue(persistent=False)
     try:
-        saver = asyncckpt.checkpoint._saver_for(queue)
+        saver = asyncckpt.saving._saver_for(queue)
         states = [
             {"a": torch.ones(3), "b": [torch.zeros(2, 2)], "step": 1},
             {"a": torch.full((3,), 2.0), "b": [torch.ones(2, 2)], "step": 2},      # same structure: hit

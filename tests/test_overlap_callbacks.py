@@ -92,11 +92,13 @@ def test_overlap_staging_abort_drops_the_save(tmp_path):
 
 
 # ------------------------------------------------------------------ callbacks
-def test_callback_called_once_with_result_in_training_thread(tmp_path):
+def test_callback_called_once_with_result_in_the_finalizer_thread(tmp_path):
+    """In this process, after the commit, in the queue's finalizer thread (documented:
+    a callback must be thread-safe), so it runs without any call by the training loop."""
     calls = []
 
     def callback(result):
-        calls.append((result, os.getpid(), threading.current_thread() is threading.main_thread()))
+        calls.append((result, os.getpid(), threading.current_thread().name == "asyncckpt-finalizer"))
 
     with asyncckpt.CheckpointManager(tmp_path, callback=callback) as mgr:
         h1 = mgr.save(1, _state(1))
@@ -107,7 +109,7 @@ def test_callback_called_once_with_result_in_training_thread(tmp_path):
     assert len(calls) == 2
     result, pid, main = calls[0]
     assert isinstance(result, asyncckpt.SaveResult)
-    assert pid == os.getpid() and main
+    assert pid == os.getpid() and main  # main: in the finalizer thread
     assert result.path == tmp_path / "step_00000001" and result.step == 1
     assert result.bytes == result.timings.bytes > 0 and result.timings is h1.timings
     assert (result.path / ".metadata").exists()  # called after the commit
@@ -242,9 +244,9 @@ def test_prepare_formats_the_buffer_without_writing(tmp_path):
         nbytes = mgr.prepare(sd)
         assert nbytes >= sum(t.numel() * t.element_size() for t in sd["model"].values())
         assert list(tmp_path.iterdir()) == []  # nothing written
-        slab_ids = mgr._saver.stager.live_slab_ids
+        slab_ids = mgr._saver.pool.live_slab_ids
         plans = mgr._saver.plan_cache.hits
         mgr.save(1, sd).wait()
-        assert mgr._saver.stager.live_slab_ids == slab_ids  # the prepared buffer was used
+        assert mgr._saver.pool.live_slab_ids == slab_ids  # the prepared buffer was used
         assert mgr._saver.plan_cache.hits == plans + 1      # and the prepared plan
     assert_same(sd, _load(tmp_path / "step_00000001", sd))

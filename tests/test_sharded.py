@@ -158,7 +158,7 @@ def _rank_save_fsdp(rank: int, world_size: int, root: str) -> dict[str, Any]:
     try:
         handle = asyncckpt.save(state, root_p / "save_w2", async_op=True, calls_queue=queue)
         manager.save(3, state)
-        out["staged_bytes"] = manager._saver.stager.nbytes  # this rank's slab
+        out["staged_bytes"] = manager._saver.pool.nbytes  # this rank's slab
         _train(model, optim, 1, rank)  # mutates the parameters and the Adam state in place
         out["mutated"] = len(_compare(snapshot, _map_tensors(state, _local))["mismatch"])
         out["nonempty"] = sum(v.numel() > 0 for v in _leaves(snapshot).values() if isinstance(v, torch.Tensor))
@@ -349,7 +349,7 @@ def _rank_save_ddp(rank: int, world_size: int, root: str) -> dict[str, Any]:
                 dcp.load(got, checkpoint_id=str(path))
                 out["diffs"][(name, step)] = _compare(snapshot, got)
         # The 2nd and 3rd saves of each saver reused the 1st one's plan.
-        out["cache_hits"] = {"save": asyncckpt.checkpoint._saver_for(queue).plan_cache.hits,
+        out["cache_hits"] = {"save": asyncckpt.saving._saver_for(queue).plan_cache.hits,
                              "manager": manager._saver.plan_cache.hits}
         manager.close()
         queue.close()

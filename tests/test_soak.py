@@ -205,9 +205,10 @@ def test_soak_checkpoint_manager(tmp_path: Path, capfd: pytest.CaptureFixture[st
         print("\n" + res.report(f"CheckpointManager, {'persistent' if persistent else 'temporal'} caller"))
         assert not [str(w.message) for w in caught], [f"{w.category.__name__}: {w.message}" for w in caught]
         assert_flat(res, warm, end)
-        # keep_last=2, one save being written, and one old checkpoint being removed in
-        # the background (a new removal waits for the previous one).
-        assert res.max_dirs <= 4, f"keep_last=2 but {res.max_dirs} directories were on disk at once"
+        # keep_last=2, one save being written, one written whose commit is still running in
+        # the finalizer thread (the next write overlaps it), and one old checkpoint being
+        # removed in the background (a new removal waits for the previous one).
+        assert res.max_dirs <= 5, f"keep_last=2 but {res.max_dirs} directories were on disk at once"
     finally:
         mgr.close(abort=True)
         shutil.rmtree(root, ignore_errors=True)

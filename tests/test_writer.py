@@ -31,7 +31,7 @@ def test_overlapped_checksums_give_valid_records_and_segments(tmp_path, monkeypa
         "big2": torch.randn(1 << 18, generator=gen),       # exactly 1 MiB
         "meta": {"step": 3},
     }
-    planned = plan_save(state, str(tmp_path / "x"), SyncGroup(None), 0)
+    planned, _ = plan_save(state, str(tmp_path / "x"), SyncGroup(None), 0)
     items = list(planned.plan.items)
     blobs = {i: len(d) for i, d in enumerate(planned.data) if isinstance(d, bytes)}
     layout = build_layout(0, items, blobs)

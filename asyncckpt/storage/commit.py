@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import secrets
 import shutil
 import stat
@@ -52,18 +51,6 @@ LOCK_NAME = ".asyncckpt.lock"
 MANIFEST_FORMAT = "asyncckpt.manifest"
 MANIFEST_VERSION = 1
 _READ_CHUNK = 8 << 20
-
-#: ``CheckpointManager``'s directory names: a committed step ...
-STEP_DIR_RE = re.compile(r"^step_(\d+)$")
-#: ... and the hidden leftovers of a step (a save's temporary directory, or an old
-#: checkpoint being deleted).
-LEFTOVER_RE = re.compile(r"^\.step_(\d+)\.(?:tmp|deleting)-[0-9a-f]+$")
-
-
-def step_dir_name(step: int) -> str:
-    """The directory name of step ``step`` (``step_%08d``)."""
-    return f"step_{int(step):08d}"
-
 
 def temporary_dir_for(final_dir: Path, token: str) -> Path:
     """The hidden temporary directory a checkpoint is written into before commit."""

@@ -1,0 +1,111 @@
+"""The load side of the user-facing API: ``load`` (in place, collective) and ``verify``.
+
+``load`` reads a committed checkpoint into a given state_dict, like
+``torch.distributed.checkpoint.load`` (resharded as DCP does), without trusting the
+checkpoint: see :mod:`asyncckpt.storage.reader`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpointException
+
+from .dist import SyncGroup
+from .errors import CheckpointError, CorruptCheckpointError, RankFailure
+from .storage import commit as _commit
+from .storage.reader import SafeFileSystemReader, SafeLoadPlanner
+
+__all__ = ["load", "verify"]
+
+
+def verify(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """Check a committed checkpoint against its manifest (sizes and CRC-32s).
+
+    Returns:
+        The manifest (``files``, ``total_bytes``, ``world_size``, ``step``, ...).
+
+    Raises:
+        CorruptCheckpointError: naming the first missing or mismatching file.
+    """
+    return _commit.verify_checkpoint(checkpoint_dir)
+
+
+def load(
+    state_dict: dict[str, Any],
+    checkpoint_dir: str | os.PathLike,
+    *,
+    process_group: Any = None,
+    verify: bool = True,
+    allow_pickle: bool = False,
+) -> None:
+    """Load a checkpoint into ``state_dict`` in place, like ``torch.distributed.checkpoint.load``.
+
+    Tensors are copied into the given tensors (any device; resharded as DCP does);
+    other values are replaced in the given dicts. Collective over ``process_group``.
+
+    The checkpoint is not trusted (:mod:`asyncckpt.storage.reader`): ``.metadata`` is
+    unpickled with an allowlist of DCP metadata classes; every file it or the manifest
+    names must be a plain file name of a regular file (not a symlink) inside
+    ``checkpoint_dir``; non-tensor values load with ``torch.load(weights_only=True)``
+    semantics, all decoded before any tensor of ``state_dict`` is written.
+
+    Args:
+        state_dict: the structure to fill; its keys select what is read.
+        checkpoint_dir: a committed checkpoint directory.
+        process_group: the ranks loading together.
+        verify: check sizes and CRC-32 checksums of the files first (each rank checks
+            a share of the files; any mismatch fails every rank). The path checks
+            above run either way.
+        allow_pickle: unpickle non-tensor values of any class (stock DCP's
+            ``weights_only=False``). Unpickling runs code chosen by whoever wrote the
+            checkpoint: pass ``True`` only for checkpoints you trust. To allow a few
+            classes instead, use ``torch.serialization.safe_globals([...])``.
+
+    Raises:
+        CorruptCheckpointError: ``checkpoint_dir`` is not a committed checkpoint; a
+            file is missing or corrupt (with ``verify``); the metadata holds a
+            disallowed global; the metadata or the manifest names a path outside the
+            directory or a symlink.
+        CheckpointError: a non-tensor value needs ``allow_pickle=True`` (its entry is
+            named; ``state_dict`` is left unchanged).
+    """
+    path = Path(checkpoint_dir)
+    sync = SyncGroup(process_group)
+    reader = SafeFileSystemReader(str(path))
+    failure: RankFailure | None = None
+    try:
+        manifest = _commit.read_manifest(path)  # also refuses names outside the directory
+        if verify:
+            names = sorted(manifest["files"])[sync.rank::sync.world_size]
+            _commit.verify_checkpoint(path, names)
+        reader.check_manifest(manifest["files"])  # reads and checks .metadata
+    except CorruptCheckpointError as exc:
+        failure = RankFailure.from_exception(exc)
+    failures = sync.gather_failures(failure)  # the error funnel: the same error on every rank
+    if failures:
+        first = failures[min(failures)]
+        bad_path = getattr(first.exception, "path", None) or str(path)
+        message = str(first.exception) if first.exception is not None else str(first)
+        raise CorruptCheckpointError(message, bad_path)
+    planner = SafeLoadPlanner(allow_pickle=allow_pickle)
+    try:
+        with warnings.catch_warnings():
+            # Without a process group DCP warns that it loads in a single process: intended.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
+    except _DcpCheckpointException as exc:
+        # DCP wraps every rank's failure; ours (CheckpointError) are re-raised as such,
+        # the same one (the lowest rank's) on every rank.
+        for _, (cause, _tb) in sorted(exc.failures.items()):
+            if isinstance(cause, CorruptCheckpointError):
+                raise CorruptCheckpointError(str(cause), cause.path) from exc
+            if isinstance(cause, CheckpointError):
+                raise CheckpointError(str(cause)) from exc
+        # DCP's own exception is a BaseException, which `except Exception` misses.
+        causes = "; ".join(f"rank {r}: {type(c).__name__}: {c}" for r, (c, _tb) in sorted(exc.failures.items()))
+        raise CheckpointError(f"loading {path} failed: {causes}") from exc

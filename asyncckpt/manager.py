@@ -1,0 +1,290 @@
+"""CheckpointManager: numbered asynchronous checkpoints in one root, with retention.
+
+Small on purpose, like Orbax's ``CheckpointManager``: the phases live in
+:mod:`asyncckpt.saving`, the root's naming, ``latest`` and retention in
+:mod:`asyncckpt.root`, the options in :class:`asyncckpt.SaveOptions`.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+from .callers import PersistentAsyncCaller
+from .calls_queue import AsyncCallsQueue
+from .errors import CheckpointException
+from .handle import SaveCallback, SaveHandle, SaveTimings
+from .loading import load
+from .options import SaveOptions
+from .root import CheckpointRoot
+from .saving import Saver
+from .storage import commit as _commit
+
+__all__ = ["CheckpointManager"]
+
+
+class CheckpointManager:
+    """Numbered asynchronous checkpoints in one root directory, with retention.
+
+    Layout: ``root_dir/step_00000100/`` (one committed checkpoint per step), and
+    ``root_dir/latest`` naming the newest committed one. Like Orbax's
+    CheckpointManager, policy (``keep_last``, :class:`SaveOptions`) is data.
+
+    Args:
+        root_dir: the root directory (created if missing).
+        keep_last: keep this many newest checkpoints (``None``: keep all). Older ones
+            are removed only after a newer one committed.
+        persistent: one long-lived worker (default) or a forked child per save.
+        process_group: the ranks saving together.
+        coordinator_rank: the rank that commits.
+        start_method: ``"spawn"`` (default) or ``"forkserver"`` for the persistent
+            worker.
+        calls_queue: use this queue instead of creating one (then ``close`` does not
+            close it); not together with ``persistent`` or ``start_method``.
+        options: staging and writing options (:class:`SaveOptions`); or give them one
+            by one: ``staging_buffers``, ``copy_threads``, ``write_threads``,
+            ``plan_cache``, ``overlap_staging`` (not both).
+        callback: the default completion callback of :meth:`save` (see there).
+
+    Raises:
+        ValueError: a bad argument (``keep_last`` not an int >= 1, contradictory
+            arguments, a bad option).
+
+    Collective contract (every rank, in the same order): the constructor,
+    :meth:`save`, :meth:`prepare`, :meth:`load`, :meth:`close`, and
+    :meth:`synchronize_staging` with overlapped staging. :meth:`maybe_finalize` is
+    not collective (the commit runs in the queue's finalizer thread): ranks may call
+    it different numbers of times. With a ``calls_queue`` that is not
+    ``background_finalize``, ``maybe_finalize`` drives it and is collective again.
+    """
+
+    def __init__(
+        self,
+        root_dir: str | os.PathLike,
+        *,
+        keep_last: int | None = None,
+        persistent: bool | None = None,
+        process_group: Any = None,
+        coordinator_rank: int = 0,
+        staging_buffers: int | None = None,
+        start_method: str | None = None,
+        calls_queue: AsyncCallsQueue | None = None,
+        overlap_staging: bool | None = None,
+        copy_threads: int | None = None,
+        write_threads: int | None = None,
+        plan_cache: bool | None = None,
+        callback: SaveCallback | None = None,
+        options: SaveOptions | None = None,
+    ) -> None:
+        self._closed = True  # until constructed
+        if calls_queue is not None and (persistent is not None or start_method is not None):
+            raise ValueError("calls_queue= cannot be combined with persistent= or start_method=: "
+                             "the queue already decides how calls run")
+        self.options = SaveOptions.resolve(options, staging_buffers=staging_buffers, copy_threads=copy_threads,
+                                           write_threads=write_threads, plan_cache=plan_cache,
+                                           overlap_staging=overlap_staging)
+        self._root = CheckpointRoot(root_dir, keep_last)
+        self.root_dir = self._root.path
+        self.keep_last = keep_last
+        self.process_group = process_group
+        self.coordinator_rank = coordinator_rank
+        self.callback = callback
+        self._owns_queue = calls_queue is None
+        self.queue = calls_queue or AsyncCallsQueue(
+            True if persistent is None else persistent, process_group=process_group,
+            start_method=start_method or "spawn", import_main=False, background_finalize=True)
+        if self._owns_queue and isinstance(self.queue.caller, PersistentAsyncCaller):
+            self.queue.caller.start()  # ready before the first save: no start-up stall
+        self._saver = Saver(self.queue, self.options, self._root)
+        # Dropped without close(): the staging buffers go with the manager.
+        self._release = weakref.finalize(self, self._saver.release)
+        self._closed = False
+
+    @property
+    def overlap_staging(self) -> bool:
+        """Whether saves use overlapped staging (``options.overlap_staging``)."""
+        return self.options.overlap_staging
+
+    @property
+    def last_committed_timings(self) -> SaveTimings | None:
+        """Timings of the most recently committed save (``None`` before the first)."""
+        return self._saver.last_committed_timings
+
+    def step_dir(self, step: int) -> Path:
+        """The directory of step ``step``."""
+        return self._root.step_dir(step)
+
+    def save(self, step: int, state_dict: dict[str, Any], *, async_op: bool = True,
+             callback: SaveCallback | None = None) -> SaveHandle:
+        """Save ``state_dict`` as step ``step`` (see :func:`asyncckpt.save`).
+
+        Args:
+            step: the step number (names the directory ``step_%08d``).
+            state_dict: the state (see :func:`asyncckpt.save`).
+            async_op: stage and return (default), or write and commit first.
+            callback: called once, in this process, after finalize, with the
+                :class:`SaveResult` (committed) or the exception (failed); default
+                the manager's ``callback``. It runs in the queue's finalizer thread
+                (it must be thread-safe). If it raises, the error is logged and
+                raised as :class:`CallbackError` by the next :meth:`maybe_finalize`,
+                ``handle.wait`` or :meth:`close`; the queue goes on.
+
+        Returns:
+            The handle; committed steps are also reported by :meth:`maybe_finalize`.
+
+        Raises:
+            CheckpointError: invalid input, or step ``step`` already exists (on every
+                rank).
+            RuntimeError: the manager is closed.
+        """
+        if self._closed:
+            raise RuntimeError("CheckpointManager is closed")
+        with self._saver.lock:
+            return self._saver.save(
+                state_dict, self.step_dir(step), async_op=async_op, process_group=self.process_group,
+                coordinator_rank=self.coordinator_rank, step=int(step),
+                callback=callback if callback is not None else self.callback)
+
+    def prepare(self, state_dict: dict[str, Any]) -> int:
+        """Get ready for saves of ``state_dict``'s structure before the first one (collective).
+
+        Plans the save (the plan is cached), then allocates, page-faults and formats
+        the staging buffer, so that the first ``save`` stalls no longer than later
+        ones: allocating fresh host memory costs several times a copy into memory
+        already mapped. Nothing is written. Optional; call it e.g. after building the
+        model and optimizer state.
+
+        Args:
+            state_dict: a state of the structure (keys, dtypes, shapes) to be saved.
+
+        Returns:
+            The bytes of host memory the staging buffer holds (this rank).
+
+        Raises:
+            CheckpointError: invalid input on any rank (raised on every rank).
+        """
+        if self._closed:
+            raise RuntimeError("CheckpointManager is closed")
+        return self._saver.prepare(state_dict, self.process_group, self.coordinator_rank)
+
+    def synchronize_staging(self) -> None:
+        """Wait until an overlapped save is staged and start its write.
+
+        With ``overlap_staging=True``, call it after the next forward/backward and
+        before ``optimizer.step()``: the state must not change while it is copied.
+        The wait counts as the save's stall. No-op when nothing is being staged.
+        """
+        self._saver.synchronize_staging()
+
+    def maybe_finalize(self, blocking: bool = False) -> list[int]:
+        """Report the saves committed since the last call, and raise failures.
+
+        No collective, no file I/O: the commit runs in the queue's finalizer thread,
+        so ranks may call this any number of times (with a ``calls_queue`` finalized
+        in the training loop it drives that queue, collectively).
+
+        Args:
+            blocking: first wait until every pending save is committed or failed.
+
+        Returns:
+            The steps committed since the last call, in order (except those whose
+            ``handle.wait()`` returned already).
+
+        Raises:
+            CheckpointException: a save failed on some rank (the same on every rank);
+                nothing of it was committed, ``latest`` is unchanged, its temporary
+                directory is removed. Later outcomes are reported by the next call.
+            CallbackError: a completion callback raised (its save is committed).
+        """
+        self._saver.synchronize_staging()
+        steps = [record.step for record in self._saver.harvest(blocking)]
+        self._saver.raise_callback_errors()
+        return steps
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (partial or temporary directories are ignored)."""
+        return self._root.steps()
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None``.
+
+        A renamed step directory is complete (the rename is the commit), and ``latest``
+        is replaced only after it, so ``latest`` can lag behind the newest committed
+        step (a crash between the two) but never lead it: the newest committed step
+        is what to resume from. ``latest`` is for readers outside asyncckpt.
+        """
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def load(self, state_dict: dict[str, Any], step: int | None = None, *, verify: bool = True,
+             allow_pickle: bool = False) -> int:
+        """Load step ``step`` (default: the latest) into ``state_dict`` in place (collective).
+
+        ``verify`` and ``allow_pickle`` are those of :func:`asyncckpt.load`.
+
+        Returns:
+            The step loaded.
+
+        Raises:
+            FileNotFoundError: there is no committed checkpoint (or not that step).
+            CorruptCheckpointError: the checkpoint does not match its manifest, or
+                names a path outside its directory.
+            CheckpointError: a non-tensor value needs ``allow_pickle=True``.
+        """
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no committed checkpoint in {self.root_dir}")
+        path = self.step_dir(step)
+        if not _commit.is_committed(path):
+            raise FileNotFoundError(f"step {step} has no committed checkpoint in {self.root_dir}")
+        load(state_dict, path, process_group=self.process_group, verify=verify, allow_pickle=allow_pickle)
+        return int(step)
+
+    def close(self, abort: bool = False) -> None:
+        """Commit pending saves and stop the worker; ``abort`` drops them instead.
+
+        Idempotent. Frees the staging buffers, also when the queue was passed in
+        (``calls_queue``; that queue stays open). With ``abort=True``: no collective,
+        the worker is terminated, pending saves are dropped (their handles fail, their
+        temporary directories are removed).
+
+        Raises:
+            CheckpointException: (``abort=False``) a pending save failed (the first
+                one not reported yet; the manager is closed anyway).
+            CallbackError: (``abort=False``) a completion callback raised.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        first_error: BaseException | None = None
+        try:
+            if not abort:
+                self._saver.synchronize_staging()
+                self._saver.wait_all()
+                while True:  # report every outcome; raise the first failure
+                    try:
+                        if not self._saver.harvest(blocking=False):
+                            break
+                    except CheckpointException as exc:
+                        first_error = first_error or exc
+            if self._owns_queue:
+                try:
+                    self.queue.close(abort=abort)
+                except CheckpointException:
+                    pass  # this manager's saves: reported by the harvest above
+        finally:
+            self._release()  # the staging buffers, whoever owns the queue
+            self._root.join_deletion()
+        if first_error is not None:
+            raise first_error
+        if not abort:
+            self._saver.raise_callback_errors()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.close(abort=exc_type is not None)

@@ -1,0 +1,71 @@
+"""SaveOptions: how a save stages and writes, as one frozen value.
+
+Policy is data, as in Orbax's ``CheckpointManagerOptions``: ``asyncckpt.save`` and
+``CheckpointManager`` take the same object, and the individual keyword arguments they
+also accept are only a shorter way to build it (giving both raises).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["SaveOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOptions:
+    """How saves are staged and written.
+
+    Attributes:
+        staging_buffers: host staging buffers that may exist at once, each one copy
+            of this rank's state (bytes of host memory = this many x the state). 1
+            bounds the extra memory to one copy: a save then waits until the previous
+            write no longer reads the buffer; 2 lets a save stage while the previous
+            one still writes.
+        copy_threads: Python threads for the staging copy of CPU tensors (1: torch's
+            intra-op threads already split each copy; ``scripts/bench.py`` measures).
+        write_threads: threads writing each data file with positioned writes (1: one
+            sequential stream).
+        plan_cache: reuse the save plan while the state's structure (keys, dtypes,
+            shapes, devices) is unchanged on every rank.
+        overlap_staging: ``save`` returns right after planning and the copy into the
+            host buffer runs in a background thread while training goes on; call
+            ``synchronize_staging()`` before the state is mutated (DCP's
+            ``AsyncStager.synchronize_staging``).
+
+    Raises:
+        ValueError: a count below 1, or a value of the wrong type.
+    """
+
+    staging_buffers: int = 1
+    copy_threads: int = 1
+    write_threads: int = 1
+    plan_cache: bool = True
+    overlap_staging: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("staging_buffers", "copy_threads", "write_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SaveOptions.{name} must be an int >= 1, not {value!r}")
+        for name in ("plan_cache", "overlap_staging"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SaveOptions.{name} must be a bool, not {getattr(self, name)!r}")
+
+    @classmethod
+    def resolve(cls, options: "SaveOptions | None", **given: Any) -> "SaveOptions":
+        """``options``, or one built from the keyword arguments that are not ``None``.
+
+        Raises:
+            ValueError: both ``options`` and a keyword argument were given (one would
+                silently win over the other).
+        """
+        given = {k: v for k, v in given.items() if v is not None}
+        if options is None:
+            return cls(**given)
+        if given:
+            raise ValueError(f"pass either options= or {', '.join(sorted(given))}=, not both")
+        if not isinstance(options, SaveOptions):
+            raise ValueError(f"options must be a SaveOptions, not {type(options).__name__}")
+        return options

@@ -1,0 +1,133 @@
+"""A checkpoint root: numbered step directories, ``latest``, retention and leftovers.
+
+Shared by ``CheckpointManager`` and the ``asyncckpt`` command. Torch-free (the
+command's ``ls``, ``verify`` and ``clean`` do not import torch).
+
+Layout (the names are Orbax-like policy as data: :data:`STEP_DIR_RE`)::
+
+    root/step_00000100/            a committed checkpoint (a DCP directory + manifest)
+    root/latest                    the name of the newest committed one, for readers
+    root/.step_00000200.tmp-<hex>  a save in flight, or the leftover of a failed one
+    root/.step_00000050.deleting-<hex>   an old checkpoint being removed
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import threading
+import warnings
+from pathlib import Path
+from typing import Iterable
+
+from .storage import commit as _commit
+
+__all__ = ["STEP_DIR_RE", "LEFTOVER_RE", "step_dir_name", "CheckpointRoot"]
+
+_log = logging.getLogger("asyncckpt")
+
+#: A committed step's directory name ...
+STEP_DIR_RE = re.compile(r"^step_(\d+)$")
+#: ... and the hidden leftovers of a step (a save's temporary directory, or an old
+#: checkpoint being deleted).
+LEFTOVER_RE = re.compile(r"^\.step_(\d+)\.(?:tmp|deleting)-[0-9a-f]+$")
+
+
+def step_dir_name(step: int) -> str:
+    """The directory name of step ``step`` (``step_%08d``)."""
+    return f"step_{int(step):08d}"
+
+
+class CheckpointRoot:
+    """One root directory of numbered checkpoints and its retention policy.
+
+    Args:
+        root_dir: the directory (created if missing).
+        keep_last: keep this many newest committed steps (``None``: keep all).
+
+    Raises:
+        ValueError: ``keep_last`` is not an int >= 1 or ``None``.
+    """
+
+    def __init__(self, root_dir: str | os.PathLike, keep_last: int | None = None) -> None:
+        if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool)
+                                      or keep_last < 1):
+            raise ValueError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
+        self.path = Path(root_dir).absolute()
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.keep_last = keep_last
+        self._lock = threading.Lock()
+        self._deletion: threading.Thread | None = None  # the retention removal in flight
+
+    def step_dir(self, step: int) -> Path:
+        """The directory of step ``step``."""
+        return self.path / step_dir_name(step)
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (partial or temporary directories are ignored)."""
+        found = []
+        for entry in os.scandir(self.path):
+            m = STEP_DIR_RE.match(entry.name)
+            if m and entry.is_dir(follow_symlinks=False) and _commit.is_committed(Path(entry.path)):
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def after_commit(self, final_dir: Path, pending_steps: Iterable[int]) -> None:
+        """(coordinator, after the commit point) ``latest``, retention, leftovers.
+
+        The checkpoint is committed already (its rename is the commit point), so a
+        failure here is reported as a ``RuntimeWarning`` (and logged), never as a
+        failed save.
+
+        Args:
+            final_dir: the checkpoint just committed.
+            pending_steps: steps of saves still in flight (their temporary
+                directories are kept).
+        """
+        try:
+            _commit.write_latest(self.path, final_dir.name)
+        except Exception as exc:  # noqa: BLE001 - after the commit point: a warning
+            self._warn(f"{final_dir} is committed, but `latest` could not be updated: {type(exc).__name__}: {exc}")
+        if self.keep_last is not None:
+            for old in self.steps()[:-self.keep_last]:
+                path = self.step_dir(old)
+                if path == final_dir:
+                    continue
+                self.join_deletion()  # at most one removal in flight: bounded disk use
+                try:
+                    with self._lock:
+                        self._deletion = _commit.remove_checkpoint(path, background=True)
+                except OSError as exc:
+                    self._warn(f"retention could not remove {path}: {exc}")
+        m = STEP_DIR_RE.match(final_dir.name)
+        if m:
+            self.remove_leftovers(int(m.group(1)), pending_steps)
+
+    def remove_leftovers(self, committed_step: int, pending_steps: Iterable[int]) -> None:
+        """Remove hidden temporary directories of steps up to ``committed_step`` (saves
+        that failed or were killed: commits happen in call order, so none of them can
+        still commit) and half-deleted old checkpoints; never those of ``pending_steps``
+        nor the removal in flight."""
+        pending = set(pending_steps)
+        with self._lock:
+            deletion = self._deletion
+        being_deleted = deletion.name.partition(":")[2] if deletion is not None and deletion.is_alive() else None
+        for entry in os.scandir(self.path):
+            m = LEFTOVER_RE.match(entry.name)
+            if (m and int(m.group(1)) <= committed_step and int(m.group(1)) not in pending
+                    and entry.name != being_deleted and entry.is_dir(follow_symlinks=False)):
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+    def join_deletion(self) -> None:
+        """Wait for the retention removal in flight, if any."""
+        with self._lock:
+            deletion, self._deletion = self._deletion, None
+        if deletion is not None:
+            deletion.join()
+
+    @staticmethod
+    def _warn(message: str) -> None:
+        _log.warning("%s", message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -1,0 +1,688 @@
+"""The save pipeline: named phases, and the saver that runs them on a queue.
+
+A save is one :class:`SaveInFlight` record passed through four phases, each a
+module-level function that returns what the next one needs (the shape of
+Megatron-core's ``save_state_dict_async_plan`` / ``save_state_dict_async_finalize``):
+
+======  ===========================  ==========================================  =======================
+phase   function                     runs where                                  returns
+======  ===========================  ==========================================  =======================
+plan    :func:`plan`                 training thread, all ranks (collective)     :class:`SaveInFlight`
+stage   :func:`stage`                training thread (CPU copies: a thread with  the ``WriteTask``
+                                     overlapped staging), each rank
+write   ``write_rank_files``         the background worker / forked child,       ``RankWriteResult``
+                                     each rank (torch-free)
+commit  :func:`commit`               the queue's finalizer thread, all ranks     :class:`SaveTimings`
+                                     (collective); I/O on the coordinator
+======  ===========================  ==========================================  =======================
+
+After ``save()`` returns, the training thread does no file I/O, no fsync and no
+collective for that save: the status all_gather, the gather of write results, the
+coordinator's commit and the broadcast of its outcome all run in the finalizer thread
+of the queue (``AsyncCallsQueue(background_finalize=True)``), on its own gloo group.
+
+The format is torch.distributed.checkpoint's: stock ``dcp.load`` reads it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import pickle
+import shutil
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+from .calls_queue import AsyncCallsQueue
+from .dist import SyncGroup
+from .errors import CallbackError, CheckpointException, RankFailure
+from .handle import SaveCallback, SaveHandle, SaveResult, SaveTimings
+from .options import SaveOptions
+from .planning import PlanCache, SavePlanResult, plan_save
+from .request import AsyncRequest
+from .root import CheckpointRoot
+from .staging import StagingBuffer, StagingCopier, StagingPool
+from .storage import commit as _commit
+from .storage.layout import RankLayout, build_layout
+from .storage.writer import RankWriteResult, WriteTask, current_umask, write_rank_files
+
+__all__ = ["SaveInFlight", "plan", "stage", "commit", "Saver", "save", "default_calls_queue"]
+
+_log = logging.getLogger("asyncckpt")
+
+
+# ====================================================================== the record
+@dataclasses.dataclass
+class SaveInFlight:
+    """One save in flight: what its phases need and produce.
+
+    Attributes:
+        final_dir: the committed name.
+        tmp_dir: the hidden temporary directory every rank writes into.
+        step: the step (``CheckpointManager``), else ``None``.
+        sync: the ranks saving together (the training thread's group).
+        coordinator_rank: the rank that commits.
+        planned: this rank's plan, data and the global metadata.
+        layout: this rank's data file layout.
+        handle: the user's handle.
+        root: the checkpoint root whose ``latest`` and retention the commit updates
+            (``CheckpointManager``), else ``None``.
+        buffer: the staging buffer (after :func:`stage`).
+        timings: set by :func:`commit`.
+    """
+
+    final_dir: Path
+    tmp_dir: Path
+    step: int | None
+    sync: SyncGroup
+    coordinator_rank: int
+    planned: SavePlanResult
+    layout: RankLayout
+    handle: SaveHandle
+    root: CheckpointRoot | None = None
+    buffer: StagingBuffer | None = None
+    timings: SaveTimings | None = None
+
+
+class _LayoutCache:
+    """The last few layouts, keyed by plan object and non-tensor sizes."""
+
+    def __init__(self, size: int = 4) -> None:
+        self._size = size
+        self._layouts: dict[Any, tuple[Any, RankLayout]] = {}
+
+    def get(self, rank: int, planned: SavePlanResult) -> RankLayout:
+        blobs = {i: len(d) for i, d in enumerate(planned.data) if isinstance(d, bytes)}
+        # Cached plans are reused as is: the plan object (by identity) and the sizes
+        # of the non-tensor values, which may change from save to save, fix the layout.
+        key = (rank, id(planned.plan), tuple(sorted(blobs.items())))
+        hit = self._layouts.get(key)
+        if hit is not None and hit[0] is planned.plan:
+            return hit[1]
+        layout = build_layout(rank, list(planned.plan.items), blobs)
+        if len(self._layouts) >= self._size:
+            self._layouts.pop(next(iter(self._layouts)))
+        self._layouts[key] = (planned.plan, layout)
+        return layout
+
+    def clear(self) -> None:
+        self._layouts.clear()
+
+
+# ====================================================================== the phases
+def plan(state_dict: dict[str, Any], final_dir: Path, handle: SaveHandle, *, sync: SyncGroup,
+         coordinator_rank: int, step: int | None = None, root: CheckpointRoot | None = None,
+         cache: PlanCache | None = None, layouts: _LayoutCache | None = None,
+         check_target: bool = True) -> SaveInFlight:
+    """Phase 1, plan: validate, plan and lay out one save (all ranks, collective).
+
+    Call sequence:
+
+    1. (each rank) validate ``state_dict``; (coordinator) ``final_dir`` must not
+       exist, or be an empty directory.
+    2. (all ranks) the error funnel: a failure anywhere raises on every rank.
+    3. (all ranks) reuse the cached plan, or plan with DCP's ``DefaultSavePlanner``.
+    4. (each rank) resolve this rank's data (tensors, pickled values) and lay out its
+       data file (the ``torch.save`` framing of every record).
+    5. (all ranks) the error funnel again (e.g. a value that cannot be pickled).
+
+    ``check_target=False`` skips the target check (``prepare`` writes nothing).
+
+    Raises:
+        CheckpointError: invalid input or target on any rank, raised on every rank,
+            before anything is written (``failures`` by rank).
+    """
+    if not 0 <= coordinator_rank < sync.world_size:
+        raise ValueError(f"coordinator_rank {coordinator_rank} is not a rank of the group")
+
+    def precheck() -> None:
+        if final_dir.exists() and (not final_dir.is_dir() or any(final_dir.iterdir())):
+            raise FileExistsError(f"{final_dir} exists and is not an empty directory; "
+                                  "a checkpoint never overwrites one")
+
+    layouts = layouts if layouts is not None else _LayoutCache()
+    planned, layout = plan_save(state_dict, str(final_dir), sync, coordinator_rank,
+                                precheck if check_target else None, cache,
+                                finish=lambda p: layouts.get(sync.rank, p))
+    return SaveInFlight(final_dir=final_dir, tmp_dir=_commit.temporary_dir_for(final_dir, planned.token),
+                        step=step, sync=sync, coordinator_rank=coordinator_rank, planned=planned,
+                        layout=layout, handle=handle, root=root)
+
+
+def stage(save: SaveInFlight, buffer: StagingBuffer, copier: StagingCopier, *, cpu: bool = True,
+          cuda: bool = True, synchronize: bool = True) -> None:
+    """Phase 2, stage: copy this rank's data into ``buffer`` (each rank, no collective).
+
+    Tensors go through the buffer's views in one batched copy (``torch._foreach_copy_``
+    for CPU tensors; non-blocking D2H on a side stream into the page-locked buffer for
+    CUDA tensors), then the pickled non-tensor values. ``cpu``/``cuda`` select which
+    sources are copied now (overlapped staging issues the D2H copies from the training
+    thread and the CPU copies from a thread); ``synchronize`` waits for the D2H copies.
+
+    Raises:
+        RuntimeError: a copy failed (CUDA error).
+    """
+    data = save.planned.data
+    if not buffer.pinned and cuda and any(isinstance(d, torch.Tensor) and d.is_cuda for d in data):
+        buffer.pin()
+    buffer.format(save.layout)
+    views = buffer.views
+    copier.copy([dst for _, dst in views], [data[item] for item, _ in views], cpu=cpu, cuda=cuda)
+    if cpu:
+        for slot in save.layout.blobs:
+            buffer.write_bytes(slot.offset, data[slot.item])
+    if synchronize:
+        copier.synchronize()
+    save.buffer = buffer
+
+
+def write_task(save: SaveInFlight, pool: StagingPool, write_threads: int) -> WriteTask:
+    """What the writer needs (picklable, torch-free): the staged buffer and the files."""
+    assert save.buffer is not None
+    return WriteTask(str(save.tmp_dir), save.buffer.ref, save.layout.files, pool.live_slab_ids,
+                     umask=current_umask(), threads=write_threads)
+
+
+def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
+           pending_steps: Iterable[int] = ()) -> SaveTimings:
+    """Phase 4, commit: make the checkpoint visible, atomically (all ranks, collective).
+
+    Call sequence (``sync`` is the finalizer's group in the background):
+
+    1. (all ranks) all_gather every rank's file layout and write result.
+    2. (coordinator) DCP ``.metadata`` and ``.manifest.json`` (sizes, CRC-32s),
+       fsync, rename the temporary directory to its final name, fsync the parent:
+       the rename is the commit point.
+    3. (coordinator) after the commit point: ``latest``, retention, leftovers
+       (``save.root``); a failure here is a warning on a committed save.
+    4. (all ranks) broadcast the coordinator's outcome of step 2.
+
+    Returns:
+        The save's timings.
+
+    Raises:
+        CheckpointException: the commit failed (on every rank, with the
+            coordinator's cause); nothing was committed.
+    """
+    started = time.monotonic()
+    gathered = sync.all_gather_object((save.layout.storage_data, result))
+    failure: RankFailure | None = None
+    if sync.rank == save.coordinator_rank:
+        try:
+            metadata = save.planned.metadata
+            storage_data: dict = {}
+            for sd, _ in gathered:
+                storage_data.update(sd)
+            metadata.storage_data = storage_data
+            metadata.version = CURRENT_DCP_VERSION
+            files = [f for _, r in gathered for f in r.files]
+            info = {"world_size": sync.world_size, "step": save.step}
+            _commit.commit_directory(save.tmp_dir, save.final_dir, pickle.dumps(metadata), files, info)
+        except Exception as exc:  # noqa: BLE001 - funnelled to every rank below
+            failure = RankFailure.from_exception(exc, "commit failed: ")
+        else:
+            if save.root is not None:
+                save.root.after_commit(save.final_dir, pending_steps)
+    failure = sync.broadcast_object(failure, save.coordinator_rank)
+    if failure is not None:
+        raise CheckpointException(save.handle.call_idx if save.handle.call_idx is not None else -1,
+                                  {save.coordinator_rank: failure})
+    write_s = max(r.write_s for _, r in gathered)
+    nbytes = sum(r.nbytes for _, r in gathered)
+    save.timings = save.handle._commit_timings(write_s, time.monotonic() - started, nbytes)
+    return save.timings
+
+
+# ====================================================================== the saver
+class _Overlapped:
+    """An overlapped staging: the CPU copies run in a thread while training goes on."""
+
+    def __init__(self, save: SaveInFlight, run: Any) -> None:
+        self.save = save
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(run,), name="asyncckpt-staging", daemon=True)
+        self.thread.start()
+
+    def _run(self, run: Any) -> None:
+        try:
+            run()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the request's preload_fn
+            self.error = exc
+
+
+class Saver:
+    """Runs the save phases on one queue for one owner (a manager, or ``asyncckpt.save``).
+
+    Owns: a :class:`StagingPool` (freed by :meth:`release`), a copier, the plan and
+    layout caches, the saves in flight and their handles. It learns how each save
+    ended from the queue's settle listener, on every rank, whichever thread settled
+    it: it then settles the handle, runs the completion callback, and for a failed
+    save removes its temporary directory (so a failed save leaves nothing behind).
+
+    Args:
+        queue: the queue that runs the writes (held weakly: the saver goes with it).
+        options: staging and writing options.
+        root: the checkpoint root of a ``CheckpointManager`` (``latest``, retention).
+    """
+
+    def __init__(self, queue: AsyncCallsQueue, options: SaveOptions | None = None,
+                 root: CheckpointRoot | None = None) -> None:
+        self.options = options or SaveOptions()
+        self._queue_ref = weakref.ref(queue)
+        self.root = root
+        self.pool = StagingPool(self.options.staging_buffers)
+        self.copier = StagingCopier(self.options.copy_threads)
+        self.plan_cache: PlanCache | None = PlanCache() if self.options.plan_cache else None
+        self.layouts = _LayoutCache()
+        self.lock = threading.RLock()  # one save() / synchronize_staging() at a time
+        self._state = threading.Lock()  # guards the maps below (training and finalizer threads)
+        self._overlapped: _Overlapped | None = None
+        self._inflight: dict[int, SaveInFlight] = {}  # call_idx -> scheduled, not settled
+        self._unharvested: collections.deque[tuple[int, SaveInFlight, BaseException | None]] = collections.deque()
+        self._reported: set[int] = set()  # failures already raised by handle.wait()
+        self._callback_errors: list[tuple[SaveHandle, BaseException]] = []
+        #: Timings of the most recently committed save (``None`` before the first).
+        self.last_committed_timings: SaveTimings | None = None
+        queue.add_settle_listener(self._on_settled)
+
+    @property
+    def queue(self) -> AsyncCallsQueue:
+        queue = self._queue_ref()
+        if queue is None:
+            raise RuntimeError("the AsyncCallsQueue of this saver was garbage-collected")
+        return queue
+
+    def set_options(self, options: SaveOptions) -> None:
+        """Use ``options`` for the next saves (the pool grows or shrinks lazily)."""
+        self.options = options
+        self.pool.num_buffers = options.staging_buffers
+        if options.copy_threads != self.copier.threads:
+            self.copier.close()
+            self.copier = StagingCopier(options.copy_threads)
+        if options.plan_cache and self.plan_cache is None:
+            self.plan_cache = PlanCache()
+        elif not options.plan_cache:
+            self.plan_cache = None
+
+    def pending_steps(self) -> list[int]:
+        """Steps of this saver's saves scheduled and not settled yet."""
+        with self._state:
+            return [s.step for s in self._inflight.values() if s.step is not None]
+
+    # ------------------------------------------------------------------ phases, driven
+    def _buffer_for(self, save: SaveInFlight) -> StagingBuffer:
+        queue = self.queue
+        return self.pool.acquire(save.layout.slab_nbytes, save.layout.key,
+                                 queue.caller.is_running, lambda idx: queue.wait_local(idx))
+
+    def save(self, state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike, *, async_op: bool,
+             process_group: Any, coordinator_rank: int, step: int | None = None,
+             callback: SaveCallback | None = None) -> SaveHandle:
+        """Save ``state_dict`` (see :func:`asyncckpt.save`); the caller holds :attr:`lock`."""
+        started = time.monotonic()
+        self.synchronize_staging()  # an earlier overlapped save is scheduled first
+        final_dir = Path(checkpoint_dir).absolute()
+        queue = self.queue
+        if async_op:
+            queue.start()  # collective the first time: the finalizer's group
+        sync = SyncGroup(process_group)
+        handle = SaveHandle(final_dir, step, started, callback, self)
+        record = plan(state_dict, final_dir, handle, sync=sync, coordinator_rank=coordinator_rank, step=step,
+                      root=self.root, cache=self.plan_cache, layouts=self.layouts)
+        if not async_op:
+            self._save_sync(record, started)
+            return handle
+        if self.options.overlap_staging:
+            buffer = self._buffer_for(record)
+            # D2H copies are issued here (ordered after this thread's current stream,
+            # they run asynchronously); the CPU copies run in a thread.
+            stage(record, buffer, self.copier, cpu=False, synchronize=False)
+            self._overlapped = _Overlapped(
+                record, lambda: stage(record, buffer, self.copier, cuda=False, synchronize=False))
+            handle._set_staging(True)
+            handle._add_stall(time.monotonic() - started)
+            return handle
+        self._schedule(record, lambda: self._stage_now(record))
+        handle._add_stall(time.monotonic() - started)
+        return handle
+
+    def _stage_now(self, record: SaveInFlight) -> WriteTask:
+        buffer = self._buffer_for(record)
+        try:
+            stage(record, buffer, self.copier)
+        finally:
+            record.planned.data.clear()  # drop references to the user's tensors
+        return write_task(record, self.pool, self.options.write_threads)
+
+    def _schedule(self, record: SaveInFlight, preload: Any) -> None:
+        queue = self.queue
+        request = AsyncRequest(write_rank_files, (), [lambda: self._commit_call(record)], preload_fn=preload)
+        # Registered before it is scheduled: the listener must know the call however
+        # soon it settles (an interrupted or failed preload settles it at once).
+        call_idx = queue.next_call_idx
+        record.handle._set_scheduled(call_idx)
+        with self._state:
+            self._inflight[call_idx] = record
+        scheduled = queue.schedule_async_request(request)
+        assert scheduled == call_idx, "schedule_async_request was called concurrently on one queue"
+        if record.buffer is not None:
+            self.pool.lease(record.buffer, call_idx)
+
+    def _commit_call(self, record: SaveInFlight) -> None:
+        """The finalize function of a save's call: phase 4 on the finalizer's group."""
+        queue = self.queue
+        call_idx = record.handle.call_idx
+        assert call_idx is not None
+        result: RankWriteResult = queue.get_result(call_idx)
+        commit(record, result, queue.finalize_sync, [s for s in self.pending_steps() if s != record.step])
+
+    def _save_sync(self, record: SaveInFlight, started: float) -> None:
+        """A synchronous save: the same phases in this thread, after the pending saves."""
+        self.wait_all()  # commits stay in call order: `latest` never goes backwards
+        sync = record.sync
+        failure: RankFailure | None = None
+        result: RankWriteResult | None = None
+        try:
+            result = write_rank_files(self._stage_now(record))
+        except Exception as exc:  # noqa: BLE001 - funnelled to every rank
+            failure = RankFailure.from_exception(exc)
+        record.handle._add_stall(time.monotonic() - started)
+        error: CheckpointException | None = None
+        failures = sync.gather_failures(failure)
+        if failures:
+            error = CheckpointException(-1, failures)
+        else:
+            assert result is not None
+            try:
+                commit(record, result, sync, self.pending_steps())
+            except CheckpointException as exc:
+                error = exc
+        self._settle(record, error)
+        if error is not None:
+            self.mark_reported(record.handle)
+            self.attach_callback_errors(error)
+            raise error
+        self.raise_callback_errors()
+
+    def prepare(self, state_dict: dict[str, Any], process_group: Any, coordinator_rank: int) -> int:
+        """Plan ``state_dict`` and allocate and format its staging buffer, writing nothing.
+
+        Returns:
+            The bytes of host memory the staging buffer holds.
+        """
+        with self.lock:
+            self.synchronize_staging()
+            sync = SyncGroup(process_group)
+            handle = SaveHandle(Path(""), None, time.monotonic(), None, None)
+            record = plan(state_dict, Path(""), handle, sync=sync, coordinator_rank=coordinator_rank,
+                          cache=self.plan_cache, layouts=self.layouts, check_target=False)
+            buffer = self._buffer_for(record)
+            buffer.format(record.layout)
+            if any(isinstance(d, torch.Tensor) and d.is_cuda for d in record.planned.data):
+                buffer.pin()
+            return buffer.nbytes
+
+    def synchronize_staging(self) -> None:
+        """Finish an overlapped staging and schedule its write (see ``SaveHandle``)."""
+        with self.lock:
+            pending, self._overlapped = self._overlapped, None
+            if pending is None:
+                return
+            started = time.monotonic()
+            record = pending.save
+
+            def preload() -> WriteTask:  # joins the copy; runs inside schedule_async_request
+                pending.thread.join()
+                record.planned.data.clear()
+                self.copier.synchronize()
+                if pending.error is not None:
+                    raise pending.error
+                return write_task(record, self.pool, self.options.write_threads)
+
+            try:
+                self._schedule(record, preload)
+            finally:
+                record.handle._set_staging(False)
+                record.handle._add_stall(time.monotonic() - started)
+
+    # ------------------------------------------------------------------ outcomes
+    def _on_settled(self, call_idx: int, exc: CheckpointException | None) -> None:
+        """The queue's settle listener (any thread, every rank)."""
+        with self._state:
+            record = self._inflight.pop(call_idx, None)
+        if record is not None:
+            self._settle(record, exc)
+
+    def _settle(self, record: SaveInFlight, exc: BaseException | None) -> None:
+        handle = record.handle
+        if exc is not None:
+            # Every rank, after the failure was agreed on: no rank writes any more.
+            shutil.rmtree(record.tmp_dir, ignore_errors=True)
+            outcome: Any = exc
+        else:
+            assert record.timings is not None
+            outcome = SaveResult(record.final_dir, record.step, record.timings, record.timings.bytes)
+            self.last_committed_timings = record.timings
+        callback = handle._take_callback()
+        if callback is not None:
+            try:
+                callback(outcome)
+            except Exception as error:  # reported by raise_callback_errors, never swallowed
+                _log.error("the completion callback of the save of %s raised", handle.checkpoint_dir,
+                           exc_info=error)
+                with self._state:
+                    self._callback_errors.append((handle, error))
+        record.planned = record.planned._replace(data=[])
+        handle._settle(record.timings if exc is None else None, exc)
+        if handle.call_idx is not None:
+            with self._state:
+                self._unharvested.append((handle.call_idx, record, exc))
+
+    def poll_foreground(self, handle: SaveHandle) -> None:
+        """Make progress on a queue finalized in the training loop, single process only."""
+        queue = self._queue_ref()
+        if (queue is None or queue.background_finalize or queue.closed or handle.call_idx is None
+                or queue.sync.active or not queue.is_pending(handle.call_idx)):
+            return
+        try:
+            queue.maybe_finalize_async_calls(blocking=False)
+        except CheckpointException:
+            pass  # settles its handle
+
+    def drive_foreground(self, handle: SaveHandle, timeout: float | None) -> None:
+        """Finalize up to ``handle`` on a queue finalized in the training loop (collective)."""
+        queue = self._queue_ref()
+        if queue is None or queue.background_finalize or handle.call_idx is None:
+            return
+        if timeout is not None and not queue.wait_local(handle.call_idx, timeout):
+            raise TimeoutError(f"the write of {handle.checkpoint_dir} did not finish within {timeout} s")
+        while queue.is_pending(handle.call_idx):
+            try:
+                queue.maybe_finalize_async_calls(blocking=True, until=handle.call_idx)
+            except CheckpointException:
+                pass  # an earlier call's failure settles that call's handle
+
+    def wait_all(self) -> None:
+        """Wait until every save of this saver is settled (no error raised here)."""
+        self.synchronize_staging()
+        with self._state:
+            records = list(self._inflight.values())
+        for record in records:
+            self.drive_foreground(record.handle, None)
+            record.handle._wait_settled()
+
+    def harvest(self, blocking: bool) -> list[SaveInFlight]:
+        """The saves committed since the last harvest, in order; raises the first failure
+        not reported yet (``CheckpointManager.maybe_finalize``). Callback errors are
+        left for :meth:`raise_callback_errors`.
+
+        With a queue finalized in the training loop this first finalizes (collective).
+        """
+        queue = self._queue_ref()
+        if queue is not None and not queue.background_finalize and not queue.closed:
+            try:
+                queue.maybe_finalize_async_calls(blocking=blocking)
+            except CheckpointException:
+                pass  # settled its handle; raised below, in order
+        if blocking:
+            self.wait_all()
+        committed: list[SaveInFlight] = []
+        failure: BaseException | None = None
+        with self._state:
+            while self._unharvested:
+                call_idx, record, exc = self._unharvested[0]
+                reported = call_idx in self._reported
+                if exc is not None and not reported:
+                    if not committed:  # else: raised by the next harvest, in order
+                        self._unharvested.popleft()
+                        failure = exc
+                    break
+                self._unharvested.popleft()
+                self._reported.discard(call_idx)
+                if exc is None and not reported:
+                    committed.append(record)
+        if failure is not None:
+            self.attach_callback_errors(failure)
+            raise failure
+        return committed
+
+    def mark_reported(self, handle: SaveHandle) -> None:
+        """An outcome the user saw already (through ``wait``): harvest does not report it again."""
+        if handle.call_idx is not None:
+            with self._state:
+                if any(entry[0] == handle.call_idx for entry in self._unharvested):
+                    self._reported.add(handle.call_idx)
+
+    def attach_callback_errors(self, exc: BaseException) -> None:
+        """Report the pending callback errors as notes of ``exc`` (which is raised instead)."""
+        with self._state:
+            errors, self._callback_errors = self._callback_errors, []
+        for handle, error in errors:
+            exc.add_note(f"the completion callback of the save of {handle.checkpoint_dir} also raised "
+                         f"{type(error).__name__}: {error}")
+
+    def raise_callback_errors(self) -> None:
+        """Raise :class:`CallbackError` for the callbacks that raised since the last call."""
+        with self._state:
+            errors, self._callback_errors = self._callback_errors, []
+        if not errors:
+            return
+        lines = [f"{h.checkpoint_dir} (committed): {type(e).__name__}: {e}" for h, e in errors]
+        raise CallbackError("a completion callback raised: " + "; ".join(lines), [e for _, e in errors]) \
+            from errors[0][1]
+
+    def release(self) -> None:
+        """Free the staging buffers (call only when no write of this saver runs) and
+        stop listening to the queue."""
+        pending, self._overlapped = self._overlapped, None
+        if pending is not None:
+            pending.thread.join()
+        self.copier.close()
+        self.pool.release_all()
+        self.layouts.clear()
+        queue = self._queue_ref()
+        if queue is not None:
+            queue.remove_settle_listener(self._on_settled)
+
+
+# ====================================================================== free functions
+_savers: "weakref.WeakKeyDictionary[AsyncCallsQueue, Saver]" = weakref.WeakKeyDictionary()
+_default_queues: dict[int, tuple[Any, AsyncCallsQueue]] = {}
+_module_lock = threading.Lock()
+
+
+def _saver_for(queue: AsyncCallsQueue, options: SaveOptions | None = None) -> Saver:
+    with _module_lock:
+        saver = _savers.get(queue)
+        if saver is None:
+            saver = Saver(queue, options)
+            _savers[queue] = saver
+            weakref.finalize(queue, saver.release)  # free the staging buffers with the queue
+        elif options is not None and options != saver.options:
+            saver.set_options(options)
+        return saver
+
+
+def default_calls_queue(process_group: Any = None) -> AsyncCallsQueue:
+    """The queue behind ``asyncckpt.save(..., async_op=True)`` for ``process_group``.
+
+    One per process group: a persistent worker (started without re-importing the main
+    script) and a background finalizer. Close it with ``close()`` to commit the
+    pending saves and stop the worker (every rank; a later ``save`` makes a new one),
+    or ``close(abort=True)`` to drop them.
+    """
+    with _module_lock:
+        hit = _default_queues.get(id(process_group))
+        if hit is not None and hit[0] is process_group and not hit[1].closed:
+            return hit[1]
+        queue = AsyncCallsQueue(persistent=True, process_group=process_group, import_main=False,
+                                background_finalize=True)
+        _default_queues[id(process_group)] = (process_group, queue)
+        return queue
+
+
+def save(
+    state_dict: dict[str, Any],
+    checkpoint_dir: str | os.PathLike,
+    *,
+    async_op: bool = False,
+    calls_queue: AsyncCallsQueue | None = None,
+    process_group: Any = None,
+    coordinator_rank: int = 0,
+    overlap_staging: bool | None = None,
+    callback: SaveCallback | None = None,
+    options: SaveOptions | None = None,
+) -> SaveHandle:
+    """Save ``state_dict`` as a torch.distributed.checkpoint directory, atomically.
+
+    Collective: every rank of ``process_group`` calls it with its own state_dict.
+
+    Args:
+        state_dict: nested dicts / lists of tensors (CPU or CUDA, any dtype, DTensor
+            included: each rank stages and writes only its local shards) and
+            picklable Python values.
+        checkpoint_dir: the directory to create; must not exist (or be empty).
+        async_op: ``False``: write and commit before returning. ``True``: stage (copy
+            into reused host buffers) and return; the write and the commit run in the
+            background (the handle settles by itself). Mutating the state after
+            return never changes the checkpoint.
+        calls_queue: the queue that runs the write (default:
+            :func:`default_calls_queue` of ``process_group``).
+        process_group: the ranks saving together (default: the default group, or a
+            single process without ``torch.distributed``).
+        coordinator_rank: the rank (in ``process_group``) that commits.
+        overlap_staging: shorthand for ``options.overlap_staging``.
+        callback: called once, in this process, after finalize, with the
+            :class:`SaveResult` (committed) or the exception (failed); in the queue's
+            finalizer thread for ``async_op=True`` (it must be thread-safe). If it
+            raises, the error is logged and raised as :class:`CallbackError` by the
+            next ``wait`` (the queue and the checkpoint are unaffected).
+        options: staging and writing options (:class:`SaveOptions`).
+
+    Returns:
+        A :class:`SaveHandle`; for ``async_op=False`` it is already committed.
+
+    Raises:
+        CheckpointError: invalid input or target on any rank (raised on every rank,
+            before anything is written).
+        CheckpointException: (``async_op=False``) the write or commit failed on some
+            rank; nothing was committed.
+        ValueError: ``overlap_staging`` without ``async_op``; both ``options`` and
+            ``overlap_staging``.
+    """
+    opts = SaveOptions.resolve(options, overlap_staging=overlap_staging)
+    if opts.overlap_staging and not async_op:
+        raise ValueError("overlap_staging needs async_op=True")
+    queue = calls_queue if calls_queue is not None else default_calls_queue(process_group)
+    saver = _saver_for(queue, opts)
+    with saver.lock:
+        return saver.save(state_dict, checkpoint_dir, async_op=async_op, process_group=process_group,
+                          coordinator_rank=coordinator_rank, callback=callback)

@@ -1,0 +1,327 @@
+"""The save pipeline: commit off the training thread, one owner per resource, one error
+funnel, options as data (the pipeline-redesign issue's acceptance items).
+
+The two-rank scenarios run on real gloo ranks (one ``run_ranks`` run plays them all
+in turn, the same order on both ranks); the ownership tests count real processes and
+real memfd descriptors.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import pickle
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+import asyncckpt
+from asyncckpt import (AsyncCallsQueue, AsyncckptError, CallbackError, CheckpointError, CheckpointException,
+                       CheckpointManager, CorruptCheckpointError, RankFailure, SaveOptions)
+from dist_utils import run_ranks
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(e for e in os.listdir(root) if ".tmp-" in e)
+
+
+def _memfds() -> int:
+    """Staging buffers this process holds open (distinct memfds; mmap keeps a dup of each)."""
+    names = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:asyncckpt"):
+            names.add(target)
+    return len(names)
+
+
+# --------------------------------------------------------------------------- two ranks
+def _scenarios(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import asyncckpt.saving as saving
+
+    out: dict[str, Any] = {}
+    state = {"w": torch.full((4096,), float(rank)), "meta": {"rank": rank}}
+
+    # 1. A DCP-style loop: `while not handle.done(): train_step()`, no maybe_finalize.
+    root = Path(tmp) / "done_loop"
+    mgr = CheckpointManager(root)
+    spins = []
+    for step in (1, 2, 3):
+        handle = mgr.save(step, state)
+        n = 0
+        deadline = time.monotonic() + 30
+        while not handle.done() and time.monotonic() < deadline:
+            time.sleep(0.002 * (1 + rank))  # the ranks "train" at different speeds
+            n += 1
+        spins.append(n)
+        assert handle.done(), f"step {step} never completed without maybe_finalize"
+    out["done_loop_steps"] = mgr.steps()
+    mgr.close()
+    dist.barrier()
+
+    # 2. Rank 0 never calls maybe_finalize, rank 1 calls it 100 times.
+    mgr = CheckpointManager(Path(tmp) / "asymmetric")
+    reported: list[int] = []
+    for step in range(1, 6):
+        mgr.save(step, state)
+        if rank == 1:
+            for _ in range(20):
+                reported += mgr.maybe_finalize()
+                time.sleep(0.002)
+    mgr.close()
+    out["asymmetric_steps"] = mgr.steps()
+    out["asymmetric_reported"] = reported
+    dist.barrier()
+
+    # 3. A failed save (ENOSPC on rank 1 only) seen through wait(): the same exception
+    # on both ranks, keeping type and errno; no temporary directory left on any rank.
+    if rank == 1:
+        os.environ["ASYNCCKPT_FAULT"] = "mid_write:enospc"
+    root = Path(tmp) / "failed"
+    mgr = CheckpointManager(root)  # its worker inherits the fault
+    os.environ.pop("ASYNCCKPT_FAULT", None)
+    try:
+        mgr.save(7, state).wait(timeout=60)
+    except CheckpointException as exc:
+        out["failed_ranks"] = sorted(exc.failures)
+        out["failed_errno"] = exc.failures[1].errno
+        out["failed_type"] = exc.failures[1].exc_type
+    out["failed_pending"] = mgr._saver.pending_steps()
+    mgr.close()
+    dist.barrier()
+    out["failed_leftovers"] = _leftovers(root)
+    out["failed_steps"] = CheckpointManager(root).steps()
+    dist.barrier()
+
+    # 4. One error funnel: a failure laying out rank 1's file (after the last planning
+    # collective) raises the same CheckpointError on both ranks; nothing is written.
+    real_get = saving._LayoutCache.get
+
+    def failing_get(self: Any, r: int, planned: Any) -> Any:
+        if r == 1:
+            raise OverflowError("injected layout failure")
+        return real_get(self, r, planned)
+
+    saving._LayoutCache.get = failing_get
+    mgr = CheckpointManager(Path(tmp) / "funnel")
+    try:
+        mgr.save(1, state)
+    except CheckpointError as exc:
+        out["funnel"] = (type(exc).__name__, sorted(exc.failures), exc.failures[1].exc_type, str(exc))
+    finally:
+        saving._LayoutCache.get = real_get
+    out["funnel_then"] = mgr.save(2, state).wait(timeout=60).bytes > 0
+    mgr.close()
+    out["funnel_steps"] = mgr.steps()
+    out["funnel_leftovers"] = _leftovers(Path(tmp) / "funnel")
+    dist.barrier()
+
+    # 5. handle.wait() on one rank while the other keeps "training", then both close.
+    mgr = CheckpointManager(Path(tmp) / "one_waits")
+    handle = mgr.save(1, state)
+    if rank == 0:
+        handle.wait(timeout=60)
+        out["one_waits"] = handle.done()
+    else:
+        for _ in range(50):
+            time.sleep(0.002)
+        out["one_waits"] = None
+    mgr.close()
+    out["one_waits_steps"] = mgr.steps()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("pipeline")
+    return run_ranks(_scenarios, 2, str(tmp), timeout=150)
+
+
+@pytest.mark.timeout(180)
+def test_done_turns_true_without_maybe_finalize(two_ranks: list[dict[str, Any]]) -> None:
+    assert [r["done_loop_steps"] for r in two_ranks] == [[1, 2, 3], [1, 2, 3]]
+
+
+@pytest.mark.timeout(180)
+def test_ranks_call_maybe_finalize_different_numbers_of_times(two_ranks: list[dict[str, Any]]) -> None:
+    assert [r["asymmetric_steps"] for r in two_ranks] == [[1, 2, 3, 4, 5]] * 2
+    assert two_ranks[0]["asymmetric_reported"] == []  # it never asked
+    assert two_ranks[1]["asymmetric_reported"] == sorted(set(two_ranks[1]["asymmetric_reported"]))
+
+
+@pytest.mark.timeout(180)
+def test_failed_save_seen_through_wait_leaves_nothing(two_ranks: list[dict[str, Any]]) -> None:
+    for r in two_ranks:
+        assert r["failed_ranks"] == [1]
+        assert r["failed_errno"] == errno.ENOSPC and r["failed_type"] == "OSError"
+        assert r["failed_pending"] == []       # the manager forgot it
+        assert r["failed_leftovers"] == []     # its temporary directory is gone, on every rank
+        assert r["failed_steps"] == []
+
+
+@pytest.mark.timeout(180)
+def test_an_error_after_planning_on_one_rank_raises_on_every_rank(two_ranks: list[dict[str, Any]]) -> None:
+    for r in two_ranks:
+        name, ranks, exc_type, text = r["funnel"]
+        assert name == "CheckpointError" and ranks == [1] and exc_type == "OverflowError"
+        assert "rank 1" in text and "injected layout failure" in text
+        assert r["funnel_then"] and r["funnel_steps"] == [2] and r["funnel_leftovers"] == []
+
+
+@pytest.mark.timeout(180)
+def test_wait_on_one_rank_while_the_other_trains(two_ranks: list[dict[str, Any]]) -> None:
+    assert two_ranks[0]["one_waits"] is True
+    assert [r["one_waits_steps"] for r in two_ranks] == [[1], [1]]
+
+
+# --------------------------------------------------------------------------- one process
+@pytest.mark.timeout(60)
+def test_save_returns_before_the_commit_and_the_training_thread_does_no_commit_io(tmp_path: Path) -> None:
+    """The commit (fsyncs, rename, `latest`) runs in the finalizer thread: a commit
+    failpoint that sleeps 1 s does not delay save() nor maybe_finalize()."""
+    mgr = CheckpointManager(tmp_path / "root")
+    try:
+        os.environ["ASYNCCKPT_FAULT"] = "commit:sleep=1"  # read by the coordinator's commit, in this process
+        started = time.monotonic()
+        handle = mgr.save(1, {"w": torch.ones(1000)})
+        polled = [mgr.maybe_finalize() for _ in range(10)]
+        blocked = time.monotonic() - started
+        assert not handle.done() and polled == [[]] * 10
+        assert blocked < 0.9, blocked  # the 1 s commit sleep ran elsewhere
+        assert mgr.maybe_finalize(blocking=True) == [1]
+        assert handle.timings is not None and handle.timings.finalize_s >= 1.0
+    finally:
+        os.environ.pop("ASYNCCKPT_FAULT", None)
+        mgr.close()
+
+
+@pytest.mark.timeout(60)
+def test_dropped_queue_and_caller_stop_their_worker() -> None:
+    queue = AsyncCallsQueue(persistent=True, import_main=False, background_finalize=True)
+    queue.start()
+    pid = queue.caller.worker_pid
+    assert pid is not None and psutil.pid_exists(pid)
+    del queue
+    gc.collect()
+    _assert_gone(pid, "the dropped queue's worker")
+    caller = asyncckpt.PersistentAsyncCaller(import_main=False)
+    caller.start()
+    pid = caller.worker_pid
+    del caller
+    gc.collect()
+    _assert_gone(pid, "the dropped caller's worker")
+
+
+def _assert_gone(pid: int, what: str, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"{what} (pid {pid}) is still alive"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+def test_three_managers_on_one_queue_free_their_buffers(tmp_path: Path) -> None:
+    before = _memfds()
+    with AsyncCallsQueue(persistent=True, import_main=False, background_finalize=True) as queue:
+        managers = [CheckpointManager(tmp_path / f"m{i}", calls_queue=queue) for i in range(3)]
+        for i, mgr in enumerate(managers):
+            mgr.save(1, {"w": torch.full((10000,), float(i))}).wait(timeout=30)
+        assert _memfds() == before + 3
+        for mgr in managers:
+            mgr.close()
+        assert _memfds() == before
+        assert [m.steps() for m in managers] == [[1], [1], [1]]
+
+
+@pytest.mark.timeout(60)
+def test_dropped_manager_frees_its_buffers(tmp_path: Path) -> None:
+    before = _memfds()
+    mgr = CheckpointManager(tmp_path / "root")
+    mgr.save(1, {"w": torch.ones(10000)}).wait(timeout=30)
+    assert _memfds() == before + 1
+    del mgr
+    gc.collect()
+    assert _memfds() == before
+
+
+@pytest.mark.timeout(60)
+def test_default_queue_is_public_and_closes(tmp_path: Path) -> None:
+    queue = asyncckpt.default_calls_queue()
+    handle = asyncckpt.save({"w": torch.ones(100)}, tmp_path / "ck", async_op=True)
+    assert asyncckpt.default_calls_queue() is queue and queue.background_finalize
+    queue.close()  # commits the pending save, stops the worker
+    assert handle.done() and handle.exception() is None and queue.caller.worker_pid is None
+    assert asyncckpt.default_calls_queue() is not queue  # a later save gets a new one
+    asyncckpt.default_calls_queue().close()
+
+
+@pytest.mark.timeout(60)
+def test_failed_save_leaves_nothing_however_observed(tmp_path: Path) -> None:
+    """ENOSPC in the writer: seen through maybe_finalize, a callback, close."""
+    os.environ["ASYNCCKPT_FAULT"] = "mid_write:enospc"
+    try:
+        mgr = CheckpointManager(tmp_path / "root", callback=lambda outcome: seen.append(outcome))
+    finally:
+        os.environ.pop("ASYNCCKPT_FAULT")
+    seen: list[Any] = []
+    try:
+        mgr.save(1, {"w": torch.ones(1 << 20)})
+        with pytest.raises(CheckpointException) as info:
+            mgr.maybe_finalize(blocking=True)
+        assert info.value.failures[0].errno == errno.ENOSPC
+        assert isinstance(info.value.failures[0].exception, OSError)
+        assert len(seen) == 1 and seen[0] is info.value
+        assert _leftovers(tmp_path / "root") == [] and mgr._saver.pending_steps() == []
+        mgr.save(2, {"w": torch.ones(1 << 20)})
+    finally:
+        with pytest.raises(CheckpointException):
+            mgr.close()
+    assert _leftovers(tmp_path / "root") == [] and mgr.steps() == []
+
+
+def test_errors_share_one_base_class_and_pickle() -> None:
+    failure = RankFailure.from_exception(OSError(errno.EACCES, "denied"), "write: ")
+    for exc in (CheckpointException(3, {1: failure}), CheckpointError("bad", {0: failure}),
+                CorruptCheckpointError("corrupt", "/x"), CallbackError("cb", [ValueError("v")])):
+        assert isinstance(exc, AsyncckptError) and isinstance(exc, Exception)
+        copy = pickle.loads(pickle.dumps(exc))
+        assert type(copy) is type(exc) and str(copy) == str(exc)
+    copy = pickle.loads(pickle.dumps(CheckpointException(3, {1: failure})))
+    assert copy.failures[1].errno == errno.EACCES and copy.failures[1].exc_type == "PermissionError"
+    assert "write: PermissionError" in copy.failures[1] and copy.call_idx == 3
+    assert pickle.loads(pickle.dumps(CorruptCheckpointError("c", "/x"))).path == "/x"
+    assert isinstance(CheckpointError("x"), RuntimeError)  # as before
+
+
+def test_options_are_data_and_contradictions_raise(tmp_path: Path) -> None:
+    opts = SaveOptions(staging_buffers=2, overlap_staging=True)
+    with pytest.raises(Exception):
+        opts.staging_buffers = 3  # type: ignore[misc]
+    for bad in ({"staging_buffers": 0}, {"copy_threads": 1.5}, {"plan_cache": 1}):
+        with pytest.raises(ValueError):
+            SaveOptions(**bad)
+    with pytest.raises(ValueError, match="either options= or staging_buffers="):
+        CheckpointManager(tmp_path / "a", options=opts, staging_buffers=1)
+    with AsyncCallsQueue(persistent=True) as queue:
+        for bad in ({"persistent": True}, {"persistent": False}, {"start_method": "forkserver"}):
+            with pytest.raises(ValueError, match="calls_queue= cannot be combined"):
+                CheckpointManager(tmp_path / "b", calls_queue=queue, **bad)
+    with pytest.raises(ValueError):
+        CheckpointManager(tmp_path / "c", keep_last=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        asyncckpt.save({"w": torch.ones(1)}, tmp_path / "d", async_op=True, options=opts, overlap_staging=False)
+    with CheckpointManager(tmp_path / "e", options=opts) as mgr:
+        assert mgr.overlap_staging and mgr._saver.pool.num_buffers == 2
+        handle = mgr.save(1, {"w": torch.ones(10)})
+        mgr.synchronize_staging()
+        handle.wait(timeout=30)
