@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import shutil
 import struct
 import time
@@ -20,6 +21,7 @@ import zipfile
 import zlib
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -318,6 +320,7 @@ def test_zip64_round_trip(tmp_path: Path, mode: str) -> None:
             del handle
         del state, emb, queue
         gc.collect()  # frees the staging slab with the queue's saver
+        figures["rss_after_save_gib"] = psutil.Process().memory_info().rss / 2**30
 
         started = time.monotonic()
         manifest = asyncckpt.verify(ckpt)
@@ -356,6 +359,7 @@ def test_zip64_round_trip(tmp_path: Path, mode: str) -> None:
         assert out["step"] == 3 and torch.equal(out["model"]["bias"], torch.arange(7, dtype=torch.float32))
         _assert_filled(out["model"]["emb"].view(-1).view(torch.uint8))
         del out
+        figures["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         print(f"\n[zip64 round trip {mode}] tensor {nbytes} bytes, data files {data_bytes} bytes; "
               + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()))
     finally:
