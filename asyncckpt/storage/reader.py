@@ -474,9 +474,11 @@ class SafeFileSystemReader(FileSystemReader):
             return None
         return md.properties.dtype, tuple(int(s) for s in chunk.sizes)
 
-    def _read_tensor(self, fd: int, path: str, req: ReadItem) -> torch.Tensor:
+    def _read_tensor(self, fd: int, path: str, req: ReadItem, raw: bool = True) -> torch.Tensor:
+        """The tensor of ``req``'s record: raw bytes if the record is ours (``raw``: try
+        that), else ``torch.load`` on a stream over the record."""
         info: _StorageInfo = self.storage_data[req.storage_index]
-        spec = None if info.transform_descriptors else self._chunk_spec(req.storage_index)
+        spec = None if info.transform_descriptors or not raw else self._chunk_spec(req.storage_index)
         framing = _writer_framing(*spec) if spec is not None else None
         if framing is not None:
             head_n, data_n = len(framing.prefix), framing.nbytes
@@ -487,10 +489,12 @@ class SafeFileSystemReader(FileSystemReader):
                     ok = view[:head_n] == framing.prefix and _suffix_matches(view[head_n + data_n:], framing)
                     if ok:
                         return _tensor_from(buf, head_n, data_n, spec[0], spec[1])
+                    view.release()
                 else:
                     buf = bytearray(data_n)
                     if _read_record(fd, path, info.offset, framing, memoryview(buf)):
                         return _tensor_from(buf, 0, data_n, spec[0], spec[1])
+                del buf  # not ours: free it before torch.load allocates the tensor
         # Not our framing: what DCP's FileSystemReader does, weights_only.
         stream: Any = _RecordStream(fd, info.offset, info.length)
         if info.transform_descriptors:
@@ -508,12 +512,17 @@ class SafeFileSystemReader(FileSystemReader):
                 path)
         return tensor
 
-    def _read_into(self, fd: int, path: str, req: ReadItem, target: torch.Tensor) -> bool:
+    def _read_into(self, fd: int, path: str, req: ReadItem, target: torch.Tensor) -> bool | None:
         """Read a whole record of our writer straight into ``target``'s memory.
 
         One copy (page cache to the destination), no intermediate buffer: taken when
         ``target`` is a contiguous CPU tensor of the record's dtype and shape and the
-        request covers the whole chunk. Returns ``False`` (nothing read) otherwise.
+        request covers the whole chunk.
+
+        Returns:
+            ``True``: read. ``False``: not taken (nothing read). ``None``: read, but the
+            record is not ours (``target`` holds its bytes; read it the general way,
+            without trying the raw read again).
         """
         if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
             return False
@@ -532,7 +541,7 @@ class SafeFileSystemReader(FileSystemReader):
         # The target is written before the framing is checked; a record that turns
         # out not to be ours is then read again the general way, overwriting it.
         dest = memoryview((ctypes.c_char * data_n).from_address(target.data_ptr())).cast("B")
-        return _read_record(fd, path, info.offset, framing, dest)
+        return True if _read_record(fd, path, info.offset, framing, dest) else None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         root = os.fspath(self.path)
@@ -568,10 +577,11 @@ class SafeFileSystemReader(FileSystemReader):
                 tensor_reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
                 for req in tensor_reqs:
                     target = planner.resolve_tensor(req).detach()
-                    if self._read_into(fds[name], path, req, target):
+                    taken = self._read_into(fds[name], path, req, target)
+                    if taken:
                         planner.commit_tensor(req, target)
                         continue
-                    tensor = narrow_tensor_by_index(self._read_tensor(fds[name], path, req),
+                    tensor = narrow_tensor_by_index(self._read_tensor(fds[name], path, req, raw=taken is not None),
                                                     req.storage_offsets, req.lengths)
                     if target.size() != tensor.size():
                         raise CorruptCheckpointError(
