@@ -20,9 +20,10 @@ frames them, one record, no chunking (stock ``dcp.load`` reads each item with on
 field (id ``0x0001``) of the record's local header and central directory entry:
 
 - a size of ``0xFFFFFFFF`` bytes or more: the extra holds the uncompressed and the
-  compressed size (both the size: records are stored), the local header's 32-bit
-  sizes stay 0 (as for every record: a data descriptor follows) and the central
-  entry's are ``0xFFFFFFFF``;
+  compressed size: in the central entry both the size (records are stored), in the
+  local header the size and 0 (miniz writes that header before the data); the local
+  header's 32-bit sizes stay 0 (as for every record: a data descriptor follows), the
+  central entry's are ``0xFFFFFFFF``;
 - a local header offset of ``0xFFFFFFFF`` or more (every record after a 4 GiB
   tensor): the extra holds the offset, the central entry's 32-bit offset is
   ``0xFFFFFFFF``;
