@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from ..errors import CheckpointError
 from .torchsave import TensorFraming, tensor_framing
 from .writer import CrcPatch, FileSpec, pack_patches
 
@@ -25,6 +26,9 @@ __all__ = ["RankLayout", "build_layout", "layout_key"]
 
 _ITEM_ALIGN = 64
 _FILE_ALIGN = 4096
+#: Largest data file (bytes): file offsets are signed 64-bit (``off_t``; the writer
+#: packs CRC patches as int64).
+_MAX_FILE_BYTES = (1 << 63) - 1
 #: One fixed ``.data/serialization_id`` for all our records (torch.load ignores it),
 #: so that framings can be shared by all tensors of one dtype and shape.
 _SERIALIZATION_ID = "0" * 24 + "0a5c0c4b70000001"
@@ -34,8 +38,10 @@ _SERIALIZATION_ID = "0" * 24 + "0a5c0c4b70000001"
 def record_framing(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorFraming:
     """The framing our writer gives every tensor record of ``dtype`` and ``shape`` (cached).
 
+    Records of 4 GiB and more get zip64 framing, as ``torch.save`` gives them.
+
     Raises:
-        ValueError: the record is too large for one zip record.
+        ValueError: the record is larger than ``torchsave.MAX_RECORD_BYTES``.
     """
     return tensor_framing(dtype, shape, _SERIALIZATION_ID)
 
@@ -105,6 +111,11 @@ def build_layout(rank: int, items: list[WriteItem], blobs: dict[int, int]) -> Ra
         rank: the rank (names the file ``__<rank>_0.distcp``).
         items: the plan's write items.
         blobs: for each BYTE_IO item index, its size in bytes.
+
+    Raises:
+        CheckpointError: naming the state_dict entry, if a tensor is larger than one
+            record can be (``torchsave.MAX_RECORD_BYTES``) or the file would be larger
+            than a file offset can address.
     """
     name = f"__{rank}_0.distcp"
     order = [i for i, it in enumerate(items) if it.type != WriteItemType.BYTE_IO]
@@ -123,7 +134,10 @@ def build_layout(rank: int, items: list[WriteItem], blobs: dict[int, int]) -> Ra
             continue
         td = item.tensor_data
         shape = tuple(int(s) for s in td.chunk.sizes)
-        framing = record_framing(td.properties.dtype, shape)
+        try:
+            framing = record_framing(td.properties.dtype, shape)
+        except ValueError as exc:
+            raise CheckpointError(f"state_dict entry {item.index.fqn!r} cannot be saved: {exc}") from None
         start = pos
         static.append((start, framing.prefix))
         data = start + len(framing.prefix)
@@ -132,6 +146,9 @@ def build_layout(rank: int, items: list[WriteItem], blobs: dict[int, int]) -> Ra
         static.append((end, framing.suffix))
         patches.append(CrcPatch(data, framing.nbytes, tuple(end + o for o in framing.crc_offsets)))
         pos = end + len(framing.suffix)
+        if pos > _MAX_FILE_BYTES:
+            raise CheckpointError(f"state_dict entry {item.index.fqn!r} cannot be saved: {name} would be "
+                                  f"{pos} bytes, more than a file offset addresses")
         storage_data[item.index] = _StorageInfo(name, start, pos - start)
     files = (FileSpec(name, 0, pos, pack_patches(patches)),)
     return RankLayout(

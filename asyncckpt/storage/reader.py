@@ -18,10 +18,12 @@ nothing in it is allowed to name a path outside it or to run code on load:
   state_dict unchanged.
 
 Tensor records written by our writer (``asyncckpt.storage.layout``: one fixed
-``torch.save`` framing per dtype and shape) are recognised byte for byte and their raw
-bytes copied directly, without a ``torch.load`` per tensor; any other record is read
-with ``torch.load(..., weights_only=True)`` as DCP's ``FileSystemReader`` does. Data
-integrity is the manifest's job (``verify_checkpoint``), not this module's.
+``torch.save`` framing per dtype and shape, the zip64 one for records of 4 GiB and
+more) are recognised byte for byte and their raw bytes copied directly, without a
+``torch.load`` per tensor; any other record is read with ``torch.load(...,
+weights_only=True)`` as DCP's ``FileSystemReader`` does, streamed from the file (no
+copy of the whole record in memory). Data integrity is the manifest's job
+(``verify_checkpoint``), not this module's.
 """
 
 from __future__ import annotations
@@ -153,6 +155,49 @@ def _pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
         if n <= 0:
             raise CorruptCheckpointError(f"{path} is truncated (a record ends past the end of the file)", path)
         done += n
+
+
+class _RecordStream(io.RawIOBase):
+    """``length`` bytes of ``fd`` from ``offset``, as a seekable binary stream.
+
+    ``torch.load`` reads a record that is not ours from it, as DCP's reader does from
+    its file view: positioned reads (the descriptor is shared by the records of one
+    file), storages read straight into their memory by ``readinto``. ``readinto``
+    fills the whole buffer unless the record ends (one ``preadv`` moves at most
+    2 GiB).
+    """
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._offset, self._length, self._pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
+        if base + pos < 0:
+            raise ValueError(f"negative seek position {base + pos}")
+        self._pos = base + pos
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        want = max(0, min(len(view), self._length - self._pos))
+        done = 0
+        while done < want:
+            n = os.preadv(self._fd, [view[done:want]], self._offset + self._pos + done)
+            if n <= 0:
+                break  # the file ends inside the record: torch.load fails on the short read
+            done += n
+        self._pos += done
+        return done
 
 
 def _pread(fd: int, length: int, offset: int, path: str) -> bytearray:
@@ -429,9 +474,11 @@ class SafeFileSystemReader(FileSystemReader):
             return None
         return md.properties.dtype, tuple(int(s) for s in chunk.sizes)
 
-    def _read_tensor(self, fd: int, path: str, req: ReadItem) -> torch.Tensor:
+    def _read_tensor(self, fd: int, path: str, req: ReadItem, raw: bool = True) -> torch.Tensor:
+        """The tensor of ``req``'s record: raw bytes if the record is ours (``raw``: try
+        that), else ``torch.load`` on a stream over the record."""
         info: _StorageInfo = self.storage_data[req.storage_index]
-        spec = None if info.transform_descriptors else self._chunk_spec(req.storage_index)
+        spec = None if info.transform_descriptors or not raw else self._chunk_spec(req.storage_index)
         framing = _writer_framing(*spec) if spec is not None else None
         if framing is not None:
             head_n, data_n = len(framing.prefix), framing.nbytes
@@ -442,15 +489,19 @@ class SafeFileSystemReader(FileSystemReader):
                     ok = view[:head_n] == framing.prefix and _suffix_matches(view[head_n + data_n:], framing)
                     if ok:
                         return _tensor_from(buf, head_n, data_n, spec[0], spec[1])
+                    view.release()
                 else:
                     buf = bytearray(data_n)
                     if _read_record(fd, path, info.offset, framing, memoryview(buf)):
                         return _tensor_from(buf, 0, data_n, spec[0], spec[1])
+                del buf  # not ours: free it before torch.load allocates the tensor
         # Not our framing: what DCP's FileSystemReader does, weights_only.
-        record = io.BytesIO(_pread(fd, info.length, info.offset, path))
-        stream = self.transforms.transform_load_stream(req, info.transform_descriptors or (), record)
+        stream: Any = _RecordStream(fd, info.offset, info.length)
+        if info.transform_descriptors:
+            transformed = self.transforms.transform_load_stream(req, info.transform_descriptors, stream)
+            stream = io.BytesIO(transformed.read())  # torch.load needs a seekable stream
         try:
-            tensor = torch.load(io.BytesIO(stream.read()), map_location="cpu", weights_only=True)
+            tensor = torch.load(stream, map_location="cpu", weights_only=True)
         except Exception as exc:
             raise CorruptCheckpointError(
                 f"{path}: the record of {req.storage_index.fqn!r} is not a tensor archive: "
@@ -461,12 +512,17 @@ class SafeFileSystemReader(FileSystemReader):
                 path)
         return tensor
 
-    def _read_into(self, fd: int, path: str, req: ReadItem, target: torch.Tensor) -> bool:
+    def _read_into(self, fd: int, path: str, req: ReadItem, target: torch.Tensor) -> bool | None:
         """Read a whole record of our writer straight into ``target``'s memory.
 
         One copy (page cache to the destination), no intermediate buffer: taken when
         ``target`` is a contiguous CPU tensor of the record's dtype and shape and the
-        request covers the whole chunk. Returns ``False`` (nothing read) otherwise.
+        request covers the whole chunk.
+
+        Returns:
+            ``True``: read. ``False``: not taken (nothing read). ``None``: read, but the
+            record is not ours (``target`` holds its bytes; read it the general way,
+            without trying the raw read again).
         """
         if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
             return False
@@ -485,7 +541,7 @@ class SafeFileSystemReader(FileSystemReader):
         # The target is written before the framing is checked; a record that turns
         # out not to be ours is then read again the general way, overwriting it.
         dest = memoryview((ctypes.c_char * data_n).from_address(target.data_ptr())).cast("B")
-        return _read_record(fd, path, info.offset, framing, dest)
+        return True if _read_record(fd, path, info.offset, framing, dest) else None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         root = os.fspath(self.path)
@@ -521,10 +577,11 @@ class SafeFileSystemReader(FileSystemReader):
                 tensor_reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
                 for req in tensor_reqs:
                     target = planner.resolve_tensor(req).detach()
-                    if self._read_into(fds[name], path, req, target):
+                    taken = self._read_into(fds[name], path, req, target)
+                    if taken:
                         planner.commit_tensor(req, target)
                         continue
-                    tensor = narrow_tensor_by_index(self._read_tensor(fds[name], path, req),
+                    tensor = narrow_tensor_by_index(self._read_tensor(fds[name], path, req, raw=taken is not None),
                                                     req.storage_offsets, req.lengths)
                     if target.size() != tensor.size():
                         raise CorruptCheckpointError(
