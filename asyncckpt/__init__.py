@@ -33,6 +33,7 @@ _EXPORTS = {
     "SaveTimings": "checkpoint",
     "SaveResult": "checkpoint",
     "CheckpointManager": "checkpoint",
+    "read_state_dict": "read",
 }
 
 __all__ = sorted(_EXPORTS)
