@@ -23,8 +23,10 @@ dict that was saved, types and keys included.
 When a save commits. A save is committed (renamed into place) by the first call of
 this plugin after its write finished (``save_checkpoint``, ``remove_checkpoint``,
 ``load_checkpoint``), or by ``teardown`` (at the end of ``fit``/``validate``/...),
-which waits for all of them; saves still pending when the process exits (e.g. a
-``trainer.save_checkpoint`` after ``fit``) are committed at exit.
+which waits for all of them, or by :meth:`AsyncckptCheckpointIO.wait`; saves still
+pending when the process exits (e.g. a ``trainer.save_checkpoint`` after ``fit``, or
+the final weights a spawn-based strategy hands to the main process) are committed at
+exit.
 
 Distributed training. Lightning calls ``checkpoint_io.save_checkpoint`` on global rank
 0 only (``Strategy.save_checkpoint`` checks ``is_global_zero``), with the full state
@@ -33,7 +35,13 @@ collective, using a process group of its own that holds that rank only (created 
 ``use_local_synchronization=True``, so the other ranks take no part). Strategies that
 save sharded state through their own code path (FSDP's or DeepSpeed's sharded state
 dicts) do not go through a ``CheckpointIO`` and are not covered. Every rank may call
-``load_checkpoint`` (a read of the whole checkpoint in each process, no collective).
+``load_checkpoint`` (a read of the whole checkpoint in each process, no collective);
+only rank 0 knows of its pending saves, so another rank must not load a checkpoint
+rank 0 may still be writing (Lightning loads ``ckpt_path`` before training starts).
+
+Not covered: ``LightningModule.load_from_checkpoint`` reads files with ``torch.load``
+itself, without the plugin; load the state dict through it instead:
+``model.load_state_dict(AsyncckptCheckpointIO().load_checkpoint(path)["state_dict"])``.
 """
 
 from __future__ import annotations
@@ -494,7 +502,7 @@ class AsyncckptCheckpointIO(CheckpointIO):
             raise TypeError("`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
                             f"{type(self).__name__}")
         final = Path(path).absolute()
-        key = str(final)
+        key = _key(final)
         self._reap()
         final.parent.mkdir(parents=True, exist_ok=True)
         tree = encode(checkpoint)
@@ -540,7 +548,7 @@ class AsyncckptCheckpointIO(CheckpointIO):
             CheckpointException: the pending save of ``path`` (or an earlier one) failed.
         """
         final = Path(path).absolute()
-        self._wait_for(str(final))
+        self._wait_for(_key(final))
         device = _target_device(map_location)
         if not os.path.lexists(final):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
@@ -563,7 +571,7 @@ class AsyncckptCheckpointIO(CheckpointIO):
             CheckpointException: the pending save of ``path`` (or an earlier one) failed.
         """
         final = Path(path).absolute()
-        self._wait_for(str(final))
+        self._wait_for(_key(final))
         if not os.path.lexists(final):
             return
         if final.is_dir() and not final.is_symlink():
@@ -572,6 +580,20 @@ class AsyncckptCheckpointIO(CheckpointIO):
                 self._removals.append(thread)
         else:
             os.unlink(final)
+
+    def wait(self, path: Any = None) -> None:
+        """Block until the pending saves are committed: all of them, or (``path``) every
+        one up to the last save of ``path``. The writer keeps running (unlike ``teardown``).
+
+        Raises:
+            CheckpointException: one of those saves failed.
+            CallbackError: replacing an existing checkpoint by a new one failed.
+        """
+        if path is not None:
+            self._wait_for(_key(Path(path)))
+            return
+        if self._pending:
+            self._wait_for(self._pending[-1][0])
 
     def teardown(self) -> None:
         """Wait for every pending save, commit it, and stop the background writer.
@@ -604,6 +626,12 @@ class AsyncckptCheckpointIO(CheckpointIO):
             _open_plugins.pop(id(self), None)
         if first_error is not None:
             raise first_error
+
+
+def _key(path: Path) -> str:
+    """The name pending saves are kept under: symlinks resolved (``save_last="link"``
+    makes ``last.ckpt`` a link to a checkpoint that may still be pending)."""
+    return os.path.realpath(path)
 
 
 def _target_device(map_location: Any) -> torch.device | None:

@@ -339,3 +339,20 @@ def test_import_asyncckpt_never_imports_lightning() -> None:
             "assert not found, found\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def test_bench_lightning_runs_and_reports_both_plugins(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        import bench_lightning
+    finally:
+        sys.path.pop(0)
+    result = bench_lightning.run(reps=2, size_mb=2, directory=tmp_path)
+    assert set(result["systems"]) == set(bench_lightning.SYSTEMS)
+    for figures in result["systems"].values():
+        assert len(figures["stall_s_all"]) == 2 and 0 < figures["stall_s"] <= figures["on_disk_s"]
+    assert "| plugin |" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []  # every checkpoint removed
