@@ -50,6 +50,7 @@ import atexit
 import copy
 import ctypes
 import errno
+import functools
 import io
 import logging
 import multiprocessing.util as _mp_util
@@ -58,7 +59,7 @@ import secrets
 import shutil
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -506,17 +507,16 @@ class AsyncckptCheckpointIO(CheckpointIO):
         self._reap()
         final.parent.mkdir(parents=True, exist_ok=True)
         tree = encode(checkpoint)
-        callback = None
+        callback: Callable[[Any], None] | None = None
         target = final
-        if any(p == key for p, _ in self._pending) or os.path.lexists(final):
-            if (final.is_dir() and not final.is_symlink() and not os.path.lexists(final / _commit.METADATA_NAME)
-                    and any(final.iterdir()) and not any(p == key for p, _ in self._pending)):
+        pending = any(p == key for p, _ in self._pending)
+        if pending or os.path.lexists(final):
+            if (not pending and final.is_dir() and not final.is_symlink()
+                    and not os.path.lexists(final / _commit.METADATA_NAME) and any(final.iterdir())):
                 raise FileExistsError(f"{final} is a directory that is not a checkpoint; not replacing it")
+            # Written beside it, swapped in when it commits: `final` always names a whole checkpoint.
             target = final.parent / f".{final.name}.asyncckpt-new-{secrets.token_hex(6)}"
-
-            def callback(outcome: Any, new: Path = target) -> None:
-                self._swap_in(new, final, outcome)
-
+            callback = functools.partial(self._swap_in, target, final)
         queue = self._ensure_queue()
         handle = save(tree, target, async_op=True, calls_queue=queue, process_group=self._queue_group,
                       callback=callback)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import os
 import pathlib
 from pathlib import Path
 from typing import Any, NamedTuple
