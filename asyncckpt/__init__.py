@@ -33,6 +33,7 @@ _EXPORTS = {
     "default_calls_queue": "saving",
     "load": "loading",
     "verify": "loading",
+    "read_state_dict": "read",
     "SaveHandle": "handle",
     "SaveTimings": "handle",
     "SaveResult": "handle",

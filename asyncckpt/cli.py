@@ -442,29 +442,33 @@ def convert_to_torch_save(checkpoint_dir: str | os.PathLike, out: str | os.PathL
                           allow_pickle: bool = False, verify: bool = True) -> dict[str, Any]:
     """Write a checkpoint as one ``torch.save`` file, like DCP's ``dcp_to_torch_save``.
 
-    The state_dict is rebuilt from the metadata (nested as saved, as
-    ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` and its
-    ``_EmptyStateDictLoadPlanner`` do) and filled with :func:`asyncckpt.load`:
-    ``.metadata`` through the restricted unpickler, every path checked, the CRC-32s
-    verified (``verify``), non-tensor values loaded with ``weights_only=True`` unless
-    ``allow_pickle``. The file is written to a temporary name beside ``out``, fsynced,
-    and renamed (without ``force``: linked, so an existing ``out`` is never replaced).
+    The state_dict is read with :func:`asyncckpt.read_state_dict` (nested as saved,
+    rebuilt from the metadata as ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``
+    does): ``.metadata`` through the restricted unpickler, every path checked, the
+    CRC-32s verified (``verify``) when the checkpoint has a manifest, non-tensor values
+    loaded with ``weights_only=True`` unless ``allow_pickle``. A stock
+    ``torch.distributed.checkpoint`` directory (no manifest) is converted without
+    checksum verification; ``warnings`` says so. The file is written to a temporary
+    name beside ``out``, fsynced, and renamed (without ``force``: linked, so an
+    existing ``out`` is never replaced).
 
     Args:
-        checkpoint_dir: a committed checkpoint directory.
+        checkpoint_dir: a committed checkpoint directory, or a stock DCP directory.
         out: the file to write.
         force: replace ``out`` if it exists.
         allow_pickle: unpickle non-tensor values of any class (trusted checkpoints only).
         verify: check sizes and CRC-32s before loading.
 
     Returns:
-        ``{"source", "output", "entries", "bytes"}`` (bytes: the size of ``out``).
+        ``{"source", "output", "entries", "bytes", "verified", "warnings"}`` (bytes: the
+        size of ``out``; verified: whether the checksums were checked; warnings: what
+        to tell the user, e.g. that a stock DCP checkpoint's checksums were not verified).
 
     Raises:
         CliError: ``out`` exists (without ``force``) or is a directory; its directory
             is missing; the checkpoint directory is missing.
-        CorruptCheckpointError: the checkpoint is not committed, is corrupt, or names
-            paths outside its directory.
+        CorruptCheckpointError: the checkpoint is corrupt, or names paths outside its
+            directory.
         CheckpointError: a non-tensor value needs ``allow_pickle``.
         OSError: writing ``out`` failed (nothing is left behind).
     """
@@ -478,34 +482,26 @@ def convert_to_torch_save(checkpoint_dir: str | os.PathLike, out: str | os.PathL
     if not dst.parent.is_dir():
         raise CliError(f"{dst.parent}: no such directory")
 
-    import torch  # only once needed: ls / verify / clean and argument errors stay fast
-    from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    import warnings
 
-    from . import load  # the public API
+    import torch  # only once needed: ls / verify / clean and argument errors stay fast
+
+    from . import read_state_dict  # the public API
     from .storage.reader import read_metadata
 
-    metadata = read_metadata(src)
-    where = str(src / _commit.METADATA_NAME)
-    limit = len(metadata.state_dict_metadata)
-    state_dict: dict[str, Any] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        value = torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
-        try:
-            set_element(state_dict, _entry_path(fqn, metadata.planner_data, limit, where), value)
-        except CorruptCheckpointError:
-            raise
-        except Exception as exc:
-            raise CorruptCheckpointError(f"{where}: planner_data is inconsistent at entry {fqn!r}: "
-                                         f"{type(exc).__name__}: {exc}", where) from exc
+    entries = len(read_metadata(src).state_dict_metadata)  # an unsafe .metadata is named as such first
+    has_manifest = os.path.lexists(src / _commit.MANIFEST_NAME)
     try:
-        load(state_dict, src, verify=verify, allow_pickle=allow_pickle)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state_dict = read_state_dict(src, verify=verify, allow_pickle=allow_pickle)
     except CorruptCheckpointError:
         raise
     except CheckpointError as exc:
         if allow_pickle or "allow_pickle=True" not in str(exc):
             raise
         raise CheckpointError(f"{exc} (here: pass --allow-pickle)") from None
+    notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
 
     tmp = dst.parent / f".{dst.name}.tmp-{secrets.token_hex(8)}"
     try:
@@ -531,7 +527,8 @@ def convert_to_torch_save(checkpoint_dir: str | os.PathLike, out: str | os.PathL
         fsync_directory(str(dst.parent))
     finally:
         tmp.unlink(missing_ok=True)
-    return {"source": str(src), "output": str(dst), "entries": limit, "bytes": dst.stat().st_size}
+    return {"source": str(src), "output": str(dst), "entries": entries, "bytes": dst.stat().st_size,
+            "verified": verify and has_manifest, "warnings": notes}
 
 
 # ----------------------------------------------------------------------------- clean
@@ -690,6 +687,8 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
 def _cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
     info = convert_to_torch_save(args.checkpoint, args.out, force=args.force, allow_pickle=args.allow_pickle,
                                  verify=args.verify)
+    for note in info["warnings"]:  # e.g. a stock DCP checkpoint: no checksums to verify
+        print(f"{PROG}: warning: {note}", file=sys.stderr)
     if args.json:
         _emit_json(info, out)
     else:
