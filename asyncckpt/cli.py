@@ -15,8 +15,9 @@ printed to stderr as ``asyncckpt: error: ...``.
 
 The tool is a user of the public API and the storage modules (DESIGN.md, "Layers"):
 ``ls``, ``verify`` and ``clean`` do not import torch; ``inspect`` reads ``.metadata``
-with the restricted unpickler of :mod:`asyncckpt.storage.reader`; ``convert`` loads
-with :func:`asyncckpt.load` (path checks, CRC verification, ``weights_only`` values).
+with the restricted unpickler of :mod:`asyncckpt.storage.reader`; ``convert`` reads with
+:func:`asyncckpt.read_state_dict` (path checks, CRC verification when the checkpoint
+has a manifest, ``weights_only`` values).
 """
 
 from __future__ import annotations
@@ -776,9 +777,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write a checkpoint as one torch.save file (nested as saved, like "
                                    "torch.distributed.checkpoint.format_utils.dcp_to_torch_save), loading "
                                    "it safely: restricted metadata unpickling, paths checked, CRC-32s "
-                                   "verified, non-tensor values with weights_only=True. Written to a "
+                                   "verified (an asyncckpt checkpoint; a stock torch.distributed.checkpoint "
+                                   "directory has no manifest and is converted unverified, with a "
+                                   "warning), non-tensor values with weights_only=True. Written to a "
                                    "temporary file, then renamed.")
-    p.add_argument("checkpoint", metavar="CKPT", help="a committed checkpoint directory")
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="a committed asyncckpt checkpoint or a stock torch.distributed.checkpoint directory")
     p.add_argument("out", metavar="OUT", help="the torch.save file to write (e.g. model.pt)")
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     p.add_argument("--allow-pickle", action="store_true",
