@@ -44,6 +44,8 @@ _STOP = -1
 _ABORT = -2
 #: Seconds between SIGTERM and SIGKILL when a worker or child is terminated.
 TERMINATE_GRACE_S = 3.0
+#: Longest single wait on a worker's pipe and sentinel in :meth:`AsyncCaller.wait`.
+WAIT_SLICE_S = 0.05
 
 
 class CallOutcome(NamedTuple):
@@ -281,7 +283,9 @@ class AsyncCaller(abc.ABC):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return False
-            self.wait_any(left if left is not None else 1.0)
+            # Short waits: another thread (a queue's finalizer) may read the result off
+            # the pipe this thread is waiting on, and nothing more would arrive.
+            self.wait_any(WAIT_SLICE_S if left is None else min(left, WAIT_SLICE_S))
         return True
 
 

@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .callers import AsyncCaller, PersistentAsyncCaller, TemporalAsyncCaller
+from .callers import WAIT_SLICE_S, AsyncCaller, PersistentAsyncCaller, TemporalAsyncCaller
 from .dist import SyncGroup
 from .errors import CheckpointException, RankFailure
 from .request import AsyncRequest
@@ -81,7 +81,7 @@ class _Book:
             return _OK, None
         if blocking:
             while self.caller.is_running(call_idx) and not (stop is not None and stop.is_set()):
-                self.caller.wait_any(0.5)
+                self.caller.wait_any(WAIT_SLICE_S)  # short: another thread may read the pipe
         outcome = self.caller.outcome(call_idx)
         if outcome is None:
             if blocking and not (stop is not None and stop.is_set()):

@@ -184,7 +184,7 @@ def test_layout_places_records_after_a_zip64_record(tmp_path: Path) -> None:
     big = (1 << 32) + 100
     state = {"a": torch.arange(5, dtype=torch.float32), "emb": torch.zeros(1, dtype=torch.uint8).expand(big),
              "z": torch.ones(3, dtype=torch.int64), "step": 7}
-    planned = plan_save(state, str(tmp_path / "x"), SyncGroup(None), 0)
+    planned, _ = plan_save(state, str(tmp_path / "x"), SyncGroup(None), 0)
     items = list(planned.plan.items)
     blobs = {i: len(d) for i, d in enumerate(planned.data) if isinstance(d, bytes)}
     layout = build_layout(0, items, blobs)
