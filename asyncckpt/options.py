@@ -33,9 +33,15 @@ class SaveOptions:
             host buffer runs in a background thread while training goes on; call
             ``synchronize_staging()`` before the state is mutated (DCP's
             ``AsyncStager.synchronize_staging``).
+        staging_memory_limit: the memory guard. Before a new staging buffer is
+            allocated, its bytes are compared with the memory available
+            (``psutil.virtual_memory().available``); above this fraction of it the
+            save raises ``CheckpointError`` on every rank, before anything is
+            allocated or written, instead of being killed by the kernel's OOM
+            killer. ``None`` turns the check off.
 
     Raises:
-        ValueError: a count below 1, or a value of the wrong type.
+        ValueError: a count below 1, a limit not > 0, or a value of the wrong type.
     """
 
     staging_buffers: int = 1
@@ -43,6 +49,7 @@ class SaveOptions:
     write_threads: int = 1
     plan_cache: bool = True
     overlap_staging: bool = False
+    staging_memory_limit: float | None = 0.9
 
     def __post_init__(self) -> None:
         for name in ("staging_buffers", "copy_threads", "write_threads"):
@@ -52,6 +59,9 @@ class SaveOptions:
         for name in ("plan_cache", "overlap_staging"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SaveOptions.{name} must be a bool, not {getattr(self, name)!r}")
+        limit = self.staging_memory_limit
+        if limit is not None and (not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0):
+            raise ValueError(f"SaveOptions.staging_memory_limit must be a number > 0 or None, not {limit!r}")
 
     @classmethod
     def resolve(cls, options: "SaveOptions | None", **given: Any) -> "SaveOptions":

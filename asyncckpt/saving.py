@@ -36,14 +36,15 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
+import psutil
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
 from .calls_queue import AsyncCallsQueue
 from .dist import SyncGroup
-from .errors import CallbackError, CheckpointException, RankFailure
+from .errors import CallbackError, CheckpointError, CheckpointException, RankFailure
 from .handle import SaveCallback, SaveHandle, SaveResult, SaveTimings
 from .options import SaveOptions
 from .planning import PlanCache, SavePlanResult, plan_save
@@ -121,7 +122,7 @@ class _LayoutCache:
 def plan(state_dict: dict[str, Any], final_dir: Path, handle: SaveHandle, *, sync: SyncGroup,
          coordinator_rank: int, step: int | None = None, root: CheckpointRoot | None = None,
          cache: PlanCache | None = None, layouts: _LayoutCache | None = None,
-         check_target: bool = True) -> SaveInFlight:
+         check_target: bool = True, check_layout: Callable[[RankLayout], None] | None = None) -> SaveInFlight:
     """Phase 1, plan: validate, plan and lay out one save (all ranks, collective).
 
     Call sequence:
@@ -130,8 +131,9 @@ def plan(state_dict: dict[str, Any], final_dir: Path, handle: SaveHandle, *, syn
        exist, or be an empty directory.
     2. (all ranks) the error funnel: a failure anywhere raises on every rank.
     3. (all ranks) reuse the cached plan, or plan with DCP's ``DefaultSavePlanner``.
-    4. (each rank) resolve this rank's data (tensors, pickled values) and lay out its
-       data file (the ``torch.save`` framing of every record).
+    4. (each rank) resolve this rank's data (tensors, pickled values), lay out its
+       data file (the ``torch.save`` framing of every record), and run
+       ``check_layout`` on the layout (the memory guard).
     5. (all ranks) the error funnel again (e.g. a value that cannot be pickled).
 
     ``check_target=False`` skips the target check (``prepare`` writes nothing).
@@ -149,9 +151,15 @@ def plan(state_dict: dict[str, Any], final_dir: Path, handle: SaveHandle, *, syn
                                   "a checkpoint never overwrites one")
 
     layouts = layouts if layouts is not None else _LayoutCache()
+
+    def finish(planned: SavePlanResult) -> RankLayout:
+        layout = layouts.get(sync.rank, planned)
+        if check_layout is not None:
+            check_layout(layout)
+        return layout
+
     planned, layout = plan_save(state_dict, str(final_dir), sync, coordinator_rank,
-                                precheck if check_target else None, cache,
-                                finish=lambda p: layouts.get(sync.rank, p))
+                                precheck if check_target else None, cache, finish=finish)
     return SaveInFlight(final_dir=final_dir, tmp_dir=_commit.temporary_dir_for(final_dir, planned.token),
                         step=step, sync=sync, coordinator_rank=coordinator_rank, planned=planned,
                         layout=layout, handle=handle, root=root)
@@ -318,6 +326,26 @@ class Saver:
             return [s.step for s in self._inflight.values() if s.step is not None]
 
     # ------------------------------------------------------------------ phases, driven
+    def _check_memory(self, layout: RankLayout) -> None:
+        """The memory guard (``SaveOptions.staging_memory_limit``), before any allocation.
+
+        Raises:
+            CheckpointError: a new staging buffer would take more than the allowed
+                fraction of the memory available (funnelled to every rank by the plan).
+        """
+        limit = self.options.staging_memory_limit
+        if limit is None:
+            return
+        need = self.pool.bytes_to_allocate(layout.slab_nbytes, self.queue.caller.is_running)
+        if not need:
+            return  # a buffer is reused: nothing to allocate (the steady state)
+        available = psutil.virtual_memory().available
+        if need > limit * available:
+            raise CheckpointError(
+                f"staging this rank's state needs a new host buffer of {need:,} bytes, more than "
+                f"{limit:g} x the {available:,} bytes of memory available; free memory, use fewer "
+                "staging_buffers, or pass SaveOptions(staging_memory_limit=None) to skip this check")
+
     def _buffer_for(self, save: SaveInFlight) -> StagingBuffer:
         queue = self.queue
         return self.pool.acquire(save.layout.slab_nbytes, save.layout.key,
@@ -336,7 +364,8 @@ class Saver:
         sync = SyncGroup(process_group)
         handle = SaveHandle(final_dir, step, started, callback, self)
         record = plan(state_dict, final_dir, handle, sync=sync, coordinator_rank=coordinator_rank, step=step,
-                      root=self.root, cache=self.plan_cache, layouts=self.layouts)
+                      root=self.root, cache=self.plan_cache, layouts=self.layouts,
+                      check_layout=self._check_memory)
         if not async_op:
             self._save_sync(record, started)
             return handle
@@ -423,7 +452,8 @@ class Saver:
             sync = SyncGroup(process_group)
             handle = SaveHandle(Path(""), None, time.monotonic(), None, None)
             record = plan(state_dict, Path(""), handle, sync=sync, coordinator_rank=coordinator_rank,
-                          cache=self.plan_cache, layouts=self.layouts, check_target=False)
+                          cache=self.plan_cache, layouts=self.layouts, check_target=False,
+                          check_layout=self._check_memory)
             buffer = self._buffer_for(record)
             buffer.format(record.layout)
             if any(isinstance(d, torch.Tensor) and d.is_cuda for d in record.planned.data):

@@ -216,6 +216,17 @@ class StagingPool:
         self._entries.append(entry)
         return entry.slab
 
+    def bytes_to_allocate(self, nbytes: int, is_running: Callable[[int], bool]) -> int:
+        """How many bytes :meth:`acquire` would allocate for ``nbytes`` now (0: it reuses
+        a buffer). For the memory guard, which runs before the allocation."""
+        free = [e for e in self._entries if e.call_idx is None or not is_running(e.call_idx)]
+        if any(e.slab.nbytes >= nbytes for e in free):
+            return 0
+        if len(self._entries) < self.num_buffers:
+            return nbytes
+        victim = free[0] if free else self._oldest()
+        return 0 if victim.slab.nbytes >= nbytes else nbytes
+
     def _oldest(self) -> _Entry:
         return min(self._entries, key=lambda e: -1 if e.call_idx is None else e.call_idx)
 

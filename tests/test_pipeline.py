@@ -138,6 +138,19 @@ def _scenarios(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         out["one_waits"] = None
     mgr.close()
     out["one_waits_steps"] = mgr.steps()
+    dist.barrier()
+
+    # 6. The memory guard, tripped on rank 1 only: the same error on both ranks, before
+    # any staging buffer is allocated; nothing is written.
+    limit = 1e-9 if rank == 1 else None
+    mgr = CheckpointManager(Path(tmp) / "guard", options=SaveOptions(staging_memory_limit=limit))
+    try:
+        mgr.save(1, state)
+    except CheckpointError as exc:
+        out["guard"] = (sorted(exc.failures), "bytes of memory available" in str(exc))
+    out["guard_buffers"] = mgr._saver.pool.nbytes
+    mgr.close()
+    out["guard_steps"] = mgr.steps()
     return out
 
 
@@ -176,6 +189,28 @@ def test_an_error_after_planning_on_one_rank_raises_on_every_rank(two_ranks: lis
         assert name == "CheckpointError" and ranks == [1] and exc_type == "OverflowError"
         assert "rank 1" in text and "injected layout failure" in text
         assert r["funnel_then"] and r["funnel_steps"] == [2] and r["funnel_leftovers"] == []
+
+
+@pytest.mark.timeout(180)
+def test_memory_guard_raises_on_every_rank_before_allocating(two_ranks: list[dict[str, Any]]) -> None:
+    for r in two_ranks:
+        assert r["guard"] == ([1], True) and r["guard_buffers"] == 0 and r["guard_steps"] == []
+
+
+@pytest.mark.timeout(60)
+def test_memory_guard_names_both_sizes_and_can_be_turned_off(tmp_path: Path) -> None:
+    state = {"w": torch.ones(1 << 20)}
+    with CheckpointManager(tmp_path / "a", options=SaveOptions(staging_memory_limit=1e-6)) as mgr:
+        with pytest.raises(CheckpointError, match=r"new host buffer of 4,1\d\d,\d\d\d bytes, more than 1e-06 x the [\d,]+ bytes of memory available"):
+            mgr.save(1, state)
+        with pytest.raises(CheckpointError, match="staging_memory_limit=None"):
+            mgr.prepare(state)
+        assert mgr._saver.pool.nbytes == 0 and mgr.steps() == []
+    with CheckpointManager(tmp_path / "b", options=SaveOptions(staging_memory_limit=None)) as mgr:
+        mgr.save(1, state).wait(timeout=30)
+        assert mgr.steps() == [1]
+    with pytest.raises(ValueError):
+        SaveOptions(staging_memory_limit=0)
 
 
 @pytest.mark.timeout(180)
