@@ -7,7 +7,8 @@ inherits the training process's environment when it is started). Points:
 - ``mid_write``: in the writer, after the first half of the first data file is written;
 - ``after_write``: in the writer, after every file is written and fsynced, before the
   result is returned;
-- ``commit``: in the coordinator's commit, before the directory is renamed.
+- ``commit``: in the coordinator's commit, before the directory is renamed;
+- ``stage``: in the training process, when a save starts its staging copy.
 
 Actions: ``sleep=SECONDS``, ``raise`` (``OSError(EIO)``), ``enospc``
 (``OSError(ENOSPC)``), ``exit=CODE`` (``os._exit``), ``kill`` (SIGKILL to itself),

@@ -171,6 +171,19 @@ def _terminate_all_at_exit() -> None:
 mp_util.Finalize(None, _terminate_all_at_exit, exitpriority=100)
 
 
+def _forget_after_fork() -> None:
+    """In a child of ``os.fork()`` (user code, a DataLoader worker): the workers and
+    children are the parent's, never this process's to stop. Without this, the child's
+    exit hooks would abort the parent's worker (its ABORT message goes down the
+    inherited pipe) and fail the parent's save in flight."""
+    global _live_lock
+    _live_lock = threading.Lock()  # another thread may have held it at the fork
+    _live_processes.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def _wait_handles(handles: list[Any], timeout: float | None) -> None:
     """Wait until one of ``handles`` (connections, sentinels) is ready, or ``timeout`` s.
 
@@ -202,10 +215,18 @@ class AsyncCaller(abc.ABC):
         self._lock = threading.RLock()
         self._outcomes: dict[int, CallOutcome] = {}
         self._abandoned: set[int] = set()
+        #: The process that owns the background processes (a forked child never
+        #: stops them: they are its parent's).
+        self._pid = os.getpid()
+
+    @property
+    def foreign(self) -> bool:
+        """True in a child of ``os.fork()``: this caller's processes belong to the parent."""
+        return os.getpid() != self._pid
 
     def __del__(self) -> None:
-        if getattr(self, "_lock", None) is None:
-            return  # __init__ did not finish
+        if getattr(self, "_lock", None) is None or self.foreign:
+            return  # __init__ did not finish, or a forked child: not ours to stop
         try:
             self.close(abort=True)
         except Exception:  # noqa: BLE001 - nothing to report to at collection time
@@ -389,6 +410,8 @@ class TemporalAsyncCaller(AsyncCaller):
 
     def close(self, abort: bool = False) -> None:
         """Wait for the running children (``abort``: terminate them) and reap them."""
+        if self.foreign:
+            return
         if abort:
             with self._lock:
                 children, self._children = dict(self._children), {}
@@ -639,7 +662,7 @@ class PersistentAsyncCaller(AsyncCaller):
                 terminating it.
         """
         worker = self._worker
-        if worker is None:
+        if worker is None or self.foreign:
             return
         if not abort:
             try:

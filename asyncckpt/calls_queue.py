@@ -507,12 +507,17 @@ class AsyncCallsQueue:
         Raises:
             CheckpointException: (``abort=False``) a pending call failed; the worker is
                 stopped anyway and the remaining calls are still finalized.
+            KeyboardInterrupt: interrupted while waiting; the queue is then closed
+                with ``abort=True`` before the interrupt is re-raised.
 
-        Idempotent: later calls do nothing.
+        Idempotent: later calls do nothing. In a child of ``os.fork()`` it does nothing
+        (the worker and the pending calls are the parent's).
         """
         if self._closed:
             return
         self._closed = True
+        if self.caller.foreign:
+            return  # a child of os.fork(): the pending calls and the worker are the parent's
         first_error: CheckpointException | None = None
         book = self._book
         try:
@@ -525,6 +530,9 @@ class AsyncCallsQueue:
                         self.maybe_finalize_async_calls(blocking=True)
                     except CheckpointException as exc:
                         first_error = first_error or exc
+        except BaseException:
+            abort = True  # interrupted (Ctrl-C): stop at once instead of waiting
+            raise
         finally:
             if self._finalizer is not None:
                 if abort:

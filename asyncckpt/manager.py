@@ -255,6 +255,8 @@ class CheckpointManager:
             CheckpointException: (``abort=False``) a pending save failed (the first
                 one not reported yet; the manager is closed anyway).
             CallbackError: (``abort=False``) a completion callback raised.
+            KeyboardInterrupt: Ctrl-C while waiting: the pending saves are dropped at
+                once (as with ``abort=True``), then the interrupt is re-raised.
         """
         if self._closed:
             return
@@ -270,12 +272,16 @@ class CheckpointManager:
                             break
                     except CheckpointException as exc:
                         first_error = first_error or exc
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                abort = True  # interrupted (Ctrl-C): drop the pending saves at once
+            raise
+        finally:
             if self._owns_queue:
                 try:
                     self.queue.close(abort=abort)
                 except CheckpointException:
                     pass  # this manager's saves: reported by the harvest above
-        finally:
             self._release()  # the staging buffers, whoever owns the queue
             self._root.join_deletion()
         if first_error is not None:

@@ -42,6 +42,7 @@ import psutil
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
+from . import _faults
 from .calls_queue import AsyncCallsQueue
 from .dist import SyncGroup
 from .errors import CallbackError, CheckpointError, CheckpointException, RankFailure
@@ -178,6 +179,8 @@ def stage(save: SaveInFlight, buffer: StagingBuffer, copier: StagingCopier, *, c
     Raises:
         RuntimeError: a copy failed (CUDA error).
     """
+    if cpu:
+        _faults.hit("stage")
     data = save.planned.data
     if not buffer.pinned and cuda and any(isinstance(d, torch.Tensor) and d.is_cuda for d in data):
         buffer.pin()

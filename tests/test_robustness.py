@@ -1,0 +1,197 @@
+"""Real-world robustness: Ctrl-C at named moments, os.fork() during a save, a
+synchronous save behind pending ones, a load of a key the checkpoint lacks.
+
+Signals and forks run in a subprocess of their own (a real SIGINT to a real training
+script; a real ``os.fork()`` whose child exits through the interpreter's normal exit
+path), which prints one JSON line of what it saw; the assertions run here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import asyncckpt
+from asyncckpt import CheckpointError, CheckpointManager
+
+_PRELUDE = textwrap.dedent("""
+    import json, os, signal, sys, threading, time
+    import torch
+    import asyncckpt
+    root = sys.argv[1]
+    state = {"w": torch.ones(1 << 20), "step": 0}
+
+    def interrupt_in(seconds):
+        threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+    def leftovers():
+        return sorted(e for e in os.listdir(root) if ".tmp-" in e)
+
+    def worker_with_fault(spec):
+        os.environ["ASYNCCKPT_FAULT"] = spec   # the worker inherits it at its start
+        try:
+            return asyncckpt.CheckpointManager(root)
+        finally:
+            os.environ.pop("ASYNCCKPT_FAULT")
+""")
+
+
+def run_script(body: str, root: Path, timeout: float = 90) -> dict[str, Any]:
+    """Run the prelude + ``body`` in a new Python process; return its JSON line."""
+    script = root.parent / "script.py"
+    script.write_text(_PRELUDE + textwrap.dedent(body))
+    root.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_staging_drops_that_save_only(tmp_path: Path) -> None:
+    """Row 1: SIGINT while save() copies the state; the user catches it and trains on."""
+    out = run_script("""
+        mgr = asyncckpt.CheckpointManager(root)
+        mgr.save(1, state).wait(timeout=30)
+        os.environ["ASYNCCKPT_FAULT"] = "stage:sleep=5"   # the staging copy, in this process
+        interrupt_in(0.5)
+        t = time.monotonic()
+        try:
+            mgr.save(2, state)
+            out = {"interrupted": False}
+        except KeyboardInterrupt:
+            out = {"interrupted": True, "after_s": time.monotonic() - t}
+        os.environ.pop("ASYNCCKPT_FAULT")
+        mgr.save(3, state).wait(timeout=30)
+        try:
+            mgr.maybe_finalize(blocking=True)
+        except asyncckpt.CheckpointException as exc:
+            out["reported"] = [str(exc.failures[0]).splitlines()[0], exc.failures[0].exc_type]
+        t = time.monotonic()
+        mgr.close()
+        out.update(close_s=time.monotonic() - t, steps=mgr.steps(), leftovers=leftovers())
+        print(json.dumps(out))
+    """, tmp_path / "root")
+    assert out["interrupted"] and out["after_s"] < 3, out
+    assert out["steps"] == [1, 3] and out["leftovers"] == [], out
+    assert out["reported"] == ["preload_fn raised KeyboardInterrupt: ", "KeyboardInterrupt"], out
+    assert out["close_s"] < 5, out
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_close_aborts_within_a_second(tmp_path: Path) -> None:
+    """Row 2: SIGINT during close() while a write of 8 s runs."""
+    out = run_script("""
+        mgr = worker_with_fault("mid_write:sleep=8")
+        pid = mgr.queue.caller.worker_pid
+        mgr.save(1, state)
+        time.sleep(0.5)
+        interrupt_in(0.5)
+        t = time.monotonic()
+        try:
+            mgr.close()
+            out = {"interrupted": False}
+        except KeyboardInterrupt:
+            out = {"interrupted": True}
+        out["after_s"] = time.monotonic() - t
+        try:
+            os.kill(pid, 0)
+            out["worker_alive"] = True
+        except ProcessLookupError:
+            out["worker_alive"] = False
+        out.update(steps=mgr.steps(), leftovers=leftovers())
+        print(json.dumps(out))
+    """, tmp_path / "root")
+    assert out["interrupted"] and out["after_s"] < 2.5, out
+    assert not out["worker_alive"] and out["steps"] == [] and out["leftovers"] == [], out
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_the_commit_runs_settles_the_handle(tmp_path: Path) -> None:
+    """Row 3: SIGINT during maybe_finalize(blocking=True) while the commit runs: the
+    commit runs in the finalizer thread and completes; the handle settles."""
+    out = run_script("""
+        mgr = asyncckpt.CheckpointManager(root)
+        os.environ["ASYNCCKPT_FAULT"] = "commit:sleep=2"   # the coordinator's commit, in this process
+        handle = mgr.save(1, state)
+        interrupt_in(0.5)
+        try:
+            mgr.maybe_finalize(blocking=True)
+            out = {"interrupted": False}
+        except KeyboardInterrupt:
+            out = {"interrupted": True, "done_then": handle.done()}
+        handle.wait(timeout=30)
+        os.environ.pop("ASYNCCKPT_FAULT")
+        out.update(done=handle.done(), steps=mgr.steps(), leftovers=leftovers())
+        mgr.close()
+        print(json.dumps(out))
+    """, tmp_path / "root")
+    assert out["interrupted"] and not out["done_then"], out
+    assert out["done"] and out["steps"] == [1] and out["leftovers"] == [], out
+
+
+@pytest.mark.timeout(120)
+def test_fork_during_a_save_leaves_the_parent_unaffected(tmp_path: Path) -> None:
+    """Row 4: user code forks while a save is written; the child exits normally (its
+    exit hooks and garbage collection run): the parent's save still commits."""
+    out = run_script("""
+        mgr = worker_with_fault("mid_write:sleep=2")
+        handle = mgr.save(1, state)
+        time.sleep(0.5)
+        child = os.fork()
+        if child == 0:
+            del handle, mgr
+            sys.exit(0)   # the interpreter's normal exit path in the child
+        _, status = os.waitpid(child, 0)
+        out = {"child_status": status}
+        try:
+            handle.wait(timeout=30)
+            out["committed"] = True
+        except asyncckpt.CheckpointException as exc:
+            out["committed"] = str(exc)
+        mgr.save(2, state).wait(timeout=30)
+        mgr.close()
+        out.update(steps=mgr.steps(), leftovers=leftovers())
+        print(json.dumps(out))
+    """, tmp_path / "root")
+    assert out["child_status"] == 0 and out["committed"] is True, out
+    assert out["steps"] == [1, 2] and out["leftovers"] == [], out
+
+
+@pytest.mark.timeout(60)
+def test_sync_save_behind_pending_saves_keeps_latest_monotonic(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row 9: a synchronous save while an asynchronous one is pending commits after it."""
+    monkeypatch.setenv("ASYNCCKPT_FAULT", "mid_write:sleep=1")
+    mgr = CheckpointManager(tmp_path / "root")
+    monkeypatch.delenv("ASYNCCKPT_FAULT")
+    try:
+        pending = mgr.save(1, {"w": torch.ones(1000)})
+        mgr.save(2, {"w": torch.ones(1000)}, async_op=False)
+        assert pending.done()
+        assert (tmp_path / "root" / "latest").read_text().strip() == "step_00000002"
+        assert mgr.steps() == [1, 2]
+    finally:
+        mgr.close()
+
+
+def test_load_of_a_key_the_checkpoint_lacks_is_an_ordinary_error(tmp_path: Path) -> None:
+    """Row 13: DCP's CheckpointException (a BaseException) never escapes."""
+    asyncckpt.save({"a": torch.ones(3)}, tmp_path / "ck")
+    with pytest.raises(CheckpointError, match="Missing key in checkpoint state_dict: b"):
+        asyncckpt.load({"a": torch.zeros(3), "b": torch.zeros(2)}, tmp_path / "ck")
