@@ -613,11 +613,20 @@ class Saver:
             from errors[0][1]
 
     def release(self) -> None:
-        """Free the staging buffers (call only when no write of this saver runs) and
-        stop listening to the queue."""
+        """Free the staging buffers and stop listening to the queue.
+
+        Waits (no collective) until no write of this saver reads a buffer any more:
+        its own in-flight writes end, or their process died (``close(abort=True)``).
+        """
         pending, self._overlapped = self._overlapped, None
         if pending is not None:
             pending.thread.join()
+        queue = self._queue_ref()
+        if queue is not None:
+            with self._state:
+                call_idxs = list(self._inflight)
+            for call_idx in call_idxs:
+                queue.wait_local(call_idx)
         self.copier.close()
         self.pool.release_all()
         self.layouts.clear()

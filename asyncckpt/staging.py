@@ -121,7 +121,13 @@ class StagingBuffer:
         self._mm[offset:offset + len(data)] = data
 
     def release(self) -> None:
-        """Unmap and close; the memory is freed once no other process maps it."""
+        """Unmap, free the memory and close (call only when no write reads the buffer).
+
+        The memfd is truncated to 0 bytes first: its pages are freed at once, also
+        while other processes still map it or hold its descriptor (children forked
+        after it was allocated, e.g. DataLoader workers; a worker's cached mapping),
+        which would otherwise keep the staging memory alive after ``close()``.
+        """
         if self._fd < 0:
             return
         if self.pinned:
@@ -136,6 +142,11 @@ class StagingBuffer:
             self._mm.close()
         except BufferError:
             pass  # a view still exists; the mapping goes with the last reference
+        else:
+            try:
+                os.ftruncate(self._fd, 0)
+            except OSError:
+                pass
         self._fd_finalizer()  # closes the fd, once
         self._fd = -1
 

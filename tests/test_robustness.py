@@ -195,3 +195,43 @@ def test_load_of_a_key_the_checkpoint_lacks_is_an_ordinary_error(tmp_path: Path)
     asyncckpt.save({"a": torch.ones(3)}, tmp_path / "ck")
     with pytest.raises(CheckpointError, match="Missing key in checkpoint state_dict: b"):
         asyncckpt.load({"a": torch.zeros(3), "b": torch.zeros(2)}, tmp_path / "ck")
+
+
+def _staging_bytes_held(pid: int, slab_ids: tuple[str, ...]) -> int:
+    """Bytes of the staging memfds ``slab_ids`` that process ``pid`` holds open (their sizes)."""
+    names = tuple(f"/memfd:asyncckpt-{slab_id[:8]}" for slab_id in slab_ids)
+    sizes: dict[str, int] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            target = os.readlink(path)
+            if target.startswith(names):
+                sizes[target] = os.stat(path).st_size
+        except OSError:
+            pass
+    return sum(sizes.values())
+
+
+@pytest.mark.timeout(60)
+def test_fork_started_dataloader_workers_do_not_keep_staging_memory(tmp_path: Path) -> None:
+    """Row 5: DataLoader(num_workers=2, persistent_workers=True) forked after the first
+    save inherits the staging buffer; manager.close() still frees its memory."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    mgr = CheckpointManager(tmp_path / "root")
+    mgr.save(1, {"w": torch.ones(4 << 20)}).wait(timeout=30)  # a 16 MiB staging buffer
+    loader = DataLoader(TensorDataset(torch.arange(64)), batch_size=8, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork")
+    batches = iter(loader)
+    try:
+        next(batches)  # the workers are forked now
+        pids = [w.pid for w in batches._workers]
+        ids = mgr._saver.pool.live_slab_ids
+        assert all(_staging_bytes_held(pid, ids) >= 16 << 20 for pid in pids)  # they did inherit it
+        mgr.close()
+        assert [_staging_bytes_held(pid, ids) for pid in pids] == [0, 0]
+        assert _staging_bytes_held(os.getpid(), ids) == 0
+        assert len(list(batches)) == 7  # the loader itself is unaffected
+    finally:
+        mgr.close(abort=True)
+        batches._shutdown_workers()
