@@ -28,6 +28,7 @@ _EXPORTS = {
     "CheckpointError": "errors",
     "CorruptCheckpointError": "errors",
     "CallbackError": "errors",
+    "CheckpointNotFoundError": "errors",
     "SaveOptions": "options",
     "save": "saving",
     "default_calls_queue": "saving",

@@ -155,7 +155,9 @@ class PartialDir:
         path: its absolute path.
         kind: ``"temporary"`` (``.step_N.tmp-*``: a save that failed, was killed, or is
             still writing), ``"deleting"`` (``.step_N.deleting-*``: an interrupted
-            removal) or ``"uncommitted"`` (``step_N`` without a committed manifest).
+            removal) or ``"foreign"`` (``step_N`` without an asyncckpt manifest: a
+            stock ``torch.distributed.checkpoint`` directory, or not a checkpoint;
+            asyncckpt never leaves such a directory, so ``clean`` never removes it).
         step: the step its name carries.
         bytes: bytes of its files.
     """
@@ -170,7 +172,7 @@ class PartialDir:
 _PARTIAL_DESCRIPTION = {
     "temporary": "unfinished save (failed, killed, or still writing)",
     "deleting": "interrupted removal of a checkpoint",
-    "uncommitted": "step directory without a committed manifest",
+    "foreign": "step directory without an asyncckpt manifest (never removed)",
 }
 
 
@@ -264,7 +266,7 @@ def scan_root(root: str | os.PathLike) -> RootScan:
                 ckpt.latest = entry.name == scan.latest
                 scan.checkpoints.append(ckpt)
             else:
-                scan.partial.append(PartialDir(entry.name, str(sub), "uncommitted", int(m.group(1)),
+                scan.partial.append(PartialDir(entry.name, str(sub), "foreign", int(m.group(1)),
                                                _tree_bytes(sub)))
             continue
         m = _LEFTOVER_RE.match(entry.name)
@@ -534,11 +536,8 @@ def convert_to_torch_save(checkpoint_dir: str | os.PathLike, out: str | os.PathL
 
 # ----------------------------------------------------------------------------- clean
 def remove_partial(partial: PartialDir) -> str:
-    """Remove one directory of a save that never committed.
-
-    A ``step_N`` directory is first renamed to ``.step_N.deleting-<hex>`` (so a crash
-    mid-removal leaves a leftover, never a half-deleted ``step_N``); if it turns out
-    committed after the rename (a commit raced in), it is renamed back and kept.
+    """Remove one hidden leftover of asyncckpt (a save that never committed, or an
+    interrupted removal); a ``"foreign"`` directory is never removed.
 
     Args:
         partial: an entry of :attr:`RootScan.partial`.
@@ -550,22 +549,11 @@ def remove_partial(partial: PartialDir) -> str:
         OSError: the removal failed.
     """
     path = Path(partial.path)
-    if partial.kind != "uncommitted":
-        if not path.is_dir() or path.is_symlink():
-            return "kept: no longer a directory"
-        shutil.rmtree(path)
-        return "removed"
-    if _commit.is_committed(path):
-        return "kept: committed meanwhile"
-    doomed = path.parent / f".{path.name}.deleting-{secrets.token_hex(6)}"
-    os.rename(path, doomed)
-    if _commit.is_committed(doomed):
-        try:
-            os.rename(doomed, path)
-        except OSError:
-            return f"kept: committed meanwhile, left at {doomed.name}"
-        return "kept: committed meanwhile"
-    shutil.rmtree(doomed)
+    if partial.kind == "foreign":
+        return "kept: not an asyncckpt leftover"
+    if not path.is_dir() or path.is_symlink():
+        return "kept: no longer a directory"
+    shutil.rmtree(path)
     return "removed"
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
     "CallbackError",
+    "CheckpointNotFoundError",
 ]
 
 
@@ -167,6 +168,26 @@ class CorruptCheckpointError(CheckpointError):
 
     def __reduce__(self) -> tuple:
         return (type(self), (str(self), self.path))
+
+
+class CheckpointNotFoundError(AsyncckptError, FileNotFoundError):
+    """There is no such checkpoint, or it was removed (e.g. by retention) while it was
+    being loaded. A ``FileNotFoundError``: a job that reads checkpoints another job
+    writes can retry with a newer step.
+
+    Args:
+        message: what is missing.
+        path: the checkpoint directory.
+    """
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(2, message, path)  # errno.ENOENT
+
+    def __str__(self) -> str:
+        return self.strerror if self.filename is None else f"{self.strerror}: {self.filename}"
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.strerror, self.filename))
 
 
 class CallbackError(CheckpointError):

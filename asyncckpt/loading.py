@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpointException
 
 from .dist import SyncGroup
-from .errors import CheckpointError, CorruptCheckpointError, RankFailure
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailure
 from .storage import commit as _commit
 from .storage.reader import SafeFileSystemReader, SafeLoadPlanner
 
@@ -73,8 +73,21 @@ def load(
             directory or a symlink.
         CheckpointError: a non-tensor value needs ``allow_pickle=True`` (its entry is
             named; ``state_dict`` is left unchanged).
+        CheckpointNotFoundError: (a ``FileNotFoundError``) ``checkpoint_dir`` does not
+            exist, or was removed while it was being loaded (retention of a job that
+            is still saving): retry with a newer step.
     """
     path = Path(checkpoint_dir)
+    try:
+        _load(state_dict, path, process_group, verify, allow_pickle)
+    except (CheckpointError, OSError) as exc:
+        if isinstance(exc, CheckpointNotFoundError) or path.is_dir():
+            raise
+        raise CheckpointNotFoundError("the checkpoint does not exist, or was removed while it was being "
+                                      "loaded (e.g. by retention): load a newer step", str(path)) from exc
+
+
+def _load(state_dict: dict[str, Any], path: Path, process_group: Any, verify: bool, allow_pickle: bool) -> None:
     sync = SyncGroup(process_group)
     reader = SafeFileSystemReader(str(path))
     failure: RankFailure | None = None

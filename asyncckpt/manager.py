@@ -14,7 +14,7 @@ from typing import Any
 
 from .callers import PersistentAsyncCaller
 from .calls_queue import AsyncCallsQueue
-from .errors import CheckpointException
+from .errors import CheckpointException, CheckpointNotFoundError
 from .handle import SaveCallback, SaveHandle, SaveTimings
 from .loading import load
 from .options import SaveOptions
@@ -228,7 +228,8 @@ class CheckpointManager:
             The step loaded.
 
         Raises:
-            FileNotFoundError: there is no committed checkpoint (or not that step).
+            CheckpointNotFoundError: (a ``FileNotFoundError``) there is no committed
+                checkpoint (or not that step), or it was removed while being loaded.
             CorruptCheckpointError: the checkpoint does not match its manifest, or
                 names a path outside its directory.
             CheckpointError: a non-tensor value needs ``allow_pickle=True``.
@@ -236,10 +237,10 @@ class CheckpointManager:
         if step is None:
             step = self.latest_step()
             if step is None:
-                raise FileNotFoundError(f"no committed checkpoint in {self.root_dir}")
+                raise CheckpointNotFoundError("no committed checkpoint", str(self.root_dir))
         path = self.step_dir(step)
         if not _commit.is_committed(path):
-            raise FileNotFoundError(f"step {step} has no committed checkpoint in {self.root_dir}")
+            raise CheckpointNotFoundError(f"step {step} has no committed checkpoint", str(path))
         load(state_dict, path, process_group=self.process_group, verify=verify, allow_pickle=allow_pickle)
         return int(step)
 

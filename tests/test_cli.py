@@ -119,8 +119,8 @@ def add_partial(root: Path) -> dict[str, str]:
     deleting = root / ".step_00000005.deleting-a1b2c3"
     deleting.mkdir()
     (deleting / DATA).write_bytes(b"y" * 10)
-    (root / "step_00000040").mkdir()  # never committed: no manifest
-    return {tmp.name: "temporary", deleting.name: "deleting", "step_00000040": "uncommitted"}
+    (root / "step_00000040").mkdir()  # no manifest: not asyncckpt's, never removed
+    return {tmp.name: "temporary", deleting.name: "deleting", "step_00000040": "foreign"}
 
 
 def flip_byte(path: Path, offset: int) -> None:
@@ -392,10 +392,22 @@ def test_clean_dry_run_then_yes_removes_only_partial(tmp_path: Path) -> None:
     proc = run("clean", "--yes", root)
     assert proc.returncode == 0, proc.stderr
     assert "dry run" not in proc.stdout
-    assert sorted(p.name for p in root.iterdir()) == committed
+    assert sorted(p.name for p in root.iterdir()) == sorted(committed + ["step_00000040"])
     assert (root / "latest").read_bytes() == latest
     for step in ("step_00000010", "step_00000020"):
         commit.verify_checkpoint(root / step)
     doc = run_json("clean", "--force", root)
-    assert doc["partial"] == [] and not doc["dry_run"]
-    assert "nothing to clean" in run("clean", root).stdout
+    assert [p["result"] for p in doc["partial"]] == ["kept: not an asyncckpt leftover"] and not doc["dry_run"]
+
+
+def test_clean_never_removes_a_stock_dcp_checkpoint(tmp_path: Path) -> None:
+    """A complete stock-DCP checkpoint named like a step is not asyncckpt's leftover."""
+    import torch.distributed.checkpoint as dcp
+
+    root = make_root(tmp_path, steps=(10,))
+    dcp.save({"w": torch.arange(10)}, checkpoint_id=str(root / "step_00000005"))
+    files = sorted(p.name for p in (root / "step_00000005").iterdir())
+    proc = run("clean", "--yes", root)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (root / "step_00000005").iterdir()) == files
+    assert "never removed" in proc.stdout

@@ -235,3 +235,48 @@ def test_fork_started_dataloader_workers_do_not_keep_staging_memory(tmp_path: Pa
     finally:
         mgr.close(abort=True)
         batches._shutdown_workers()
+
+
+@pytest.mark.timeout(90)
+def test_load_racing_retention_raises_not_found(tmp_path: Path) -> None:
+    """Row 14: retention removes a step while another reader loads it: the reader gets a
+    FileNotFoundError (CheckpointNotFoundError) it can retry, never a corruption error."""
+    import threading
+
+    from asyncckpt import CheckpointNotFoundError, CorruptCheckpointError
+
+    root = tmp_path / "root"
+    writer = CheckpointManager(root, keep_last=1)
+    state = {f"t{i}": torch.full((2048,), float(i)) for i in range(64)}
+    writer.save(0, state).wait(timeout=30)
+    stop = threading.Event()
+
+    def train() -> None:
+        step = 1
+        while not stop.is_set():
+            writer.save(step, state).wait(timeout=30)
+            step += 1
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    outcomes = {"loaded": 0, "not_found": 0}
+    try:
+        reader = CheckpointManager(root, persistent=False)
+        target = {k: torch.empty_like(v) for k, v in state.items()}
+        for _ in range(150):
+            steps = reader.steps()
+            try:
+                reader.load(target, steps[-1] if steps else None)
+                outcomes["loaded"] += 1
+            except CheckpointNotFoundError as exc:
+                assert isinstance(exc, FileNotFoundError) and not isinstance(exc, CorruptCheckpointError)
+                outcomes["not_found"] += 1
+        reader.close()
+    finally:
+        stop.set()
+        trainer.join()
+        writer.close()
+    print("retention race:", outcomes)
+    assert outcomes["loaded"] > 0, outcomes
+    with pytest.raises(FileNotFoundError, match="does not exist, or was removed"):
+        asyncckpt.load(target, root / "step_99999999")
