@@ -222,7 +222,9 @@ class CheckpointManager:
              allow_pickle: bool = False) -> int:
         """Load step ``step`` (default: the latest) into ``state_dict`` in place (collective).
 
-        ``verify`` and ``allow_pickle`` are those of :func:`asyncckpt.load`.
+        ``verify`` and ``allow_pickle`` are those of :func:`asyncckpt.load`. An
+        overlapped save still copying (perhaps the same tensors) is synchronized first,
+        as ``save``, ``maybe_finalize``, ``close`` and ``prepare`` do.
 
         Returns:
             The step loaded.
@@ -234,6 +236,7 @@ class CheckpointManager:
                 names a path outside its directory.
             CheckpointError: a non-tensor value needs ``allow_pickle=True``.
         """
+        self._saver.synchronize_staging()  # never load into tensors an overlapped copy still reads
         if step is None:
             step = self.latest_step()
             if step is None:

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.stateful import Stateful
 
 from .dist import SyncGroup
 from .errors import CheckpointError, RankFailure
@@ -195,7 +196,8 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
 
     Call sequence (all ranks, every step a collective on ``sync`` except where said):
 
-    1. (each rank) validate ``state_dict``; (coordinator) run ``precheck``; digest the
+    1. (each rank) replace ``Stateful`` values by their ``state_dict()`` (as
+       ``dcp.save`` does), validate; (coordinator) run ``precheck``; digest the
        structure for the cache.
     2. one int64 all_gather: failed?, cache hit?, the coordinator's random token.
        A failure anywhere raises here, on every rank.
@@ -228,6 +230,7 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
     signature = digest = None
     flat: dict[str, Any] = {}
     try:
+        state_dict = stateful_to_state_dict(state_dict)
         validate_state_dict(state_dict)
         if is_coordinator and precheck is not None:
             precheck()
@@ -286,6 +289,16 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
     if failures:
         _raise_errors(sync, [failures.get(r) for r in range(sync.world_size)])
     return result, finished
+
+
+def stateful_to_state_dict(state_dict: Any) -> Any:
+    """A shallow copy of ``state_dict`` whose top-level ``Stateful`` values (objects with
+    ``state_dict()`` / ``load_state_dict()``) are replaced by their ``state_dict()``,
+    as ``torch.distributed.checkpoint.save`` does; ``dcp.load`` (and so
+    :func:`asyncckpt.load`) calls their ``load_state_dict()`` back. Not a dict: as is."""
+    if not isinstance(state_dict, Mapping) or not any(isinstance(v, Stateful) for v in state_dict.values()):
+        return state_dict
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
 def signature_digest(signature: tuple) -> str:

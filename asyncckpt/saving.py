@@ -167,27 +167,29 @@ def plan(state_dict: dict[str, Any], final_dir: Path, handle: SaveHandle, *, syn
 
 
 def stage(save: SaveInFlight, buffer: StagingBuffer, copier: StagingCopier, *, cpu: bool = True,
-          cuda: bool = True, synchronize: bool = True) -> None:
+          cuda: bool = True, synchronize: bool = True, select: Callable[[torch.Tensor], bool] | None = None,
+          blobs: bool = True) -> None:
     """Phase 2, stage: copy this rank's data into ``buffer`` (each rank, no collective).
 
     Tensors go through the buffer's views in one batched copy (``torch._foreach_copy_``
     for CPU tensors; non-blocking D2H on a side stream into the page-locked buffer for
     CUDA tensors), then the pickled non-tensor values. ``cpu``/``cuda`` select which
     sources are copied now (overlapped staging issues the D2H copies from the training
-    thread and the CPU copies from a thread); ``synchronize`` waits for the D2H copies.
+    thread and the CPU copies from a thread); ``synchronize`` waits for the D2H copies;
+    ``select`` copies only the tensors it accepts; ``blobs`` writes the non-tensor values.
 
     Raises:
         RuntimeError: a copy failed (CUDA error).
     """
-    if cpu:
+    if cpu and blobs:
         _faults.hit("stage")
     data = save.planned.data
     if not buffer.pinned and cuda and any(isinstance(d, torch.Tensor) and d.is_cuda for d in data):
         buffer.pin()
     buffer.format(save.layout)
-    views = buffer.views
-    copier.copy([dst for _, dst in views], [data[item] for item, _ in views], cpu=cpu, cuda=cuda)
-    if cpu:
+    pairs = [(dst, data[item]) for item, dst in buffer.views if select is None or select(data[item])]
+    copier.copy([dst for dst, _ in pairs], [src for _, src in pairs], cpu=cpu, cuda=cuda)
+    if cpu and blobs:
         for slot in save.layout.blobs:
             buffer.write_bytes(slot.offset, data[slot.item])
     if synchronize:
@@ -253,11 +255,30 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
 
 
 # ====================================================================== the saver
+#: With overlapped staging, CPU tensors up to this size (bytes) are copied before
+#: ``save`` returns: buffers such as BatchNorm's running statistics change in the next
+#: forward, before ``synchronize_staging``, and cost little to copy at once.
+OVERLAP_SYNC_BYTES = 1 << 20
+
+
+def _small(t: torch.Tensor) -> bool:
+    return not t.is_cuda and t.numel() * t.element_size() <= OVERLAP_SYNC_BYTES
+
+
 class _Overlapped:
-    """An overlapped staging: the CPU copies run in a thread while training goes on."""
+    """An overlapped staging: the large CPU copies run in a thread while training goes on.
+
+    Every tensor copied after ``save`` returned is watched through its version counter
+    (``Tensor._version``, shared with the views and detached copies the plan holds; for
+    a DTensor, its local tensor's): one modified in place before the copy was
+    synchronized fails the save, naming its keys, instead of committing torn data.
+    """
 
     def __init__(self, save: SaveInFlight, run: Any) -> None:
         self.save = save
+        data = save.planned.data
+        self.watched = [(item, data[item], data[item]._version) for item, _ in save.buffer.views
+                        if not _small(data[item])] if save.buffer is not None else []
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(run,), name="asyncckpt-staging", daemon=True)
         self.thread.start()
@@ -267,6 +288,21 @@ class _Overlapped:
             run()
         except BaseException as exc:  # noqa: BLE001 - re-raised by the request's preload_fn
             self.error = exc
+
+    def check_unmodified(self) -> None:
+        """Raise if a watched tensor was modified in place during its copy.
+
+        Raises:
+            CheckpointError: naming the state_dict keys that changed.
+        """
+        items = self.save.planned.plan.items
+        changed = [items[item].index.fqn for item, tensor, version in self.watched if tensor._version != version]
+        if changed:
+            shown = ", ".join(repr(k) for k in changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+            raise CheckpointError(
+                f"overlapped staging: {shown} changed in place before synchronize_staging(); the checkpoint "
+                "would mix two steps, so it is not written. Call synchronize_staging() before the state "
+                "changes (before optimizer.step()), or save without overlap_staging")
 
 
 class Saver:
@@ -375,10 +411,13 @@ class Saver:
         if self.options.overlap_staging:
             buffer = self._buffer_for(record)
             # D2H copies are issued here (ordered after this thread's current stream,
-            # they run asynchronously); the CPU copies run in a thread.
+            # they run asynchronously); small CPU tensors are copied now, the large
+            # ones in a thread.
             stage(record, buffer, self.copier, cpu=False, synchronize=False)
+            stage(record, buffer, self.copier, cuda=False, synchronize=False, select=_small, blobs=False)
             self._overlapped = _Overlapped(
-                record, lambda: stage(record, buffer, self.copier, cuda=False, synchronize=False))
+                record, lambda: stage(record, buffer, self.copier, cuda=False, synchronize=False,
+                                      select=lambda t: not _small(t)))
             handle._set_staging(True)
             handle._add_stall(time.monotonic() - started)
             return handle
@@ -474,10 +513,14 @@ class Saver:
 
             def preload() -> WriteTask:  # joins the copy; runs inside schedule_async_request
                 pending.thread.join()
-                record.planned.data.clear()
                 self.copier.synchronize()
-                if pending.error is not None:
-                    raise pending.error
+                try:
+                    if pending.error is not None:
+                        raise pending.error
+                    pending.check_unmodified()
+                finally:
+                    record.planned.data.clear()
+                    pending.watched = []
                 return write_task(record, self.pool, self.options.write_threads)
 
             try:

@@ -280,3 +280,90 @@ def test_load_racing_retention_raises_not_found(tmp_path: Path) -> None:
     assert outcomes["loaded"] > 0, outcomes
     with pytest.raises(FileNotFoundError, match="does not exist, or was removed"):
         asyncckpt.load(target, root / "step_99999999")
+
+
+@pytest.mark.timeout(120)
+def test_overlapped_staging_never_commits_a_torn_batchnorm(tmp_path: Path) -> None:
+    """Row 18: BatchNorm's running stats change in the next forward, before
+    synchronize_staging(), while large tensors earlier in the state are still being
+    copied: the checkpoint holds the values as of save()."""
+    torch.manual_seed(0)
+    big = {f"big{i}": torch.randn(16 << 20) for i in range(4)}  # 4 x 64 MiB first: the copy is still running
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    with CheckpointManager(tmp_path / "root", overlap_staging=True) as mgr:
+        for step in range(3):
+            state = {**big, "model": model.state_dict()}
+            expected = {k: v.clone() for k, v in model.state_dict().items()}
+            mgr.save(step, state)
+            model(torch.randn(32, 8))  # the next forward updates the running stats in place
+            mgr.synchronize_staging()
+            mgr.maybe_finalize(blocking=True)
+            out = {k: torch.empty_like(v) for k, v in expected.items()}
+            mgr.load({"model": out}, step)
+            for k in expected:
+                assert torch.equal(out[k], expected[k]), (step, k)
+
+
+@pytest.mark.timeout(120)
+def test_overlapped_staging_refuses_a_large_tensor_changed_during_its_copy(tmp_path: Path) -> None:
+    """Row 18: a large tensor changed in place before synchronize_staging() fails the
+    save, naming the key; nothing torn is committed; the next save commits."""
+    state = {"weights": torch.zeros(8 << 20), "bias": torch.zeros(10)}
+    with CheckpointManager(tmp_path / "root", overlap_staging=True) as mgr:
+        mgr.save(1, state)
+        state["weights"].add_(1.0)  # in place, while (or before) the thread copies it
+        mgr.synchronize_staging()
+        with pytest.raises(asyncckpt.CheckpointException, match="'weights' changed in place"):
+            mgr.maybe_finalize(blocking=True)
+        assert mgr.steps() == [] and not any(".tmp-" in e for e in os.listdir(tmp_path / "root"))
+        mgr.save(2, state)
+        mgr.synchronize_staging()
+        assert mgr.maybe_finalize(blocking=True) == [2]
+
+
+@pytest.mark.timeout(60)
+def test_load_waits_for_an_overlapped_staging_copy(tmp_path: Path) -> None:
+    """Row 10: manager.load into the same tensors before synchronize_staging() waits for
+    the copy: the checkpoint holds the values as of save()."""
+    state = {"w": torch.arange(8 << 20, dtype=torch.float32)}
+    expected = state["w"].clone()
+    with CheckpointManager(tmp_path / "root", overlap_staging=True) as mgr:
+        mgr.save(1, {"w": torch.full((8 << 20,), -1.0)}, async_op=False)
+        mgr.save(2, state)
+        mgr.load(state, 1)  # overwrites the tensors the overlapped save copies
+        mgr.maybe_finalize(blocking=True)
+        out = {"w": torch.empty(8 << 20)}
+        mgr.load(out, 2)
+        assert torch.equal(out["w"], expected)
+
+
+class _Counter:
+    """A ``Stateful`` object (``state_dict()`` / ``load_state_dict()``), not picklable."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.lock = __import__("threading").Lock()  # makes pickling it fail
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": torch.tensor(self.n)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.n = int(sd["n"])
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+def test_stateful_objects_use_the_protocol_on_both_sides(tmp_path: Path, async_op: bool) -> None:
+    """Row 17: save calls state_dict(), load calls load_state_dict(), as DCP does."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        handle = asyncckpt.save({"counter": _Counter(7), "w": torch.ones(3)}, tmp_path / "ck", async_op=async_op)
+        handle.wait(timeout=30)
+    finally:
+        asyncckpt.default_calls_queue().close()  # stops the worker of the async save
+    restored = _Counter(0)
+    asyncckpt.load({"counter": restored, "w": torch.zeros(3)}, tmp_path / "ck")
+    assert restored.n == 7
+    stock = _Counter(0)
+    dcp.load({"counter": stock}, checkpoint_id=str(tmp_path / "ck"))
+    assert stock.n == 7
