@@ -26,9 +26,11 @@ The format is torch.distributed.checkpoint's: stock ``dcp.load`` reads it.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import logging
+import multiprocessing.util as mp_util
 import os
 import pickle
 import shutil
@@ -339,6 +341,7 @@ class Saver:
         #: Timings of the most recently committed save (``None`` before the first).
         self.last_committed_timings: SaveTimings | None = None
         queue.add_settle_listener(self._on_settled)
+        _live_savers.add(self)
 
     @property
     def queue(self) -> AsyncCallsQueue:
@@ -358,6 +361,11 @@ class Saver:
             self.plan_cache = PlanCache()
         elif not options.plan_cache:
             self.plan_cache = None
+
+    def pending_records(self) -> list[SaveInFlight]:
+        """This saver's saves scheduled and not settled yet, in call order."""
+        with self._state:
+            return list(self._inflight.values())
 
     def pending_steps(self) -> list[int]:
         """Steps of this saver's saves scheduled and not settled yet."""
@@ -656,26 +664,79 @@ class Saver:
             from errors[0][1]
 
     def release(self) -> None:
-        """Free the staging buffers and stop listening to the queue.
-
-        Waits (no collective) until no write of this saver reads a buffer any more:
-        its own in-flight writes end, or their process died (``close(abort=True)``).
-        """
+        """Free the staging buffers and stop listening to the queue; never blocks on a
+        write (a buffer a write may still read is closed here but its memory is left
+        to that write's process)."""
         pending, self._overlapped = self._overlapped, None
         if pending is not None:
             pending.thread.join()
-        queue = self._queue_ref()
-        if queue is not None:
-            with self._state:
-                call_idxs = list(self._inflight)
-            for call_idx in call_idxs:
-                queue.wait_local(call_idx)
         self.copier.close()
-        self.pool.release_all()
+        queue = self._queue_ref()
+        self.pool.release_all(queue.caller.is_running if queue is not None else None)
         self.layouts.clear()
         queue = self._queue_ref()
         if queue is not None:
             queue.remove_settle_listener(self._on_settled)
+
+
+# ====================================================================== interpreter exit
+#: Every saver of this process (a forked child forgets its parent's).
+_live_savers: "weakref.WeakSet[Saver]" = weakref.WeakSet()
+#: Seconds the interpreter's exit waits for pending saves to commit (environment
+#: variable ``ASYNCCKPT_EXIT_TIMEOUT_S``); a save still pending then is lost, and named.
+EXIT_TIMEOUT_ENV = "ASYNCCKPT_EXIT_TIMEOUT_S"
+DEFAULT_EXIT_TIMEOUT_S = 5.0
+_exit_done: list[int] = []  # the pid whose exit hook ran (it runs once per process)
+
+
+def _settle_pending_at_exit() -> None:
+    """At interpreter exit: let pending saves commit, for a bounded time, then name each
+    one that is lost (a ``logging`` warning on logger ``asyncckpt``, shown on stderr).
+
+    Runs before the workers are stopped (atexit is last-in first-out, and this module
+    registers after :mod:`asyncckpt.callers`; on multiprocessing's exit path, with a
+    higher priority). Saves of a queue finalized in the training loop cannot commit
+    without the loop: they are named at once.
+    """
+    if os.getpid() in _exit_done:
+        return
+    _exit_done.append(os.getpid())
+    pending = []
+    for saver in list(_live_savers):
+        queue = saver._queue_ref()
+        if queue is None or queue.closed or queue.caller.foreign:
+            continue
+        try:
+            saver.synchronize_staging()  # an overlapped save still copying: hand it to the writer
+        except Exception:  # noqa: BLE001 - at exit: its failure is reported through its handle
+            pass
+        pending += [(queue.background_finalize, record) for record in saver.pending_records()]
+    if not pending:
+        return
+    try:
+        timeout = float(os.environ.get(EXIT_TIMEOUT_ENV, DEFAULT_EXIT_TIMEOUT_S))
+    except ValueError:
+        timeout = DEFAULT_EXIT_TIMEOUT_S
+    deadline = time.monotonic() + timeout
+    for background, record in pending:
+        if background:
+            record.handle._wait_settled(max(0.0, deadline - time.monotonic()))
+    for _, record in pending:
+        handle = record.handle
+        if not handle._wait_settled(0):
+            _log.warning("asyncckpt: the save of %s was still pending at interpreter exit and is lost (not "
+                         "committed; waited %.0f s, %s); call close() or wait() before exiting",
+                         record.final_dir, timeout, EXIT_TIMEOUT_ENV)
+        elif handle.exception() is not None:
+            _log.warning("asyncckpt: the save of %s, pending at interpreter exit, failed: %s",
+                         record.final_dir, str(handle.exception()).splitlines()[0])
+
+
+atexit.register(_settle_pending_at_exit)
+# A process started by multiprocessing exits through its own exit path (no atexit):
+# run there too, before asyncckpt.callers stops the workers (priority 100).
+mp_util.Finalize(None, _settle_pending_at_exit, exitpriority=150)
+os.register_at_fork(after_in_child=_live_savers.clear)
 
 
 # ====================================================================== free functions

@@ -120,13 +120,15 @@ class StagingBuffer:
         """Copy ``data`` into the slab at ``offset`` (bytes)."""
         self._mm[offset:offset + len(data)] = data
 
-    def release(self) -> None:
-        """Unmap, free the memory and close (call only when no write reads the buffer).
+    def release(self, free_memory: bool = True) -> None:
+        """Unmap and close; with ``free_memory`` (only when no write reads the buffer any
+        more) the memfd is truncated to 0 bytes first.
 
-        The memfd is truncated to 0 bytes first: its pages are freed at once, also
-        while other processes still map it or hold its descriptor (children forked
-        after it was allocated, e.g. DataLoader workers; a worker's cached mapping),
-        which would otherwise keep the staging memory alive after ``close()``.
+        Truncation frees the pages at once, also while other processes still map the
+        buffer or hold its descriptor (children forked after it was allocated, e.g.
+        DataLoader workers; a worker's cached mapping), which would otherwise keep the
+        staging memory alive after ``close()``. Without it the memory goes with the
+        last process that maps it.
         """
         if self._fd < 0:
             return
@@ -143,10 +145,11 @@ class StagingBuffer:
         except BufferError:
             pass  # a view still exists; the mapping goes with the last reference
         else:
-            try:
-                os.ftruncate(self._fd, 0)
-            except OSError:
-                pass
+            if free_memory:
+                try:
+                    os.ftruncate(self._fd, 0)
+                except OSError:
+                    pass
         self._fd_finalizer()  # closes the fd, once
         self._fd = -1
 
@@ -247,10 +250,16 @@ class StagingPool:
             if e.slab is slab:
                 e.call_idx = call_idx
 
-    def release_all(self) -> None:
-        """Free every slab (call only when no write runs any more)."""
+    def release_all(self, is_running: Callable[[int], bool] | None = None) -> None:
+        """Release every buffer; free the memory of those no write may still read.
+
+        Args:
+            is_running: ``is_running(call_idx)`` of the queue's writes; ``None``: no
+                write runs any more.
+        """
         for e in self._entries:
-            e.slab.release()
+            busy = e.call_idx is not None and is_running is not None and is_running(e.call_idx)
+            e.slab.release(free_memory=not busy)
         self._entries.clear()
 
 

@@ -367,3 +367,41 @@ def test_stateful_objects_use_the_protocol_on_both_sides(tmp_path: Path, async_o
     stock = _Counter(0)
     dcp.load({"counter": stock}, checkpoint_id=str(tmp_path / "ck"))
     assert stock.n == 7
+
+
+@pytest.mark.timeout(120)
+def test_pending_saves_commit_at_interpreter_exit(tmp_path: Path) -> None:
+    """Row 11: three asyncckpt.save(..., async_op=True) whose handles are dropped, then a
+    normal exit: all three are committed."""
+    out = run_script("""
+        for i in range(3):
+            asyncckpt.save(state, os.path.join(root, f"ck{i}"), async_op=True)
+        print(json.dumps({}))
+    """, tmp_path / "root")
+    assert out == {}
+    for i in range(3):
+        asyncckpt.verify(tmp_path / "root" / f"ck{i}")
+
+
+@pytest.mark.timeout(120)
+def test_a_save_lost_at_exit_is_named(tmp_path: Path) -> None:
+    """Row 11: a save that cannot commit within the exit bound is named on stderr; it
+    leaves nothing that looks committed; the exit is bounded."""
+    root = tmp_path / "root"
+    root.mkdir()
+    script = tmp_path / "script.py"
+    script.write_text(_PRELUDE + textwrap.dedent("""
+        os.environ["ASYNCCKPT_FAULT"] = "mid_write:sleep=30"   # the default queue's worker inherits it
+        asyncckpt.save(state, os.path.join(root, "held"), async_op=True)
+        time.sleep(0.5)
+    """))
+    env = dict(os.environ, ASYNCCKPT_EXIT_TIMEOUT_S="1")
+    import time
+
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - started < 20
+    assert f"the save of {root / 'held'} was still pending at interpreter exit and is lost" in proc.stderr
+    assert not (root / "held").exists()
