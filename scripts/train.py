@@ -2,10 +2,15 @@
 """Train a small byte-level GPT on the Python standard library's own source code,
 checkpointing asynchronously with :class:`asyncckpt.CheckpointManager`.
 
-    python scripts/train.py                              # a few minutes on 2 CPU cores
+    python scripts/train.py                              # about 2 minutes on 2 CPU cores
     python scripts/train.py --resume                     # continue from ./checkpoints
     torchrun --nproc-per-node 2 scripts/train.py         # DDP (gloo on CPU)
     torchrun --nproc-per-node 2 scripts/train.py --fsdp  # FSDP2: parameters and AdamW state sharded
+
+Per step it shows one progress bar on stderr when that is a terminal (step, loss, steps/s,
+the last checkpoint's stall), else one line per 10% of the steps; --log-every N prints a
+line every N steps instead, --quiet nothing per step. Every checkpoint prints its lines,
+and the run ends with a summary. With several ranks only rank 0 prints.
 
 Everything needed for a bitwise-exact resume is checkpointed: model, AdamW state,
 LR schedule, data position and every RNG (per rank). SIGINT/SIGTERM stop training at
@@ -40,6 +45,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
 import asyncckpt
 
@@ -73,14 +79,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--weight-decay", type=float, default=0.1, help="(%(default)s)")
     a("--data-mb", type=float, default=4.0, help="cap on the training text, in MB (%(default)s)")
     a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(%(default)s)")
-    a("--log-every", type=int, default=1, metavar="N", help="print the loss every N steps (%(default)s)")
-    a("--quiet", action="store_true", help="no per-step lines, only checkpoints and the summary")
+    a("--log-every", type=int, default=0, metavar="N",
+      help="print a line every N steps (loss, LR, step time) instead of the progress bar (default 0: off)")
+    a("--quiet", action="store_true", help="nothing per step, only checkpoints and the summary")
     a("--save-final", metavar="PATH", help="torch.save the final model state_dict to PATH (rank 0)")
     args = p.parse_args(argv)
     if args.n_embd % args.n_head:
         p.error("--n-embd must be divisible by --n-head")
-    if min(args.steps, args.ckpt_every, args.log_every) < 1:
-        p.error("--steps, --ckpt-every and --log-every must be positive")
+    if min(args.steps, args.ckpt_every) < 1:
+        p.error("--steps and --ckpt-every must be positive")
+    if args.log_every < 0:
+        p.error("--log-every must be 0 (off) or positive")
     if args.warmup is None:
         args.warmup = max(1, args.steps // 20)
     return args
@@ -251,6 +260,70 @@ def all_rng_states(device: torch.device, world_size: int) -> dict[str, dict[str,
     return {f"rank{i}": s for i, s in enumerate(gathered)}
 
 
+# ----------------------------------------------------------------------------- output
+
+class Progress:
+    """What rank 0 prints per step, and every other line it prints.
+
+    Modes: ``"bar"``, one tqdm bar on stderr (step, loss, steps/s, the last checkpoint's
+    stall) with the other lines printed above it; ``"lines"``, one line on stdout each
+    time another 10% of the steps is done; ``"off"``, nothing per step (--quiet,
+    --log-every, ranks other than 0).
+    """
+
+    def __init__(self, mode: str, total: int) -> None:
+        self.mode, self.total = mode, total
+        self.bar: tqdm | None = None
+        self.stall_s: float | None = None
+        self.mark = self.mark_step = 0
+        self.mark_t = 0.0
+
+    @staticmethod
+    def choose(rank: int, args: argparse.Namespace) -> str:
+        """The mode for this rank and command line."""
+        if rank != 0 or args.quiet or args.log_every:
+            return "off"
+        return "bar" if sys.stderr.isatty() else "lines"
+
+    def start(self, step: int) -> None:
+        """Training starts (or resumes) after ``step`` steps."""
+        self.mark, self.mark_step, self.mark_t = step * 10 // self.total, step, time.perf_counter()
+        if self.mode == "bar":
+            self.bar = tqdm(total=self.total, initial=step, desc="train", unit="step", file=sys.stderr,
+                            dynamic_ncols=True)
+
+    def print(self, msg: str) -> None:
+        """Print a line on stdout (above the bar, if there is one)."""
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stdout)
+            sys.stdout.flush()
+        else:
+            print(msg, flush=True)
+
+    def step(self, step: int, loss: float | torch.Tensor) -> None:
+        """Step ``step`` is done, with this loss (a tensor is read only when shown)."""
+        stall = "" if self.stall_s is None else f"last ckpt stall {self.stall_s * 1e3:.1f} ms"
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {float(loss):.4f}" + (f", {stall}" if stall else ""), refresh=False)
+            self.bar.update(1)
+        elif self.mode == "lines" and step * 10 // self.total > self.mark:
+            now = time.perf_counter()
+            rate = (step - self.mark_step) / max(now - self.mark_t, 1e-9)
+            self.print(f"step {step}/{self.total} ({100 * step // self.total}%) | loss {float(loss):.4f} | "
+                       f"{rate:.2f} steps/s" + (f" | {stall}" if stall else ""))
+            self.mark, self.mark_step, self.mark_t = step * 10 // self.total, step, now
+
+    def checkpoint(self, stall_s: float) -> None:
+        """A checkpoint was committed with this stall."""
+        self.stall_s = stall_s
+
+    def close(self) -> None:
+        """Leave the bar (at its last state) on the terminal."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 # ----------------------------------------------------------------------------- training
 
 class StopFlag:
@@ -295,9 +368,11 @@ def main(argv: list[str] | None = None) -> int:
     if use_cuda:
         torch.cuda.set_device(device)
 
+    progress = Progress(Progress.choose(rank, args), args.steps)
+
     def log(msg: str) -> None:
         if rank == 0:
-            print(msg, flush=True)
+            progress.print(msg)
 
     stop = StopFlag()
     data = load_corpus(int(args.data_mb * 1e6))
@@ -376,15 +451,18 @@ def main(argv: list[str] | None = None) -> int:
             for s in steps:
                 t = handles.pop(s).timings
                 committed.append(t)
+                progress.checkpoint(t.stall_s)
                 log(f"checkpoint step {s} committed | stall {t.stall_s * 1e3:.1f} ms | write {t.write_s:.3f} s | "
                     f"{t.bytes / 1e6:.1f} MB at {t.gbps:.3f} GB/s")
 
         model.train()
         start_step, t_start = step, time.perf_counter()
+        progress.start(step)
         while step < args.steps and (args.stop_at is None or step < args.stop_at):
             signum = stop.agreed(distributed)
             if signum:
                 exit_code = 128 + signum
+                progress.close()
                 log(f"received {signal.Signals(signum).name}: stopping at step {step}")
                 break
             t0 = time.perf_counter()
@@ -396,9 +474,14 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
             scheduler.step()
             step += 1
-            if not args.quiet and (step % args.log_every == 0 or step == args.steps):
+            if args.quiet:
+                pass
+            elif args.log_every and (step % args.log_every == 0 or step == args.steps):
                 log(f"step {step:5d}/{args.steps} | loss {global_loss(loss):.4f} | lr {scheduler.get_last_lr()[0]:.2e} "
                     f"| {(time.perf_counter() - t0) * 1e3:.0f} ms")
+            elif not args.log_every:  # the progress display; with --fsdp on several ranks the loss is a
+                # collective (all ranks, every step), else read only when shown (no sync per step)
+                progress.step(step, global_loss(loss) if args.fsdp and distributed else loss.detach())
             last = step == args.steps or step == args.stop_at
             if step % args.ckpt_every == 0 or last:
                 t1 = time.perf_counter()
@@ -414,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 log(f"a checkpoint failed while stopping: {str(exc).splitlines()[0]}")
         train_s = time.perf_counter() - t_start
+        progress.close()
 
         if exit_code:
             mgr.close(abort=True)
@@ -447,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"per checkpoint; final wait + close {close_s:.2f} s")
         return 0
     except BaseException:
+        progress.close()
         mgr.close(abort=True)
         raise
     finally:

@@ -6,14 +6,18 @@ so the whole file takes a minute or two on 2 CPU cores.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import pty
 import queue
 import re
 import shutil
 import signal
 import socket
 import subprocess
+import struct
 import sys
+import termios
 import threading
 import time
 from pathlib import Path
@@ -31,6 +35,11 @@ TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16
 STEPS, HALF = 24, 11  # "2K steps straight" vs "K steps, exit, resume to 2K"
 COMMIT_RE = re.compile(r"^checkpoint step (\d+) committed \| stall [\d.]+ ms \| write [\d.]+ s \| "
                        r"[\d.]+ MB at [\d.]+ GB/s$", re.M)
+# --log-every N: one line per N steps
+STEP_RE = re.compile(r"^step\s+(\d+)/(\d+) \| loss \d+\.\d+ \| lr ", re.M)
+# the default when stderr is not a terminal: one line per 10% of the steps
+PROGRESS_RE = re.compile(r"^step (\d+)/(\d+) \((\d+)%\) \| loss \d+\.\d+ \| [\d.]+ steps/s"
+                         r"(?: \| last ckpt stall [\d.]+ ms)?$", re.M)
 
 
 def _env() -> dict[str, str]:
@@ -117,14 +126,55 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 @pytest.mark.timeout(60)
 def test_default_output(straight: tuple[Path, str]) -> None:
     _, out = straight
-    steps = [int(m) for m in re.findall(rf"^step\s+(\d+)/{STEPS} \| loss \d+\.\d+ \| lr ", out, re.M)]
-    assert steps == list(range(1, STEPS + 1)), out
+    # stdout and stderr are a pipe, not a terminal: a line each time another 10% is done
+    progress = [(int(s), int(t), int(pct)) for s, t, pct in PROGRESS_RE.findall(out)]
+    assert [s for s, _, _ in progress] == [3, 5, 8, 10, 12, 15, 17, 20, 22, 24], out
+    assert all(t == STEPS and pct == 100 * s // STEPS for s, t, pct in progress), out
+    assert not STEP_RE.search(out), out  # no line per step
+    assert len(out.splitlines()) < 30, out
     # every 5 steps plus the final step, each committed once, printing stall / write time / GB/s
     assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [5, 10, 15, 20, 24], out
     assert re.search(r"^summary: 24 steps in [\d.]+ s \([\d.]+ steps/s, [\d,]+ tokens/s\)", out, re.M), out
     assert re.search(r"checkpoints: 5 saved, 5 committed, kept \[15, 20, 24\]", out), out
     assert re.search(r"stall: median [\d.]+ ms", out), out
     assert (straight[0].parent / "checkpoints").is_dir()  # default --ckpt-dir is ./checkpoints
+
+
+@pytest.mark.timeout(60)
+def test_progress_bar_on_a_terminal(tmp_path: Path) -> None:
+    """With stderr on a terminal: one tqdm bar there, the checkpoint lines and the summary on stdout."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # 24 rows, 120 columns
+    cmd = [sys.executable, str(SCRIPT), *TINY, "--steps", "6", "--ckpt-every", "3"]
+    terminal: list[bytes] = []
+
+    def read_terminal() -> None:
+        with contextlib.suppress(OSError):  # EIO once the last writer closed the terminal
+            while chunk := os.read(master, 4096):
+                terminal.append(chunk)
+
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=slave, text=True,
+                            start_new_session=True)
+    os.close(slave)
+    reader = threading.Thread(target=read_terminal, daemon=True)
+    reader.start()
+    try:
+        out, _ = proc.communicate(timeout=45)
+        reader.join(10)
+    finally:
+        if proc.poll() is None or not _group_gone(proc.pid, 10):
+            _kill_all(proc)
+        proc.wait()
+        os.close(master)
+    assert proc.returncode == 0, out
+    bar = b"".join(terminal).decode(errors="replace")
+    final = bar.replace("\r\n", "\r").split("\r")
+    assert re.search(r"train: 100%\|.*\| 6/6 \[.*step/s, loss \d+\.\d+", bar), bar
+    assert [line for line in final if line.strip()][-1].startswith("train: 100%"), bar  # the bar is left, once
+    assert "checkpoint" not in bar and "summary" not in bar, bar
+    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [3, 6], out
+    assert not re.search(r"^step ", out, re.M), out  # nothing per step on stdout
+    assert re.search(r"^summary: 6 steps", out, re.M), out
 
 
 @pytest.mark.timeout(90)
@@ -134,6 +184,7 @@ def test_resume_is_bitwise_identical(straight: tuple[Path, str], tmp_path: Path,
     common = [*TINY, *extra, "--steps", str(STEPS), "--ckpt-every", "5", "--quiet"]
     out = run([*common, "--stop-at", str(HALF)], tmp_path)
     assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [5, 10, HALF], out
+    assert not re.search(r"^step ", out, re.M), out  # --quiet: nothing per step
     out = run([*common, "--resume", "--save-final", str(tmp_path / "final.pt")], tmp_path)
     assert f"resumed from step {HALF}" in out, out
     assert_same_params(straight[0], tmp_path / "final.pt")
@@ -193,7 +244,7 @@ def test_signal_stops_cleanly_and_resumes(tmp_path: Path, sig: signal.Signals, t
     print(f"{sig.name}: stopped in {elapsed:.2f} s, latest committed step {latest}")
 
     out = run([*TINY, *extra, "--steps", "1000000", "--ckpt-every", "20", "--resume",
-               "--stop-at", str(latest + 3)], tmp_path)
+               "--stop-at", str(latest + 3), "--log-every", "1"], tmp_path)
     assert f"resumed from step {latest}" in out, out
     assert re.search(rf"^step\s+{latest + 1}/1000000 \| loss", out, re.M), out
     assert f"checkpoint step {latest + 3} committed" in out, out
@@ -205,7 +256,7 @@ def test_torchrun_two_ranks_resume_is_bitwise_identical(tmp_path: Path) -> None:
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", str(free_port())]
 
-    args = [*TINY, "--batch-size", "4", "--steps", "12", "--ckpt-every", "4"]
+    args = [*TINY, "--batch-size", "4", "--steps", "12", "--ckpt-every", "4", "--log-every", "1"]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     # the reference run writes with forked children (cheaper to start; the writer cannot change
@@ -226,7 +277,7 @@ def test_torchrun_two_ranks_resume_is_bitwise_identical(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- FSDP2 (--fsdp)
 # No dropout: runs on different numbers of ranks then compute the same thing, up to the
 # order of floating-point reductions, when the global batch is the same (6 = 2 x 3 = 1 x 6 = 3 x 2).
-FSDP = [*TINY, "--fsdp", "--dropout", "0", "--steps", "12", "--ckpt-every", "4"]
+FSDP = [*TINY, "--fsdp", "--dropout", "0", "--steps", "12", "--ckpt-every", "4", "--log-every", "1"]
 LOSS_RE = re.compile(r"^step\s+(\d+)/12 \| loss (\d+\.\d+) \|", re.M)
 
 
