@@ -46,6 +46,10 @@ _ABORT = -2
 TERMINATE_GRACE_S = 3.0
 #: Longest single wait on a worker's pipe and sentinel in :meth:`AsyncCaller.wait`.
 WAIT_SLICE_S = 0.05
+_WORKER_NAME = "asyncckpt-worker"
+#: Exit status of a persistent worker whose start-up, re-importing the main script,
+#: ran that script's code as far as starting a worker again (no ``__main__`` guard).
+_NO_MAIN_GUARD_EXIT = 87
 
 
 class CallOutcome(NamedTuple):
@@ -479,6 +483,28 @@ def _persistent_worker_main(task_conn: Any, result_conn: Any) -> None:
 _main_lock = threading.Lock()
 
 
+def _exit_if_importing_main_in_worker() -> None:
+    """Exit at once if this process is a persistent worker still re-importing the main script.
+
+    A spawned worker with ``import_main=True`` runs the main script as ``__mp_main__``
+    before it reads its first call (multiprocessing's bootstrap, where
+    ``current_process()._inheriting`` is set). A script without an
+    ``if __name__ == "__main__":`` guard then runs its training code in the worker,
+    which starts a worker of its own: multiprocessing refuses with its bootstrapping
+    ``RuntimeError``. Exit instead, with a status the training process recognizes.
+    """
+    proc = mp.current_process()
+    if getattr(proc, "_inheriting", False) and proc.name == _WORKER_NAME:
+        os._exit(_NO_MAIN_GUARD_EXIT)
+
+
+def _no_main_guard_failure() -> RankFailure:
+    main = getattr(sys.modules.get("__main__"), "__file__", None) or "the main module"
+    return RankFailure(f"the persistent worker could not start: it re-imports {main} (import_main=True), whose "
+                       "top-level code started a worker again; put the script's code that runs (training, "
+                       "saving) under 'if __name__ == \"__main__\":'")
+
+
 @contextlib.contextmanager
 def _main_module_hidden() -> Any:
     """Start a spawn child without re-importing the training script as ``__mp_main__``.
@@ -508,7 +534,7 @@ class _Worker:
         task_r, self.task_w = ctx.Pipe(duplex=False)
         self.result_r, result_w = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(target=_persistent_worker_main, args=(task_r, result_w),
-                                name="asyncckpt-worker", daemon=True)
+                                name=_WORKER_NAME, daemon=True)
         try:
             if import_main:
                 self.proc.start()
@@ -563,6 +589,9 @@ class PersistentAsyncCaller(AsyncCaller):
         self.import_main = import_main or start_method != "spawn"
         self._ctx = mp.get_context(start_method)
         self._worker: _Worker | None = None
+        #: Set once a worker failed to start because the main script has no
+        #: ``__main__`` guard: every later call fails at once with it (no restarts).
+        self._start_failure: RankFailure | None = None
         #: How many workers were started (1 + the number of restarts).
         self.num_starts = 0
 
@@ -575,7 +604,10 @@ class PersistentAsyncCaller(AsyncCaller):
     def _ensure_worker(self) -> _Worker:
         with self._lock:
             self.poll()
+            if self._start_failure is not None:  # restarting would fail the same way
+                raise RuntimeError(self._start_failure)
             if self._worker is None:
+                _exit_if_importing_main_in_worker()
                 self._worker = _Worker(self._ctx, self.import_main)
                 self.num_starts += 1
             return self._worker
@@ -595,7 +627,8 @@ class PersistentAsyncCaller(AsyncCaller):
             try:
                 worker = self._ensure_worker()
             except Exception as exc:
-                self._record(CallOutcome(call_idx, False, _format_exception(exc, "could not start the worker: ")))
+                self._record(CallOutcome(call_idx, False, self._start_failure or _format_exception(
+                    exc, "could not start the worker: ")))
                 return
             worker.inflight.append(call_idx)
             try:
@@ -636,8 +669,10 @@ class PersistentAsyncCaller(AsyncCaller):
             _terminate(worker.proc)
         _untrack(worker.proc)
         text = _describe_exit(worker.proc.pid, worker.proc.exitcode)
+        if worker.proc.exitcode == _NO_MAIN_GUARD_EXIT and self.import_main:
+            self._start_failure = _no_main_guard_failure()
         for call_idx in worker.inflight:
-            self._record(CallOutcome(call_idx, False, RankFailure(
+            self._record(CallOutcome(call_idx, False, self._start_failure or RankFailure(
                 f"the persistent worker {text} while call {call_idx} was in flight (it is restarted for "
                 "the next call)")))
         worker.inflight.clear()

@@ -228,7 +228,6 @@ queue.close()
 '''
 
 
-@pytest.mark.xfail(strict=True, reason="needs BOOTSTRAP_PATCH")
 @pytest.mark.timeout(90)
 def test_script_without_main_guard_fails_in_one_line(tmp_path: Path) -> None:
     """The worker re-imports a script without a ``__main__`` guard, which starts a worker
