@@ -301,8 +301,8 @@ def _env(fault: str | None) -> dict[str, str]:
 
 
 def _train_args(root: Path, writer: str, *extra: str) -> list[str]:
-    return [*MODEL, "--steps", "1000000", "--ckpt-every", "2", "--keep-last", "2", "--ckpt-dir", str(root),
-            "--resume", *(["--temporal"] if writer == "temporal" else []), *extra]
+    return [*MODEL, "--steps", "1000000", "--ckpt-every", "2", "--keep-last", "2", "--log-every", "1",
+            "--ckpt-dir", str(root), "--resume", *(["--temporal"] if writer == "temporal" else []), *extra]
 
 
 def _check_resume(run: Run, trial: Trial, expected: int | None, timeout: float) -> bool:

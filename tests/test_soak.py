@@ -189,6 +189,7 @@ def test_soak_checkpoint_manager(tmp_path: Path, capfd: pytest.CaptureFixture[st
                 res.max_dirs = max(res.max_dirs, count_dirs(root))
                 if i + 1 == WARMUP or (i + 1) % 100 == 0 or i + 1 == SAVES:
                     mgr.maybe_finalize(blocking=True)
+                    gc.collect()  # garbage of earlier tests (their fds) is not this soak's
                     res.probes.append(probe("warm-up" if i + 1 == WARMUP else "end" if i + 1 == SAVES
                                             else "progress", i + 1, mgr.queue.caller))
             res.wall_s = time.perf_counter() - t0
@@ -253,6 +254,7 @@ def test_soak_save_with_explicit_queue(tmp_path: Path, capfd: pytest.CaptureFixt
                 while len(committed) > 2:  # keep the newest two, like keep_last=2
                     shutil.rmtree(committed.popleft().checkpoint_dir)
                 if blocking:
+                    gc.collect()  # garbage of earlier tests (their fds) is not this soak's
                     res.probes.append(probe("warm-up" if i + 1 == WARMUP else "end" if i + 1 == SAVES
                                             else "progress", i + 1, queue.caller))
             res.wall_s = time.perf_counter() - t0
