@@ -1101,6 +1101,9 @@ def render_markdown(res: dict[str, Any]) -> str:
                                                                for x in tr.get("sparser", [])]:
             L.append(f"training-loop slowdown (checkpoint every {every} steps): " + ", ".join(
                 f"{n} {100 * s['slowdown']:+.1f} %" for n, s in systems.items() if n != "no checkpoint") + "\n")
+    if res.get("lightning_md"):
+        L.append("## Lightning checkpoints\n")
+        L.append(res["lightning_md"] + "\n")
     L.append(f"Total benchmark time: {res['total_s'] / 60:.1f} min.\n")
     return "\n".join(L)
 
@@ -1220,6 +1223,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="sequences per step (%(default)s: the example's model at its default size, with a "
                         "batch small enough that torch.save can cost >= 50 %%)")
     p.add_argument("--no-train", action="store_true", help="skip the training-loop measurement")
+    p.add_argument("--lightning-mb", type=int, default=256,
+                   help="MiB of the Lightning checkpoint compared with Lightning's AsyncCheckpointIO "
+                        "(scripts/bench_lightning.py; needs the lightning extra; 0 to skip) (%(default)s)")
     p.add_argument("--no-memory", action="store_true", help="do not sample memory")
     p.add_argument("--share-dcp-daemon", action="store_true",
                    help="keep DCP's process-executor daemon between systems (faster; its memory is then "
@@ -1249,6 +1255,8 @@ def main(argv: list[str] | None = None) -> int:
         args.share_dcp_daemon = True
         args.train_steps, args.train_reps, args.train_sparse_factor = 8, 1, 2
         args.technique_reps = 1
+        if args.lightning_mb == p.get_default("lightning_mb"):
+            args.lightning_mb = 8
     args.workloads = DEFAULT_WORKLOADS if args.workloads is None else args.workloads
     args.load_reps = args.load_reps or args.reps
     keys = args.systems.split(",")
@@ -1324,6 +1332,16 @@ def main(argv: list[str] | None = None) -> int:
             log("training loop")
             res["training"] = bench_training(base / "train", args.train_steps, args.train_reps, args.train_every,
                                              args.train_batch, None, args.train_sparse_factor)
+        if args.lightning_mb:
+            try:
+                import bench_lightning
+            except ImportError as exc:  # no lightning installed
+                res["skipped"].append(f"Lightning plugins: {exc}")
+            else:
+                log("Lightning: AsyncckptCheckpointIO against AsyncCheckpointIO")
+                res["lightning"] = bench_lightning.run(reps=args.reps, size_mb=args.lightning_mb,
+                                                       directory=base / "lightning")
+                res["lightning_md"] = bench_lightning.render_markdown(res["lightning"])
     finally:
         sampler.close()
         terminate_dcp_daemon()

@@ -91,9 +91,17 @@ def test_bench_quick_reports_every_system_and_figure(tmp_path: Path) -> None:
             if name != "no checkpoint":
                 assert s["saves"] == train["steps"] // sparse["every"], name
 
+    for name, figures in res["workloads"][0]["systems"].items():
+        if name.startswith("asyncckpt") and "sync" not in name and "overlapped" not in name:
+            assert figures["maybe_finalize_calls"] > 0 and figures["maybe_finalize_s"] >= 0, name
+
+    lightning = res["lightning"]["systems"]
+    assert len(lightning) == 2 and all(s["stall_s"] > 0 for s in lightning.values())
+
     text = md.read_text()
     assert text in proc.stdout
-    for heading in ("## 4M/16", "## Training loop", "## Ratios summary", "| asyncckpt persistent |"):
+    for heading in ("## 4M/16", "## Training loop", "## Ratios summary", "| asyncckpt persistent |",
+                    "time in asyncckpt's `maybe_finalize()`", "## Lightning checkpoints"):
         assert heading in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob("bench_*")), "the benchmark must remove its scratch directory"
