@@ -336,7 +336,7 @@ class Saver:
         self._overlapped: _Overlapped | None = None
         self._inflight: dict[int, SaveInFlight] = {}  # call_idx -> scheduled, not settled
         self._unharvested: collections.deque[tuple[int, SaveInFlight, BaseException | None]] = collections.deque()
-        self._reported: set[int] = set()  # failures already raised by handle.wait()
+        self._reported: set[int] = set()  # outcomes already seen through handle.wait()
         self._callback_errors: list[tuple[SaveHandle, BaseException]] = []
         #: Timings of the most recently committed save (``None`` before the first).
         self.last_committed_timings: SaveTimings | None = None
