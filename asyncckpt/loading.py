@@ -20,7 +20,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointE
 from .storage import commit as _commit
 from .storage.reader import SafeFileSystemReader, SafeLoadPlanner
 
-__all__ = ["load", "verify"]
+__all__ = ["load", "verify", "from_dcp_exception"]
 
 
 def verify(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
@@ -112,13 +112,17 @@ def _load(state_dict: dict[str, Any], path: Path, process_group: Any, verify: bo
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
     except _DcpCheckpointException as exc:
-        # DCP wraps every rank's failure; ours (CheckpointError) are re-raised as such,
-        # the same one (the lowest rank's) on every rank.
-        for _, (cause, _tb) in sorted(exc.failures.items()):
-            if isinstance(cause, CorruptCheckpointError):
-                raise CorruptCheckpointError(str(cause), cause.path) from exc
-            if isinstance(cause, CheckpointError):
-                raise CheckpointError(str(cause)) from exc
-        # DCP's own exception is a BaseException, which `except Exception` misses.
-        causes = "; ".join(f"rank {r}: {type(c).__name__}: {c}" for r, (c, _tb) in sorted(exc.failures.items()))
-        raise CheckpointError(f"loading {path} failed: {causes}") from exc
+        raise from_dcp_exception(exc, path) from exc
+
+
+def from_dcp_exception(exc: _DcpCheckpointException, path: Path) -> CheckpointError:
+    """Our error for DCP's ``CheckpointException`` (a ``BaseException``, which
+    ``except Exception`` misses): ours (``CheckpointError``) as they were raised, the
+    lowest rank's, the same on every rank; anything else as ``CheckpointError``."""
+    for _, (cause, _tb) in sorted(exc.failures.items()):
+        if isinstance(cause, CorruptCheckpointError):
+            return CorruptCheckpointError(str(cause), cause.path)
+        if isinstance(cause, CheckpointError):
+            return CheckpointError(str(cause))
+    causes = "; ".join(f"rank {r}: {type(c).__name__}: {c}" for r, (c, _tb) in sorted(exc.failures.items()))
+    return CheckpointError(f"loading {path} failed: {causes}")

@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpoi
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CorruptCheckpointError
+from .loading import from_dcp_exception
 from .storage import commit as _commit
 from .storage.reader import SafeFileSystemReader, SafeLoadPlanner
 
@@ -178,11 +179,5 @@ def read_state_dict(checkpoint_dir: str | os.PathLike, *, verify: bool = True,
         # ranks are not reading with us).
         _load_state_dict(flat, storage_reader=reader, planner=planner, no_dist=True)
     except _DcpCheckpointException as exc:
-        # DCP wraps the failure; ours (CheckpointError) are re-raised as such.
-        for _, (cause, _tb) in sorted(exc.failures.items()):
-            if isinstance(cause, CorruptCheckpointError):
-                raise CorruptCheckpointError(str(cause), cause.path) from exc
-            if isinstance(cause, CheckpointError):
-                raise CheckpointError(str(cause)) from exc
-        raise
+        raise from_dcp_exception(exc, path) from exc
     return _nest(planner.state_dict, metadata, where)
