@@ -46,8 +46,11 @@ _RUNNING, _OK, _FAILED = 0, 1, 2
 #: (finalized: its ``finalize_fns`` ran) or the :class:`CheckpointException` it failed
 #: with (also when dropped by ``close(abort=True)``). Runs in the thread that settled
 #: the call: the finalizer thread (``background_finalize=True``) or the thread that
-#: called ``maybe_finalize_async_calls`` / ``close``.
-SettleListener = Callable[[int, "CheckpointException | None"], None]
+#: called ``maybe_finalize_async_calls`` / ``close``. Returns ``True`` when it reports
+#: that call's outcome itself (the checkpoint layer does, through its handles): with
+#: ``background_finalize``, ``maybe_finalize_async_calls`` then does not report it
+#: again (and keeps nothing of it).
+SettleListener = Callable[[int, "CheckpointException | None"], "bool | None"]
 
 
 class _Book:
@@ -126,9 +129,10 @@ class _Book:
         """Record a claimed call's end, tell the listeners, then publish it."""
         if exc is not None:
             self.caller.abandon(call_idx)
+        reported = False
         for listener in list(self.listeners):
             try:
-                listener(call_idx, exc)
+                reported = bool(listener(call_idx, exc)) or reported
             except Exception:  # noqa: BLE001 - a listener must not break the queue
                 _log.exception("a settle listener of call %d raised", call_idx)
         with self.cond:
@@ -136,7 +140,7 @@ class _Book:
                 self.failures[call_idx] = exc
                 while len(self.failures) > self.failures_kept:
                     self.failures.popitem(last=False)
-            if self.background:
+            if self.background and not reported:
                 self.unharvested.append((call_idx, exc))
             self.cond.notify_all()
 

@@ -538,12 +538,15 @@ class Saver:
                 record.handle._add_stall(time.monotonic() - started)
 
     # ------------------------------------------------------------------ outcomes
-    def _on_settled(self, call_idx: int, exc: CheckpointException | None) -> None:
-        """The queue's settle listener (any thread, every rank)."""
+    def _on_settled(self, call_idx: int, exc: CheckpointException | None) -> bool:
+        """The queue's settle listener (any thread, every rank). True for this saver's
+        calls: their outcomes are reported through their handles and :meth:`harvest`."""
         with self._state:
             record = self._inflight.pop(call_idx, None)
-        if record is not None:
-            self._settle(record, exc)
+        if record is None:
+            return False
+        self._settle(record, exc)
+        return True
 
     def _settle(self, record: SaveInFlight, exc: BaseException | None) -> None:
         handle = record.handle

@@ -360,3 +360,16 @@ def test_options_are_data_and_contradictions_raise(tmp_path: Path) -> None:
         handle = mgr.save(1, {"w": torch.ones(10)})
         mgr.synchronize_staging()
         handle.wait(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_the_queue_keeps_nothing_per_save_for_a_manager(tmp_path: Path) -> None:
+    """Bounded memory over many saves: outcomes a manager reports through its handles
+    are not also kept by its queue for maybe_finalize_async_calls."""
+    with CheckpointManager(tmp_path / "root", keep_last=2) as mgr:
+        for step in range(30):
+            mgr.save(step, {"w": torch.full((1000,), float(step))})
+        assert mgr.maybe_finalize(blocking=True) == list(range(30))
+        book = mgr.queue._book
+        assert not book.unharvested and not book.pending and not book.failures
+        assert mgr._saver.pending_steps() == [] and not mgr._saver._unharvested
