@@ -73,3 +73,47 @@ def closing_queue(persistent: bool) -> Iterator[Any]:
             queue.close()
         except CheckpointException:
             pass
+
+
+def kill_process_tree(proc: Any) -> None:
+    """SIGKILL ``proc``'s process group and every descendant still alive (torchrun starts
+    each rank in a session of its own, so the group alone does not cover them)."""
+    import os
+    import signal
+
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+
+
+def process_group_gone(pgid: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` s for every process of group ``pgid`` to exit."""
+    import os
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+def flip_byte(path: Any, offset: int) -> None:
+    """Invert the bits of the byte at ``offset`` of file ``path`` (a corruption)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))

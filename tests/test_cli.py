@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same
+from helpers import assert_same, flip_byte
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
@@ -121,14 +121,6 @@ def add_partial(root: Path) -> dict[str, str]:
     (deleting / DATA).write_bytes(b"y" * 10)
     (root / "step_00000040").mkdir()  # no manifest: not asyncckpt's, never removed
     return {tmp.name: "temporary", deleting.name: "deleting", "step_00000040": "foreign"}
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 # ----------------------------------------------------------------------------- help, usage

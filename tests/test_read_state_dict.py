@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_same
+from helpers import assert_same, flip_byte
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
@@ -73,14 +73,6 @@ def stock_dcp_save(state: dict[str, Any], path: Path) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, checkpoint_id=str(path), no_dist=True)
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 # ----------------------------------------------------------------------------- round trips

@@ -11,20 +11,17 @@ persistent worker re-imports it (see BOOTSTRAP_PATCH.md).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-import psutil
 import pytest
+from dist_utils import free_port
+from helpers import kill_process_tree, process_group_gone
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 PYTHON_FENCES = {"python", "py", "python3"}
@@ -72,32 +69,6 @@ def python_snippets() -> dict[str, Snippet]:
 # ----------------------------------------------------------------------------- running one
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL ``proc``'s process group and every descendant (a spawned worker, torch's
-    helpers) that is still alive."""
-    try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        descendants = []
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for p in descendants:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-
-
-def _group_gone(pgid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-
-
 def run_script(path: Path, *, env: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, str]:
     """Run ``python path`` in its directory; return its exit code and output (stdout + stderr).
 
@@ -110,25 +81,19 @@ def run_script(path: Path, *, env: dict[str, str] | None = None, timeout: float 
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_process_tree(proc)
         out, _ = proc.communicate()
         pytest.fail(f"{path.name} still running after {timeout} s:\n{out}")
     finally:
-        if proc.poll() is None or not _group_gone(proc.pid, 10):
-            _kill_group(proc)
+        if proc.poll() is None or not process_group_gone(proc.pid, 10):
+            kill_process_tree(proc)
         proc.wait()
     return proc.returncode, out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def one_rank_env() -> dict[str, str]:
     """What ``torchrun --nproc-per-node 1`` would set: a process group of one, in this process."""
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "LOCAL_RANK": "0",
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
             "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
 
 

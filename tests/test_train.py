@@ -13,7 +13,6 @@ import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import struct
 import sys
@@ -23,8 +22,9 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-import psutil
 import pytest
+from dist_utils import free_port
+from helpers import kill_process_tree, process_group_gone
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
@@ -46,33 +46,6 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def _group_gone(pgid: int, timeout: float) -> bool:
-    """Wait up to ``timeout`` s for every process of group ``pgid`` to exit."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-
-
-def _kill_all(proc: subprocess.Popen) -> None:
-    """SIGKILL ``proc``'s process group and all its descendants (torchrun starts each
-    rank in a session of its own, so the group alone does not cover them)."""
-    try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        descendants = []
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for p in descendants:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-
-
 @contextlib.contextmanager
 def _popen(cmd: list[str], cwd: Path) -> Iterator[subprocess.Popen]:
     """Start ``cmd`` in its own process group. On exit, give the group (checkpoint worker,
@@ -82,8 +55,8 @@ def _popen(cmd: list[str], cwd: Path) -> Iterator[subprocess.Popen]:
     try:
         yield proc
     finally:
-        if proc.poll() is None or not _group_gone(proc.pid, 10):
-            _kill_all(proc)
+        if proc.poll() is None or not process_group_gone(proc.pid, 10):
+            kill_process_tree(proc)
         proc.wait()
         if proc.stdout:
             proc.stdout.close()
@@ -107,12 +80,6 @@ def assert_same_params(a: Path, b: Path) -> None:
     assert sa.keys() == sb.keys()
     different = [k for k in sa if not torch.equal(sa[k], sb[k])]
     assert not different, f"parameters differ after resume: {different}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +129,8 @@ def test_progress_bar_on_a_terminal(tmp_path: Path) -> None:
         out, _ = proc.communicate(timeout=45)
         reader.join(10)
     finally:
-        if proc.poll() is None or not _group_gone(proc.pid, 10):
-            _kill_all(proc)
+        if proc.poll() is None or not process_group_gone(proc.pid, 10):
+            kill_process_tree(proc)
         proc.wait()
         os.close(master)
     assert proc.returncode == 0, out
@@ -232,7 +199,7 @@ def test_signal_stops_cleanly_and_resumes(tmp_path: Path, sig: signal.Signals, t
             pytest.fail(f"still running 15 s after {sig.name}")
         elapsed = time.monotonic() - t0
         # the checkpoint writer (persistent worker) must not outlive the training process
-        assert _group_gone(proc.pid, 10), "processes of the run are still alive 10 s after it exited"
+        assert process_group_gone(proc.pid, 10), "processes of the run are still alive 10 s after it exited"
         while (line := lines.get(timeout=10)) is not None:
             out += line
         assert rc == 128 + sig, f"exit code {rc}\n{out}"

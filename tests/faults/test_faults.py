@@ -15,14 +15,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from helpers import kill_process_tree
 
 import asyncckpt
 from asyncckpt import CheckpointManager
@@ -135,15 +134,7 @@ def start_exit_script(tmp_path: Path, root: Path, persistent: bool, mode: str, r
 
 def kill_session(proc: subprocess.Popen) -> None:
     """SIGKILL the script's process group and every descendant left (on failure)."""
-    try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        descendants = []
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for p in descendants:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
+    kill_process_tree(proc)
     proc.communicate()
 
 
