@@ -208,15 +208,15 @@ class CheckpointManager:
         return self._root.steps()
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or ``None``.
+        """The step of the newest save committed (what to resume from), or ``None``.
 
-        A renamed step directory is complete (the rename is the commit), and ``latest``
-        is replaced only after it, so ``latest`` can lag behind the newest committed
-        step (a crash between the two) but never lead it: the newest committed step
-        is what to resume from. ``latest`` is for readers outside asyncckpt.
+        The newest *save*, not the largest step number: after a rollback (``load`` of
+        step 10 while 20 exists, then saves 11, 12, 13) it is 13 (the rollback policy,
+        :meth:`CheckpointRoot.commit_order`). A renamed step directory is complete (the
+        rename is the commit), and ``latest`` is replaced only after it, so ``latest``
+        can lag one save behind (a crash between the two) but never lead.
         """
-        steps = self.steps()
-        return steps[-1] if steps else None
+        return self._root.latest()
 
     def load(self, state_dict: dict[str, Any], step: int | None = None, *, verify: bool = True,
              allow_pickle: bool = False) -> int:

@@ -6,7 +6,7 @@ command's ``ls``, ``verify`` and ``clean`` do not import torch).
 Layout (the names are Orbax-like policy as data: :data:`STEP_DIR_RE`)::
 
     root/step_00000100/            a committed checkpoint (a DCP directory + manifest)
-    root/latest                    the name of the newest committed one, for readers
+    root/latest                    the name of the newest save committed, for readers
     root/.step_00000200.tmp-<hex>  a save in flight, or the leftover of a failed one
     root/.step_00000050.deleting-<hex>   an old checkpoint being removed
 """
@@ -60,6 +60,7 @@ class CheckpointRoot:
         self.keep_last = keep_last
         self._lock = threading.Lock()
         self._deletion: threading.Thread | None = None  # the retention removal in flight
+        self._seqs: dict[tuple[str, int], int] = {}  # (name, inode) -> commit_seq of its manifest
 
     def step_dir(self, step: int) -> Path:
         """The directory of step ``step``."""
@@ -73,6 +74,51 @@ class CheckpointRoot:
             if m and entry.is_dir(follow_symlinks=False) and _commit.is_committed(Path(entry.path)):
                 found.append(int(m.group(1)))
         return sorted(found)
+
+    def commit_order(self) -> list[int]:
+        """Committed steps, the oldest save first, the newest save last.
+
+        The rollback policy: *the newest save wins*. Each commit through a
+        ``CheckpointManager`` records a commit sequence number (``commit_seq``, one more
+        than the largest in the root) in its manifest, so after a rollback (load step
+        10 while 20 exists, then save 11, 12, 13) the order is 10, 20, 11, 12, 13: the
+        run resumes from 13, and retention removes 10 and 20 first. Steps without a
+        sequence number (older asyncckpt versions) order before all others, by step.
+        """
+        order = []
+        for entry in os.scandir(self.path):
+            m = STEP_DIR_RE.match(entry.name)
+            if m and entry.is_dir(follow_symlinks=False) and _commit.is_committed(Path(entry.path)):
+                order.append((self._commit_seq(entry), int(m.group(1))))
+        return [step for _, step in sorted(order)]
+
+    def latest(self) -> int | None:
+        """The step of the newest save committed (what a run resumes from), or ``None``.
+
+        ``root/latest`` names the same step once its update after the commit point
+        is done; a crash between the two leaves ``latest`` one save behind, never ahead.
+        """
+        order = self.commit_order()
+        return order[-1] if order else None
+
+    def next_commit_seq(self) -> int:
+        """(coordinator, at commit) The commit sequence number of the next commit."""
+        seqs = [self._commit_seq(e) for e in os.scandir(self.path)
+                if STEP_DIR_RE.match(e.name) and e.is_dir(follow_symlinks=False)]
+        return max(seqs, default=0) + 1
+
+    def _commit_seq(self, entry: os.DirEntry) -> int:
+        key = (entry.name, entry.inode())
+        seq = self._seqs.get(key)
+        if seq is None:
+            try:
+                value = _commit.read_manifest(entry.path).get("commit_seq", 0)
+                seq = value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+            except Exception:  # noqa: BLE001 - unreadable or foreign: oldest
+                seq = 0
+            with self._lock:
+                self._seqs[key] = seq
+        return seq
 
     def after_commit(self, final_dir: Path, pending_steps: Iterable[int]) -> None:
         """(coordinator, after the commit point) ``latest``, retention, leftovers.
@@ -91,7 +137,7 @@ class CheckpointRoot:
         except Exception as exc:  # noqa: BLE001 - after the commit point: a warning
             self._warn(f"{final_dir} is committed, but `latest` could not be updated: {type(exc).__name__}: {exc}")
         if self.keep_last is not None:
-            for old in self.steps()[:-self.keep_last]:
+            for old in self.commit_order()[:-self.keep_last]:  # never the newest saves
                 path = self.step_dir(old)
                 if path == final_dir:
                     continue

@@ -240,6 +240,8 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
             metadata.version = CURRENT_DCP_VERSION
             files = [f for _, r in gathered for f in r.files]
             info = {"world_size": sync.world_size, "step": save.step}
+            if save.root is not None:
+                info["commit_seq"] = save.root.next_commit_seq()  # the rollback order (root.py)
             _commit.commit_directory(save.tmp_dir, save.final_dir, pickle.dumps(metadata), files, info)
         except Exception as exc:  # noqa: BLE001 - funnelled to every rank below
             failure = RankFailure.from_exception(exc, "commit failed: ")

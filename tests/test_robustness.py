@@ -190,6 +190,54 @@ def test_sync_save_behind_pending_saves_keeps_latest_monotonic(tmp_path: Path,
         mgr.close()
 
 
+@pytest.mark.timeout(90)
+def test_rollback_resumes_from_the_newest_save_and_retention_keeps_it(tmp_path: Path) -> None:
+    """Row 8: keep_last=2, steps 10 and 20 saved, load(10), save 11, 12, 13: the newest
+    save wins, in this manager and in a new one (a restarted run)."""
+    root = tmp_path / "root"
+    with CheckpointManager(root, keep_last=2) as mgr:
+        for step in (10, 20):
+            mgr.save(step, {"w": torch.full((64,), float(step))}, async_op=False)
+        state = {"w": torch.zeros(64)}
+        assert mgr.load(state, 10) == 10 and state["w"][0] == 10
+        for step in (11, 12, 13):
+            mgr.save(step, {"w": torch.full((64,), float(step))})
+            if step == 11:
+                mgr.maybe_finalize(blocking=True)
+                # 10 was the oldest save: removed; 20 is one of the two newest saves
+                assert mgr.steps() == [11, 20], mgr.steps()
+                assert mgr.latest_step() == 11
+        mgr.maybe_finalize(blocking=True)
+        assert mgr.steps() == [12, 13]
+        assert mgr.latest_step() == 13
+    assert (root / "latest").read_text().strip() == "step_00000013"
+    with CheckpointManager(root, keep_last=2) as again:
+        state = {"w": torch.zeros(64)}
+        assert again.latest_step() == 13 and again.load(state) == 13
+        assert torch.equal(state["w"], torch.full((64,), 13.0))
+        again.save(14, {"w": torch.full((64,), 14.0)}, async_op=False)
+        assert again.steps() == [13, 14] and again.latest_step() == 14
+
+
+def test_checkpoints_without_a_commit_sequence_order_by_step_before_the_others(tmp_path: Path) -> None:
+    """Row 8, upgrade: steps committed by a version that recorded no commit sequence are
+    older than any that did, among themselves ordered by step."""
+    root = tmp_path / "root"
+    with CheckpointManager(root) as mgr:
+        for step in (5, 30, 7):
+            mgr.save(step, {"w": torch.ones(4)}, async_op=False)
+    for step in (5, 30):  # as an older asyncckpt wrote them
+        manifest = root / f"step_{step:08d}" / ".manifest.json"
+        data = json.loads(manifest.read_text())
+        del data["commit_seq"]
+        manifest.write_text(json.dumps(data))
+    with CheckpointManager(root) as mgr:
+        assert mgr.latest_step() == 7
+        mgr.save(6, {"w": torch.ones(4)}, async_op=False)
+        assert mgr.latest_step() == 6
+        assert json.loads((root / "step_00000006" / ".manifest.json").read_text())["commit_seq"] == 4  # after 7's 3
+
+
 def test_load_of_a_key_the_checkpoint_lacks_is_an_ordinary_error(tmp_path: Path) -> None:
     """Row 13: DCP's CheckpointException (a BaseException) never escapes."""
     asyncckpt.save({"a": torch.ones(3)}, tmp_path / "ck")
