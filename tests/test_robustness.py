@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -236,6 +237,47 @@ def test_checkpoints_without_a_commit_sequence_order_by_step_before_the_others(t
         mgr.save(6, {"w": torch.ones(4)}, async_op=False)
         assert mgr.latest_step() == 6
         assert json.loads((root / "step_00000006" / ".manifest.json").read_text())["commit_seq"] == 4  # after 7's 3
+
+
+@pytest.mark.timeout(90)
+def test_inodes_running_out_after_the_commit_point_is_a_warning_on_a_committed_save(tmp_path: Path) -> None:
+    """Row 6: a real tmpfs without a free inode for the new ``latest`` file, after the
+    checkpoint's rename: the save is committed, reported so with a RuntimeWarning,
+    and resumed from; never a failed save that is committed anyway."""
+    from faults._scenarios import small_tmpfs
+
+    root = tmp_path / "mnt"
+    with small_tmpfs(root, size="64m", nr_inodes=64) as mounted:
+        if not mounted:
+            pytest.skip("mounting a tmpfs needs root")
+        mgr = CheckpointManager(root)
+        try:
+            mgr.save(1, {"w": torch.ones(1000)}, async_op=False)
+            free_before = os.statvfs(root).f_ffree
+            mgr.save(2, {"w": torch.full((1000,), 2.0)}, async_op=False)
+            per_checkpoint = free_before - os.statvfs(root).f_ffree  # its directory and files
+            fillers = root / "fill"
+            fillers.mkdir()
+            n = 0
+            while os.statvfs(root).f_ffree > per_checkpoint:
+                (fillers / str(n)).touch()
+                n += 1
+            # exactly enough inodes for step 3's directory and files, none for `latest`'s new file
+            with pytest.warns(RuntimeWarning, match="step_00000003 is committed, but `latest` could not be updated"
+                              ".*No space left on device"):
+                handle = mgr.save(3, {"w": torch.full((1000,), 3.0)})
+                assert handle.wait().bytes > 0 and handle.exception() is None  # a success
+            assert os.statvfs(root).f_ffree == 0
+            assert mgr.steps() == [1, 2, 3] and mgr.latest_step() == 3
+            assert (root / "latest").read_text().strip() == "step_00000002"  # lags, never leads
+            asyncckpt.verify(root / "step_00000003")
+            state = {"w": torch.zeros(1000)}
+            assert mgr.load(state) == 3 and torch.equal(state["w"], torch.full((1000,), 3.0))
+            shutil.rmtree(fillers)
+            mgr.save(4, {"w": torch.ones(1000)}, async_op=False)
+            assert (root / "latest").read_text().strip() == "step_00000004"
+        finally:
+            mgr.close()
 
 
 def test_load_of_a_key_the_checkpoint_lacks_is_an_ordinary_error(tmp_path: Path) -> None:

@@ -257,9 +257,10 @@ def fsize_limited_trainer(nbytes: int, active: bool) -> Iterator[None]:
 
 # ----------------------------------------------------------------------------- mounts (parent side)
 @contextlib.contextmanager
-def small_tmpfs(path: Path, size: str = TMPFS_SIZE) -> Iterator[bool]:
-    """Mount a tmpfs of ``size`` at ``path`` for the block; yields False (and mounts
-    nothing) where mounting is not possible. Unmounted on the way out, also on failure.
+def small_tmpfs(path: Path, size: str = TMPFS_SIZE, nr_inodes: int | None = None) -> Iterator[bool]:
+    """Mount a tmpfs of ``size`` (and at most ``nr_inodes`` inodes) at ``path`` for the
+    block; yields False (and mounts nothing) where mounting is not possible. Unmounted
+    on the way out, also on failure.
 
     ``ASYNCCKPT_FAULTS_NO_MOUNT=1`` forces the fallbacks.
     """
@@ -267,7 +268,8 @@ def small_tmpfs(path: Path, size: str = TMPFS_SIZE) -> Iterator[bool]:
     mounted = False
     if os.environ.get("ASYNCCKPT_FAULTS_NO_MOUNT") != "1" and hasattr(os, "geteuid") and os.geteuid() == 0:
         try:
-            mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
+            options = f"size={size},mode=0755" + (f",nr_inodes={nr_inodes}" if nr_inodes else "")
+            mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
                                      capture_output=True, timeout=30).returncode == 0
         except (OSError, subprocess.SubprocessError):
             mounted = False
