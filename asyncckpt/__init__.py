@@ -39,6 +39,7 @@ _EXPORTS = {
     "SaveTimings": "handle",
     "SaveResult": "handle",
     "CheckpointManager": "manager",
+    "PreemptionSave": "preemption",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -13,9 +13,12 @@ line every N steps instead, --quiet nothing per step. Every checkpoint prints it
 and the run ends with a summary. With several ranks only rank 0 prints.
 
 Everything needed for a bitwise-exact resume is checkpointed: model, AdamW state,
-LR schedule, data position and every RNG (per rank). SIGINT/SIGTERM stop training at
-the next step boundary, abort in-flight saves and exit with code 128+signum; the newest
-committed checkpoint can then be resumed with --resume.
+LR schedule, data position and every RNG (per rank). SIGTERM (a cluster's preemption
+notice) is a preemption save (:class:`asyncckpt.PreemptionSave`): the ranks agree on a
+step, wait for the save in flight, checkpoint that step and exit with code 143 within
+--grace-s seconds; --resume then continues from exactly there. SIGINT (Ctrl-C), and
+SIGTERM with --no-preemption-save, stop at the next step boundary, abort in-flight saves
+and exit with code 128+signum; the newest committed checkpoint can be resumed.
 
 With --fsdp (``fully_shard`` per block, then the root) every rank saves and stages only
 its shards (DTensors from ``get_state_dict``), and --resume also works with a different
@@ -26,6 +29,7 @@ that did not exist in the checkpoint start from their seeds.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import random
@@ -63,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--ckpt-dir", default="./checkpoints", help="checkpoint root directory (%(default)s)")
     a("--keep-last", type=int, default=3, metavar="N", help="keep the newest N checkpoints (%(default)s)")
     a("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    a("--grace-s", type=float, default=25.0, metavar="S",
+      help="on SIGTERM, checkpoint the step the ranks agree on and exit within S seconds (%(default)s)")
+    a("--no-preemption-save", action="store_true",
+      help="on SIGTERM, abort in-flight checkpoints and exit at the next step boundary instead")
     a("--temporal", action="store_true",
       help="write each checkpoint from a forked child instead of the persistent worker")
     a("--fsdp", action="store_true",
@@ -329,9 +337,9 @@ class Progress:
 class StopFlag:
     """Signal handlers that only record the signal; a second signal kills the process."""
 
-    def __init__(self) -> None:
+    def __init__(self, signals: tuple[int, ...]) -> None:
         self.signum = 0
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in signals:
             signal.signal(sig, self._handler)
 
     def _handler(self, signum: int, frame: Any) -> None:
@@ -374,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             progress.print(msg)
 
-    stop = StopFlag()
+    # SIGTERM: a preemption save (the ranks agree on a step, checkpoint it, exit 143);
+    # SIGINT: stop at the next step boundary and abort in-flight saves.
+    stop = StopFlag((signal.SIGINT,) if not args.no_preemption_save else (signal.SIGINT, signal.SIGTERM))
     data = load_corpus(int(args.data_mb * 1e6))
     torch.manual_seed(args.seed)  # same initial weights on every rank
     cfg = GPTConfig(args.block_size, args.n_layer, args.n_head, args.n_embd, args.dropout)
@@ -417,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         f"device {device} | "
         f"{'temporal' if args.temporal else 'persistent'} checkpoint writer")
     mgr = asyncckpt.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last, persistent=not args.temporal)
+    preemption = (None if args.no_preemption_save
+                  else asyncckpt.PreemptionSave(mgr, grace_s=args.grace_s, exit=False))
+    logging.getLogger("asyncckpt.preemption").setLevel(logging.ERROR)  # this script prints its own lines
     step, exit_code = 0, 0
     try:
         latest = mgr.latest_step()
@@ -496,12 +509,25 @@ def main(argv: list[str] | None = None) -> int:
                 if not stop.agreed(distributed):
                     raise
                 log(f"a checkpoint failed while stopping: {str(exc).splitlines()[0]}")
+            if preemption is not None and preemption.reached(step):  # all ranks agree, without a stall
+                signame = signal.Signals(preemption.agreed_signum).name
+                progress.close()
+                log(f"received {signame}: preemption save of step {step}")
+                t1 = time.perf_counter()
+                final = preemption.finish(step, lambda: state_dict(step))
+                report([s for s in list(handles) if handles[s].done() and handles[s].exception() is None])
+                exit_code = 128 + preemption.agreed_signum
+                log(f"preemption checkpoint step {step} committed in {time.perf_counter() - t1:.2f} s"
+                    if final == step else f"preemption save of step {step} aborted")
+                break
         train_s = time.perf_counter() - t_start
         progress.close()
 
         if exit_code:
-            mgr.close(abort=True)
-            log(f"aborted in-flight checkpoints; latest committed: step {mgr.latest_step()}")
+            preempted = preemption is not None and preemption.agreed_signum
+            mgr.close(abort=True)  # after a preemption save: closed already, nothing to abort
+            log(("" if preempted else "aborted in-flight checkpoints; ")
+                + f"latest committed: step {mgr.latest_step()}")
             return exit_code
         t0 = time.perf_counter()
         report(mgr.maybe_finalize(blocking=True))
@@ -535,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         mgr.close(abort=True)
         raise
     finally:
+        if preemption is not None:
+            preemption.close()
         if use_pg:
             dist.destroy_process_group()
 

@@ -115,6 +115,12 @@ def check_overlapped(d: Path, outs: list[str]) -> None:
     assert _committed_steps(d / "checkpoints") == [0, 100, 200]
 
 
+def check_preemption(d: Path, outs: list[str]) -> None:
+    assert "starting at step 0" in outs[0] and "done" not in outs[0], outs[0]
+    assert "SIGTERM: step 150 committed" in outs[0], outs[0]
+    assert "starting at step 151" in outs[1] and "done; checkpoints of steps [150, 200]" in outs[1], outs[1]
+
+
 def check_lightning(d: Path, outs: list[str]) -> None:
     assert "Restored all states from the checkpoint at checkpoints/last.ckpt" in outs[0], outs[0]
     assert (d / "checkpoints" / "last.ckpt" / ".metadata").is_file()
@@ -139,11 +145,13 @@ class Run:
     check: Callable[[Path, list[str]], None]
     times: int = 1
     env: Callable[[], dict[str, str]] = field(default=dict)
+    exit_codes: tuple[int, ...] = ()  # of each run (default: 0)
 
 
 RUN: dict[str, Run] = {
     "`CheckpointManager` in a training loop": Run(check_manager_loop, times=2),  # the 2nd run resumes
     "Overlapped staging, completion callbacks, a warm first save": Run(check_overlapped),
+    "Preemption save on SIGTERM": Run(check_preemption, times=2, exit_codes=(143, 0)),  # preempted, resumed
     "With Lightning": Run(check_lightning),
     "The Megatron-style loop with `AsyncCallsQueue`": Run(check_megatron),
     # The torchrun snippet on a process group of one, set up as torchrun would (env://).
@@ -173,7 +181,7 @@ def test_snippet_runs_as_written(heading: str, tmp_path: Path) -> None:
     outs = []
     for i in range(how.times):
         rc, out = run_script(script, env=how.env())
-        assert rc == 0, f"run {i + 1} of the snippet under {heading!r} exited with {rc}:\n{out}"
+        assert rc == (how.exit_codes[i] if how.exit_codes else 0), f"run {i + 1} of the snippet under {heading!r} exited with {rc}:\n{out}"
         outs.append(out)
     how.check(tmp_path, outs)
 

@@ -20,7 +20,7 @@ import termios
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 from dist_utils import free_port
@@ -47,10 +47,10 @@ def _env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _popen(cmd: list[str], cwd: Path) -> Iterator[subprocess.Popen]:
+def _popen(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
     """Start ``cmd`` in its own process group. On exit, give the group (checkpoint worker,
     multiprocessing's resource tracker) a few seconds to finish, then kill what is left."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         yield proc
@@ -163,19 +163,25 @@ def test_refuses_to_start_over_existing_checkpoints(straight: tuple[Path, str]) 
     assert "already holds checkpoints (latest step 24); pass --resume" in out, out
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("sig,to_group,temporal", [
-    (signal.SIGINT, True, False),  # Ctrl-C: the terminal signals the whole foreground process group
-    (signal.SIGTERM, True, False),  # Slurm / systemd: every process of the job, the writer included
-    (signal.SIGTERM, False, True),  # Kubernetes / docker stop: the main process only
-], ids=["SIGINT-to-group", "SIGTERM-to-group", "SIGTERM-temporal"])
-def test_signal_stops_cleanly_and_resumes(tmp_path: Path, sig: signal.Signals, to_group: bool,
-                                          temporal: bool) -> None:
-    extra = ["--temporal"] if temporal else []
-    cmd = [sys.executable, str(SCRIPT), *TINY, *extra, "--steps", "1000000", "--ckpt-every", "20",
-           "--log-every", "100"]
+# The reference for the interrupted runs below: the same arguments, straight to step LONG.
+LONG = 150
+LONG_ARGS = [*TINY, "--steps", "1000000", "--ckpt-every", "20", "--log-every", "100"]
+
+
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("long")
+    run([*LONG_ARGS, "--ckpt-every", "1000", "--stop-at", str(LONG), "--save-final", "final.pt"], d)
+    return d / "final.pt"
+
+
+def _run_until_signal(cmd: list[str], cwd: Path, sig: signal.Signals, to_group: bool,
+                      target: Any = None) -> tuple[int, str, float]:
+    """Start ``cmd``; once a checkpoint is committed, send ``sig`` (to the process group,
+    or to ``target(proc)``'s pid, default the main process); return (exit code, output,
+    seconds from the signal to the exit). The run's processes must all be gone."""
     lines: queue.Queue[str | None] = queue.Queue()
-    with _popen(cmd, tmp_path) as proc:
+    with _popen(cmd, cwd) as proc:
         def pump() -> None:
             for line in proc.stdout:  # type: ignore[union-attr]
                 lines.put(line)
@@ -192,51 +198,107 @@ def test_signal_stops_cleanly_and_resumes(tmp_path: Path, sig: signal.Signals, t
             out += line
         time.sleep(0.3)  # let it run on, so a save may be in flight when the signal arrives
         t0 = time.monotonic()
-        (os.killpg if to_group else os.kill)(proc.pid, sig)
+        if to_group:
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(target(proc) if target else proc.pid, sig)
         try:
-            rc = proc.wait(timeout=15)
+            rc = proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"still running 15 s after {sig.name}")
+            pytest.fail(f"still running 30 s after {sig.name}:\n{out}")
         elapsed = time.monotonic() - t0
         # the checkpoint writer (persistent worker) must not outlive the training process
         assert process_group_gone(proc.pid, 10), "processes of the run are still alive 10 s after it exited"
         while (line := lines.get(timeout=10)) is not None:
             out += line
-        assert rc == 128 + sig, f"exit code {rc}\n{out}"
+    return rc, out, elapsed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig,to_group,extra", [
+    # Ctrl-C: the terminal signals the whole foreground process group; stop and abort
+    (signal.SIGINT, True, []),
+    # Slurm / systemd: every process of the job, the writer included; the opt-out
+    (signal.SIGTERM, True, ["--no-preemption-save"]),
+], ids=["SIGINT-to-group", "SIGTERM-no-preemption-save"])
+def test_signal_stops_cleanly_and_resumes(tmp_path: Path, sig: signal.Signals, to_group: bool,
+                                          extra: list[str]) -> None:
+    rc, out, elapsed = _run_until_signal([sys.executable, str(SCRIPT), *LONG_ARGS, *extra], tmp_path, sig, to_group)
+    assert rc == 128 + sig, f"exit code {rc}\n{out}"
     assert f"received {sig.name}: stopping at step" in out, out
-    m = re.search(r"latest committed: step (\d+)", out)
+    m = re.search(r"aborted in-flight checkpoints; latest committed: step (\d+)", out)
     assert m, out
     latest, last_printed = int(m.group(1)), max(int(s) for s in COMMIT_RE.findall(out))
     assert latest >= last_printed > 0, out
     print(f"{sig.name}: stopped in {elapsed:.2f} s, latest committed step {latest}")
 
-    out = run([*TINY, *extra, "--steps", "1000000", "--ckpt-every", "20", "--resume",
-               "--stop-at", str(latest + 3), "--log-every", "1"], tmp_path)
+    out = run([*LONG_ARGS, *extra, "--resume", "--stop-at", str(latest + 3), "--log-every", "1"], tmp_path)
     assert f"resumed from step {latest}" in out, out
     assert re.search(rf"^step\s+{latest + 1}/1000000 \| loss", out, re.M), out
     assert f"checkpoint step {latest + 3} committed" in out, out
 
 
 @pytest.mark.timeout(150)
-def test_torchrun_two_ranks_resume_is_bitwise_identical(tmp_path: Path) -> None:
-    def torchrun() -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(free_port())]
+@pytest.mark.parametrize("to_group,extra", [
+    (True, []),  # Slurm / systemd: every process of the job, the writer included
+    (False, ["--temporal"]),  # Kubernetes / docker stop: the main process only
+], ids=["SIGTERM-to-group", "SIGTERM-temporal"])
+def test_sigterm_is_a_preemption_save_and_resume_is_bitwise_identical(
+        long_reference: Path, tmp_path: Path, to_group: bool, extra: list[str]) -> None:
+    """Issue 12: SIGTERM at step K commits step K (the ranks' agreed step), exit 143;
+    --resume continues from K, bitwise equal to an uninterrupted run."""
+    rc, out, elapsed = _run_until_signal([sys.executable, str(SCRIPT), *LONG_ARGS, *extra], tmp_path,
+                                         signal.SIGTERM, to_group)
+    assert rc == 143, f"exit code {rc}\n{out}"
+    m = re.search(r"^received SIGTERM: preemption save of step (\d+)$", out, re.M)
+    assert m, out
+    k = int(m.group(1))
+    assert f"preemption checkpoint step {k} committed in" in out and f"latest committed: step {k}" in out, out
+    assert k < LONG, f"stopped at {k}, after the reference's {LONG} steps"
+    print(f"SIGTERM: step {k} committed, exit {elapsed:.2f} s after the signal")
+    out = run([*LONG_ARGS, *extra, "--resume", "--stop-at", str(LONG), "--save-final", "final.pt"], tmp_path)
+    assert f"resumed from step {k}" in out, out
+    assert_same_params(long_reference, tmp_path / "final.pt")
 
-    args = [*TINY, "--batch-size", "4", "--steps", "12", "--ckpt-every", "4", "--log-every", "1"]
+
+@pytest.mark.timeout(180)
+def test_sigterm_to_one_of_two_ranks_is_a_preemption_save_of_an_agreed_step(tmp_path: Path) -> None:
+    """Issue 12: SIGTERM reaches rank 1 only (a signal to one node); both ranks stop at
+    the same step K, commit it, exit 143; resuming from K is bitwise equal to a run
+    without the interruption."""
+    stop_at = 100
+    args = [*TINY, "--batch-size", "4", "--steps", "1000000", "--ckpt-every", "10", "--log-every", "100"]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     # the reference run writes with forked children (cheaper to start; the writer cannot change
     # the parameters, see test_resume_is_bitwise_identical), the interrupted one with the worker
-    out = run([*args, "--temporal", "--save-final", "final.pt"], tmp_path / "a", launcher=torchrun())
-    assert "world size 2" in out and "summary: 12 steps" in out, out
-    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [4, 8, 12], out
-    assert len(re.findall(r"^step\s+5/12 \| loss", out, re.M)) == 1, out  # rank 0 prints, once
-
-    out = run([*args, "--stop-at", "6"], tmp_path / "b", launcher=torchrun())
-    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [4, 6], out
-    out = run([*args, "--resume", "--save-final", "final.pt"], tmp_path / "b", launcher=torchrun())
-    assert "resumed from step 6" in out, out
+    out = run([*args, "--temporal", "--stop-at", str(stop_at), "--save-final", "final.pt"], tmp_path / "a",
+              launcher=torchrun(2))
+    assert "world size 2" in out and f"summary: {stop_at} steps" in out, out
+    assert len(re.findall(r"^checkpoint step 50 committed", out, re.M)) == 1, out  # rank 0 prints, once
+    port = str(free_port())
+    with contextlib.ExitStack() as stack:
+        ranks = []
+        for rank in range(2):  # started directly, without torchrun: each rank's own exit code
+            env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank),
+                       WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+            ranks.append(stack.enter_context(_popen([sys.executable, str(SCRIPT), *args], tmp_path / "b", env)))
+        out = ""
+        for line in ranks[0].stdout:  # type: ignore[union-attr]
+            out += line
+            if COMMIT_RE.search(out):
+                break
+        ranks[1].send_signal(signal.SIGTERM)
+        out += ranks[0].communicate(timeout=60)[0]
+        out1 = ranks[1].communicate(timeout=60)[0]
+        assert [r.returncode for r in ranks] == [143, 143], f"{out}\n--- rank 1:\n{out1}"
+    m = re.search(r"^received SIGTERM: preemption save of step (\d+)$", out, re.M)
+    assert m, out
+    k = int(m.group(1))
+    assert f"preemption checkpoint step {k} committed in" in out and k < stop_at, out
+    out = run([*args, "--resume", "--stop-at", str(stop_at), "--save-final", "final.pt"], tmp_path / "b",
+              launcher=torchrun(2))
+    assert f"resumed from step {k}" in out, out
     # per-rank dropout RNG streams differ; restoring the wrong one would change the parameters
     assert_same_params(tmp_path / "a" / "final.pt", tmp_path / "b" / "final.pt")
 
