@@ -43,6 +43,10 @@ __all__ = ["PreemptionSave"]
 
 _log = logging.getLogger("asyncckpt.preemption")
 
+#: The signals of the PreemptionSave objects alive in this process (inherited by
+#: forked DataLoader workers, read by :meth:`PreemptionSave.worker_init_fn`).
+_ACTIVE_SIGNALS: set[int] = set()
+
 #: After the grace budget, the abort itself gets this long before the process exits
 #: without cleaning up (``os._exit``): a collective blocked on a dead peer cannot be
 #: interrupted by a Python signal handler.
@@ -72,6 +76,14 @@ class PreemptionSave:
     Signals: a repeated signal of ``signals`` is ignored (torchrun forwards the
     scheduler's SIGTERM, so ranks often receive it twice), except SIGINT: a second
     Ctrl-C raises ``KeyboardInterrupt`` as usual.
+
+    DataLoader workers: a scheduler signals every process of the job, and torch's
+    DataLoader workers die of SIGTERM; the loader's SIGCHLD handler then raises
+    ``RuntimeError: DataLoader worker ... is killed by signal`` at a random point of
+    the main thread, which can fail the final save. Pass
+    ``worker_init_fn=asyncckpt.PreemptionSave.worker_init_fn`` (or call it from
+    yours): the workers then ignore the preemption signals and keep feeding the last
+    steps; they still exit with the training process.
 
     Args:
         manager: the ``CheckpointManager`` that saves the final checkpoint.
@@ -110,7 +122,22 @@ class PreemptionSave:
         self._previous: dict[int, Any] = {}
         for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._handler)
+        _ACTIVE_SIGNALS.update(s for s in self._signals if s != signal.SIGINT)
         self._closed = False
+
+    @staticmethod
+    def worker_init_fn(worker_id: int) -> None:
+        """A DataLoader ``worker_init_fn``: the worker ignores the preemption signals.
+
+        The signals are those of the ``PreemptionSave`` objects of the process that
+        forked the worker (SIGTERM for spawn-started workers); SIGINT is left to torch,
+        whose workers already ignore Ctrl-C. See the class docstring.
+
+        Args:
+            worker_id: the DataLoader worker's index (unused).
+        """
+        for sig in _ACTIVE_SIGNALS or {signal.SIGTERM}:
+            signal.signal(sig, signal.SIG_IGN)
 
     # ------------------------------------------------------------------ signals
     def _handler(self, signum: int, frame: FrameType | None) -> None:
@@ -209,7 +236,10 @@ class PreemptionSave:
                          self.grace_s)
         except (_GraceExpired, AsyncckptError) as exc:
             reason = (f"the grace budget of {self.grace_s:.0f} s ran out" if isinstance(exc, _GraceExpired)
-                      else str(exc).splitlines()[0])
+                      else str(exc))
+            if "DataLoader worker" in reason:
+                reason += ("\n(DataLoader workers died of the signal: pass "
+                           "worker_init_fn=asyncckpt.PreemptionSave.worker_init_fn to the DataLoader)")
             _log.error("asyncckpt: %s: the final checkpoint of step %d was aborted: %s; newest committed: %s",
                        signal.Signals(signum).name, step, reason, _newest(self.manager))
             self.manager.close(abort=True)
@@ -242,6 +272,7 @@ class PreemptionSave:
             except Exception:  # noqa: BLE001 - the group may be gone at shutdown
                 pass
         self._restore_handlers()
+        _ACTIVE_SIGNALS.difference_update(self._signals)
 
     def __enter__(self) -> "PreemptionSave":
         return self

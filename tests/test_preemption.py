@@ -153,3 +153,63 @@ def test_arguments_are_checked() -> None:
     finally:
         p.close()
     assert signal.getsignal(signal.SIGUSR1) == previous  # restored
+
+
+_DATALOADER_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    import asyncckpt
+
+    def main():
+        mgr = asyncckpt.CheckpointManager(sys.argv[1])
+        state = {"w": torch.zeros(1000), "step": 0}
+        with asyncckpt.PreemptionSave(mgr, grace_s=30) as preemption:
+            loader = DataLoader(TensorDataset(torch.randn(100_000, 8)), batch_size=4, num_workers=2,
+                                persistent_workers=True, multiprocessing_context="fork",
+                                worker_init_fn=asyncckpt.PreemptionSave.worker_init_fn)
+            for step, (x,) in enumerate(loader, 1):
+                state["w"].fill_(step)
+                state["step"] = step
+                time.sleep(0.01)
+                if step % 20 == 0:
+                    mgr.save(step, state)
+                if step == 50:
+                    print("ready", flush=True)
+                if preemption.reached(step):
+                    print(json.dumps({"stop": step}), flush=True)
+                    preemption.finish(step, state)
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_to_the_group_with_fork_started_dataloader_workers(tmp_path: Path) -> None:
+    """The scheduler signals every process of the job, DataLoader workers included: with
+    ``PreemptionSave.worker_init_fn`` they ignore it and keep feeding the loop, and no
+    'DataLoader worker is killed by signal' error fails the final save."""
+    root = tmp_path / "root"
+    script = tmp_path / "loader.py"
+    script.write_text(_DATALOADER_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("ready"):
+                break
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 143, f"{out}\n{err}"
+        assert process_group_gone(proc.pid, 10), "a DataLoader worker or the checkpoint worker outlived the run"
+    finally:
+        if proc.poll() is None or not process_group_gone(proc.pid, 10):
+            kill_process_tree(proc)
+        proc.wait()
+    stop = _lines(out)[0]["stop"]
+    assert f"step {stop} committed" in err and "killed by signal" not in err, err
+    state = {"w": torch.zeros(1000), "step": 0}
+    asyncckpt.load(state, root / f"step_{stop:08d}")
+    assert state["step"] == stop and float(state["w"][0]) == stop
