@@ -185,6 +185,14 @@ def _is_dtensor(value: Any) -> bool:
     return hasattr(value, "to_local") and hasattr(value, "placements") and hasattr(value, "device_mesh")
 
 
+def _fast_ok(v: torch.Tensor, dev: torch.device) -> bool:
+    """The common case of :func:`_tensor_problem` (a dense, contiguous CPU/CUDA tensor
+    with all its storage), cheaply; ``False``: ask :func:`_tensor_problem`."""
+    return (v.layout is _STRIDED and dev.type in ("cpu", "cuda") and not v.is_quantized and not v.is_nested
+            and v.is_contiguous()
+            and v.untyped_storage().nbytes() >= (v.storage_offset() + v.numel()) * v.element_size())
+
+
 def _walk(value: Any, sig: list, above: set[int], depth: int, max_depth: int) -> Any:
     """Append the structure of the container ``value`` to ``sig``, checking every tensor.
 
@@ -209,11 +217,8 @@ def _walk(value: Any, sig: list, above: set[int], depth: int, max_depth: int) ->
         t = type(v)
         if t is torch.Tensor or t is torch.nn.Parameter:
             dev = v.device
-            if not (v.layout is _STRIDED and dev.type in ("cpu", "cuda") and not v.is_quantized
-                    and not v.is_nested and v.is_contiguous()
-                    and v.untyped_storage().nbytes() >= (v.storage_offset() + v.numel()) * v.element_size()):
-                if _tensor_problem(v) is not None:
-                    return False
+            if not _fast_ok(v, dev) and _tensor_problem(v) is not None:
+                return False
             sig += (t, v.dtype, v.shape, dev)
         elif t in _SCALARS:
             sig.append(_VALUE)
@@ -230,10 +235,15 @@ def _walk(value: Any, sig: list, above: set[int], depth: int, max_depth: int) ->
             if not _is_dtensor(v):
                 result = _NOT_CACHEABLE
                 continue
-            local = v.to_local()
-            if _tensor_problem(local) is not None:
+            # The local shard as DTensor.to_local() gives it (without its autograd hop).
+            local = getattr(v, "_local_tensor", None)
+            if local is None:
+                with torch.no_grad():
+                    local = v.to_local()
+            dev = local.device
+            if not _fast_ok(local, dev) and _tensor_problem(local) is not None:
                 return False
-            sig += (t, v.dtype, v.shape, local.shape, local.device, tuple(v.placements), v.device_mesh)
+            sig += (t, v.dtype, v.shape, local.shape, dev, tuple(v.placements), v.device_mesh)
         elif isinstance(v, tuple) and any(isinstance(e, torch.Tensor) for e in v):
             return False  # rare: tensors pickled inside a tuple, validated the slow way
         else:
