@@ -8,15 +8,14 @@ is raised, with the same message, on every rank before anything is written.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
-import hashlib
 import io
 import secrets
 import uuid
 from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
@@ -25,7 +24,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .dist import SyncGroup
 from .errors import CheckpointError, RankFailure
 
-__all__ = ["validate_state_dict", "SavePlanResult", "PlanCache", "plan_save"]
+__all__ = ["validate_state_dict", "structure_signature", "SavePlanResult", "PlanCache", "plan_save"]
 
 
 def _path_str(path: tuple) -> str:
@@ -137,36 +136,183 @@ class SavePlanResult(NamedTuple):
 class PlanCache:
     """The last global save plan, reused while the state's structure is unchanged.
 
-    DCP plans every save (a collective gather of local plans, dedup, metadata), which
-    costs tens of milliseconds per thousand tensors. The structure (keys, dtypes,
-    shapes, devices of plain tensors; which entries are non-tensors) is all the plan
-    depends on, so a save whose structure equals the last one's on every rank (one
-    all_gather of a short digest) reuses it. DTensor and other tensor subclasses are
-    planned afresh each time. The idea is DCP's own plan caching
-    (``DefaultSavePlanner(enable_plan_caching=True)``), keyed on the structure here.
+    DCP plans every save (a collective gather of local plans, dedup of replicated
+    items, metadata), which costs tens of milliseconds per thousand tensors. The plan
+    depends only on the state's structure, so a save whose structure equals the last
+    one's on every rank (each rank compares its own, then one int64 all_gather of the
+    "hit" flags) reuses it. The idea is DCP's own plan caching
+    (``DefaultSavePlanner(enable_plan_caching=True)``), keyed here on the structure.
+
+    The structure (:func:`structure_signature`) is, for every container, its kind and
+    its keys (dicts, in order) or length (lists); for every plain tensor its type,
+    dtype, shape and device; for a DTensor also its local shape and device,
+    placements and device mesh (which, with the global shape and this rank's place in
+    the mesh, fix its local offsets, as ``compute_local_shape_and_global_offset``
+    computes them); for every other value only that it is one (its bytes are pickled
+    on every save). States with other tensor subclasses (ShardedTensor...) are
+    planned afresh each time.
+
+    Attributes:
+        signature: the structure of the cached plan's state (a list compared with
+            ``==``), or ``None``.
+        plan: this rank's final plan of that state.
+        metadata: the global DCP metadata of that plan (without ``storage_data`` and
+            ``storage_meta``).
+        paths: for each write item of ``plan``, the path of keys / indices to its value
+            in the (``Stateful``-resolved) state_dict, as DCP's ``flatten_state_dict``
+            maps it.
+        hits: how many saves reused the plan (observable in tests).
     """
 
     def __init__(self) -> None:
-        self.signature: Any = None
-        self.digest: str | None = None
+        self.signature: list | None = None
         self.plan: SavePlan | None = None
         self.metadata: Metadata | None = None
+        self.paths: list[tuple] | None = None
         self.hits = 0
 
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_Mapping = collections.abc.Mapping  # the ABC itself: typing.Mapping's isinstance is slower
+_STRIDED = torch.strided
+_SCALARS = (str, int, float, bool, type(None))
+# Markers in a structure signature (compared by identity).
+_DICT, _LIST, _VALUE = object(), object(), object()
+_NOT_CACHEABLE = object()
 
 
-def _signature(flat: dict[str, Any]) -> tuple | None:
-    parts = []
-    for fqn, value in flat.items():
-        if isinstance(value, torch.Tensor):
-            if type(value) not in _PLAIN_TENSOR_TYPES:
-                return None  # DTensor, ShardedTensor...: planned each time
-            parts.append((fqn, value.dtype, tuple(value.shape), value.device.type))
+def _is_dtensor(value: Any) -> bool:
+    return hasattr(value, "to_local") and hasattr(value, "placements") and hasattr(value, "device_mesh")
+
+
+def _fast_ok(v: torch.Tensor, dev: torch.device) -> bool:
+    """The common case of :func:`_tensor_problem` (a dense, contiguous CPU/CUDA tensor
+    with all its storage), cheaply; ``False``: ask :func:`_tensor_problem`."""
+    return (v.layout is _STRIDED and dev.type in ("cpu", "cuda") and not v.is_quantized and not v.is_nested
+            and v.is_contiguous()
+            and v.untyped_storage().nbytes() >= (v.storage_offset() + v.numel()) * v.element_size())
+
+
+def _walk(value: Any, sig: list, above: set[int], depth: int, max_depth: int) -> Any:
+    """Append the structure of the container ``value`` to ``sig``, checking every tensor.
+
+    Returns ``None``; ``_NOT_CACHEABLE`` (a tensor subclass other than DTensor); or
+    ``False`` on anything :func:`validate_state_dict` may refuse (the caller runs it
+    then, for the error message).
+    """
+    if type(value) is dict or isinstance(value, _Mapping):
+        keys = tuple(value.keys())
+        for k in keys:
+            if type(k) is not str:
+                return False
+        sig.append(_DICT)
+        sig.append(keys)
+        values: Any = value.values()
+    else:
+        sig.append(_LIST)
+        sig.append(len(value))
+        values = value
+    result = None
+    for v in values:
+        t = type(v)
+        if t is torch.Tensor or t is torch.nn.Parameter:
+            dev = v.device
+            if not _fast_ok(v, dev) and _tensor_problem(v) is not None:
+                return False
+            sig += (t, v.dtype, v.shape, dev)
+        elif t in _SCALARS:
+            sig.append(_VALUE)
+        elif t is dict or t is list or isinstance(v, (_Mapping, list)):
+            if depth >= max_depth or id(v) in above:
+                return False
+            above.add(id(v))
+            got = _walk(v, sig, above, depth + 1, max_depth)
+            above.discard(id(v))
+            if got is False:
+                return False
+            result = result or got
+        elif isinstance(v, torch.Tensor):
+            if not _is_dtensor(v):
+                result = _NOT_CACHEABLE
+                continue
+            # The local shard as DTensor.to_local() gives it (without its autograd hop).
+            local = getattr(v, "_local_tensor", None)
+            if local is None:
+                with torch.no_grad():
+                    local = v.to_local()
+            dev = local.device
+            if not _fast_ok(local, dev) and _tensor_problem(local) is not None:
+                return False
+            sig += (t, v.dtype, v.shape, local.shape, dev, tuple(v.placements), v.device_mesh)
+        elif isinstance(v, tuple) and any(isinstance(e, torch.Tensor) for e in v):
+            return False  # rare: tensors pickled inside a tuple, validated the slow way
         else:
-            parts.append((fqn, None))
-    return tuple(parts)
+            sig.append(_VALUE)
+    return result
+
+
+def structure_signature(state_dict: Any, max_depth: int = 200) -> list | None:
+    """Validate ``state_dict`` and return its structure in the same walk (see :class:`PlanCache`).
+
+    A few microseconds per tensor: the steady state's check of the plan cache.
+
+    Args:
+        state_dict: the state (``Stateful`` values already replaced by their state_dict).
+        max_depth: as in :func:`validate_state_dict`.
+
+    Returns:
+        The signature (a list; equal lists mean equal plans), or ``None`` when the state
+        holds tensor subclasses other than DTensor (planned afresh each time).
+
+    Raises:
+        CheckpointError: as :func:`validate_state_dict`, naming the offending entry.
+    """
+    if isinstance(state_dict, Mapping):
+        sig: list = []
+        got = _walk(state_dict, sig, {id(state_dict)}, 1, max_depth)
+        if got is None:
+            return sig
+        if got is _NOT_CACHEABLE:
+            return None
+    validate_state_dict(state_dict, max_depth)  # raises, naming the entry
+    return None
+
+
+def _resolve_cached(cache: PlanCache, state_dict: Any) -> list[Any]:
+    """This rank's data for the cached plan: one lookup path per write item (no flattening).
+
+    Tensors as they are (a DTensor's local tensor); other values pickled afresh.
+
+    Raises:
+        CheckpointError: a value cannot be pickled.
+    """
+    assert cache.plan is not None and cache.paths is not None
+    data: list[Any] = []
+    append = data.append
+    with torch.no_grad():  # DTensor.to_local() without autograd bookkeeping
+        for item, path in zip(cache.plan.items, cache.paths):
+            obj = state_dict
+            for k in path:
+                obj = obj[k]
+            if item.type == WriteItemType.BYTE_IO:
+                append(_pickled(item, obj))
+            elif type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
+                append(obj)  # copied under no_grad (StagingCopier): no detach needed
+            else:
+                append(obj.to_local())
+    return data
+
+
+def _pickled(item: Any, obj: Any) -> bytes:
+    try:
+        if isinstance(obj, io.BytesIO):
+            return obj.getvalue()
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue()
+    except Exception as exc:
+        raise CheckpointError(f"state_dict entry {item.index.fqn!r} cannot be pickled: "
+                              f"{type(exc).__name__}: {exc}") from exc
 
 
 def _resolve(plan: SavePlan, lookup: Any) -> list[Any]:
@@ -174,18 +320,10 @@ def _resolve(plan: SavePlan, lookup: Any) -> list[Any]:
     for item in plan.items:
         try:
             obj = lookup(item)
-            if item.type == WriteItemType.BYTE_IO:
-                if isinstance(obj, io.BytesIO):
-                    data.append(obj.getvalue())
-                else:
-                    buf = io.BytesIO()
-                    torch.save(obj, buf)
-                    data.append(buf.getvalue())
-            else:
-                data.append(obj.detach())
         except Exception as exc:
-            raise CheckpointError(f"state_dict entry {item.index.fqn!r} cannot be pickled: "
+            raise CheckpointError(f"state_dict entry {item.index.fqn!r} cannot be resolved: "
                                   f"{type(exc).__name__}: {exc}") from exc
+        data.append(_pickled(item, obj) if item.type == WriteItemType.BYTE_IO else obj.detach())
     return data
 
 
@@ -197,11 +335,12 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
     Call sequence (all ranks, every step a collective on ``sync`` except where said):
 
     1. (each rank) replace ``Stateful`` values by their ``state_dict()`` (as
-       ``dcp.save`` does), validate; (coordinator) run ``precheck``; digest the
-       structure for the cache.
+       ``dcp.save`` does), validate it and take its structure signature in one walk
+       (:func:`structure_signature`); (coordinator) run ``precheck``.
     2. one int64 all_gather: failed?, cache hit?, the coordinator's random token.
        A failure anywhere raises here, on every rank.
-    3. every rank hit the cache: reuse its plan; else DCP's ``DefaultSavePlanner``
+    3. every rank's signature equals its cached one: reuse the cached plan, and look
+       each write item's value up by its cached path; else DCP's ``DefaultSavePlanner``
        (one all_gather of the local plans, then the same global plan on every rank).
     4. (each rank) resolve this rank's data, then ``finish`` (e.g. the file layout).
     5. the error funnel once more: a failure of 3-4 on any rank raises on every rank.
@@ -227,21 +366,19 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
     """
     is_coordinator = sync.rank == coordinator_rank
     failure: RankFailure | None = None
-    signature = digest = None
-    flat: dict[str, Any] = {}
+    signature: list | None = None
     try:
         state_dict = stateful_to_state_dict(state_dict)
-        validate_state_dict(state_dict)
+        if cache is not None:
+            signature = structure_signature(state_dict)  # validates, in the same walk
+        else:
+            validate_state_dict(state_dict)
         if is_coordinator and precheck is not None:
             precheck()
-        if cache is not None:
-            flat, _ = flatten_state_dict(state_dict)
-            signature = _signature(flat)
-            if signature is not None:
-                digest = signature_digest(signature) if signature != cache.signature else cache.digest
     except Exception as exc:  # reported on every rank below
         failure = _describe(exc)
-    cached = cache is not None and digest is not None and digest == cache.digest and failure is None
+    cached = (failure is None and cache is not None and signature is not None
+              and cache.signature is not None and signature == cache.signature)
     token_parts = [secrets.randbits(63), secrets.randbits(63)] if is_coordinator else [0, 0]
     gathered = sync.all_gather_ints([failure is not None, cached, *token_parts])
     if any(g[0] for g in gathered):
@@ -255,7 +392,7 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
         plan = cache.plan
         metadata = dataclasses.replace(cache.metadata, storage_meta=storage_meta)
         try:
-            data = _resolve(plan, lambda item: flat[item.index.fqn])
+            data = _resolve_cached(cache, state_dict)
         except Exception as exc:
             failure = _describe(exc)
     else:
@@ -275,8 +412,17 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
         except Exception as exc:
             failure = _describe(exc)
         if cache is not None:
-            cache.signature, cache.digest = signature, digest
-            cache.plan, cache.metadata = plan, dataclasses.replace(metadata, storage_data=None, storage_meta=None)
+            # A state that cannot be cached (or failed) leaves no plan to reuse.
+            cache.signature = cache.plan = cache.metadata = cache.paths = None
+            mappings = getattr(planner, "mappings", None)
+            if signature is not None and failure is None and mappings is not None:
+                try:
+                    cache.paths = [tuple(mappings[item.index.fqn]) for item in plan.items]
+                except KeyError:
+                    pass  # not found as DCP flattened it: plan afresh next time
+                else:
+                    cache.signature, cache.plan = signature, plan
+                    cache.metadata = dataclasses.replace(metadata, storage_data=None, storage_meta=None)
     result = SavePlanResult(plan, data, metadata, token)
     finished = None
     if failure is None and finish is not None:
@@ -299,11 +445,6 @@ def stateful_to_state_dict(state_dict: Any) -> Any:
     if not isinstance(state_dict, Mapping) or not any(isinstance(v, Stateful) for v in state_dict.values()):
         return state_dict
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
-
-
-def signature_digest(signature: tuple) -> str:
-    """A short digest of a structure signature (compared across ranks)."""
-    return hashlib.sha256(repr(signature).encode()).hexdigest()
 
 
 def _describe(exc: BaseException) -> RankFailure:

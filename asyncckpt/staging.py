@@ -320,10 +320,12 @@ class StagingCopier:
             else:
                 cpu_d.append(d)
                 cpu_s.append(s)
-        if cuda_s and cuda:
-            self._copy_d2h(cuda_d, cuda_s)
-        if cpu_s and cpu:
-            self._copy_cpu(cpu_d, cpu_s)
+        # Sources may require grad (parameters, not detached): the copy is no autograd op.
+        with torch.no_grad():
+            if cuda_s and cuda:
+                self._copy_d2h(cuda_d, cuda_s)
+            if cpu_s and cpu:
+                self._copy_cpu(cpu_d, cpu_s)
 
     def synchronize(self) -> None:
         """Wait for the device-to-host copies started by :meth:`copy` (no-op for CPU)."""
@@ -349,7 +351,7 @@ class StagingCopier:
         groups = _split(dsts, srcs, self.threads, self.CHUNK_BYTES)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="asyncckpt-stage")
-        for f in [self._pool.submit(torch._foreach_copy_, d, s) for d, s in groups if d]:
+        for f in [self._pool.submit(_copy_no_grad, d, s) for d, s in groups if d]:
             f.result()
 
     def close(self) -> None:
@@ -357,6 +359,11 @@ class StagingCopier:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _copy_no_grad(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    with torch.no_grad():  # grad mode is per thread
+        torch._foreach_copy_(dsts, srcs)
 
 
 def _split(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], n: int,

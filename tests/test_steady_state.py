@@ -1,0 +1,231 @@
+"""The steady state: a save of a state with the previous save's structure reuses the plan.
+
+Issue #11, items 1-2. :class:`asyncckpt.planning.PlanCache` keys the plan on the
+state's structure (:func:`asyncckpt.planning.structure_signature`); every kind of
+change must re-plan, and every checkpoint, planned or cached, must load back equal.
+Each case saves for real (a persistent worker, real files) and loads with asyncckpt
+and with stock ``dcp.load``. The cache's ``hits`` counter is the observable.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import asyncckpt
+from dist_utils import preload_forkserver, run_ranks
+from test_sharded import _compare, _fsdp, _local, _map_tensors, _train
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+class _Counter:
+    """A ``Stateful`` whose state_dict's structure depends on ``n``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"t{i}": torch.full((2,), float(i)) for i in range(self.n)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.loaded = sd
+
+
+def _base() -> dict[str, Any]:
+    return {"model": {"w": torch.arange(12.0).view(3, 4), "b": torch.ones(4)},
+            "optim": {"state": {"0": {"step": torch.tensor(3.0), "m": torch.zeros(3, 4)}},
+                      "groups": [{"lr": 0.1, "params": ["0"]}]},
+            "list": [torch.ones(2), torch.zeros(2)], "step": 7}
+
+
+def _empty_like(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return torch.full_like(state, -1)
+    if isinstance(state, dict):
+        return {k: _empty_like(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_empty_like(v) for v in state]
+    return None
+
+
+def _assert_loads_equal(path: Path, state: dict[str, Any]) -> None:
+    for loader in ("asyncckpt", "dcp"):
+        out = _empty_like(state)
+        if loader == "asyncckpt":
+            asyncckpt.load(out, path)
+        else:
+            dcp.load(out, checkpoint_id=str(path))
+        cmp = _compare(state, out)
+        assert cmp["mismatch"] == [], (loader, cmp)
+
+
+# Each change: a function of the base state -> the changed state.
+CHANGES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "key added": lambda s: {**s, "extra": torch.ones(1)},
+    "key removed": lambda s: {k: v for k, v in s.items() if k != "list"},
+    "key renamed": lambda s: {**{k: v for k, v in s.items() if k != "step"}, "steps": 7},
+    "nested key renamed": lambda s: {**s, "model": {"w": s["model"]["w"], "bias": s["model"]["b"]}},
+    "dtype": lambda s: {**s, "model": {**s["model"], "b": s["model"]["b"].double()}},
+    "shape": lambda s: {**s, "model": {**s["model"], "w": s["model"]["w"].reshape(4, 3)}},
+    "same numel, other rank": lambda s: {**s, "model": {**s["model"], "w": s["model"]["w"].reshape(12)}},
+    "value becomes tensor": lambda s: {**s, "step": torch.tensor(7)},
+    "tensor becomes value": lambda s: {**s, "model": {**s["model"], "b": 1.5}},
+    "list grows": lambda s: {**s, "list": s["list"] + [torch.ones(3)]},
+    "list becomes dict": lambda s: {**s, "list": {"0": s["list"][0], "1": s["list"][1]}},
+    "key order": lambda s: dict(reversed(list(s.items()))),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_every_kind_of_change_replans_and_loads_back(tmp_path: Path, change: str) -> None:
+    base = _base()
+    changed = CHANGES[change](_base())
+    with asyncckpt.CheckpointManager(tmp_path / "root") as mgr:
+        cache = mgr._saver.plan_cache
+        assert cache is not None
+        mgr.save(1, base).wait()
+        mgr.save(2, base).wait()
+        assert cache.hits == 1  # unchanged: the plan is reused
+        mgr.save(3, changed).wait()
+        assert cache.hits == 1, f"{change}: the changed state reused the old plan"
+        mgr.save(4, changed).wait()
+        assert cache.hits == 2  # and the new structure is cached in turn
+        mgr.save(5, base).wait()
+        assert cache.hits == 2
+    for step, state in ((1, base), (2, base), (3, changed), (4, changed), (5, base)):
+        _assert_loads_equal(tmp_path / "root" / f"step_{step:08d}", state)
+
+
+@pytest.mark.timeout(120)
+def test_stateful_structure_change_replans(tmp_path: Path) -> None:
+    counter = _Counter(2)
+    with asyncckpt.CheckpointManager(tmp_path / "root") as mgr:
+        cache = mgr._saver.plan_cache
+        mgr.save(1, {"c": counter, "x": torch.ones(2)}).wait()
+        mgr.save(2, {"c": counter, "x": torch.ones(2)}).wait()
+        assert cache.hits == 1
+        counter.n = 3
+        mgr.save(3, {"c": counter, "x": torch.ones(2)}).wait()
+        assert cache.hits == 1
+    target = _Counter(3)
+    asyncckpt.load({"c": target, "x": torch.zeros(2)}, tmp_path / "root" / "step_00000003")
+    assert target.loaded is not None and sorted(target.loaded) == ["t0", "t1", "t2"]
+    assert torch.equal(target.loaded["t2"], torch.full((2,), 2.0))
+
+
+@pytest.mark.timeout(120)
+def test_cached_plan_repickles_values_and_keeps_snapshot_semantics(tmp_path: Path) -> None:
+    """On a hit, non-tensor values are pickled afresh (their sizes may change), and the
+    checkpoint holds the values as of save(), however the state changes afterwards."""
+    state = _base()
+    with asyncckpt.CheckpointManager(tmp_path / "root") as mgr:
+        cache = mgr._saver.plan_cache
+        mgr.save(1, state).wait()
+        expected = {}
+        for step, value in ((2, 8), (3, "a much longer value " * 100), (4, ("a", "tuple", 3))):
+            state["step"] = value
+            state["optim"]["groups"][0]["lr"] = step / 10
+            state["model"]["w"].add_(1.0)
+            expected[step] = _map_tensors(state, lambda t: t.clone())
+            handle = mgr.save(step, state)
+            state["model"]["w"].mul_(-3.0)  # after save() returned: not in the checkpoint
+            state["list"][0].fill_(float(step))
+            handle.wait()
+        assert cache.hits == 3
+    for step, snap in expected.items():
+        path = tmp_path / "root" / f"step_{step:08d}"
+        out = _empty_like(snap)
+        asyncckpt.load(out, path)
+        assert _compare(snap, out)["mismatch"] == [], step
+        got = asyncckpt.read_state_dict(path)
+        assert got["step"] == snap["step"] and got["optim"]["groups"][0]["lr"] == step / 10
+
+
+def test_structure_signature_is_exact_and_validates() -> None:
+    from asyncckpt.errors import CheckpointError
+    from asyncckpt.planning import structure_signature
+
+    base = _base()
+    sig = structure_signature(base)
+    assert sig is not None and structure_signature(_base()) == sig
+    for name, change in CHANGES.items():
+        assert structure_signature(change(_base())) != sig, name
+    # Non-contiguous tensors are accepted and cached; their values do not matter.
+    t = torch.arange(6.0).view(2, 3).t()
+    assert structure_signature({"t": t}) == structure_signature({"t": t + 1})
+    # What validate_state_dict refuses, the signature refuses with the same message.
+    for bad, words in (({1: torch.ones(1)}, "keys must be str"), ({"m": torch.ones(2, device="meta")}, "meta"),
+                       ({"s": torch.ones(2).to_sparse()}, "sparse")):
+        with pytest.raises(CheckpointError, match=words):
+            structure_signature(bad)
+    cyc: dict[str, Any] = {"a": {}}
+    cyc["a"]["b"] = cyc["a"]
+    with pytest.raises(CheckpointError, match="cycle"):
+        structure_signature(cyc)
+
+
+# ----------------------------------------------------------------------------- FSDP2 / DTensor, 2 ranks
+def _rank_fsdp_cached(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    torch.set_num_threads(1)
+    root_p = Path(root)
+    model, optim = _fsdp(rank, 1)
+    out: dict[str, Any] = {"hits": [], "diffs": {}}
+    mgr = asyncckpt.CheckpointManager(root_p / "fsdp")
+    ok = False
+    try:
+        cache = mgr._saver.plan_cache
+        for step in (1, 2, 3):
+            msd, osd = get_state_dict(model, optim)
+            state = {"model": msd, "optim": osd, "step": step}
+            snapshot = _map_tensors(state, lambda t: _local(t).detach().clone())
+            handle = mgr.save(step, state)
+            _train(model, optim, 1, rank)  # mutate while the write is in flight
+            handle.wait(timeout=60)
+            out["hits"].append(cache.hits)
+            dist.barrier()
+            got = _map_tensors(state, torch.zeros_like)
+            dcp.load(got, checkpoint_id=str(mgr.step_dir(step)))
+            out["diffs"][("dcp", step)] = _compare(snapshot, _map_tensors(got, _local))
+            got = _map_tensors(state, torch.zeros_like)
+            asyncckpt.load(got, mgr.step_dir(step))
+            out["diffs"][("ours", step)] = _compare(snapshot, _map_tensors(got, _local))
+        # A changed sharding of the same global tensor: re-planned.
+        mesh = init_device_mesh("cpu", (world_size,))
+        full = torch.arange(24.0).view(4, 6)
+        for step, placement in ((4, Shard(0)), (5, Shard(0)), (6, Shard(1)), (7, Replicate())):
+            state = {"w": distribute_tensor(full, mesh, [placement])}
+            mgr.save(step, state).wait(timeout=60)
+            out["hits"].append(cache.hits)
+            dist.barrier()
+            got = {"w": distribute_tensor(torch.zeros(4, 6), mesh, [Shard(0)])}
+            dcp.load(got, checkpoint_id=str(mgr.step_dir(step)))
+            out["diffs"][("reshard", step)] = _compare({"w": full}, {"w": got["w"].full_tensor()})
+        mgr.close()
+        ok = True
+    finally:
+        if not ok:
+            mgr.close(abort=True)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_second_save_hits_the_cache_on_every_rank(tmp_path: Path) -> None:
+    preload_forkserver()
+    results = run_ranks(_rank_fsdp_cached, 2, str(tmp_path), timeout=150, start_method="forkserver")
+    for res in results:
+        # FSDP2 saves 1-3: planned once, then cached; sharding: Shard(0) planned, then
+        # cached, Shard(1) and Replicate planned afresh.
+        assert res["hits"] == [0, 1, 2, 2, 3, 3, 3], res["hits"]
+        for key, cmp in res["diffs"].items():
+            assert cmp["tensors"] > 0 and cmp["mismatch"] == [], (key, cmp)
