@@ -1397,7 +1397,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--techniques", default="1G/16,1G/4096",
                    help="workloads on which asyncckpt's techniques are measured one by one ('' for none)")
     p.add_argument("--technique-reps", type=int, default=2, help="saves after the first, per variant (%(default)s)")
-    p.add_argument("--train-steps", type=int, default=160, help="steps per training run (%(default)s)")
+    p.add_argument("--train-steps", type=int, default=96,
+                   help="steps per training run, rounded up to a whole number of checkpoints at every K "
+                        "(%(default)s: 6 checkpoints at K = 16; 16 systems x K runs x --train-reps in all)")
     p.add_argument("--train-reps", type=int, default=3, help="interleaved training runs per system (%(default)s)")
     p.add_argument("--train-every", default="1,4,16",
                    help="checkpoint every K steps, for each K of this comma-separated list (the issue's K = 1, 4, "
