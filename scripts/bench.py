@@ -2,11 +2,17 @@
 
 One command measures, in one run, on the same state dicts and in the same directory:
 
-workloads  synthetic float32 state dicts (256 MiB, 1 GiB and 4 GiB in 16 tensors; 1 GiB in
-           4096 tensors) and the training example's model + AdamW state (scripts/train.py)
+workloads  synthetic float32 state dicts (256 MiB and 1 GiB in 16 tensors, 1 GiB in 4096
+           tensors; 4G/16 on request), the training example's model + AdamW state
+           (scripts/train.py), and LLM-shaped states (scripts/bench_llm.py): ``llm``, a GPT
+           whose parameters + AdamW state are ~1 GiB in 1172 tensors from get_state_dict,
+           and ``fsdp2``, the same model under FSDP2 on 2 ranks (DTensor shards)
 systems    torch.save (+ fsync), dcp.save, dcp.async_save (thread and process executors,
            each with DCP's default staging and with a reused DefaultStager), asyncckpt
-           synchronous, temporal, persistent, and persistent with overlapped staging
+           synchronous, temporal, persistent, persistent with overlapped staging, and
+           persistent with prepare() before the first save; on llm and fsdp2 only
+           dcp.async_save thread + DefaultStager and asyncckpt persistent (with and
+           without prepare()), side by side
 limits     memcpy of the same bytes into a preallocated buffer, raw sequential write +
            fsync and raw read of the same bytes in the same directory
 
@@ -17,10 +23,12 @@ system was set up, sampled by a separate process) and the extra memory after the
 and the last save; load times (asyncckpt.load with and without verify, dcp.load,
 torch.load) against a raw read, all from a cold page cache (posix_fadvise DONTNEED);
 asyncckpt's techniques one at a time (buffer reuse, copy / write threads, plan cache,
-staging buffers); and the slowdown of the training example's loop with a checkpoint
-every K steps against no checkpoint.
+staging buffers); the slowdown of the training example's loop with a checkpoint every
+K = 1, 4 and 16 steps against no checkpoint; and, at the end, "Issue 11 targets": every
+figure of issue 11's table as measured in this run, its goal and whether it is met.
 
-    python scripts/bench.py                       # everything (about 15-20 min here)
+    python scripts/bench.py                       # everything (about 25-30 min here)
+    python scripts/bench.py --workloads llm,fsdp2 --no-train --techniques ""
     python scripts/bench.py --workloads 1G/16     # one workload
     python scripts/bench.py --quick               # smoke run (< 60 s)
 
@@ -62,8 +70,8 @@ import asyncckpt  # noqa: E402
 import asyncckpt.manager  # noqa: E402,F401 - imported before timing: not a save cost
 
 MiB, GiB = 1 << 20, 1 << 30
-DEFAULT_WORKLOADS = "256M/16,1G/16,4G/16,1G/4096,train"
-QUICK_WORKLOADS = "4M/16"
+DEFAULT_WORKLOADS = "256M/16,1G/16,1G/4096,llm,fsdp2,train"
+QUICK_WORKLOADS = "4M/16,llm,fsdp2"
 
 
 def log(msg: str) -> None:
@@ -93,8 +101,11 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 
 
 def mutate(sd: Any) -> None:
-    """What the trainer does after a save: write to its state (one element per tensor)."""
+    """What the trainer does after a save: write to its state (one element per tensor;
+    of a DTensor, of its local shard)."""
     for t in tensors_of(sd):
+        if hasattr(t, "to_local"):
+            t = t.to_local()
         if t.numel() and t.is_floating_point():
             t.view(-1)[:1].add_(1.0)
 
@@ -256,19 +267,31 @@ class MemorySampler:
 # ============================================================================ physical limits
 
 def bench_memcpy(sd: Any, reps: int) -> list[float]:
+    """Times (s) of copying every tensor of ``sd`` into preallocated host memory (the
+    staging limit): ``copy_`` into plain memory for CPU tensors, D2H into pinned
+    memory for GPU ones."""
     src = list(tensors_of(sd))
-    dst = [torch.empty_like(t) for t in src]
+    dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in src]
+    cuda = any(t.is_cuda for t in src)
     for d, s in zip(dst, src):
         d.copy_(s)  # warm: pages faulted in
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         for d, s in zip(dst, src):
-            d.copy_(s)
+            d.copy_(s, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     del dst
     free_memory()
     return times
+
+
+def host_tensors(sd: Any) -> list[torch.Tensor]:
+    """The state's tensors in host memory, for the raw write / read limits: the tensors
+    themselves on CPU, a host copy (made here, untimed) of GPU ones."""
+    return [t.detach().cpu() if t.is_cuda else t for t in tensors_of(sd)]
 
 
 def raw_write(sd: Any, path: Path) -> float:
@@ -465,19 +488,25 @@ def all_systems() -> list[System]:
         Asyncckpt("asyncckpt temporal", "ack-temporal", persistent=False),
         Asyncckpt("asyncckpt persistent", "ack-persistent", loadable=True),
         Asyncckpt("asyncckpt persistent overlapped", "ack-overlap", overlap=True),
+        Asyncckpt("asyncckpt persistent + prepare()", "ack-prepare"),
     ]
 
 
 SYSTEM_KEYS = [s.key for s in all_systems()]
+#: the systems a workload runs unless --systems names them: every one on the synthetic
+#: states (prepare() is among the techniques there), asyncckpt and DCP's best
+#: asynchronous save on the LLM states (bench_llm.LLM_SYSTEMS).
+DEFAULT_SYSTEM_KEYS = [k for k in SYSTEM_KEYS if k != "ack-prepare"]
 SHARE_DCP_DAEMON = False
 
 
 def run_system(system: System, sd: Any, root: Path, saves: int, sampler: MemorySampler, nbytes: int,
-               keep_last: bool = False, interval_s: float | None = None) -> dict[str, Any]:
+               keep_last: bool = False, interval_s: float | None = None, cleanup: bool = True) -> dict[str, Any]:
     """``saves`` saves of ``sd`` (the first one cold) with one system.
 
     Default protocol: save, wait until staged (stall), mutate, wait until committed,
-    sample memory, delete the files. With ``interval_s``: saves are issued every
+    sample memory, delete the files (unless ``cleanup`` is False: on several ranks, the
+    caller removes them once every rank committed). With ``interval_s``: saves are issued every
     ``interval_s`` seconds without waiting for the previous commit (a sleeping trainer),
     all committed at the end.
     """
@@ -506,7 +535,7 @@ def run_system(system: System, sd: Any, root: Path, saves: int, sampler: MemoryS
                 p.committed()
                 committed.append(time.perf_counter() - t0)
                 after.append(sampler.now() - base)
-                if not (keep_last and i == saves - 1):
+                if cleanup and not (keep_last and i == saves - 1):
                     remove(p.path)
             else:
                 pendings.append(p)
@@ -518,7 +547,8 @@ def run_system(system: System, sd: Any, root: Path, saves: int, sampler: MemoryS
         peak = sampler.peak() - base
         last_path = p.path
         for q in pendings:
-            remove(q.path)
+            if cleanup:
+                remove(q.path)
     finally:
         system.close()
     free_memory()
@@ -545,10 +575,13 @@ def run_system(system: System, sd: Any, root: Path, saves: int, sampler: MemoryS
 
 # ============================================================================ loads
 
-def bench_loads(sd: Any, kept: dict[str, Path], raw_path: Path, reps: int) -> dict[str, dict[str, Any]]:
-    """Load times, each from a cold page cache (the files' pages dropped before each)."""
+def bench_loads(sd: Any, kept: dict[str, Path], raw_path: Path, reps: int,
+                host: list[torch.Tensor] | None = None) -> dict[str, dict[str, Any]]:
+    """Load times, each from a cold page cache (the files' pages dropped before each).
+    The raw read reads into ``host`` (default: the state's own tensors)."""
+    host = list(tensors_of(sd)) if host is None else host
     loads: list[tuple[str, Path, Callable[[Path], Any]]] = [
-        ("raw read (cold cache)", raw_path, lambda p: raw_read(sd, p)),
+        ("raw read (cold cache)", raw_path, lambda p: raw_read(host, p)),
     ]
     ack = kept.get("ack-persistent")
     if ack is not None:
@@ -573,8 +606,8 @@ def bench_loads(sd: Any, kept: dict[str, Path], raw_path: Path, reps: int) -> di
     out: dict[str, dict[str, Any]] = {name: {"s": med(ts), "all_s": ts} for name, ts in times.items()}
     # The same raw read with the file in the page cache: if it is not much faster than
     # the cold one, DONTNEED did not take effect (or the disk is as fast as memory).
-    raw_read(sd, raw_path)
-    warm = [raw_read(sd, raw_path) for _ in range(reps)]
+    raw_read(host, raw_path)
+    warm = [raw_read(host, raw_path) for _ in range(reps)]
     out["raw read (warm cache)"] = {"s": med(warm), "all_s": warm}
     return out
 
@@ -852,8 +885,11 @@ def train_run(tr: Trainer, ck: TrainCkpt, steps: int, every: int, root: Path) ->
             **{f"blocked_{k}_s": v for k, v in blocked.items()}}
 
 
-def bench_training(root: Path, steps: int, reps: int, every: int | None, batch: int,
+def bench_training(root: Path, steps: int, reps: int, every: list[int] | None, batch: int,
                    systems: set[str] | None, sparse_factor: int = 4) -> dict[str, Any]:
+    """The training loop with a checkpoint every K steps, for every K of ``every``
+    (``None``: a calibrated K, where synchronous torch.save costs >= 50 %, and
+    ``sparse_factor`` * K), against no checkpoint: interleaved runs, medians."""
     tr = Trainer(batch)
     sd = tr.state_dict()
     nbytes = state_bytes(sd)
@@ -862,7 +898,7 @@ def bench_training(root: Path, steps: int, reps: int, every: int | None, batch: 
         tr.forward_backward()
         tr.optimizer_step()
     step_times = []
-    for _ in range(10):
+    for _ in range(10 if every is None else 3):
         t0 = time.perf_counter()
         tr.forward_backward()
         tr.optimizer_step()
@@ -871,26 +907,30 @@ def bench_training(root: Path, steps: int, reps: int, every: int | None, batch: 
     root.mkdir(parents=True, exist_ok=True)
     calib = TrainTorchSave()
     calib.open(root)
-    for i in range(5):
+    for i in range(5 if every is None else 2):
         t0 = time.perf_counter()
         calib.save(i, tr.state_dict())
         save_times.append(time.perf_counter() - t0)
     shutil.rmtree(root, ignore_errors=True)
     sd_times = []
-    for _ in range(10):
+    for _ in range(10 if every is None else 3):
         t0 = time.perf_counter()
         tr.state_dict()
         sd_times.append(time.perf_counter() - t0)
     step_s, save_s = med(step_times), med(save_times)
     # Sync torch.save every K steps costs about save / (K * step): the largest K with >= 50 %.
     auto_k = max(1, math.floor(2 * save_s / step_s))
-    k = every or auto_k
-    steps = max(steps, 2 * k)
-    # Also a sparser cadence (sparse_factor * K), where an asynchronous write has time
-    # to finish between checkpoints.
-    ks = [k] + ([sparse_factor * k] if sparse_factor > 1 else [])
+    if every:
+        ks = sorted(set(every))
+    else:
+        # The calibrated K, and a sparser cadence (sparse_factor * K), where an
+        # asynchronous write has time to finish between checkpoints.
+        ks = [auto_k] + ([sparse_factor * auto_k] if sparse_factor > 1 else [])
+    k = ks[0]
+    # At least two checkpoints at the sparsest K, and a whole number of checkpoints at every K.
+    lcm = math.lcm(*ks)
     steps = max(steps, 2 * ks[-1])
-    steps -= steps % ks[-1]
+    steps = -(-steps // lcm) * lcm
     chosen = [(n, f) for n, f in train_systems() if systems is None or n in systems or n == "no checkpoint"]
     configs = [(n, f, 0 if n == "no checkpoint" else kk) for kk in ks for n, f in chosen
                if kk == k or n != "no checkpoint"]
@@ -917,13 +957,23 @@ def bench_training(root: Path, steps: int, reps: int, every: int | None, batch: 
             "auto_every": auto_k, "calib_step_s": step_s, "calib_torch_save_s": save_s,
             "state_dict_s": med(sd_times),
             "torch_save_target_met": results.get("torch.save (sync)", {}).get("slowdown", 0) >= 0.5,
-            "systems": results,
+            "systems": results, "every_list": ks, "every_calibrated": not every,
             "sparser": [{"every": kk, "systems": by_every[kk]} for kk in ks[1:]]}
 
 
 # ============================================================================ workloads
 
-def make_workload(spec: str, train_batch: int) -> tuple[Any, dict[str, Any]]:
+def make_workload(spec: str, train_batch: int, llm_cfg: dict[str, int] | None = None) -> tuple[Any, dict[str, Any]]:
+    if spec == "llm":
+        import bench_llm
+        cfg = llm_cfg or bench_llm.LLM_FULL
+        model, opt, sd = bench_llm.build_llm(cfg)
+        n_params = sum(p.numel() for p in model.parameters())
+        del model, opt  # the state's tensors are the parameters and the optimizer's state
+        info = {"name": "llm", "label": (f"GPT {n_params / 1e6:.1f} M params + AdamW state from get_state_dict "
+                                         f"({bench_llm.describe(cfg)}; model + optim nested dicts)"),
+                "tensors": len(list(tensors_of(sd))), "config": cfg}
+        return sd, info
     if spec == "train":
         tr = Trainer(train_batch)
         sd = tr.state_dict()
@@ -1033,7 +1083,8 @@ def render_markdown(res: dict[str, Any]) -> str:
     tr = res.get("training")
     if tr:
         c = tr["config"]
-        L.append(f"## Training loop: checkpoint every K = {tr['every']} steps\n")
+        ks = tr.get("every_list") or [tr["every"]] + [x["every"] for x in tr.get("sparser", [])]
+        L.append(f"## Training loop: checkpoint every K = {', '.join(map(str, ks))} steps\n")
         L.append(f"scripts/train.py's GPT ({c['n_layer']} layers, {c['n_head']} heads, width {c['n_embd']}, "
                  f"context {c['block_size']}, batch {c['batch_size']}; {tr['params'] / 1e6:.2f} M params) + AdamW, "
                  f"state {tr['state_bytes'] / 1e6:.1f} MB; {tr['steps']} steps per run, median of "
@@ -1047,11 +1098,12 @@ def render_markdown(res: dict[str, Any]) -> str:
                  f"{fmt_ms(tr['calib_torch_save_s'])} ms, so K = {tr['auto_every']} makes torch.save cost >= 50 %"
                  + (f"; get_state_dict() itself takes {fmt_ms(tr['state_dict_s'])} ms, inside every system's save()"
                     if "state_dict_s" in tr else "")
-                 + ("" if tr["torch_save_target_met"] else " (not reached in the measured runs)") + ".\n")
+                 + ("" if tr["torch_save_target_met"] or not tr.get("every_calibrated", True)
+                    else " (not reached in the measured runs)") + ".\n")
         for every, systems in [(tr["every"], tr["systems"])] + [(x["every"], x["systems"])
                                                                for x in tr.get("sparser", [])]:
             if every != tr["every"]:
-                L.append(f"\nThe same with a checkpoint every {every} steps:\n")
+                L.append(f"\nThe same with a checkpoint every K = {every} steps:\n")
             L.append("| system | time (s) | slowdown | blocked per checkpoint (ms) | in save() | in staging wait | "
                      "in maybe_finalize() | final drain (ms) | checkpoints |")
             L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -1062,6 +1114,9 @@ def render_markdown(res: dict[str, Any]) -> str:
                          f"{fmt_ms(s['blocked_per_save_s']) if s['saves'] else ''} | " + " | ".join(parts)
                          + f" | {fmt_ms(s.get('drain_s')) if s['saves'] else ''} | {s['saves']} |")
         L.append("")
+    if res.get("fsdp2"):
+        import bench_llm
+        L += bench_llm.render_fsdp(res["fsdp2"], res["args"]["reps"])
     # Ratios summary
     names = list(dict.fromkeys(n for w in res["workloads"] for n in w["systems"]))
     if names:
@@ -1101,11 +1156,133 @@ def render_markdown(res: dict[str, Any]) -> str:
                                                                for x in tr.get("sparser", [])]:
             L.append(f"training-loop slowdown (checkpoint every {every} steps): " + ", ".join(
                 f"{n} {100 * s['slowdown']:+.1f} %" for n, s in systems.items() if n != "no checkpoint") + "\n")
+    targets = res.get("targets") or issue11_targets(res)
+    if targets:
+        L.append("## Issue 11 targets\n")
+        L.append("Every figure of the issue's table, as measured in this run (asyncckpt: CheckpointManager, "
+                 "persistent worker, default options; DCP: dcp.async_save thread + a reused DefaultStager; memcpy: "
+                 "best of 6 copies of the same bytes into preallocated memory; raw write: the mean of the raw writes "
+                 "+ fsyncs right before and after the system's saves; raw read: cold page cache).\n")
+        L.append("| target | measured | goal | met |")
+        L.append("|---|---|---|---|")
+        for t in targets:
+            met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+            L.append(f"| {t['target']} | {t['measured']} | {t['goal']} | {met} |")
+        L.append("")
     if res.get("lightning_md"):
         L.append("## Lightning checkpoints\n")
         L.append(res["lightning_md"] + "\n")
     L.append(f"Total benchmark time: {res['total_s'] / 60:.1f} min.\n")
     return "\n".join(L)
+
+
+ACK, ACK_PREP, DCP_STAGER = ("asyncckpt persistent", "asyncckpt persistent + prepare()",
+                              "dcp.async_save thread + DefaultStager")
+
+
+def issue11_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of issue 11's table: ``target``, ``measured`` (text), ``goal`` and ``met``
+    (True / False, None where this run did not measure it)."""
+    wls = {w["name"]: w for w in res.get("workloads", [])}
+    rows: list[dict[str, Any]] = []
+
+    def row(target: str, goal: str, measured: str | None, met: bool | None) -> None:
+        rows.append({"target": target, "goal": goal, "measured": measured or "not measured in this run",
+                     "met": met if measured else None})
+
+    def sys_of(wname: str, sname: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        w = wls.get(wname)
+        return (w, w["systems"].get(sname)) if w else (None, None)
+
+    # steady stall vs memcpy and vs DCP
+    for wname, label in (("llm", "steady stall, LLM state"),):
+        w, a = sys_of(wname, ACK)
+        _, d = sys_of(wname, DCP_STAGER)
+        if w and a:
+            r = a["stall_s"] / w["limits"]["memcpy_s"]
+            txt = f"{fmt_ms(a['stall_s'])} ms = {fmt_x(r)} memcpy ({fmt_ms(w['limits']['memcpy_s'])} ms)"
+            if d:
+                txt += f"; DCP {fmt_ms(d['stall_s'])} ms = {fmt_x(d['stall_s'] / w['limits']['memcpy_s'])}"
+            row(label, "<= 1.3x memcpy and below DCP's", txt, r <= 1.3 and (d is None or a["stall_s"] < d["stall_s"]))
+        else:
+            row(label, "<= 1.3x memcpy and below DCP's", None, None)
+    f = res.get("fsdp2")
+    a = f["systems"].get(ACK) if f else None
+    if a:
+        d = f["systems"].get(DCP_STAGER)
+        txt = f"{fmt_ms(a['stall_s'])} ms = {fmt_x(a['stall_memcpy_ratio'])} memcpy (max over ranks)"
+        if d:
+            txt += f"; DCP {fmt_ms(d['stall_s'])} ms = {fmt_x(d['stall_memcpy_ratio'])}"
+        row("steady stall, FSDP2 (2 ranks)", "<= 1.3x memcpy and below DCP's", txt,
+            a["stall_memcpy_ratio"] <= 1.3 and (d is None or a["stall_s"] < d["stall_s"]))
+    else:
+        row("steady stall, FSDP2 (2 ranks)", "<= 1.3x memcpy and below DCP's", None, None)
+    w, a = sys_of("1G/4096", ACK)
+    if w and a:
+        r = a["stall_s"] / w["limits"]["memcpy_s"]
+        row("steady stall, 1 GiB in 4096 tensors", "<= 1.5x memcpy",
+            f"{fmt_ms(a['stall_s'])} ms = {fmt_x(r)} memcpy ({fmt_ms(w['limits']['memcpy_s'])} ms)", r <= 1.5)
+    else:
+        row("steady stall, 1 GiB in 4096 tensors", "<= 1.5x memcpy", None, None)
+    for wname in ("1G/16", "1G/4096"):
+        w, a = sys_of(wname, ACK)
+        label = f"committed, {wname.split('/')[1]} tensors ({wname})"
+        if w and a:
+            r = committed_ratio(a, w["limits"])
+            row(label, "<= 1.1x raw write + fsync",
+                f"{fmt_ms(a['committed_s'])} ms = {fmt_x(r)} raw write+fsync", r <= 1.1)
+        else:
+            row(label, "<= 1.1x raw write + fsync", None, None)
+    w, a = sys_of("llm", ACK)
+    _, p = sys_of("llm", ACK_PREP)
+    _, d = sys_of("llm", DCP_STAGER)
+    for sysfig, label in ((a, "first save, LLM state (default)"), (p, "first save, LLM state (with prepare())")):
+        if sysfig and d:
+            row(label, "<= DCP's first async_save",
+                f"{fmt_ms(sysfig['first_stall_s'])} ms; DCP {fmt_ms(d['first_stall_s'])} ms",
+                sysfig["first_stall_s"] <= d["first_stall_s"])
+        else:
+            row(label, "<= DCP's first async_save", None, None)
+    for wname in ("1G/4096", "llm"):
+        w = wls.get(wname)
+        loads = (w or {}).get("loads", {})
+        l, raw = loads.get("asyncckpt.load verify=True"), loads.get("raw read (cold cache)")
+        label = f"load (verify on), {wname}"
+        if l and raw:
+            r = l["s"] / raw["s"]
+            row(label, "<= 1.2x raw read (cold cache)",
+                f"{fmt_ms(l['s'])} ms = {fmt_x(r)} raw read ({fmt_ms(raw['s'])} ms)", r <= 1.2)
+        else:
+            row(label, "<= 1.2x raw read (cold cache)", None, None)
+    tr = res.get("training")
+    by_every = {}
+    if tr:
+        by_every = {tr["every"]: tr["systems"], **{x["every"]: x["systems"] for x in tr.get("sparser", [])}}
+    for k in sorted(set(by_every) | {1, 4, 16}):
+        sysk = by_every.get(k, {})
+        a, t = sysk.get(ACK), sysk.get("torch.save (sync)")
+        label = f"training loop, K = {k}"
+        if a and t:
+            o = sysk.get("asyncckpt persistent overlapped")
+            row(label, "slowdown below synchronous torch.save's",
+                f"{100 * a['slowdown']:+.1f} %" + (f" (overlapped {100 * o['slowdown']:+.1f} %)" if o else "")
+                + f"; torch.save {100 * t['slowdown']:+.1f} %", a["slowdown"] < t["slowdown"])
+        else:
+            row(label, "slowdown below synchronous torch.save's", None, None)
+    for wname in ("1G/16", "1G/4096", "llm"):
+        w, a = sys_of(wname, ACK)
+        label = f"staging memory, {wname}"
+        if w and a and a.get("peak_extra_bytes"):
+            drift = (a["extra_after_last_bytes"] - a["extra_after_first_bytes"]) / w["bytes"]
+            flat = abs(drift) <= 0.05
+            row(label, "<= 1.1x the state, flat",
+                f"peak extra {fmt_x(a['peak_extra_ratio'])} the state (all processes); after #1 / last "
+                f"{a['extra_after_first_bytes'] / MiB:.0f} / {a['extra_after_last_bytes'] / MiB:.0f} MiB "
+                f"({'flat' if flat else f'{100 * drift:+.0f} % of the state'})",
+                a["peak_extra_ratio"] <= 1.1 and flat)
+        else:
+            row(label, "<= 1.1x the state, flat", None, None)
+    return rows
 
 
 def render_png(res: dict[str, Any], path: Path) -> None:
@@ -1207,18 +1384,29 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default=None,
                    help=f"comma-separated: SIZE/NTENSORS or 'train' (default {DEFAULT_WORKLOADS})")
-    p.add_argument("--systems", default=",".join(SYSTEM_KEYS), help="comma-separated keys (default: all)")
+    p.add_argument("--systems", default=None,
+                   help=f"comma-separated keys of {SYSTEM_KEYS}, for every workload (default: all but "
+                        "ack-prepare on the synthetic states and train; dcp-async-thread-stager, ack-persistent and "
+                        "ack-prepare on llm and fsdp2)")
+    p.add_argument("--llm-config", default=None,
+                   help="the llm / fsdp2 GPT's size as n_layer=24,n_embd=560,n_head=8,block_size=128 (default those: "
+                        "~1 GiB of params + AdamW state in 1172 tensors; --quick: a tiny one)")
     p.add_argument("--reps", type=int, default=3, help="saves after the first, per system (%(default)s)")
     p.add_argument("--big-reps", type=int, default=2, help="the same for states >= 2 GiB (%(default)s)")
     p.add_argument("--load-reps", type=int, default=None, help="loads per method (default: --reps)")
     p.add_argument("--techniques", default="1G/16,1G/4096",
                    help="workloads on which asyncckpt's techniques are measured one by one ('' for none)")
     p.add_argument("--technique-reps", type=int, default=2, help="saves after the first, per variant (%(default)s)")
-    p.add_argument("--train-steps", type=int, default=160, help="steps per training run (%(default)s)")
+    p.add_argument("--train-steps", type=int, default=96,
+                   help="steps per training run, rounded up to a whole number of checkpoints at every K "
+                        "(%(default)s: 6 checkpoints at K = 16; 16 systems x K runs x --train-reps in all)")
     p.add_argument("--train-reps", type=int, default=3, help="interleaved training runs per system (%(default)s)")
-    p.add_argument("--train-every", type=int, default=None, help="checkpoint every K steps (default: calibrated)")
+    p.add_argument("--train-every", default="1,4,16",
+                   help="checkpoint every K steps, for each K of this comma-separated list (the issue's K = 1, 4, "
+                        "16); 'auto': a calibrated K where torch.save costs >= 50 %% and FACTOR*K (%(default)s)")
     p.add_argument("--train-sparse-factor", type=int, default=4,
-                   help="also measure a checkpoint every FACTOR*K steps (1: not) (%(default)s)")
+                   help="with --train-every auto: also measure a checkpoint every FACTOR*K steps (1: not) "
+                        "(%(default)s)")
     p.add_argument("--train-batch", type=int, default=1,
                    help="sequences per step (%(default)s: the example's model at its default size, with a "
                         "batch small enough that torch.save can cost >= 50 %%)")
@@ -1230,7 +1418,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--share-dcp-daemon", action="store_true",
                    help="keep DCP's process-executor daemon between systems (faster; its memory is then "
                         "counted only where it was started; default with --quick)")
-    p.add_argument("--dir", default=None, help="directory to write into (default: a temp dir under ./)")
+    p.add_argument("--dir", default=None, help="directory to write into (default: a new temp dir under "
+                                                 f"{tempfile.gettempdir()}, removed at the end)")
     p.add_argument("--json", default="bench_results.json", help="JSON output (%(default)s)")
     p.add_argument("--png", default=None, help="PNG chart (default: bench_results.png; '' for none)")
     p.add_argument("--md", default=None, help="also write the markdown here")
@@ -1253,14 +1442,19 @@ def main(argv: list[str] | None = None) -> int:
         args.reps = args.big_reps = 2
         args.techniques = "4M/16" if args.techniques == p.get_default("techniques") else args.techniques
         args.share_dcp_daemon = True
-        args.train_steps, args.train_reps, args.train_sparse_factor = 8, 1, 2
+        args.train_steps, args.train_reps, args.train_sparse_factor = 4, 1, 2
+        if args.train_every == p.get_default("train_every"):
+            args.train_every = "1,2"
+        if args.llm_config is None:
+            import bench_llm
+            args.llm_config = ",".join(f"{k}={v}" for k, v in bench_llm.LLM_TINY.items())
         args.technique_reps = 1
         if args.lightning_mb == p.get_default("lightning_mb"):
             args.lightning_mb = 8
     args.workloads = DEFAULT_WORKLOADS if args.workloads is None else args.workloads
     args.load_reps = args.load_reps or args.reps
-    keys = args.systems.split(",")
-    unknown = set(keys) - set(SYSTEM_KEYS)
+    keys = args.systems.split(",") if args.systems else None
+    unknown = set(keys or ()) - set(SYSTEM_KEYS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; known: {SYSTEM_KEYS}")
     technique_set = {t for t in args.techniques.split(",") if t}
@@ -1268,21 +1462,50 @@ def main(argv: list[str] | None = None) -> int:
     SHARE_DCP_DAEMON = args.share_dcp_daemon
 
     t_total = time.perf_counter()
-    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench_", dir="."))
+    # Scratch in the temp directory (/tmp here, the same disk), never in the working tree.
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench_"))
     base.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"machine": machine_info(base), "args": vars(args), "workloads": [], "skipped": []}
     params = manager_params()
-    systems = [s for s in all_systems() if s.key in keys]
-    for s in list(systems):
-        if isinstance(s, Asyncckpt) and s.missing():
-            res["skipped"].append(f"{s.name}: CheckpointManager has no {', '.join(s.missing())}")
-            systems.remove(s)
+    missing = {s.key: s for s in all_systems() if isinstance(s, Asyncckpt) and s.missing()}
+    for s in missing.values():
+        res["skipped"].append(f"{s.name}: CheckpointManager has no {', '.join(s.missing())}")
+    if not hasattr(asyncckpt.CheckpointManager, "prepare"):
+        missing["ack-prepare"] = all_systems()[-1]
+        res["skipped"].append("asyncckpt persistent + prepare(): CheckpointManager has no prepare")
+
+    def systems_for(spec: str) -> list[System]:
+        """Fresh system objects for a workload: --systems if given, else its defaults."""
+        import bench_llm
+        chosen = keys if keys is not None else (
+            list(bench_llm.LLM_SYSTEMS) if spec in ("llm", "fsdp2") else DEFAULT_SYSTEM_KEYS)
+        return [s for s in all_systems() if s.key in chosen and s.key not in missing]
+
     res["manager_params"] = sorted(params)
+    llm_cfg = None
+    if args.llm_config:
+        import bench_llm
+        llm_cfg = dict(bench_llm.LLM_FULL)
+        for item in args.llm_config.split(","):
+            k, _, v = item.partition("=")
+            llm_cfg[k.strip()] = int(v)
     init_process_group()
     sampler = MemorySampler(enabled=not args.no_memory)
     try:
         for spec in [w for w in args.workloads.split(",") if w]:
-            sd, info = make_workload(spec, args.train_batch)
+            if spec == "fsdp2":
+                import bench_llm
+                cfg = llm_cfg or bench_llm.LLM_FULL
+                log(f"workload fsdp2: 2 ranks ({bench_llm.describe(cfg)})")
+                keys_f = [s.key for s in systems_for(spec)]
+                f = bench_llm.run_fsdp(cfg, args.reps, base / "fsdp2", systems=tuple(keys_f))
+                f["label"] = bench_llm.describe(cfg)
+                f["config"] = cfg
+                res["fsdp2"] = f
+                continue
+            systems = systems_for(spec)
+            sd, info = make_workload(spec, args.train_batch, llm_cfg)
+            host = host_tensors(sd)  # the raw write / read limits' bytes
             nbytes = state_bytes(sd)
             reps = args.big_reps if nbytes >= 2 * GiB else args.reps
             saves = reps + 1
@@ -1291,17 +1514,19 @@ def main(argv: list[str] | None = None) -> int:
             wdir.mkdir(parents=True, exist_ok=True)
             memcpy_times = bench_memcpy(sd, 3)
             raw_path = wdir / "raw.bin"
-            raw_write(sd, raw_path)  # warm-up (file system allocation), not reported
+            raw_write(host, raw_path)  # warm-up (file system allocation), not reported
             raw_times: list[float] = []
             w: dict[str, Any] = {**info, "bytes": nbytes, "saves": saves, "systems": {}, "limits": {}}
             kept: dict[str, Path] = {}
             # The disk's speed drifts on a shared machine: raw writes + fsyncs of the same
             # bytes right before and right after each system's saves are its reference.
-            raw_times.append(raw_write(sd, raw_path))
+            raw_times.append(raw_write(host, raw_path))
             for s in systems:
                 log(f"  {s.name}")
+                if s.key == "ack-prepare":
+                    s.prepare_sd = sd  # type: ignore[attr-defined]
                 r = run_system(s, sd, wdir / s.key, saves, sampler, nbytes, keep_last=s.loadable)
-                raw_times.append(raw_write(sd, raw_path))
+                raw_times.append(raw_write(host, raw_path))
                 r["raw_write_before_s"], r["raw_write_after_s"] = raw_times[-2], raw_times[-1]
                 r["raw_write_adjacent_s"] = (raw_times[-2] + raw_times[-1]) / 2
                 if "_last_path" in r:
@@ -1313,7 +1538,7 @@ def main(argv: list[str] | None = None) -> int:
                 "raw_write_fsync_s": med(raw_times), "raw_write_fsync_all_s": raw_times})
             log("  loads")
             w["loads"] = bench_loads(sd, kept, raw_path, min(args.load_reps, reps) if nbytes >= 2 * GiB
-                                     else args.load_reps)
+                                     else args.load_reps, host)
             w["limits"]["raw_read_cold_s"] = w["loads"]["raw read (cold cache)"]["s"]
             w["limits"]["raw_read_warm_s"] = w["loads"]["raw read (warm cache)"]["s"]
             for path in kept.values():
@@ -1326,11 +1551,13 @@ def main(argv: list[str] | None = None) -> int:
                 res["skipped"] += [f"{spec}: {s}" for s in skipped]
             shutil.rmtree(wdir, ignore_errors=True)
             res["workloads"].append(w)
-            del sd, kept
+            del sd, kept, host
             free_memory()
         if not args.no_train:
             log("training loop")
-            res["training"] = bench_training(base / "train", args.train_steps, args.train_reps, args.train_every,
+            every = (None if args.train_every.strip() == "auto"
+                     else [int(k) for k in args.train_every.split(",") if k.strip()])
+            res["training"] = bench_training(base / "train", args.train_steps, args.train_reps, every,
                                              args.train_batch, None, args.train_sparse_factor)
         if args.lightning_mb:
             try:
@@ -1350,6 +1577,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)
     res["total_s"] = time.perf_counter() - t_total
+    res["targets"] = issue11_targets(res)
     res["machine"]["loadavg_end"] = os.getloadavg()
     md = render_markdown(res)
     print(md)

@@ -26,6 +26,9 @@ SAVE_FIGURES = {"stall_s", "first_stall_s", "returns_s", "committed_s", "first_c
 LOADS = {"raw read (cold cache)", "raw read (warm cache)", "asyncckpt.load verify=True",
          "asyncckpt.load verify=False", "dcp.load (asyncckpt checkpoint)", "dcp.load (dcp.save checkpoint)",
          "torch.load (torch.save file)"}
+LLM_SYSTEMS = {"dcp.async_save thread + DefaultStager", "asyncckpt persistent", "asyncckpt persistent + prepare()"}
+LLM_LOADS = {"raw read (cold cache)", "raw read (warm cache)", "asyncckpt.load verify=True",
+             "asyncckpt.load verify=False", "dcp.load (asyncckpt checkpoint)"}
 TRAIN_SYSTEMS = {"no checkpoint", "torch.save (sync)", "dcp.async_save thread",
                  "dcp.async_save thread + DefaultStager, overlapped", "asyncckpt persistent",
                  "asyncckpt persistent overlapped"}
@@ -50,12 +53,12 @@ def test_bench_quick_reports_every_system_and_figure(tmp_path: Path) -> None:
     assert res["machine"]["cpu_count"] == os.cpu_count() and res["machine"]["torch"]
     skipped = " ".join(res["skipped"])
     workloads = {w["name"]: w for w in res["workloads"]}
-    assert set(workloads) == {"4M/16"}
+    assert set(workloads) == {"4M/16", "llm"}
     for w in workloads.values():
         assert w["bytes"] > 0
         for lim in ("memcpy_s", "raw_write_fsync_s", "raw_read_cold_s", "raw_read_warm_s"):
             assert w["limits"][lim] > 0
-        expected = {s for s in SYSTEMS if s not in skipped}
+        expected = {s for s in (LLM_SYSTEMS if w["name"] == "llm" else SYSTEMS) if s not in skipped}
         assert set(w["systems"]) == expected, skipped
         for name, figures in w["systems"].items():
             assert SAVE_FIGURES <= set(figures), name
@@ -63,8 +66,27 @@ def test_bench_quick_reports_every_system_and_figure(tmp_path: Path) -> None:
             assert figures["returns_s"] <= figures["stall_s"] + 1e-9, name
             assert all(_finite(figures[k]) for k in SAVE_FIGURES), name
             assert len(figures["stalls_s"]) == 3  # --quick: 2 reps after the first save
-        assert set(w["loads"]) == LOADS
+        assert set(w["loads"]) == (LLM_LOADS if w["name"] == "llm" else LOADS)
         assert all(load["s"] > 0 for load in w["loads"].values())
+
+    # llm: get_state_dict's nested model + optim state of the GPT: per parameter its
+    # value, AdamW's exp_avg, exp_avg_sq and step; 12 parameters per block, 5 more.
+    llm = workloads["llm"]
+    n_layer = llm["config"]["n_layer"]
+    assert llm["tensors"] == 4 * (12 * n_layer + 5)
+    # fsdp2: every rank measured its own shards; each figure is the worst rank's.
+    fsdp = res["fsdp2"]
+    assert len(fsdp["ranks"]) == 2 and set(fsdp["systems"]) == LLM_SYSTEMS
+    local = sum(r["bytes"] for r in fsdp["ranks"])
+    # The shards add up to the state (not twice it: local bytes, not the full tensors);
+    # only AdamW's 0-dim step tensors are on both ranks.
+    n_params = llm["tensors"] // 4
+    assert llm["bytes"] <= local <= llm["bytes"] + 4 * n_params, (local, llm["bytes"])
+    for name, s in fsdp["systems"].items():
+        per_rank = [r["systems"][name] for r in fsdp["ranks"]]
+        assert s["stall_s"] == max(r["stall_s"] for r in per_rank) > 0, name
+        assert s["committed_s"] >= s["stall_s"] * 0.999 and _finite(s["stall_memcpy_ratio"]), name
+        assert all(len(r["stalls_s"]) == 3 for r in per_rank), name
 
     techniques = workloads["4M/16"]["techniques"]
     assert any(t.startswith("default") for t in techniques)
@@ -76,7 +98,8 @@ def test_bench_quick_reports_every_system_and_figure(tmp_path: Path) -> None:
 
     train = res["training"]
     assert set(train["systems"]) == TRAIN_SYSTEMS
-    assert train["every"] >= 1 and train["steps"] % train["every"] == 0
+    assert train["every_list"] == [1, 2] and train["every"] == 1  # --quick: K = 1, 2
+    assert train["steps"] % 2 == 0
     assert train["systems"]["no checkpoint"]["saves"] == 0
     for name, s in train["systems"].items():
         assert s["time_s"] > 0 and _finite(s["slowdown"]), name
@@ -98,9 +121,20 @@ def test_bench_quick_reports_every_system_and_figure(tmp_path: Path) -> None:
     lightning = res["lightning"]["systems"]
     assert len(lightning) == 2 and all(s["stall_s"] > 0 for s in lightning.values())
 
+    # Every target of issue 11's table has a row; those of the workloads --quick runs
+    # are measured (met or not), the 1 GiB ones and K = 16 are not.
+    targets = {t["target"]: t for t in res["targets"]}
+    measured = {t for t, row in targets.items() if row["met"] is not None}
+    assert {"steady stall, LLM state", "steady stall, FSDP2 (2 ranks)", "first save, LLM state (default)",
+            "first save, LLM state (with prepare())", "load (verify on), llm", "training loop, K = 1",
+            "training loop, K = 2", "staging memory, llm"} == measured, measured
+    assert {"steady stall, 1 GiB in 4096 tensors", "committed, 16 tensors (1G/16)", "training loop, K = 16",
+            "load (verify on), 1G/4096"} <= set(targets) - measured
+
     text = md.read_text()
     assert text in proc.stdout
-    for heading in ("## 4M/16", "## Training loop", "## Ratios summary", "| asyncckpt persistent |",
+    for heading in ("## 4M/16", "## llm", "## fsdp2", "## Training loop: checkpoint every K = 1, 2 steps",
+                    "## Issue 11 targets", "## Ratios summary", "| asyncckpt persistent |",
                     "time in asyncckpt's `maybe_finalize()`", "## Lightning checkpoints"):
         assert heading in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
