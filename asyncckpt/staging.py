@@ -20,8 +20,10 @@ buffers here are staging buffers, the pool that reuses them a buffer pool.)
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import threading
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +37,17 @@ from .storage.writer import SlabRef
 __all__ = ["StagingBuffer", "StagingPool", "StagingCopier", "HostSlab", "Stager"]
 
 _PAGE = mmap.PAGESIZE
+
+#: libc ``memmove`` through ctypes: a foreign call that releases the GIL.
+_memmove = ctypes.memmove
+
+#: Tensors of at least this many elements are copied with ``memmove`` instead of
+#: torch: torch's own copy splits such a tensor across its intra-op (OpenMP) threads,
+#: one fork/join per tensor, and when another process holds a core (the checkpoint
+#: writer, DataLoader workers) every join waits for a time slice: a 1.3 ms copy of
+#: 159 tensors then took 100-280 ms. 32768 is torch's ``at::internal::GRAIN_SIZE``:
+#: below it torch copies serially, in one ``_foreach_copy_`` call for all of them.
+MEMMOVE_MIN_NUMEL = 32768
 
 
 def _close_fd(fd: int) -> None:
@@ -271,12 +284,15 @@ Stager = StagingPool
 class StagingCopier:
     """Copies a state's tensors into their staging views: the training thread's stall.
 
-    CPU tensors are copied with one ``torch._foreach_copy_`` call per thread (no
-    Python loop per tensor; each copy of a large tensor is itself split across
-    torch's intra-op threads). ``threads > 1`` adds Python threads, each with a
-    share of the bytes (large tensors are cut into chunks); on a machine where the
-    intra-op threads already saturate memory bandwidth this does not pay off, which
-    is why the default is 1 (``scripts/bench.py`` measures both).
+    CPU tensors: contiguous tensors of at least :data:`MEMMOVE_MIN_NUMEL` elements
+    with the destination's dtype and shape are copied with libc ``memmove`` (through
+    ctypes, without the GIL) and never through torch's intra-op threads, whose
+    per-tensor fork/join stalls whenever another process holds a core; the others
+    (small, strided, conjugate or negative views) with one ``torch._foreach_copy_``
+    call, which copies them serially. ``threads > 1`` adds Python threads that take
+    8 MiB pieces of the ``memmove`` work from a shared list (a thread on a busy core
+    simply takes fewer) and their share of the small tensors; the default is 1
+    (``scripts/bench.py`` measures both).
 
     CUDA tensors are copied device-to-host with ``non_blocking=True`` into the
     pinned slab (see :meth:`StagingBuffer.pin`) on a side stream that first waits for the
@@ -291,6 +307,8 @@ class StagingCopier:
     #: Tensors larger than this (bytes) are cut into chunks of about this size when
     #: the copies are spread across threads.
     CHUNK_BYTES = 32 << 20
+    #: The pieces of ``memmove`` work threads take one at a time (bytes).
+    PIECE_BYTES = 8 << 20
 
     def __init__(self, threads: int = 1) -> None:
         if threads < 1:
@@ -345,20 +363,65 @@ class StagingCopier:
             self._event.record(stream)
 
     def _copy_cpu(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        moves: list[tuple[int, int, int]] = []  # (dst address, src address, bytes)
+        small_d: list[torch.Tensor] = []
+        small_s: list[torch.Tensor] = []
+        for d, s in zip(dsts, srcs):
+            if (s.numel() >= MEMMOVE_MIN_NUMEL and s.dtype == d.dtype and s.shape == d.shape
+                    and s.is_contiguous() and d.is_contiguous() and not s.is_conj() and not s.is_neg()):
+                moves.append((d.data_ptr(), s.data_ptr(), s.numel() * s.element_size()))
+            else:
+                small_d.append(d)
+                small_s.append(s)
         if self.threads == 1 or len(srcs) == 0:
-            torch._foreach_copy_(dsts, srcs)
+            if small_s:
+                torch._foreach_copy_(small_d, small_s)
+            for move in moves:
+                _memmove(*move)
             return
-        groups = _split(dsts, srcs, self.threads, self.CHUNK_BYTES)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="asyncckpt-stage")
-        for f in [self._pool.submit(_copy_no_grad, d, s) for d, s in groups if d]:
+        pieces = _pieces(moves, self.PIECE_BYTES)
+        lock = threading.Lock()
+
+        def work(d: list[torch.Tensor], s: list[torch.Tensor]) -> None:
+            if s:
+                _copy_no_grad(d, s)
+            while True:
+                with lock:
+                    piece = pieces.pop() if pieces else None
+                if piece is None:
+                    return
+                _memmove(*piece)
+
+        groups = _split(small_d, small_s, self.threads, self.CHUNK_BYTES)
+        futures = [self._pool.submit(work, d, s) for d, s in groups[1:]]
+        error: BaseException | None = None
+        try:
+            work(*groups[0])
+        except BaseException as exc:  # noqa: BLE001 - the other threads are joined first
+            error = exc
+        for f in futures:
             f.result()
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         """Stop the copy threads."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _pieces(moves: list[tuple[int, int, int]], piece: int) -> list[tuple[int, int, int]]:
+    """``moves`` cut into pieces of at most ``piece`` bytes, the first last (``pop()``
+    takes them in order)."""
+    out = []
+    for dst, src, nbytes in moves:
+        for off in range(0, nbytes, piece):
+            out.append((dst + off, src + off, min(piece, nbytes - off)))
+    out.reverse()
+    return out
 
 
 def _copy_no_grad(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:

@@ -183,6 +183,7 @@ def test_threads_write_the_same_bytes(tmp_path, monkeypatch, copy_threads, write
     from asyncckpt import staging
     monkeypatch.setattr(_writer, "WRITE_CHUNK_BYTES", 64 << 10)  # sync saves write in this process
     monkeypatch.setattr(staging.StagingCopier, "CHUNK_BYTES", 48 << 10)
+    monkeypatch.setattr(staging.StagingCopier, "PIECE_BYTES", 40 << 10)
     used = {"pwrite": 0, "split": 0}
     real_pwrite, real_split = _writer._pwrite_all, staging._split
 
@@ -207,6 +208,48 @@ def test_threads_write_the_same_bytes(tmp_path, monkeypatch, copy_threads, write
     assert (used["pwrite"] > 0) == (write_threads > 1) and (used["split"] > 0) == (copy_threads > 1)
     assert files["one"] == files["many"]
     assert_same(sd, _load(tmp_path / "many" / "step_00000001", sd))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_copier_memmoves_what_it_may_and_copies_the_rest_exactly(threads, monkeypatch):
+    """Large contiguous tensors go through memmove (no intra-op threads); strided,
+    conjugate, negative, small and dtype-converting copies through torch; every
+    destination ends bitwise equal to what ``copy_`` gives."""
+    from asyncckpt import staging
+    monkeypatch.setattr(staging.StagingCopier, "PIECE_BYTES", 40 << 10)
+    moved = []
+    real = staging._memmove
+
+    def memmove(dst, src, n):
+        moved.append(n)
+        return real(dst, src, n)
+
+    monkeypatch.setattr(staging, "_memmove", memmove)
+    g = torch.Generator().manual_seed(0)
+    big = staging.MEMMOVE_MIN_NUMEL
+    srcs = [
+        torch.randn(big * 3, generator=g),                                   # memmove
+        torch.randn(big, 2, generator=g).t(),                                # strided: torch
+        torch.randn(big, dtype=torch.complex64, generator=g).conj(),         # conjugate view: torch
+        torch.randn(big, dtype=torch.complex64, generator=g).conj().imag,    # negative view: torch
+        torch.randn(7, generator=g),                                         # small: torch
+        torch.randint(0, 100, (big,), generator=g, dtype=torch.int64),        # memmove
+        torch.randn(big, dtype=torch.float64, generator=g),                  # into float32: torch
+        torch.randn(big * 5, generator=g).view(5, big).requires_grad_(),      # memmove, requires grad
+    ]
+    dsts = [torch.zeros_like(s, dtype=torch.float32 if s.dtype == torch.float64 else None).contiguous()
+            for s in srcs]
+    expected = [torch.empty_like(d).copy_(s.detach()) for d, s in zip(dsts, srcs)]
+    copier = staging.StagingCopier(threads)
+    try:
+        copier.copy(dsts, srcs)
+    finally:
+        copier.close()
+    for i, (d, e) in enumerate(zip(dsts, expected)):
+        assert torch.equal(d.view(torch.uint8) if d.is_complex() else d, e.view(torch.uint8) if e.is_complex()
+                           else e), i
+    assert sum(moved) == (big * 3 + big * 5) * 4 + big * 8
+    assert len(moved) == 3 if threads == 1 else len(moved) > 3  # threads take pieces
 
 
 def test_write_threads_failure_removes_the_file(tmp_path, monkeypatch):
