@@ -7,6 +7,7 @@ checkpoint: see :mod:`asyncckpt.storage.reader`.
 
 from __future__ import annotations
 
+import collections
 import os
 import warnings
 from pathlib import Path
@@ -18,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpoi
 from .dist import SyncGroup
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailure
 from .storage import commit as _commit
-from .storage.reader import SafeFileSystemReader, SafeLoadPlanner
+from .storage.reader import SafeFileSystemReader, SafeLoadPlanner, direct_load, plan_direct_load
 
 __all__ = ["load", "verify", "from_dcp_exception"]
 
@@ -87,25 +88,55 @@ def load(
                                       "loaded (e.g. by retention): load a newer step", str(path)) from exc
 
 
+#: How many loads of this process took each path: ``"direct"`` (:func:`_direct`) or
+#: ``"dcp"`` (``dcp.load`` with our reader and planner). A debugging aid; tests read it.
+load_paths: collections.Counter = collections.Counter()
+
+
+def _raise_first(failures: dict[int, RankFailure], path: Path) -> None:
+    """Raise the lowest rank's failure as ours, the same on every rank."""
+    first = failures[min(failures)]
+    exc = first.exception
+    message = str(exc) if exc is not None else str(first)
+    if isinstance(exc, CorruptCheckpointError) or exc is None:
+        raise CorruptCheckpointError(message, getattr(exc, "path", None) or str(path))
+    if isinstance(exc, FileNotFoundError) or not isinstance(exc, CheckpointError):
+        raise CheckpointError(f"loading {path} failed: {type(exc).__name__}: {message}")
+    raise CheckpointError(message)
+
+
 def _load(state_dict: dict[str, Any], path: Path, process_group: Any, verify: bool, allow_pickle: bool) -> None:
     sync = SyncGroup(process_group)
     reader = SafeFileSystemReader(str(path))
+    planner = SafeLoadPlanner(allow_pickle=allow_pickle)
     failure: RankFailure | None = None
+    plan = None
     try:
         manifest = _commit.read_manifest(path)  # also refuses names outside the directory
         if verify:
             names = sorted(manifest["files"])[sync.rank::sync.world_size]
             _commit.verify_checkpoint(path, names)
         reader.check_manifest(manifest["files"])  # reads and checks .metadata
+        plan = plan_direct_load(state_dict, reader.read_metadata())
     except CorruptCheckpointError as exc:
         failure = RankFailure.from_exception(exc)
-    failures = sync.gather_failures(failure)  # the error funnel: the same error on every rank
-    if failures:
-        first = failures[min(failures)]
-        bad_path = getattr(first.exception, "path", None) or str(path)
-        message = str(first.exception) if first.exception is not None else str(first)
-        raise CorruptCheckpointError(message, bad_path)
-    planner = SafeLoadPlanner(allow_pickle=allow_pickle)
+    # One collective: did a rank fail, and can every rank take the direct path?
+    flags = sync.all_gather_ints([failure is not None, plan is not None])
+    if any(f[0] for f in flags):
+        _raise_first(sync.gather_failures(failure), path)  # the error funnel: the same error on every rank
+    if all(f[1] for f in flags):
+        assert plan is not None
+        load_paths["direct"] += 1
+        try:
+            # Verified above (before any target is written: a refused load changes nothing).
+            direct_load(plan, str(path), None, decode=planner.decode_value)
+        except (CheckpointError, OSError) as exc:
+            failure = RankFailure.from_exception(exc)
+        failures = sync.gather_failures(failure)
+        if failures:
+            _raise_first(failures, path)
+        return
+    load_paths["dcp"] += 1
     try:
         with warnings.catch_warnings():
             # Without a process group DCP warns that it loads in a single process: intended.
