@@ -10,6 +10,8 @@ key, another shape) goes DCP's way with DCP's errors; two gloo ranks agree on th
 from __future__ import annotations
 
 import io
+import json
+import zlib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -84,7 +86,7 @@ def counted_load(out: Any, ckpt: Path, **kwargs: Any) -> str:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("verify", [True, False, "inline"])
 def test_direct_path_equals_dcp_bitwise(ckpt: Path, verify: bool) -> None:
     state = make_state()
     out = fresh(state)
@@ -118,6 +120,51 @@ def test_corrupt_byte_refused_before_any_target_is_written(ckpt: Path) -> None:
         asyncckpt.load(out, ckpt)
     assert DATA in str(info.value) and info.value.path.endswith(DATA)
     assert not out["model"]["big"].any() and not out["many"]["t0"].any() and out["step"] == -1
+
+
+@pytest.mark.timeout(120)
+def test_inline_verification_refuses_a_corrupt_byte(ckpt: Path) -> None:
+    """``verify="inline"``: one pass; the mismatch names the file and the entry."""
+    manifest = _commit.read_manifest(ckpt)
+    big = next(s for s in manifest["files"][DATA]["segments"] if s[1] == 4 << 19)
+    flip_byte(ckpt / DATA, big[0] + 1000)
+    out = fresh(make_state())
+    with pytest.raises(CorruptCheckpointError) as info:
+        counted_load(out, ckpt, verify="inline")
+    assert "checksum mismatch" in str(info.value) and "'model.big'" in str(info.value)
+    assert info.value.path.endswith(DATA) and out["step"] == -1  # values are placed last
+    # Also when DCP's path is taken (a partial load): checked first, as verify=True.
+    part = {"model": fresh(make_state()["model"])}
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        counted_load(part, ckpt, verify="inline")
+    assert not part["model"]["big"].any()
+    with pytest.raises(ValueError, match="verify"):
+        asyncckpt.load(out, ckpt, verify="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(120)
+def test_inline_verification_covers_the_bytes_between_records(ckpt: Path) -> None:
+    """Alignment gaps between records are read and checksummed too: nonzero gap bytes
+    (re-signed in the manifest) load; a flipped gap byte is refused."""
+    md = read_metadata(ckpt)
+    spans = sorted((i.offset, i.offset + i.length) for i in md.storage_data.values())
+    gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(spans, spans[1:]) if b_start > a_end]
+    assert len(gaps) > 10
+    content = bytearray((ckpt / DATA).read_bytes())
+    for lo, hi in gaps:
+        content[lo:hi] = bytes(range(1, hi - lo + 1))
+    (ckpt / DATA).write_bytes(bytes(content))
+    manifest = json.loads((ckpt / ".manifest.json").read_text())
+    manifest["files"][DATA]["segments"] = [[o, n, zlib.crc32(content[o:o + n])]
+                                           for o, n, _ in manifest["files"][DATA]["segments"]]
+    (ckpt / ".manifest.json").write_text(json.dumps(manifest))
+    state = make_state()
+    out = fresh(state)
+    assert counted_load(out, ckpt, verify="inline") == "direct"
+    assert_same(state, out)
+    flip_byte(ckpt / DATA, gaps[len(gaps) // 2][0])
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        asyncckpt.load(fresh(state), ckpt, verify="inline")
 
 
 @pytest.mark.timeout(120)

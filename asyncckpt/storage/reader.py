@@ -819,7 +819,7 @@ def _read_unit(fd: int, path: str, unit: _Unit, landings: list[_Landing], scratc
     bytes read when ``unit.crc`` is set."""
     views: list[memoryview] = []
     pos = unit.lo
-    gap = memoryview(scratch)
+    gap = memoryview(scratch)  # every gap its own bytes of it (the CRC runs after the read)
     for land in landings:
         start = land.entry.offset
         for piece in (land.head, land.data, land.tail):
@@ -827,12 +827,12 @@ def _read_unit(fd: int, path: str, unit: _Unit, landings: list[_Landing], scratc
             lo, hi = max(start, pos), min(end, unit.hi)
             if hi > lo:
                 if lo > pos:
-                    views.append(gap[:lo - pos])
+                    views.append(gap[pos - unit.lo:lo - unit.lo])
                 views.append(piece[lo - start:hi - start])
                 pos = hi
             start = end
     if unit.hi > pos:
-        views.append(gap[:unit.hi - pos])
+        views.append(gap[pos - unit.lo:unit.hi - unit.lo])
     _preadv_all(fd, views, unit.lo, path)
     if unit.crc is None:
         return None
@@ -929,7 +929,7 @@ def direct_load(plan: DirectPlan, root: str, manifest_files: dict[str, Any] | No
                 work = value_work if i in value_units else tensor_work
                 work.append((len(value_work) + len(tensor_work), name, u, landings[k:j]))
 
-        def run(work: list) -> None:
+        def run(work: list, note: str = "") -> None:
             local = threading.local()
             errors: list[tuple[int, BaseException]] = []
 
@@ -948,7 +948,7 @@ def direct_load(plan: DirectPlan, root: str, manifest_files: dict[str, Any] | No
                         raise CorruptCheckpointError(
                             f"{path}: checksum mismatch in bytes [{unit.lo}, {unit.hi}) (crc32 {crc:08x}, "
                             f"manifest {unit.crc:08x}), holding state_dict entries {keys[:4]}"
-                            + (f" and {len(keys) - 4} more" if len(keys) > 4 else ""), path)
+                            + (f" and {len(keys) - 4} more" if len(keys) > 4 else "") + note, path)
                 except BaseException as exc:  # noqa: BLE001 - the first in order is raised
                     errors.append((order, exc))
 
@@ -968,7 +968,7 @@ def direct_load(plan: DirectPlan, root: str, manifest_files: dict[str, Any] | No
         values = [(la.entry.fqn, decode(la.entry.fqn, io.BytesIO(la.head)))
                   for _, la in all_landings if la.entry.framing is None]
         # 2. Tensors, straight into their targets where they can.
-        run(tensor_work)
+        run(tensor_work, "; tensors of the state_dict may already hold bytes of this checkpoint")
         # 3. Framing check (a record not in our framing is read the general way);
         #    temporaries copied into their targets.
         for name, la in all_landings:
