@@ -29,7 +29,9 @@ copy of the whole record in memory). Data integrity is the manifest's job
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
+import gc
 import io
 import os
 import pathlib
@@ -38,7 +40,7 @@ import stat
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -86,6 +88,20 @@ _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     ("pathlib", "PosixPath"): pathlib.PosixPath,
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
 }
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """The cyclic garbage collector off while building many small objects (a metadata
+    of thousands of entries otherwise triggers several full collections, a tenth of a
+    second each with a large heap). Only re-enabled if it was on."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -283,8 +299,8 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> Metadata:
     try:
         fd = _open_member(dir_fd, root, METADATA_NAME)
         try:
-            with open(fd, "rb", closefd=False) as f:
-                metadata = _MetadataUnpickler(f).load()
+            with open(fd, "rb", closefd=False) as f, _no_gc():
+                metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
         except CheckpointError:
             raise
         except Exception as exc:
@@ -653,6 +669,10 @@ class DirectPlan(NamedTuple):
     state_dict: dict[str, Any]
 
 
+#: Values that are never ``Stateful`` (``isinstance`` on the Protocol is slow).
+_PLAIN_VALUES = (torch.Tensor, dict, list, tuple, str, int, float, bool, type(None))
+
+
 def _plain_tensor(obj: Any) -> bool:
     return type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type != "meta" and obj.layout == torch.strided
 
@@ -672,45 +692,58 @@ def plan_direct_load(state_dict: dict[str, Any], metadata: Metadata) -> DirectPl
 
     Costs one dict lookup and a few comparisons per entry (no collective, no I/O).
     """
+    with _no_gc():
+        return _plan_direct(state_dict, metadata)
+
+
+def _plan_direct(state_dict: dict[str, Any], metadata: Metadata) -> DirectPlan | None:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.stateful import Stateful
 
-    if any(isinstance(v, Stateful) for v in state_dict.values()):
-        return None
+    if any(not isinstance(v, _PLAIN_VALUES) and isinstance(v, Stateful) for v in state_dict.values()):
+        return None  # (the Protocol check is slow: only for what could be Stateful)
     flat, mappings = flatten_state_dict(state_dict)
     md_all = metadata.state_dict_metadata
-    storage = metadata.storage_data
     if len(flat) != len(md_all):
         return None  # a partial load, or keys of an older flattening: DCP's planner decides
+    # One record per entry: fqn -> (chunk offsets, storage info); None for several.
+    by_fqn: dict[str, Any] = {}
+    for index, info in metadata.storage_data.items():
+        by_fqn[index.fqn] = None if index.fqn in by_fqn else (index.offset, info)
     files: dict[str, list[_Entry]] = {}
     spans: list[tuple[int, int]] = []
     nbytes = 0
+    tensor_md, bytes_md = _md.TensorStorageMetadata, _md.BytesStorageMetadata
     for fqn, obj in flat.items():
         md = md_all.get(fqn)
-        if isinstance(md, _md.BytesStorageMetadata):
-            if isinstance(obj, torch.Tensor):
+        found = by_fqn.get(fqn)
+        if found is None:
+            return None
+        offsets, info = found
+        if type(md) is bytes_md:
+            if isinstance(obj, torch.Tensor) or offsets is not None:
                 return None
-            info = storage.get(MetadataIndex(fqn))
             framing = None
-        elif isinstance(md, _md.TensorStorageMetadata):
-            if not _plain_tensor(obj) or obj.dtype != md.properties.dtype or tuple(obj.shape) != tuple(md.size):
+        elif type(md) is tensor_md:
+            shape = tuple(obj.shape) if isinstance(obj, torch.Tensor) else None
+            if (shape is None or not _plain_tensor(obj) or obj.dtype != md.properties.dtype
+                    or shape != tuple(md.size) or len(md.chunks) != 1 or any(md.chunks[0].offsets)
+                    or tuple(md.chunks[0].sizes) != shape or offsets is None or any(offsets)):
                 return None
-            if len(md.chunks) != 1 or any(md.chunks[0].offsets) or tuple(md.chunks[0].sizes) != tuple(md.size):
+            framing = _writer_framing(obj.dtype, shape)
+            if framing is None or info.length != len(framing.prefix) + framing.nbytes + len(framing.suffix):
                 return None
-            info = storage.get(MetadataIndex(fqn, md.chunks[0].offsets))
-            framing = _writer_framing(obj.dtype, tuple(obj.shape))
-            if info is None or framing is None:
-                return None
-            if info.length != len(framing.prefix) + framing.nbytes + len(framing.suffix):
-                return None
-            if obj.numel() and obj.device.type == "cpu":
-                lo = obj.data_ptr()
-                spans.append((lo, lo + obj.untyped_storage().nbytes() if not obj.is_contiguous()
-                              else lo + framing.nbytes))
+            if framing.nbytes and obj.device.type == "cpu":
+                if obj.is_contiguous():
+                    lo = obj.data_ptr()
+                    spans.append((lo, lo + framing.nbytes))
+                else:  # its whole storage
+                    storage = obj.untyped_storage()
+                    spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
         else:
             return None
-        if info is None or info.transform_descriptors or not isinstance(info.offset, int) \
-                or not isinstance(info.length, int) or info.offset < 0 or info.length < 0:
+        if (info.transform_descriptors or type(info.offset) is not int or type(info.length) is not int
+                or info.offset < 0 or info.length < 0):
             return None
         files.setdefault(info.relative_path, []).append(
             _Entry(fqn, info.offset, info.length, framing, obj if framing is not None else None))
