@@ -845,14 +845,14 @@ def _land(entry: _Entry, direct: bool) -> _Landing:
     return _Landing(entry, memoryview(bytearray(len(f.prefix))), data, memoryview(bytearray(len(f.suffix))), temp)
 
 
-def _read_unit(fd: int, path: str, unit: _Unit, landings: list[_Landing], scratch: bytearray) -> int | None:
+def _read_unit(fd: int, path: str, unit: _Unit, landings: list[_Landing], local: threading.local) -> int | None:
     """Read file bytes ``[unit.lo, unit.hi)``: each landing's pieces that lie inside go
-    to their memory, every other byte (alignment gaps, records nobody asked for) to
-    ``scratch``; one ``preadv`` per ``_IOV_MAX`` buffers. Returns the CRC-32 of the
-    bytes read when ``unit.crc`` is set."""
-    views: list[memoryview] = []
-    pos = unit.lo
-    gap = memoryview(scratch)  # every gap its own bytes of it (the CRC runs after the read)
+    to their memory, every other byte (alignment gaps, records nobody asked for) to a
+    scratch buffer of the thread (``local.buf``, grown to the gaps' total; each gap
+    its own bytes, as the CRC runs after the read); one ``preadv`` per ``_IOV_MAX``
+    buffers. Returns the CRC-32 of the bytes read when ``unit.crc`` is set."""
+    parts: list[memoryview | int] = []  # a piece, or the length of a gap
+    pos, gaps = unit.lo, 0
     for land in landings:
         start = land.entry.offset
         for piece in (land.head, land.data, land.tail):
@@ -860,12 +860,25 @@ def _read_unit(fd: int, path: str, unit: _Unit, landings: list[_Landing], scratc
             lo, hi = max(start, pos), min(end, unit.hi)
             if hi > lo:
                 if lo > pos:
-                    views.append(gap[pos - unit.lo:lo - unit.lo])
-                views.append(piece[lo - start:hi - start])
+                    parts.append(lo - pos)
+                    gaps += lo - pos
+                parts.append(piece[lo - start:hi - start])
                 pos = hi
             start = end
     if unit.hi > pos:
-        views.append(gap[pos - unit.lo:unit.hi - unit.lo])
+        parts.append(unit.hi - pos)
+        gaps += unit.hi - pos
+    scratch = getattr(local, "buf", None)
+    if scratch is None or len(scratch) < gaps:
+        scratch = local.buf = memoryview(bytearray(max(gaps, 1 << 16)))
+    views: list[memoryview] = []
+    cursor = 0
+    for part in parts:
+        if isinstance(part, int):
+            views.append(scratch[cursor:cursor + part])
+            cursor += part
+        else:
+            views.append(part)
     _preadv_all(fd, views, unit.lo, path)
     if unit.crc is None:
         return None
@@ -970,12 +983,9 @@ def direct_load(plan: DirectPlan, root: str, manifest_files: dict[str, Any] | No
                 order, name, unit, landings = item
                 if errors and min(e[0] for e in errors) < order:
                     return  # an earlier read already failed
-                scratch = getattr(local, "buf", None)
-                if scratch is None or len(scratch) < unit.hi - unit.lo:
-                    scratch = local.buf = bytearray(max(unit.hi - unit.lo, 1 << 20))
                 path = os.path.join(root, name)
                 try:
-                    crc = _read_unit(fds[name], path, unit, landings, scratch)
+                    crc = _read_unit(fds[name], path, unit, landings, local)
                     if unit.crc is not None and crc != unit.crc:
                         keys = [la.entry.fqn for la in landings]
                         raise CorruptCheckpointError(
