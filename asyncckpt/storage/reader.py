@@ -23,7 +23,13 @@ more) are recognised byte for byte and their raw bytes copied directly, without 
 ``torch.load`` per tensor; any other record is read with ``torch.load(...,
 weights_only=True)`` as DCP's ``FileSystemReader`` does, streamed from the file (no
 copy of the whole record in memory). Data integrity is the manifest's job
-(``verify_checkpoint``), not this module's.
+(``verify_checkpoint``), not this module's, except in :func:`direct_load` given the
+manifest, which checks the CRC-32 of each manifest segment it reads.
+
+:func:`plan_direct_load` and :func:`direct_load` are the direct path of
+``asyncckpt.load`` for the common case (the state_dict has the checkpoint's keys,
+dtypes and shapes): no DCP load planning, few large ``preadv`` calls straight into
+the target tensors.
 """
 
 from __future__ import annotations
