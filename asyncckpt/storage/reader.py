@@ -642,6 +642,9 @@ _IOV_MAX = 1024
 #: Without manifest segments (``verify=False``), adjacent records are read together up
 #: to this many bytes per read (a record larger than this is one read of its own).
 _UNIT_BYTES = 16 << 20
+#: With verification, each read is checked in steps of this many bytes, each right
+#: after it was read (still in the CPU cache).
+_CRC_STEP_BYTES = 1 << 20
 #: Records further apart than this are not read together (the gap would be read for nothing).
 _MAX_GAP_BYTES = 64 << 10
 
@@ -885,12 +888,27 @@ def _read_unit(fd: int, path: str, unit: _Unit, landings: list[_Landing], local:
             cursor += part
         else:
             views.append(part)
-    _preadv_all(fd, views, unit.lo, path)
     if unit.crc is None:
+        _preadv_all(fd, views, unit.lo, path)
         return None
-    crc = 0
+    # Checked in steps of _CRC_STEP_BYTES, each right after its read, while its bytes
+    # are still in the CPU cache (not one pass over the whole read afterwards).
+    crc, pos, batch, batch_n = 0, unit.lo, [], 0
     for v in views:
-        crc = zlib.crc32(v, crc)
+        for lo in range(0, len(v), _CRC_STEP_BYTES):
+            piece = v[lo:lo + _CRC_STEP_BYTES]
+            batch.append(piece)
+            batch_n += len(piece)
+            if batch_n >= _CRC_STEP_BYTES or len(batch) >= _IOV_MAX:
+                _preadv_all(fd, batch, pos, path)
+                for b in batch:
+                    crc = zlib.crc32(b, crc)
+                pos += batch_n
+                batch, batch_n = [], 0
+    if batch:
+        _preadv_all(fd, batch, pos, path)
+        for b in batch:
+            crc = zlib.crc32(b, crc)
     return crc
 
 
