@@ -7,10 +7,11 @@ checkpoint: see :mod:`asyncckpt.storage.reader`.
 
 from __future__ import annotations
 
+import collections
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpointException
@@ -18,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpoi
 from .dist import SyncGroup
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailure
 from .storage import commit as _commit
-from .storage.reader import SafeFileSystemReader, SafeLoadPlanner
+from .storage.reader import SafeFileSystemReader, SafeLoadPlanner, direct_load, plan_direct_load
 
 __all__ = ["load", "verify", "from_dcp_exception"]
 
@@ -40,13 +41,19 @@ def load(
     checkpoint_dir: str | os.PathLike,
     *,
     process_group: Any = None,
-    verify: bool = True,
+    verify: bool | Literal["inline"] = True,
     allow_pickle: bool = False,
 ) -> None:
     """Load a checkpoint into ``state_dict`` in place, like ``torch.distributed.checkpoint.load``.
 
     Tensors are copied into the given tensors (any device; resharded as DCP does);
     other values are replaced in the given dicts. Collective over ``process_group``.
+
+    When ``state_dict`` has exactly the checkpoint's keys, dtypes and shapes (plain
+    tensors, one record each), on every rank, the records are read directly, in few
+    large reads straight into the tensors (``reader.direct_load``), without DCP's
+    per-entry load planning; anything else goes through ``dcp.load``. Both give the
+    same values and the same errors.
 
     The checkpoint is not trusted (:mod:`asyncckpt.storage.reader`): ``.metadata`` is
     unpickled with an allowlist of DCP metadata classes; every file it or the manifest
@@ -58,9 +65,14 @@ def load(
         state_dict: the structure to fill; its keys select what is read.
         checkpoint_dir: a committed checkpoint directory.
         process_group: the ranks loading together.
-        verify: check sizes and CRC-32 checksums of the files first (each rank checks
-            a share of the files; any mismatch fails every rank). The path checks
-            above run either way.
+        verify: ``True``: check sizes and CRC-32 checksums of the files first (each
+            rank checks a share of the files; any mismatch fails every rank), so a
+            refused load changes nothing. ``"inline"``: on the direct path (see
+            below), check the CRC-32 of the bytes as they are read, in the same pass
+            (the files' sizes and ``.metadata`` are checked first; a mismatch in
+            tensor data then fails the load after some tensors of ``state_dict`` may
+            already hold bytes of this checkpoint); on DCP's path as ``True``.
+            ``False``: no checksums. The path checks above run either way.
         allow_pickle: unpickle non-tensor values of any class (stock DCP's
             ``weights_only=False``). Unpickling runs code chosen by whoever wrote the
             checkpoint: pass ``True`` only for checkpoints you trust. To allow a few
@@ -87,25 +99,70 @@ def load(
                                       "loaded (e.g. by retention): load a newer step", str(path)) from exc
 
 
-def _load(state_dict: dict[str, Any], path: Path, process_group: Any, verify: bool, allow_pickle: bool) -> None:
+#: How many loads of this process took each path: ``"direct"`` (``reader.direct_load``) or
+#: ``"dcp"`` (``dcp.load`` with our reader and planner). A debugging aid; tests read it.
+load_paths: collections.Counter = collections.Counter()
+
+
+def _raise_first(failures: dict[int, RankFailure], path: Path) -> None:
+    """Raise the lowest rank's failure as ours, the same on every rank."""
+    first = failures[min(failures)]
+    exc = first.exception
+    message = str(exc) if exc is not None else str(first)
+    if isinstance(exc, CorruptCheckpointError) or exc is None:
+        raise CorruptCheckpointError(message, getattr(exc, "path", None) or str(path))
+    if isinstance(exc, FileNotFoundError) or not isinstance(exc, CheckpointError):
+        raise CheckpointError(f"loading {path} failed: {type(exc).__name__}: {message}")
+    raise CheckpointError(message)
+
+
+def _load(state_dict: dict[str, Any], path: Path, process_group: Any, verify: bool | str,
+          allow_pickle: bool) -> None:
+    if verify not in (True, False, "inline"):
+        raise ValueError(f"verify must be True, False or 'inline', not {verify!r}")
     sync = SyncGroup(process_group)
     reader = SafeFileSystemReader(str(path))
+    planner = SafeLoadPlanner(allow_pickle=allow_pickle)
     failure: RankFailure | None = None
+    plan = None
+    share: list[str] = []
     try:
         manifest = _commit.read_manifest(path)  # also refuses names outside the directory
-        if verify:
-            names = sorted(manifest["files"])[sync.rank::sync.world_size]
-            _commit.verify_checkpoint(path, names)
+        share = sorted(manifest["files"])[sync.rank::sync.world_size]
+        if verify is True:
+            _commit.verify_checkpoint(path, share)
+        elif verify == "inline":
+            _commit.verify_checkpoint(path, [_commit.METADATA_NAME])  # the data files as they are read
         reader.check_manifest(manifest["files"])  # reads and checks .metadata
+        plan = plan_direct_load(state_dict, reader.read_metadata())
     except CorruptCheckpointError as exc:
         failure = RankFailure.from_exception(exc)
-    failures = sync.gather_failures(failure)  # the error funnel: the same error on every rank
-    if failures:
-        first = failures[min(failures)]
-        bad_path = getattr(first.exception, "path", None) or str(path)
-        message = str(first.exception) if first.exception is not None else str(first)
-        raise CorruptCheckpointError(message, bad_path)
-    planner = SafeLoadPlanner(allow_pickle=allow_pickle)
+    # One collective: did a rank fail, and can every rank take the direct path?
+    flags = sync.all_gather_ints([failure is not None, plan is not None])
+    if any(f[0] for f in flags):
+        _raise_first(sync.gather_failures(failure), path)  # the error funnel: the same error on every rank
+    direct = all(f[1] for f in flags)
+    if verify == "inline" and not direct:  # DCP's path checks first
+        try:
+            _commit.verify_checkpoint(path, share)
+        except CorruptCheckpointError as exc:
+            failure = RankFailure.from_exception(exc)
+        failures = sync.gather_failures(failure)
+        if failures:
+            _raise_first(failures, path)
+    if direct:
+        assert plan is not None
+        load_paths["direct"] += 1
+        try:
+            direct_load(plan, str(path), manifest["files"] if verify == "inline" else None,
+                        decode=planner.decode_value)
+        except (CheckpointError, OSError) as exc:
+            failure = RankFailure.from_exception(exc)
+        failures = sync.gather_failures(failure)
+        if failures:
+            _raise_first(failures, path)
+        return
+    load_paths["dcp"] += 1
     try:
         with warnings.catch_warnings():
             # Without a process group DCP warns that it loads in a single process: intended.

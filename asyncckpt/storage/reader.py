@@ -23,19 +23,30 @@ more) are recognised byte for byte and their raw bytes copied directly, without 
 ``torch.load`` per tensor; any other record is read with ``torch.load(...,
 weights_only=True)`` as DCP's ``FileSystemReader`` does, streamed from the file (no
 copy of the whole record in memory). Data integrity is the manifest's job
-(``verify_checkpoint``), not this module's.
+(``verify_checkpoint``), not this module's, except in :func:`direct_load` given the
+manifest, which checks the CRC-32 of each manifest segment it reads.
+
+:func:`plan_direct_load` and :func:`direct_load` are the direct path of
+``asyncckpt.load`` for the common case (the state_dict has the checkpoint's keys,
+dtypes and shapes): no DCP load planning, few large ``preadv`` calls straight into
+the target tensors.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
+import gc
 import io
 import os
 import pathlib
 import pickle
 import stat
-from typing import Any, Iterable
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -58,6 +69,9 @@ __all__ = [
     "read_metadata",
     "SafeLoadPlanner",
     "SafeFileSystemReader",
+    "DirectPlan",
+    "plan_direct_load",
+    "direct_load",
 ]
 
 #: Records up to this size are read with one ``pread``; larger ones in three.
@@ -80,6 +94,20 @@ _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     ("pathlib", "PosixPath"): pathlib.PosixPath,
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
 }
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """The cyclic garbage collector off while building many small objects (a metadata
+    of thousands of entries otherwise triggers several full collections, a tenth of a
+    second each with a large heap). Only re-enabled if it was on."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -277,8 +305,8 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> Metadata:
     try:
         fd = _open_member(dir_fd, root, METADATA_NAME)
         try:
-            with open(fd, "rb", closefd=False) as f:
-                metadata = _MetadataUnpickler(f).load()
+            with open(fd, "rb", closefd=False) as f, _no_gc():
+                metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
         except CheckpointError:
             raise
         except Exception as exc:
@@ -329,7 +357,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 ``allow_pickle`` is false (naming the entry).
             CorruptCheckpointError: the bytes are not a ``torch.save`` archive.
         """
-        fqn = read_item.dest_index.fqn
+        return self.decode_value(read_item.dest_index.fqn, value)
+
+    def decode_value(self, fqn: str, value: io.BytesIO) -> Any:
+        """Unpickle the non-tensor value of entry ``fqn`` (see :meth:`decode_bytes`)."""
         try:
             return torch.load(value, map_location="cpu", weights_only=not self.allow_pickle)
         except pickle.UnpicklingError as exc:
@@ -603,3 +634,446 @@ class SafeFileSystemReader(FileSystemReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+
+# ----------------------------------------------------------------------------- direct load
+#: ``preadv`` takes at most this many buffers per call (Linux ``IOV_MAX``).
+_IOV_MAX = 1024
+#: Without manifest segments (``verify=False``), adjacent records are read together up
+#: to this many bytes per read (a record larger than this is one read of its own).
+_UNIT_BYTES = 16 << 20
+#: With verification, each read is checked in steps of this many bytes, each right
+#: after it was read (still in the CPU cache).
+_CRC_STEP_BYTES = 1 << 20
+#: Records further apart than this are not read together (the gap would be read for nothing).
+_MAX_GAP_BYTES = 64 << 10
+
+
+class _Entry(NamedTuple):
+    """One record the direct path reads: ``fqn``'s bytes at ``[offset, offset + length)``.
+
+    ``framing`` is ``None`` for a non-tensor value (``BYTE_IO``); ``target`` is the
+    state_dict tensor to fill (``None`` for a value)."""
+
+    fqn: str
+    offset: int
+    length: int
+    framing: TensorFraming | None
+    target: torch.Tensor | None
+
+
+class DirectPlan(NamedTuple):
+    """What :func:`plan_direct_load` found: every record to read, by data file.
+
+    Attributes:
+        files: file name -> its entries, sorted by offset.
+        mappings: DCP's flatten mapping (flat key -> nested path of the state_dict).
+        nbytes: bytes of all records.
+        state_dict: the state_dict the plan fills.
+    """
+
+    files: dict[str, list[_Entry]]
+    mappings: dict[str, Any]
+    nbytes: int
+    state_dict: dict[str, Any]
+
+
+#: Values that are never ``Stateful`` (``isinstance`` on the Protocol is slow).
+_PLAIN_VALUES = (torch.Tensor, dict, list, tuple, str, int, float, bool, type(None))
+
+
+def _plain_tensor(obj: Any) -> bool:
+    return type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type != "meta" and obj.layout == torch.strided
+
+
+def plan_direct_load(state_dict: dict[str, Any], metadata: Metadata) -> DirectPlan | None:
+    """Map every entry of ``state_dict`` to its record, or ``None`` if the checkpoint or
+    the state is not the common case that :func:`direct_load` handles.
+
+    The common case: the state's flattened keys (DCP's ``flatten_state_dict``, as
+    ``DefaultLoadPlanner`` flattens) are exactly the checkpoint's; every tensor is a plain
+    strided tensor (not a DTensor, ShardedTensor or meta tensor) of the checkpoint's dtype
+    and shape, saved as one chunk in our writer's framing length
+    (``layout.record_framing``); every non-tensor value is a ``BYTE_IO`` record; no
+    record has stream transforms; no two target tensors share memory; no top-level value
+    is ``Stateful``. Anything else (resharding, a partial load, a missing key, a stock
+    ``dcp.save`` record) returns ``None``: DCP's planner handles it, with its errors.
+
+    Costs one dict lookup and a few comparisons per entry (no collective, no I/O).
+    """
+    with _no_gc():
+        return _plan_direct(state_dict, metadata)
+
+
+def _plan_direct(state_dict: dict[str, Any], metadata: Metadata) -> DirectPlan | None:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    if any(not isinstance(v, _PLAIN_VALUES) and isinstance(v, Stateful) for v in state_dict.values()):
+        return None  # (the Protocol check is slow: only for what could be Stateful)
+    flat, mappings = flatten_state_dict(state_dict)
+    md_all = metadata.state_dict_metadata
+    if len(flat) != len(md_all):
+        return None  # a partial load, or keys of an older flattening: DCP's planner decides
+    # One record per entry: fqn -> (chunk offsets, storage info); None for several.
+    by_fqn: dict[str, Any] = {}
+    for index, info in metadata.storage_data.items():
+        by_fqn[index.fqn] = None if index.fqn in by_fqn else (index.offset, info)
+    files: dict[str, list[_Entry]] = {}
+    spans: list[tuple[int, int]] = []
+    nbytes = 0
+    tensor_md, bytes_md = _md.TensorStorageMetadata, _md.BytesStorageMetadata
+    for fqn, obj in flat.items():
+        md = md_all.get(fqn)
+        found = by_fqn.get(fqn)
+        if found is None:
+            return None
+        offsets, info = found
+        if type(md) is bytes_md:
+            if isinstance(obj, torch.Tensor) or offsets is not None:
+                return None
+            framing = None
+        elif type(md) is tensor_md:
+            shape = tuple(obj.shape) if isinstance(obj, torch.Tensor) else None
+            if (shape is None or not _plain_tensor(obj) or obj.dtype != md.properties.dtype
+                    or shape != tuple(md.size) or len(md.chunks) != 1 or any(md.chunks[0].offsets)
+                    or tuple(md.chunks[0].sizes) != shape or offsets is None or any(offsets)):
+                return None
+            framing = _writer_framing(obj.dtype, shape)
+            if framing is None or info.length != len(framing.prefix) + framing.nbytes + len(framing.suffix):
+                return None
+            if framing.nbytes and obj.device.type == "cpu":
+                if obj.is_contiguous():
+                    lo = obj.data_ptr()
+                    spans.append((lo, lo + framing.nbytes))
+                else:  # its whole storage
+                    storage = obj.untyped_storage()
+                    spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        else:
+            return None
+        if (info.transform_descriptors or type(info.offset) is not int or type(info.length) is not int
+                or info.offset < 0 or info.length < 0):
+            return None
+        files.setdefault(info.relative_path, []).append(
+            _Entry(fqn, info.offset, info.length, framing, obj if framing is not None else None))
+        nbytes += info.length
+    spans.sort()
+    if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
+        return None  # tied or overlapping tensors: DCP's order of writes decides
+    for entries in files.values():
+        entries.sort(key=lambda e: e.offset)
+        if any(a.offset + a.length > b.offset for a, b in zip(entries, entries[1:])):
+            return None
+    return DirectPlan(files, mappings, nbytes, state_dict)
+
+
+def _preadv_all(fd: int, views: list[memoryview], offset: int, path: str) -> None:
+    """Fill ``views`` (in order) from ``offset``: at most ``_IOV_MAX`` buffers per
+    ``preadv``, short reads finished.
+
+    Raises:
+        CorruptCheckpointError: the file ends first.
+    """
+    i, pos = 0, offset
+    while i < len(views):
+        batch = views[i:i + _IOV_MAX]
+        want = sum(len(v) for v in batch)
+        got = os.preadv(fd, batch, pos) if want else 0
+        if got < want:  # short (rare): finish the batch buffer by buffer
+            done = 0
+            for v in batch:
+                if done + len(v) > got:
+                    lo = max(0, got - done)
+                    _pread_into(fd, v[lo:], pos + done + lo, path)
+                done += len(v)
+        pos += want
+        i += _IOV_MAX
+
+
+class _Unit(NamedTuple):
+    """One read: file bytes ``[lo, hi)``, checked against ``crc`` when not ``None``."""
+
+    lo: int
+    hi: int
+    crc: int | None
+
+
+def _units(entries: list[_Entry], segments: list[list[int]] | None) -> list[_Unit]:
+    """The reads covering ``entries``: the manifest segments that hold a byte of them
+    (``segments``: verification on), else the entries merged into reads of up to
+    ``_UNIT_BYTES``."""
+    units: list[_Unit] = []
+    if segments is not None:
+        k = 0
+        for e in entries:
+            end = e.offset + e.length
+            while k < len(segments) and segments[k][0] + segments[k][1] <= e.offset:
+                k += 1
+            j = k
+            while j < len(segments) and segments[j][0] < end:
+                lo, n, crc = segments[j]
+                if not units or units[-1].lo < lo:
+                    units.append(_Unit(lo, lo + n, crc))
+                j += 1
+        return units
+    for e in entries:
+        end = e.offset + e.length
+        if units and e.offset - units[-1].hi <= _MAX_GAP_BYTES and end - units[-1].lo <= _UNIT_BYTES:
+            units[-1] = _Unit(units[-1].lo, max(units[-1].hi, end), None)
+        else:
+            units.append(_Unit(e.offset, end, None))
+    return units
+
+
+class _Landing(NamedTuple):
+    """Where one entry's bytes land: ``head`` (framing before the data, or a value's
+    whole record), ``data`` (the raw tensor bytes: the target's memory, or ``temp``'s),
+    ``tail`` (framing after)."""
+
+    entry: _Entry
+    head: memoryview
+    data: memoryview
+    tail: memoryview
+    temp: torch.Tensor | None  # the data, when the target cannot take it directly
+
+
+def _land(entry: _Entry, direct: bool) -> _Landing:
+    f = entry.framing
+    if f is None:
+        return _Landing(entry, memoryview(bytearray(entry.length)), memoryview(b""), memoryview(b""), None)
+    target = entry.target
+    assert target is not None
+    temp = None
+    if f.nbytes == 0:
+        data = memoryview(b"")
+    elif direct and target.device.type == "cpu" and target.is_contiguous():
+        data = memoryview((ctypes.c_char * f.nbytes).from_address(target.data_ptr())).cast("B")
+    else:
+        temp = torch.empty(target.shape, dtype=target.dtype)
+        data = memoryview((ctypes.c_char * f.nbytes).from_address(temp.data_ptr())).cast("B")
+    return _Landing(entry, memoryview(bytearray(len(f.prefix))), data, memoryview(bytearray(len(f.suffix))), temp)
+
+
+def _read_unit(fd: int, path: str, unit: _Unit, landings: list[_Landing], local: threading.local) -> int | None:
+    """Read file bytes ``[unit.lo, unit.hi)``: each landing's pieces that lie inside go
+    to their memory, every other byte (alignment gaps, records nobody asked for) to a
+    scratch buffer of the thread (``local.buf``, grown to the gaps' total; each gap
+    its own bytes, as the CRC runs after the read); one ``preadv`` per ``_IOV_MAX``
+    buffers. Returns the CRC-32 of the bytes read when ``unit.crc`` is set."""
+    parts: list[memoryview | int] = []  # a piece, or the length of a gap
+    pos, gaps = unit.lo, 0
+    for land in landings:
+        start = land.entry.offset
+        for piece in (land.head, land.data, land.tail):
+            end = start + len(piece)
+            lo, hi = max(start, pos), min(end, unit.hi)
+            if hi > lo:
+                if lo > pos:
+                    parts.append(lo - pos)
+                    gaps += lo - pos
+                parts.append(piece[lo - start:hi - start])
+                pos = hi
+            start = end
+    if unit.hi > pos:
+        parts.append(unit.hi - pos)
+        gaps += unit.hi - pos
+    scratch = getattr(local, "buf", None)
+    if scratch is None or len(scratch) < gaps:
+        scratch = local.buf = memoryview(bytearray(max(gaps, 1 << 16)))
+    views: list[memoryview] = []
+    cursor = 0
+    for part in parts:
+        if isinstance(part, int):
+            views.append(scratch[cursor:cursor + part])
+            cursor += part
+        else:
+            views.append(part)
+    if unit.crc is None:
+        _preadv_all(fd, views, unit.lo, path)
+        return None
+    # Checked in steps of _CRC_STEP_BYTES, each right after its read, while its bytes
+    # are still in the CPU cache (not one pass over the whole read afterwards).
+    crc, pos, batch, batch_n = 0, unit.lo, [], 0
+    for v in views:
+        for lo in range(0, len(v), _CRC_STEP_BYTES):
+            piece = v[lo:lo + _CRC_STEP_BYTES]
+            batch.append(piece)
+            batch_n += len(piece)
+            if batch_n >= _CRC_STEP_BYTES or len(batch) >= _IOV_MAX:
+                _preadv_all(fd, batch, pos, path)
+                for b in batch:
+                    crc = zlib.crc32(b, crc)
+                pos += batch_n
+                batch, batch_n = [], 0
+    if batch:
+        _preadv_all(fd, batch, pos, path)
+        for b in batch:
+            crc = zlib.crc32(b, crc)
+    return crc
+
+
+def _checked_segments(manifest_files: dict[str, Any], name: str, path: str, size: int) -> list[list[int]]:
+    """The manifest's segments of file ``name``, checked to cover its ``size`` bytes.
+
+    Raises:
+        CorruptCheckpointError: the file is not listed, has another size, or the
+            segments do not cover it (the messages of ``verify_checkpoint``).
+    """
+    entry = manifest_files.get(name)
+    if entry is None:
+        raise CorruptCheckpointError(f"{METADATA_NAME} names {name!r}, a file the manifest does not list", path)
+    if size != entry["size"]:
+        raise CorruptCheckpointError(f"{path} has {size} bytes, the manifest says {entry['size']}", path)
+    pos = 0
+    for offset, length, _crc in entry["segments"]:
+        if offset != pos:
+            raise CorruptCheckpointError(f"{path}: manifest segments do not cover the file", path)
+        pos = offset + length
+    if pos != size:
+        raise CorruptCheckpointError(f"{path}: manifest segments do not cover the file", path)
+    return entry["segments"]
+
+
+def direct_load(plan: DirectPlan, root: str, manifest_files: dict[str, Any] | None, *,
+                decode: Any, threads: int | None = None) -> None:
+    """Read ``plan``'s records into their targets: the direct path of ``asyncckpt.load``.
+
+    Per data file, the records are read in file order with few large ``preadv`` calls
+    (each buffer list covers a manifest segment or, without verification, up to 16 MiB
+    of adjacent records): tensor data goes straight into the target's memory when the
+    target is a contiguous CPU tensor (else into a CPU tensor copied in afterwards), the
+    framing into small buffers that are then compared with our writer's framing. Reads
+    run on a few threads (``preadv`` and ``zlib.crc32`` release the GIL). Non-tensor
+    values are read, checked and decoded first (``decode(fqn, BytesIO)``), and placed
+    last; a refused value leaves the state_dict unchanged.
+
+    Args:
+        plan: from :func:`plan_direct_load`.
+        root: the checkpoint directory.
+        manifest_files: the manifest's ``files`` to check every read against (sizes and
+            the CRC-32 of each segment read); ``None`` reads without checking.
+        decode: ``decode(fqn, value: io.BytesIO) -> object`` for non-tensor values.
+        threads: reading threads (default: up to 4, at most the CPU count).
+
+    Raises:
+        CorruptCheckpointError: a file is missing, not a regular file, of the wrong size,
+            shorter than a record, or a segment's CRC-32 does not match (naming the
+            file, the bytes and the entries in them; the tensors of those bytes may then
+            hold the bad bytes).
+        CheckpointError: from ``decode`` (a value that needs ``allow_pickle``).
+    """
+    if threads is None:
+        threads = min(4, os.cpu_count() or 1)
+    dir_fd = _open_dir(root)
+    fds: dict[str, int] = {}
+    try:
+        value_work: list[tuple[int, str, _Unit, list[_Landing]]] = []  # (order, file, read, its landings)
+        tensor_work: list[tuple[int, str, _Unit, list[_Landing]]] = []
+        all_landings: list[tuple[str, _Landing]] = []
+        for name in sorted(plan.files):
+            entries = plan.files[name]
+            fd = fds[name] = _open_member(dir_fd, root, check_file_name(name, METADATA_NAME))
+            path = os.path.join(root, name)
+            size = os.fstat(fd).st_size
+            segments = None if manifest_files is None else _checked_segments(manifest_files, name, path, size)
+            last = entries[-1]
+            if last.offset + last.length > size:
+                raise CorruptCheckpointError(
+                    f"{path}: entry {last.fqn!r} lies past the end of the file (up to byte "
+                    f"{last.offset + last.length}, the file has {size} bytes)", path)
+            units = _units(entries, segments)
+            # The reads holding a value go first, before any target is written: the
+            # tensors in them land in temporaries.
+            value_units = {i for e in entries if e.framing is None
+                           for i, u in enumerate(units) if u.lo < e.offset + e.length and u.hi > e.offset}
+            landings = [_land(e, direct=not any(units[i].lo < e.offset + e.length and units[i].hi > e.offset
+                                                for i in value_units)) for e in entries]
+            all_landings += [(name, la) for la in landings]
+            k = 0
+            for i, u in enumerate(units):
+                while k < len(landings) and landings[k].entry.offset + landings[k].entry.length <= u.lo:
+                    k += 1
+                j = k
+                while j < len(landings) and landings[j].entry.offset < u.hi:
+                    j += 1
+                work = value_work if i in value_units else tensor_work
+                work.append((len(value_work) + len(tensor_work), name, u, landings[k:j]))
+
+        def run(work: list, note: str = "") -> None:
+            local = threading.local()
+            errors: list[tuple[int, BaseException]] = []
+
+            def one(item: tuple) -> None:
+                order, name, unit, landings = item
+                if errors and min(e[0] for e in errors) < order:
+                    return  # an earlier read already failed
+                path = os.path.join(root, name)
+                try:
+                    crc = _read_unit(fds[name], path, unit, landings, local)
+                    if unit.crc is not None and crc != unit.crc:
+                        keys = [la.entry.fqn for la in landings]
+                        raise CorruptCheckpointError(
+                            f"{path}: checksum mismatch in bytes [{unit.lo}, {unit.hi}) (crc32 {crc:08x}, "
+                            f"manifest {unit.crc:08x}), holding state_dict entries {keys[:4]}"
+                            + (f" and {len(keys) - 4} more" if len(keys) > 4 else "") + note, path)
+                except BaseException as exc:  # noqa: BLE001 - the first in order is raised
+                    errors.append((order, exc))
+
+            if threads <= 1 or len(work) <= 1:
+                for item in work:
+                    one(item)
+                    if errors:
+                        break
+            else:
+                with ThreadPoolExecutor(threads, thread_name_prefix="asyncckpt-load") as pool:
+                    list(pool.map(one, work))
+            if errors:
+                raise min(errors, key=lambda e: e[0])[1]
+
+        # 1. Values (and the tensors sharing their reads, into temporaries), decoded.
+        run(value_work)
+        values = [(la.entry.fqn, decode(la.entry.fqn, io.BytesIO(la.head)))
+                  for _, la in all_landings if la.entry.framing is None]
+        # 2. Tensors, straight into their targets where they can.
+        run(tensor_work, "; tensors of the state_dict may already hold bytes of this checkpoint")
+        # 3. Framing check (a record not in our framing is read the general way);
+        #    temporaries copied into their targets.
+        for name, la in all_landings:
+            e, f = la.entry, la.entry.framing
+            if f is None:
+                continue
+            assert e.target is not None
+            if la.head == f.prefix and _suffix_matches(la.tail, f):
+                if la.temp is not None:
+                    e.target.detach().copy_(la.temp)
+            else:
+                e.target.detach().copy_(_load_foreign(fds[name], os.path.join(root, name), e))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        os.close(dir_fd)
+    for fqn, obj in values:
+        set_element(plan.state_dict, plan.mappings[fqn], obj)
+
+
+def _load_foreign(fd: int, path: str, entry: _Entry) -> torch.Tensor:
+    """A tensor record that is not in our writer's framing: ``torch.load(weights_only=True)``
+    of the record, as DCP's ``FileSystemReader`` reads it.
+
+    Raises:
+        CorruptCheckpointError: not a tensor archive, or not the target's dtype and shape.
+    """
+    try:
+        tensor = torch.load(_RecordStream(fd, entry.offset, entry.length), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CorruptCheckpointError(
+            f"{path}: the record of {entry.fqn!r} is not a tensor archive: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", path) from exc
+    if not isinstance(tensor, torch.Tensor):
+        raise CorruptCheckpointError(
+            f"{path}: the record of {entry.fqn!r} holds a {type(tensor).__name__}, not a tensor", path)
+    assert entry.target is not None
+    if tensor.size() != entry.target.size():
+        raise CorruptCheckpointError(f"{path}: entry {entry.fqn!r} has size {tuple(tensor.size())}, "
+                                     f"expected {tuple(entry.target.size())}", path)
+    return tensor

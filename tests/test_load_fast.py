@@ -1,0 +1,242 @@
+"""The direct load path (``asyncckpt.load`` without DCP's load planner, issue #11 item 5).
+
+Each test checks which path a load took (``asyncckpt.loading.load_paths``) and compares
+the result bitwise with stock ``dcp.load`` of the same checkpoint: nested dicts, many
+small tensors, mixed dtypes, non-tensor values, non-contiguous targets; a corrupt byte
+is refused before any target is written; anything unusual (a partial load, a missing
+key, another shape) goes DCP's way with DCP's errors; two gloo ranks agree on the path.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zlib
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import asyncckpt
+from asyncckpt import CheckpointError, CorruptCheckpointError, loading
+from asyncckpt.storage import commit as _commit
+from asyncckpt.storage.reader import SafeLoadPlanner, direct_load, plan_direct_load, read_metadata
+from dist_utils import run_ranks
+from helpers import assert_same, flip_byte
+
+DATA = "__0_0.distcp"
+
+
+def make_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "model": {
+            "emb": torch.randn(300, 64, generator=g),
+            "ln": {"weight": torch.randn(64, generator=g).half(), "bias": torch.randn(64, generator=g).bfloat16()},
+            "ids": torch.randint(-2**40, 2**40, (33,), generator=g),
+            "mask": torch.rand(17, generator=g) > 0.5,
+            "big": torch.randn(1 << 19, generator=g),  # 2 MiB: a manifest segment of its own
+            "scalar": torch.tensor(3.5, dtype=torch.float64),
+            "empty": torch.zeros(0, 4),
+        },
+        "optim": {"state": {"emb": {"step": torch.tensor(12.0), "exp_avg": torch.randn(300, 64, generator=g)}},
+                  "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": ["emb"]}]},
+        "many": {f"t{i}": torch.randn(5 + i % 7, generator=g) for i in range(1500)},
+        "step": 41,
+        "name": "run-a",
+    }
+
+
+def fresh(sd: Any) -> Any:
+    """The same structure with every tensor zeroed and every value replaced."""
+    if isinstance(sd, dict):
+        return {k: fresh(v) for k, v in sd.items()}
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros_like(sd)
+    if isinstance(sd, list):
+        return [fresh(v) for v in sd]
+    return {"int": -1, "str": "?", "float": -1.0, "tuple": ()}.get(type(sd).__name__, None)
+
+
+def stock_load(ckpt: Path, template: Any) -> Any:
+    out = fresh(template)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(out, checkpoint_id=str(ckpt), no_dist=True)
+    return out
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path, temporal_queue: Any) -> Path:
+    path = tmp_path / "ck"
+    asyncckpt.save(make_state(), path, calls_queue=temporal_queue)
+    return path
+
+
+def counted_load(out: Any, ckpt: Path, **kwargs: Any) -> str:
+    """Load and return the path it took."""
+    before = dict(loading.load_paths)
+    asyncckpt.load(out, ckpt, **kwargs)
+    taken = [k for k, v in loading.load_paths.items() if v != before.get(k, 0)]
+    assert len(taken) == 1, taken
+    return taken[0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("verify", [True, False, "inline"])
+def test_direct_path_equals_dcp_bitwise(ckpt: Path, verify: bool) -> None:
+    state = make_state()
+    out = fresh(state)
+    keep = {id(t): t for t in (out["model"]["emb"], out["many"]["t3"])}
+    assert counted_load(out, ckpt, verify=verify) == "direct"
+    assert_same(state, out)
+    assert_same(stock_load(ckpt, state), out)
+    # In place: the given tensors were filled, not replaced.
+    assert out["model"]["emb"] is keep[id(out["model"]["emb"])] and out["many"]["t3"] is keep[id(out["many"]["t3"])]
+
+
+@pytest.mark.timeout(120)
+def test_noncontiguous_and_parameter_targets(ckpt: Path) -> None:
+    state = make_state()
+    out = fresh(state)
+    out["model"]["emb"] = torch.zeros(64, 300).t()  # non-contiguous, same shape
+    out["optim"]["state"]["emb"]["exp_avg"] = torch.nn.Parameter(torch.zeros(300, 64), requires_grad=True)
+    assert not out["model"]["emb"].is_contiguous()
+    assert counted_load(out, ckpt) == "direct"
+    assert_same(state["model"], out["model"])
+    assert torch.equal(out["optim"]["state"]["emb"]["exp_avg"].detach(), state["optim"]["state"]["emb"]["exp_avg"])
+
+
+@pytest.mark.timeout(120)
+def test_corrupt_byte_refused_before_any_target_is_written(ckpt: Path) -> None:
+    manifest = _commit.read_manifest(ckpt)
+    big = next(s for s in manifest["files"][DATA]["segments"] if s[1] == 4 << 19)  # model.big's data
+    flip_byte(ckpt / DATA, big[0] + 1000)
+    out = fresh(make_state())
+    with pytest.raises(CorruptCheckpointError) as info:
+        asyncckpt.load(out, ckpt)
+    assert DATA in str(info.value) and info.value.path.endswith(DATA)
+    assert not out["model"]["big"].any() and not out["many"]["t0"].any() and out["step"] == -1
+
+
+@pytest.mark.timeout(120)
+def test_inline_verification_refuses_a_corrupt_byte(ckpt: Path) -> None:
+    """``verify="inline"``: one pass; the mismatch names the file and the entry."""
+    manifest = _commit.read_manifest(ckpt)
+    big = next(s for s in manifest["files"][DATA]["segments"] if s[1] == 4 << 19)
+    flip_byte(ckpt / DATA, big[0] + 1000)
+    out = fresh(make_state())
+    with pytest.raises(CorruptCheckpointError) as info:
+        counted_load(out, ckpt, verify="inline")
+    assert "checksum mismatch" in str(info.value) and "'model.big'" in str(info.value)
+    assert info.value.path.endswith(DATA) and out["step"] == -1  # values are placed last
+    # Also when DCP's path is taken (a partial load): checked first, as verify=True.
+    part = {"model": fresh(make_state()["model"])}
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        counted_load(part, ckpt, verify="inline")
+    assert not part["model"]["big"].any()
+    with pytest.raises(ValueError, match="verify"):
+        asyncckpt.load(out, ckpt, verify="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(120)
+def test_inline_verification_covers_the_bytes_between_records(ckpt: Path) -> None:
+    """Alignment gaps between records are read and checksummed too: nonzero gap bytes
+    (re-signed in the manifest) load; a flipped gap byte is refused."""
+    md = read_metadata(ckpt)
+    spans = sorted((i.offset, i.offset + i.length) for i in md.storage_data.values())
+    gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(spans, spans[1:]) if b_start > a_end]
+    assert len(gaps) > 10
+    content = bytearray((ckpt / DATA).read_bytes())
+    for lo, hi in gaps:
+        content[lo:hi] = bytes(range(1, hi - lo + 1))
+    (ckpt / DATA).write_bytes(bytes(content))
+    manifest = json.loads((ckpt / ".manifest.json").read_text())
+    manifest["files"][DATA]["segments"] = [[o, n, zlib.crc32(content[o:o + n])]
+                                           for o, n, _ in manifest["files"][DATA]["segments"]]
+    (ckpt / ".manifest.json").write_text(json.dumps(manifest))
+    state = make_state()
+    out = fresh(state)
+    assert counted_load(out, ckpt, verify="inline") == "direct"
+    assert_same(state, out)
+    flip_byte(ckpt / DATA, gaps[len(gaps) // 2][0])
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        asyncckpt.load(fresh(state), ckpt, verify="inline")
+
+
+@pytest.mark.timeout(120)
+def test_direct_load_checks_crcs_of_what_it_reads(ckpt: Path) -> None:
+    """``direct_load`` with the manifest: a flipped byte names the file and the entry."""
+    manifest = _commit.read_manifest(ckpt)
+    big = next(s for s in manifest["files"][DATA]["segments"] if s[1] == 4 << 19)
+    state = make_state()
+    out = fresh(state)
+    plan = plan_direct_load(out, read_metadata(ckpt))
+    assert plan is not None
+    direct_load(plan, str(ckpt), manifest["files"], decode=SafeLoadPlanner().decode_value)
+    assert_same(state, out)  # the checked read of a sound checkpoint
+    flip_byte(ckpt / DATA, big[0] + 1000)
+    plan = plan_direct_load(fresh(state), read_metadata(ckpt))
+    with pytest.raises(CorruptCheckpointError) as info:
+        direct_load(plan, str(ckpt), manifest["files"], decode=SafeLoadPlanner().decode_value)
+    assert "checksum mismatch" in str(info.value) and "'model.big'" in str(info.value) and DATA in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_unusual_states_go_dcps_way(ckpt: Path) -> None:
+    state = make_state()
+    # A partial load (the checkpoint has more keys): DCP's planner, same result.
+    part = {"model": fresh(state["model"])}
+    assert counted_load(part, ckpt) == "dcp"
+    assert_same(state["model"], part["model"])
+    # A key the checkpoint lacks: DCP's error, naming it.
+    out = fresh(state)
+    out["model"]["extra"] = torch.zeros(3)
+    with pytest.raises(CheckpointError, match="model.extra"):
+        counted_load(out, ckpt)
+    assert loading.load_paths["dcp"] >= 2
+    # Another shape: refused by DCP, naming the entry.
+    out = fresh(state)
+    out["model"]["emb"] = torch.zeros(301, 64)
+    with pytest.raises(CheckpointError, match="model.emb"):
+        counted_load(out, ckpt)
+    # Tied targets (one tensor under two keys): DCP's order of writes decides.
+    out = fresh(state)
+    out["optim"]["state"]["emb"]["exp_avg"] = out["model"]["emb"]
+    assert counted_load(out, ckpt) == "dcp"
+
+
+@pytest.mark.timeout(120)
+def test_a_value_needing_pickle_leaves_the_state_unchanged(tmp_path: Path, temporal_queue: Any) -> None:
+    path = tmp_path / "ck"
+    state = {"w": torch.randn(1 << 18), "cfg": io.StringIO}  # a class: weights_only refuses it
+    asyncckpt.save(state, path, calls_queue=temporal_queue)
+    out = {"w": torch.zeros(1 << 18), "cfg": None}
+    with pytest.raises(CheckpointError, match="'cfg'"):
+        counted_load(out, path)
+    assert not out["w"].any() and out["cfg"] is None
+    assert counted_load(out, path, allow_pickle=True) == "direct"
+    assert torch.equal(out["w"], state["w"]) and out["cfg"] is io.StringIO
+
+
+def _rank_load(rank: int, world_size: int, ckpt: str, odd_rank: int) -> dict[str, Any]:
+    state = make_state()
+    out = fresh(state)
+    if rank == odd_rank:
+        out = {"model": out["model"]}  # a partial load on this rank: every rank must go DCP's way
+    asyncckpt.load(out, ckpt)
+    assert_same(state["model"], out["model"])
+    if rank != odd_rank:
+        assert_same(state, out)
+    return dict(loading.load_paths)
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_agree_on_the_path(ckpt: Path) -> None:
+    both = run_ranks(_rank_load, 2, str(ckpt), -1, timeout=120)
+    assert [r.get("direct", 0) for r in both] == [1, 1], both
+    mixed = run_ranks(_rank_load, 2, str(ckpt), 1, timeout=120)
+    assert [r.get("dcp", 0) for r in mixed] == [1, 1] and [r.get("direct", 0) for r in mixed] == [0, 0], mixed

@@ -1,0 +1,58 @@
+"""The writer's checksums: ``crc32_combine`` against zlib, and ``_checksum_and_patch``
+(segments cover the image and match zlib over their bytes; each record's CRC-32 is
+patched into its zip fields) for records below, at and above the sizes where the
+writer merges CRCs instead of checksumming twice, and where a record gets its own
+segment."""
+
+from __future__ import annotations
+
+import random
+import struct
+import zlib
+
+import pytest
+
+from asyncckpt.storage import writer
+from asyncckpt.storage.writer import BIG_SEGMENT_BYTES, COMBINE_MIN_BYTES, CrcPatch, crc32_combine
+
+
+@pytest.mark.timeout(60)
+def test_crc32_combine_matches_zlib() -> None:
+    rng = random.Random(3)
+    for n1, n2 in [(0, 0), (0, 1), (1, 0), (7, 3), (100, COMBINE_MIN_BYTES), (5, COMBINE_MIN_BYTES + 1),
+                   (4096, BIG_SEGMENT_BYTES - 64), (3, 12345)]:
+        a, b = rng.randbytes(n1), rng.randbytes(n2)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), n2) == zlib.crc32(a + b), (n1, n2)
+        start = rng.getrandbits(32)
+        assert crc32_combine(start, zlib.crc32(b), n2) == zlib.crc32(b, start), (start, n2)
+
+
+@pytest.mark.timeout(60)
+def test_segments_and_patched_crcs_match_zlib() -> None:
+    rng = random.Random(5)
+    # 70 KiB and 300 KiB repeat often enough to get tables (merged CRCs); the others not.
+    sizes = [10, COMBINE_MIN_BYTES - 64, COMBINE_MIN_BYTES, 200 << 10, BIG_SEGMENT_BYTES - 64, BIG_SEGMENT_BYTES,
+             3 << 20] + rng.sample([64, 70 << 10, 300 << 10] * 40, 120)
+    image = bytearray()
+    patches = []
+    for n in sizes:
+        image += rng.randbytes(100)  # "framing" before the data
+        data_offset = len(image)
+        image += rng.randbytes(n)
+        fields = (len(image) + 4, len(image) + 20)
+        image += bytes(40)  # "framing" after, with two CRC fields
+        patches.append(CrcPatch(data_offset, n, fields))
+    image += rng.randbytes(77)
+    view = memoryview(image)
+    progress = writer._Progress(tuple(patches), len(image))
+    segments = writer._checksum_and_patch(view, tuple(patches), progress)
+    pos = 0
+    for offset, length, crc in segments:
+        assert offset == pos and zlib.crc32(image[offset:offset + length]) == crc, (offset, length)
+        pos = offset + length
+    assert pos == len(image) and len(segments) > 3
+    assert {70 << 10, 300 << 10} <= set(writer._tables), "the merged-CRC path was not exercised"
+    for p in patches:
+        expected = zlib.crc32(image[p.data_offset:p.data_offset + p.data_nbytes])
+        for f in p.patch_offsets:
+            assert struct.unpack_from("<I", image, f)[0] == expected
