@@ -406,6 +406,8 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
         gathered_plans = sync.all_gather_object((failure, local_plan))
         _raise_errors(sync, [f for f, _ in gathered_plans])
         global_plans, metadata = planner.create_global_plan([p for _, p in gathered_plans])
+        if metadata.storage_meta is None:  # as a cached plan's (and dcp.save's) metadata has it
+            metadata = dataclasses.replace(metadata, storage_meta=storage_meta)
         plan = planner.finish_plan(global_plans[sync.rank])
         try:
             data = _resolve(plan, planner.resolve_data)

@@ -229,3 +229,35 @@ def test_fsdp2_second_save_hits_the_cache_on_every_rank(tmp_path: Path) -> None:
         assert res["hits"] == [0, 1, 2, 2, 3, 3, 3], res["hits"]
         for key, cmp in res["diffs"].items():
             assert cmp["tensors"] > 0 and cmp["mismatch"] == [], (key, cmp)
+
+
+def test_metadata_bytes_are_reused_and_exact(tmp_path: Path) -> None:
+    """Issue #11 item 4: a steady save's ``.metadata`` is the cached pickle with only the
+    checkpoint path and save id written over: the same bytes ``pickle.dumps`` gives, the
+    right ``storage_meta``, loadable by stock ``dcp.load``."""
+    import pickle
+
+    from asyncckpt import saving
+
+    state = {"layers": [{"w": torch.full((64,), float(i)), "b": torch.zeros(3)} for i in range(200)], "step": 0}
+    hits = saving._METADATA_PICKLE.hits
+    with asyncckpt.CheckpointManager(tmp_path) as mgr:
+        for step in range(1, 4):
+            state["step"] = step
+            state["layers"][0]["w"].fill_(step)
+            mgr.save(step, state)
+        mgr.maybe_finalize(blocking=True)
+    assert saving._METADATA_PICKLE.hits >= hits + 2
+    save_ids = set()
+    for step in range(1, 4):
+        ckpt = tmp_path / f"step_{step:08d}"
+        data = (ckpt / ".metadata").read_bytes()
+        metadata = pickle.loads(data)
+        assert pickle.dumps(metadata) == data
+        assert metadata.storage_meta.checkpoint_id == str(ckpt)
+        save_ids.add(metadata.storage_meta.save_id)
+        asyncckpt.verify(ckpt)
+        got = {"layers": [{"w": torch.zeros(64), "b": torch.ones(3)} for _ in range(200)], "step": 0}
+        dcp.load(got, checkpoint_id=str(ckpt))
+        assert got["step"] == step and float(got["layers"][0]["w"][0]) == step
+    assert len(save_ids) == 3
