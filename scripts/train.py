@@ -521,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
                     if final == step else f"preemption save of step {step} aborted")
                 break
         train_s = time.perf_counter() - t_start
+        if preemption is not None:
+            preemption.close()  # no agreement collective outstanding past the loop
         progress.close()
 
         if exit_code:

@@ -252,18 +252,44 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike, names: Iterable[str] | 
     return manifest
 
 
+def run_in_order(work: list, fn: Callable[[Any], None], threads: int, name: str) -> None:
+    """Run ``fn(item)`` for each item of ``work`` (items start with their order key) on
+    up to ``threads`` threads; raise the exception of the first failing item in order.
+
+    Items after one that failed already are skipped; with one thread, the first
+    failure stops the loop. Shared by verification and the direct load.
+    """
+    lock = threading.Lock()
+    errors: list[tuple[Any, BaseException]] = []
+
+    def one(item: Any) -> None:
+        if errors and min(e[0] for e in errors) < item[0]:
+            return  # an earlier item already failed
+        try:
+            fn(item)
+        except BaseException as exc:  # noqa: BLE001 - the first in order is raised
+            with lock:
+                errors.append((item[0], exc))
+
+    if threads <= 1 or len(work) <= 1:
+        for item in work:
+            one(item)
+            if errors:
+                break
+    else:
+        with ThreadPoolExecutor(threads, thread_name_prefix=name) as pool:
+            list(pool.map(one, work))
+    if errors:
+        raise min(errors, key=lambda e: e[0])[1]
+
+
 def _check_segments(work: list, on_bytes: Callable[[int], None] | None, threads: int | None) -> None:
     """CRC-check segments on a few threads; raise the error of the first bad one."""
-    if threads is None:
-        threads = min(4, os.cpu_count() or 1)
     lock = threading.Lock()
     local = threading.local()
-    errors: list[tuple[tuple[int, int], CorruptCheckpointError]] = []
 
     def check(item: tuple) -> None:
-        order, k, fd, path, offset, length, crc = item
-        if errors and min(e[0] for e in errors) < (order, k):
-            return  # an earlier segment already failed
+        (order, k), fd, path, offset, length, crc = item
         buf = getattr(local, "buf", None)
         if buf is None:
             buf = local.buf = memoryview(bytearray(_READ_CHUNK))
@@ -271,32 +297,19 @@ def _check_segments(work: list, on_bytes: Callable[[int], None] | None, threads:
         while pos < end:
             n = os.preadv(fd, [buf[:min(end - pos, _READ_CHUNK)]], pos)
             if n <= 0:
-                error = CorruptCheckpointError(f"{path} is truncated", str(path))
-                break
+                raise CorruptCheckpointError(f"{path} is truncated", str(path))
             actual = zlib.crc32(buf[:n], actual)
             pos += n
             if on_bytes is not None:
                 with lock:
                     on_bytes(n)
-        else:
-            if actual == crc:
-                return
-            error = CorruptCheckpointError(
+        if actual != crc:
+            raise CorruptCheckpointError(
                 f"{path}: checksum mismatch in bytes [{offset}, {end}) "
                 f"(crc32 {actual:08x}, manifest {crc:08x})", str(path))
-        with lock:
-            errors.append(((order, k), error))
 
-    if threads <= 1 or len(work) <= 1:
-        for item in work:
-            check(item)
-            if errors:
-                break
-    else:
-        with ThreadPoolExecutor(threads, thread_name_prefix="asyncckpt-verify") as pool:
-            list(pool.map(check, work))
-    if errors:
-        raise min(errors, key=lambda e: e[0])[1]
+    run_in_order([((w[0], w[1]), *w[2:]) for w in work], check,
+                 min(4, os.cpu_count() or 1) if threads is None else threads, "asyncckpt-verify")
 
 
 def _lock_path(root: Path) -> str:

@@ -45,7 +45,6 @@ import pickle
 import stat
 import threading
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
@@ -59,7 +58,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from .commit import METADATA_NAME, is_plain_name
+from .commit import METADATA_NAME, is_plain_name, run_in_order
 from .layout import record_framing
 from .torchsave import TensorFraming
 
@@ -531,17 +530,7 @@ class SafeFileSystemReader(FileSystemReader):
         if info.transform_descriptors:
             transformed = self.transforms.transform_load_stream(req, info.transform_descriptors, stream)
             stream = io.BytesIO(transformed.read())  # torch.load needs a seekable stream
-        try:
-            tensor = torch.load(stream, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise CorruptCheckpointError(
-                f"{path}: the record of {req.storage_index.fqn!r} is not a tensor archive: "
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", path) from exc
-        if not isinstance(tensor, torch.Tensor):
-            raise CorruptCheckpointError(
-                f"{path}: the record of {req.storage_index.fqn!r} holds a {type(tensor).__name__}, not a tensor",
-                path)
-        return tensor
+        return _torch_load_tensor(stream, path, req.storage_index.fqn)
 
     def _read_into(self, fd: int, path: str, req: ReadItem, target: torch.Tensor) -> bool | None:
         """Read a whole record of our writer straight into ``target``'s memory.
@@ -1001,34 +990,19 @@ def direct_load(plan: DirectPlan, root: str, manifest_files: dict[str, Any] | No
 
         def run(work: list, note: str = "") -> None:
             local = threading.local()
-            errors: list[tuple[int, BaseException]] = []
 
             def one(item: tuple) -> None:
-                order, name, unit, landings = item
-                if errors and min(e[0] for e in errors) < order:
-                    return  # an earlier read already failed
+                _, name, unit, landings = item
                 path = os.path.join(root, name)
-                try:
-                    crc = _read_unit(fds[name], path, unit, landings, local)
-                    if unit.crc is not None and crc != unit.crc:
-                        keys = [la.entry.fqn for la in landings]
-                        raise CorruptCheckpointError(
-                            f"{path}: checksum mismatch in bytes [{unit.lo}, {unit.hi}) (crc32 {crc:08x}, "
-                            f"manifest {unit.crc:08x}), holding state_dict entries {keys[:4]}"
-                            + (f" and {len(keys) - 4} more" if len(keys) > 4 else "") + note, path)
-                except BaseException as exc:  # noqa: BLE001 - the first in order is raised
-                    errors.append((order, exc))
+                crc = _read_unit(fds[name], path, unit, landings, local)
+                if unit.crc is not None and crc != unit.crc:
+                    keys = [la.entry.fqn for la in landings]
+                    raise CorruptCheckpointError(
+                        f"{path}: checksum mismatch in bytes [{unit.lo}, {unit.hi}) (crc32 {crc:08x}, "
+                        f"manifest {unit.crc:08x}), holding state_dict entries {keys[:4]}"
+                        + (f" and {len(keys) - 4} more" if len(keys) > 4 else "") + note, path)
 
-            if threads <= 1 or len(work) <= 1:
-                for item in work:
-                    one(item)
-                    if errors:
-                        break
-            else:
-                with ThreadPoolExecutor(threads, thread_name_prefix="asyncckpt-load") as pool:
-                    list(pool.map(one, work))
-            if errors:
-                raise min(errors, key=lambda e: e[0])[1]
+            run_in_order(work, one, threads, "asyncckpt-load")
 
         # 1. Values (and the tensors sharing their reads, into temporaries), decoded.
         run(value_work)
@@ -1056,6 +1030,24 @@ def direct_load(plan: DirectPlan, root: str, manifest_files: dict[str, Any] | No
         set_element(plan.state_dict, plan.mappings[fqn], obj)
 
 
+def _torch_load_tensor(stream: Any, path: str, fqn: str) -> torch.Tensor:
+    """``torch.load(stream, weights_only=True)`` of one tensor record.
+
+    Raises:
+        CorruptCheckpointError: not a tensor archive, or not a tensor.
+    """
+    try:
+        tensor = torch.load(stream, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CorruptCheckpointError(
+            f"{path}: the record of {fqn!r} is not a tensor archive: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", path) from exc
+    if not isinstance(tensor, torch.Tensor):
+        raise CorruptCheckpointError(f"{path}: the record of {fqn!r} holds a {type(tensor).__name__}, not a tensor",
+                                     path)
+    return tensor
+
+
 def _load_foreign(fd: int, path: str, entry: _Entry) -> torch.Tensor:
     """A tensor record that is not in our writer's framing: ``torch.load(weights_only=True)``
     of the record, as DCP's ``FileSystemReader`` reads it.
@@ -1063,15 +1055,7 @@ def _load_foreign(fd: int, path: str, entry: _Entry) -> torch.Tensor:
     Raises:
         CorruptCheckpointError: not a tensor archive, or not the target's dtype and shape.
     """
-    try:
-        tensor = torch.load(_RecordStream(fd, entry.offset, entry.length), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CorruptCheckpointError(
-            f"{path}: the record of {entry.fqn!r} is not a tensor archive: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", path) from exc
-    if not isinstance(tensor, torch.Tensor):
-        raise CorruptCheckpointError(
-            f"{path}: the record of {entry.fqn!r} holds a {type(tensor).__name__}, not a tensor", path)
+    tensor = _torch_load_tensor(_RecordStream(fd, entry.offset, entry.length), path, entry.fqn)
     assert entry.target is not None
     if tensor.size() != entry.target.size():
         raise CorruptCheckpointError(f"{path}: entry {entry.fqn!r} has size {tuple(tensor.size())}, "
