@@ -117,3 +117,22 @@ def flip_byte(path: Any, offset: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+@contextlib.contextmanager
+def started_session(cmd: list[str], **popen_kwargs: Any) -> Iterator[Any]:
+    """``subprocess.Popen(cmd, start_new_session=True, text=True, **popen_kwargs)``; on
+    the way out (also on failure) the session gets 10 s to end, then whatever is left
+    of its process tree is killed, and the process is reaped."""
+    import subprocess
+
+    proc = subprocess.Popen(cmd, start_new_session=True, text=True, **popen_kwargs)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None or not process_group_gone(proc.pid, 10):
+            kill_process_tree(proc)
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream:
+                stream.close()

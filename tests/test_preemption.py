@@ -23,7 +23,7 @@ import torch
 
 import asyncckpt
 from dist_utils import free_port
-from helpers import kill_process_tree, process_group_gone
+from helpers import process_group_gone, started_session
 
 _SCRIPT = textwrap.dedent("""
     import json, logging, os, signal, sys, time
@@ -64,14 +64,9 @@ _SCRIPT = textwrap.dedent("""
 def _start(tmp_path: Path, args: list[str], env: dict[str, str] | None = None) -> Any:
     script = tmp_path / "preempt.py"
     script.write_text(_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env=dict(os.environ, **(env or {})))
-    try:
+    with started_session([sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=dict(os.environ, **(env or {}))) as proc:
         yield proc
-    finally:
-        if proc.poll() is None or not process_group_gone(proc.pid, 10):
-            kill_process_tree(proc)
-        proc.wait()
 
 
 def _lines(out: str) -> list[dict[str, Any]]:
@@ -193,9 +188,8 @@ def test_sigterm_to_the_group_with_fork_started_dataloader_workers(tmp_path: Pat
     root = tmp_path / "root"
     script = tmp_path / "loader.py"
     script.write_text(_DATALOADER_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
+    with started_session([sys.executable, str(script), str(root)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith("ready"):
@@ -204,10 +198,6 @@ def test_sigterm_to_the_group_with_fork_started_dataloader_workers(tmp_path: Pat
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 143, f"{out}\n{err}"
         assert process_group_gone(proc.pid, 10), "a DataLoader worker or the checkpoint worker outlived the run"
-    finally:
-        if proc.poll() is None or not process_group_gone(proc.pid, 10):
-            kill_process_tree(proc)
-        proc.wait()
     stop = _lines(out)[0]["stop"]
     assert f"step {stop} committed" in err and "killed by signal" not in err, err
     state = {"w": torch.zeros(1000), "step": 0}

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import pytest
 from dist_utils import free_port
-from helpers import kill_process_tree, process_group_gone
+from helpers import kill_process_tree, process_group_gone, started_session
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
@@ -50,16 +50,8 @@ def _env() -> dict[str, str]:
 def _popen(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
     """Start ``cmd`` in its own process group. On exit, give the group (checkpoint worker,
     multiprocessing's resource tracker) a few seconds to finish, then kill what is left."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
+    with started_session(cmd, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         yield proc
-    finally:
-        if proc.poll() is None or not process_group_gone(proc.pid, 10):
-            kill_process_tree(proc)
-        proc.wait()
-        if proc.stdout:
-            proc.stdout.close()
 
 
 def run(args: list[str], cwd: Path, *, timeout: float = 90, launcher: list[str] | None = None,
