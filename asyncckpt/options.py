@@ -8,9 +8,19 @@ also accept are only a shorter way to build it (giving both raises).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 __all__ = ["SaveOptions"]
+
+
+def default_copy_threads() -> int:
+    """The CPUs this process may run on (``os.sched_getaffinity``), at most 4."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,8 +33,11 @@ class SaveOptions:
             bounds the extra memory to one copy: a save then waits until the previous
             write no longer reads the buffer; 2 lets a save stage while the previous
             one still writes.
-        copy_threads: Python threads for the staging copy of CPU tensors (1: torch's
-            intra-op threads already split each copy; ``scripts/bench.py`` measures).
+        copy_threads: threads for the staging copy of CPU tensors, which take 8 MiB
+            pieces of ``memmove`` work from a shared list (default: the CPUs this
+            process may run on, at most 4; one copy thread runs at about half the
+            memory bandwidth of two here, and a thread on a busy core simply takes
+            fewer pieces). ``scripts/bench.py`` measures 1 and 2.
         write_threads: threads writing each data file with positioned writes (1: one
             sequential stream).
         plan_cache: reuse the save plan while the state's structure (keys, dtypes,
@@ -45,7 +58,7 @@ class SaveOptions:
     """
 
     staging_buffers: int = 1
-    copy_threads: int = 1
+    copy_threads: int = dataclasses.field(default_factory=lambda: default_copy_threads())
     write_threads: int = 1
     plan_cache: bool = True
     overlap_staging: bool = False

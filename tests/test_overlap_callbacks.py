@@ -199,7 +199,8 @@ def test_threads_write_the_same_bytes(tmp_path, monkeypatch, copy_threads, write
     monkeypatch.setattr(staging, "_split", split)
     sd = _state(7, n=5, numel=300_000)
     files = {}
-    for name, kw in (("one", {}), ("many", dict(copy_threads=copy_threads, write_threads=write_threads))):
+    for name, kw in (("one", dict(copy_threads=1, write_threads=1)),
+                     ("many", dict(copy_threads=copy_threads, write_threads=write_threads))):
         with asyncckpt.CheckpointManager(tmp_path / name, **kw) as mgr:
             mgr.save(1, sd, async_op=False)
         files[name] = (tmp_path / name / "step_00000001" / "__0_0.distcp").read_bytes()
