@@ -444,9 +444,18 @@ def stateful_to_state_dict(state_dict: Any) -> Any:
     ``state_dict()`` / ``load_state_dict()``) are replaced by their ``state_dict()``,
     as ``torch.distributed.checkpoint.save`` does; ``dcp.load`` (and so
     :func:`asyncckpt.load`) calls their ``load_state_dict()`` back. Not a dict: as is."""
-    if not isinstance(state_dict, Mapping) or not any(isinstance(v, Stateful) for v in state_dict.values()):
+    if not isinstance(state_dict, Mapping) or not any(_is_stateful(v) for v in state_dict.values()):
         return state_dict
-    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+    return {k: v.state_dict() if _is_stateful(v) else v for k, v in state_dict.items()}
+
+
+#: Values that are never ``Stateful``: the Protocol's ``isinstance`` (``inspect``-based,
+#: about 17 µs) is asked only of others (it cost 70 ms per save of 4096 top-level tensors).
+_NEVER_STATEFUL = (torch.Tensor, dict, list, tuple, str, int, float, bool, type(None))
+
+
+def _is_stateful(value: Any) -> bool:
+    return not isinstance(value, _NEVER_STATEFUL) and isinstance(value, Stateful)
 
 
 def _describe(exc: BaseException) -> RankFailure:
