@@ -24,11 +24,11 @@ SYSTEMS = {
 SAVE_FIGURES = {"stall_s", "first_stall_s", "returns_s", "committed_s", "first_committed_s", "gbps",
                 "peak_extra_bytes", "peak_extra_ratio", "extra_after_first_bytes", "extra_after_last_bytes"}
 LOADS = {"raw read (cold cache)", "raw read (warm cache)", "asyncckpt.load verify=True",
-         "asyncckpt.load verify=False", "dcp.load (asyncckpt checkpoint)", "dcp.load (dcp.save checkpoint)",
-         "torch.load (torch.save file)"}
+         "asyncckpt.load verify=False", "asyncckpt.load verify='inline'", "dcp.load (asyncckpt checkpoint)",
+         "dcp.load (dcp.save checkpoint)", "torch.load (torch.save file)"}
 LLM_SYSTEMS = {"dcp.async_save thread + DefaultStager", "asyncckpt persistent", "asyncckpt persistent + prepare()"}
 LLM_LOADS = {"raw read (cold cache)", "raw read (warm cache)", "asyncckpt.load verify=True",
-             "asyncckpt.load verify=False", "dcp.load (asyncckpt checkpoint)"}
+             "asyncckpt.load verify=False", "asyncckpt.load verify='inline'", "dcp.load (asyncckpt checkpoint)"}
 TRAIN_SYSTEMS = {"no checkpoint", "torch.save (sync)", "dcp.async_save thread",
                  "dcp.async_save thread + DefaultStager, overlapped", "asyncckpt persistent",
                  "asyncckpt persistent overlapped"}
