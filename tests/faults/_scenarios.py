@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import gc
 import json
 import os
 import resource
@@ -212,7 +213,14 @@ def no_new_file_descriptors() -> Iterator[None]:
     """Real file-descriptor exhaustion inside the block: ``RLIMIT_NOFILE`` is lowered to
     the lowest free descriptor (and below the staging buffers' own, which staging may
     close and reopen), so any new descriptor fails with EMFILE ("Too many open files")
-    while the open ones keep working."""
+    while the open ones keep working.
+
+    The collector runs first and is off inside the block: a descriptor below the limit
+    freed by a collection there (an object of an earlier test holding one) would be
+    handed out again, and the allocation would succeed (seen once in a full suite)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     limit = min([_lowest_free_fd()] + _staging_fds())
     assert limit >= 3, limit  # poll() needs nfds <= the limit
@@ -221,6 +229,8 @@ def no_new_file_descriptors() -> Iterator[None]:
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        if was_enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager
