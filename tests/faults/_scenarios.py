@@ -29,8 +29,8 @@ point. A failpoint is armed for the next writes of one rank only:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import gc
+import hashlib
 import json
 import os
 import resource
