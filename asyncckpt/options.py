@@ -58,7 +58,7 @@ class SaveOptions:
     """
 
     staging_buffers: int = 1
-    copy_threads: int = dataclasses.field(default_factory=lambda: default_copy_threads())
+    copy_threads: int = dataclasses.field(default_factory=default_copy_threads)
     write_threads: int = 1
     plan_cache: bool = True
     overlap_staging: bool = False

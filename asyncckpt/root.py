@@ -85,12 +85,7 @@ class CheckpointRoot:
         run resumes from 13, and retention removes 10 and 20 first. Steps without a
         sequence number (older asyncckpt versions) order before all others, by step.
         """
-        order = []
-        for entry in os.scandir(self.path):
-            m = STEP_DIR_RE.match(entry.name)
-            if m and entry.is_dir(follow_symlinks=False) and _commit.is_committed(Path(entry.path)):
-                order.append((self._commit_seq(entry), int(m.group(1))))
-        return [step for _, step in sorted(order)]
+        return [step for _, step in sorted(self._sequenced())]
 
     def latest(self) -> int | None:
         """The step of the newest save committed (what a run resumes from), or ``None``.
@@ -103,9 +98,21 @@ class CheckpointRoot:
 
     def next_commit_seq(self) -> int:
         """(coordinator, at commit) The commit sequence number of the next commit."""
-        seqs = [self._commit_seq(e) for e in os.scandir(self.path)
-                if STEP_DIR_RE.match(e.name) and e.is_dir(follow_symlinks=False)]
-        return max(seqs, default=0) + 1
+        return max((seq for seq, _ in self._sequenced()), default=0) + 1
+
+    def _sequenced(self) -> list[tuple[int, int]]:
+        """``(commit_seq, step)`` of every committed step; the cache of sequence numbers
+        keeps only the directories found (bounded over thousands of saves)."""
+        found, seen = [], set()
+        for entry in os.scandir(self.path):
+            m = STEP_DIR_RE.match(entry.name)
+            if m and entry.is_dir(follow_symlinks=False) and _commit.is_committed(Path(entry.path)):
+                seen.add((entry.name, entry.inode()))
+                found.append((self._commit_seq(entry), int(m.group(1))))
+        with self._lock:
+            for key in self._seqs.keys() - seen:
+                del self._seqs[key]
+        return found
 
     def _commit_seq(self, entry: os.DirEntry) -> int:
         key = (entry.name, entry.inode())

@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import threading
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -291,8 +290,8 @@ class StagingCopier:
     (small, strided, conjugate or negative views) with one ``torch._foreach_copy_``
     call, which copies them serially. ``threads > 1`` adds Python threads that take
     8 MiB pieces of the ``memmove`` work from a shared list (a thread on a busy core
-    simply takes fewer) and their share of the small tensors; the default is 1
-    (``scripts/bench.py`` measures both).
+    simply takes fewer) and their share of the small tensors (``SaveOptions``
+    defaults to the CPUs available, at most 4; ``scripts/bench.py`` measures 1 and 2).
 
     CUDA tensors are copied device-to-host with ``non_blocking=True`` into the
     pinned slab (see :meth:`StagingBuffer.pin`) on a side stream that first waits for the
@@ -382,15 +381,14 @@ class StagingCopier:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="asyncckpt-stage")
         pieces = _pieces(moves, self.PIECE_BYTES)
-        lock = threading.Lock()
 
         def work(d: list[torch.Tensor], s: list[torch.Tensor]) -> None:
             if s:
                 _copy_no_grad(d, s)
             while True:
-                with lock:
-                    piece = pieces.pop() if pieces else None
-                if piece is None:
+                try:
+                    piece = pieces.pop()  # atomic: each piece is taken once
+                except IndexError:
                     return
                 _memmove(*piece)
 
