@@ -9,6 +9,7 @@ issued.
 
 from __future__ import annotations
 
+import atexit
 import pickle
 import threading
 from typing import Any
@@ -172,6 +173,15 @@ def _new_gloo_group(process_group: Any) -> Any:
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
 
 
+def _registered(group: Any) -> bool:
+    """Whether ``group`` is still a live process group (not destroyed)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 def _dedicated_gloo_group(process_group: Any) -> Any:
     user = _resolve(process_group)
     key = id(user)
@@ -179,7 +189,27 @@ def _dedicated_gloo_group(process_group: Any) -> Any:
         hit = _gloo_groups.get(key)
         if hit is not None and hit[0] is user:
             return hit[1]
+        # Forget the groups of destroyed process groups (a process that initializes
+        # torch.distributed again and again must not keep them all).
+        for stale in [k for k, (u, _) in _gloo_groups.items() if not _registered(u)]:
+            del _gloo_groups[stale]
     gloo = _new_gloo_group(process_group)
     with _lock:
         _gloo_groups[key] = (user, gloo)
     return gloo
+
+
+@atexit.register
+def _release_gloo_groups() -> None:
+    """Drop the cached gloo groups while the interpreter is still whole.
+
+    After ``destroy_process_group()`` this cache holds the last reference to a gloo
+    group; left to interpreter finalization, its C++ destructor runs after Python is
+    torn down and, now and then, aborts the process ("terminate called without an
+    active exception", exit -6) after a run that succeeded. The same cause as torch
+    PR 179291 (a process group destroyed during finalization).
+    """
+    with _lock:
+        groups = list(_gloo_groups.values())
+        _gloo_groups.clear()
+    del groups

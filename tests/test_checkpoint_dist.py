@@ -373,3 +373,34 @@ def test_two_ranks_manager_and_one_rank_failure(tmp_path: Path, caller: str) -> 
     assert not (root / "step_00000004").exists() and not (root / "step_00000005").exists()
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == [
         "latest", "step_00000003", "step_00000006"]
+
+
+def _rank_gloo_cache(rank: int, world_size: int, port: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from asyncckpt import dist as ack_dist
+    from asyncckpt.dist import SyncGroup
+
+    first = SyncGroup()
+    assert first.all_gather_ints([rank]) == [[0], [1]]
+    cached_before = len(ack_dist._gloo_groups)
+    dist.destroy_process_group()
+    # A second process group in the same process (as a test suite or an elastic
+    # restart does): the first one's cached gloo group is forgotten, not kept.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    second = SyncGroup()
+    assert second.all_gather_object(f"r{rank}") == ["r0", "r1"]
+    cached_after = [g for _, g in ack_dist._gloo_groups.values()]
+    ack_dist._release_gloo_groups()  # what runs at exit, before interpreter finalization
+    return {"before": cached_before, "after": len(cached_after),
+            "current": cached_after == [second.gloo], "released": len(ack_dist._gloo_groups)}
+
+
+def test_gloo_groups_of_destroyed_process_groups_are_not_kept(tmp_path: Path) -> None:
+    """The dedicated gloo groups of destroyed process groups are dropped, and all of them at
+    exit: left to interpreter finalization, a gloo group's destructor now and then aborted a
+    successful run ("terminate called without an active exception", exit -6)."""
+    from dist_utils import free_port
+
+    for result in run_ranks(_rank_gloo_cache, 2, free_port()):
+        assert result == {"before": 1, "after": 1, "current": True, "released": 0}
