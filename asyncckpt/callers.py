@@ -32,7 +32,6 @@ import struct
 import sys
 import threading
 import time
-import traceback
 from typing import Any, Callable, NamedTuple
 
 from .errors import RankFailure

@@ -41,7 +41,7 @@ def load(
     checkpoint_dir: str | os.PathLike,
     *,
     process_group: Any = None,
-    verify: bool | Literal["inline"] = True,
+    verify: bool | Literal["inline"] = "inline",
     allow_pickle: bool = False,
 ) -> None:
     """Load a checkpoint into ``state_dict`` in place, like ``torch.distributed.checkpoint.load``.
@@ -65,14 +65,16 @@ def load(
         state_dict: the structure to fill; its keys select what is read.
         checkpoint_dir: a committed checkpoint directory.
         process_group: the ranks loading together.
-        verify: ``True``: check sizes and CRC-32 checksums of the files first (each
+        verify: ``"inline"`` (default): the CRC-32 of every byte is checked as it is
+            read, in the same pass (the files' sizes and ``.metadata`` are checked
+            before anything is read; a bad checksum in tensor data fails the load,
+            on every rank, after some tensors of ``state_dict`` may already hold
+            bytes of this checkpoint, and the error says so); on DCP's path as
+            ``True``. ``True``: check sizes and checksums of the files first (each
             rank checks a share of the files; any mismatch fails every rank), so a
-            refused load changes nothing. ``"inline"``: on the direct path (see
-            below), check the CRC-32 of the bytes as they are read, in the same pass
-            (the files' sizes and ``.metadata`` are checked first; a mismatch in
-            tensor data then fails the load after some tensors of ``state_dict`` may
-            already hold bytes of this checkpoint); on DCP's path as ``True``.
-            ``False``: no checksums. The path checks above run either way.
+            refused load changes nothing, for a second read of the files (from the
+            page cache when they fit). ``False``: no checksums. The path checks
+            above run either way.
         allow_pickle: unpickle non-tensor values of any class (stock DCP's
             ``weights_only=False``). Unpickling runs code chosen by whoever wrote the
             checkpoint: pass ``True`` only for checkpoints you trust. To allow a few

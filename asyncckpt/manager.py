@@ -218,7 +218,7 @@ class CheckpointManager:
         """
         return self._root.latest()
 
-    def load(self, state_dict: dict[str, Any], step: int | None = None, *, verify: bool | str = True,
+    def load(self, state_dict: dict[str, Any], step: int | None = None, *, verify: bool | str = "inline",
              allow_pickle: bool = False) -> int:
         """Load step ``step`` (default: the latest) into ``state_dict`` in place (collective).
 

@@ -117,9 +117,15 @@ def test_corrupt_byte_refused_before_any_target_is_written(ckpt: Path) -> None:
     flip_byte(ckpt / DATA, big[0] + 1000)
     out = fresh(make_state())
     with pytest.raises(CorruptCheckpointError) as info:
-        asyncckpt.load(out, ckpt)
+        asyncckpt.load(out, ckpt, verify=True)  # checked first: a refused load changes nothing
     assert DATA in str(info.value) and info.value.path.endswith(DATA)
     assert not out["model"]["big"].any() and not out["many"]["t0"].any() and out["step"] == -1
+    # The default checks in the same pass ("inline"): refused all the same, and says that
+    # tensors may hold bytes of the checkpoint; non-tensor values are never placed.
+    out = fresh(make_state())
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as info:
+        asyncckpt.load(out, ckpt)
+    assert "may already hold bytes of this checkpoint" in str(info.value) and out["step"] == -1
 
 
 @pytest.mark.timeout(120)

@@ -6,12 +6,14 @@ segment."""
 
 from __future__ import annotations
 
+import os
 import random
 import struct
 import zlib
 
 import pytest
 
+from asyncckpt.storage import crc as crc_mod
 from asyncckpt.storage import writer
 from asyncckpt.storage.writer import BIG_SEGMENT_BYTES, COMBINE_MIN_BYTES, CrcPatch, crc32_combine
 
@@ -56,3 +58,52 @@ def test_segments_and_patched_crcs_match_zlib() -> None:
         expected = zlib.crc32(image[p.data_offset:p.data_offset + p.data_nbytes])
         for f in p.patch_offsets:
             assert struct.unpack_from("<I", image, f)[0] == expected
+
+
+def test_crc_chain_equals_zlib_over_ranges() -> None:
+    """The CRC of consecutive ranges, folded on the helper thread piece by piece, is
+    zlib's CRC-32 of each range; the fast implementation (isal, a dependency) is in use."""
+    assert crc_mod.IMPLEMENTATION == "isal"
+    data = os.urandom(3 << 20)
+    ranges = [(0, 1), (1, 70_000), (70_001, 1 << 20), ((1 << 20) + 70_001, len(data))]
+    with crc_mod.CrcChain() as chain:
+        for lo, hi in ranges:
+            view = memoryview(data)[lo:hi]
+            chain.update([view[:len(view) // 3], view[len(view) // 3:]])
+            chain.end((lo, hi))
+        got = chain.take() + chain.close()
+    assert got == [((lo, hi), zlib.crc32(data[lo:hi])) for lo, hi in ranges]
+    assert crc_mod.crc32(data[5:999], 12345) == zlib.crc32(data[5:999], 12345)
+
+
+@pytest.mark.timeout(120)
+def test_checkpoints_check_the_same_without_isal(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint written with isal's CRC verifies and loads where only zlib's is
+    available (a platform without an isal wheel), and the other way round."""
+    import subprocess
+    import sys
+
+    import torch
+
+    import asyncckpt
+
+    state = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(7), "step": 3}
+    asyncckpt.save(state, tmp_path / "isal", async_op=False)
+    script = (
+        "import sys, torch\n"
+        "sys.modules['isal'] = sys.modules['isal.isal_zlib'] = None\n"
+        "import asyncckpt\n"
+        "from asyncckpt.storage import crc\n"
+        "assert crc.IMPLEMENTATION == 'zlib', crc.IMPLEMENTATION\n"
+        "out = {'w': torch.zeros(300_000), 'b': torch.zeros(7), 'step': 0}\n"
+        "asyncckpt.verify(sys.argv[1] + '/isal')\n"
+        "asyncckpt.load(out, sys.argv[1] + '/isal')\n"
+        "assert torch.equal(out['w'], torch.arange(300_000, dtype=torch.float32)) and out['step'] == 3\n"
+        "asyncckpt.save(out, sys.argv[1] + '/zlib', async_op=False)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    asyncckpt.verify(tmp_path / "zlib")
+    out = {"w": torch.zeros(300_000), "b": torch.zeros(7), "step": 0}
+    asyncckpt.load(out, tmp_path / "zlib")
+    assert torch.equal(out["w"], state["w"]) and out["step"] == 3

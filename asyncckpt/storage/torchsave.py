@@ -39,10 +39,11 @@ import collections
 import io
 import pickle
 import struct
-import zlib
 from typing import Any, NamedTuple
 
 import torch
+
+from .crc import crc32
 
 __all__ = ["TensorFraming", "tensor_framing", "MAX_RECORD_BYTES", "ZIP64_LIMIT"]
 
@@ -205,7 +206,7 @@ class _Archive:
     def record(self, name: bytes, data: bytes) -> bytes:
         head = self.header(name, len(data))
         self.cursor += len(data)
-        return head + data + self.descriptor(zlib.crc32(data))
+        return head + data + self.descriptor(crc32(data))
 
     def central_directory(self) -> tuple[bytes, list[int]]:
         """The central directory and end records; and the offset, in them, of each

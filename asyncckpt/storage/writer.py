@@ -20,9 +20,9 @@ import os
 import struct
 import threading
 import time
-import zlib
 from typing import NamedTuple
 
+from .crc import crc32
 from .. import _faults
 
 __all__ = ["SlabRef", "CrcPatch", "pack_patches", "unpack_patches", "FileSpec", "WriteTask", "FileResult", "RankWriteResult", "write_rank_files"]
@@ -242,8 +242,8 @@ def _shift_tables(n: int) -> tuple[tuple[int, ...], ...]:
     Column ``i`` of ``A_n`` is ``crc32(zeros(n), 1 << i) ^ crc32(zeros(n), 0)``: 33
     checksums of ``n`` zero bytes, at C speed, once per length (cached)."""
     zeros = bytes(n)
-    base = zlib.crc32(zeros, 0)
-    cols = [zlib.crc32(zeros, 1 << i) ^ base for i in range(32)]
+    base = crc32(zeros, 0)
+    cols = [crc32(zeros, 1 << i) ^ base for i in range(32)]
     tables = []
     for k in range(4):
         t = [0] * 256
@@ -274,18 +274,18 @@ def _checksum_and_patch(image: memoryview, patches: tuple[CrcPatch, ...],
     for i, patch in enumerate(patches):
         end = patch.data_offset + patch.data_nbytes
         data = image[patch.data_offset:end]
-        crc = zlib.crc32(data)
+        crc = crc32(data)
         if patch.data_nbytes >= BIG_SEGMENT_BYTES:
-            seg_crc = zlib.crc32(image[pos:patch.data_offset], seg_crc)
+            seg_crc = crc32(image[pos:patch.data_offset], seg_crc)
             if patch.data_offset > seg_start:
                 segments.append((seg_start, patch.data_offset - seg_start, seg_crc))
             segments.append((patch.data_offset, patch.data_nbytes, crc))
             seg_start, seg_crc = end, 0
         else:
             if _combinable(patch.data_nbytes):
-                seg_crc = crc32_combine(zlib.crc32(image[pos:patch.data_offset], seg_crc), crc, patch.data_nbytes)
+                seg_crc = crc32_combine(crc32(image[pos:patch.data_offset], seg_crc), crc, patch.data_nbytes)
             else:
-                seg_crc = zlib.crc32(image[pos:end], seg_crc)
+                seg_crc = crc32(image[pos:end], seg_crc)
             if end - seg_start >= MAX_SEGMENT_BYTES:  # segments stay short enough to check in parallel
                 segments.append((seg_start, end - seg_start, seg_crc))
                 seg_start, seg_crc = end, 0
@@ -294,7 +294,7 @@ def _checksum_and_patch(image: memoryview, patches: tuple[CrcPatch, ...],
         if progress is not None:
             progress.advance(progress.limits[i + 1])
         pos = end
-    seg_crc = zlib.crc32(image[pos:], seg_crc)
+    seg_crc = crc32(image[pos:], seg_crc)
     if len(image) > seg_start or not segments:
         segments.append((seg_start, len(image) - seg_start, seg_crc))
     return tuple(segments)
@@ -304,7 +304,7 @@ def _write_file(fd: int, image: memoryview, patches: tuple[CrcPatch, ...], first
                 threads: int = 1) -> tuple:
     """Checksum (a helper thread) and write (``threads`` threads) one file image, overlapped.
 
-    ``zlib.crc32``, ``os.write`` and ``os.pwrite`` release the GIL, so the checksum
+    ``crc32``, ``os.write`` and ``os.pwrite`` release the GIL, so the checksum
     costs no write time as long as it is faster than the disk. Each writing thread
     owns a contiguous range of the file and writes it, in order, as far as the
     checksum thread has made it final.

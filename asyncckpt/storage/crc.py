@@ -1,0 +1,99 @@
+"""CRC-32, the checksum of every byte asyncckpt writes and verifies.
+
+The polynomial is zlib's (``zlib.crc32``, ``binascii.crc32``, the zip format's), so a
+manifest's checksums can be checked with the standard library alone. The
+computation comes from python-isal (Intel ISA-L, a dependency) when it is importable:
+``isal.isal_zlib.crc32`` folds with carry-less multiplication at about 12 GB/s per
+core here, against 3.7 GB/s for ``zlib.crc32`` (zlib 1.2.13), and releases the GIL
+the same way; ``zlib.crc32`` is the fallback, with identical results.
+
+:class:`CrcChain` checksums what a reading thread has just read on a helper thread,
+so that one thread reads a file sequentially (the kernel's readahead keeps the disk
+busy) while the checksum keeps up beside it.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Sequence
+
+try:
+    from isal.isal_zlib import crc32
+
+    IMPLEMENTATION = "isal"
+except ImportError:  # pragma: no cover - a platform without an isal wheel
+    from zlib import crc32
+
+    IMPLEMENTATION = "zlib"
+
+__all__ = ["crc32", "IMPLEMENTATION", "CrcChain"]
+
+
+class CrcChain:
+    """The CRC-32s of consecutive byte ranges, computed in order on one helper thread.
+
+    The reading thread hands over each piece it has read (:meth:`update`) and closes a
+    range with :meth:`end`; the helper folds the pieces in order. The pieces must not
+    change until their future is done (a reused read buffer waits for it).
+
+    Use as a context manager, or call :meth:`close`, which joins the helper.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-crc")
+        self._crc = 0
+        self._lock = threading.Lock()
+        self._done: list[tuple[Any, int]] = []
+        self._taken = 0
+        self._error: BaseException | None = None
+
+    def update(self, pieces: Sequence[Any]) -> Future:
+        """Fold ``pieces`` (buffers, in order) into the current range's CRC, later.
+
+        Returns:
+            A future that is done once the pieces were read by the helper.
+        """
+        return self._pool.submit(self._update, pieces)
+
+    def end(self, tag: Any) -> None:
+        """Close the current range: ``(tag, its crc32)`` goes to :meth:`take`; the next
+        range starts from 0."""
+        self._pool.submit(self._end, tag)
+
+    def take(self) -> list[tuple[Any, int]]:
+        """The ranges finished since the last call, as ``(tag, crc32)`` in order."""
+        with self._lock:
+            out, self._taken = self._done[self._taken:], len(self._done)
+        return out
+
+    def close(self) -> list[tuple[Any, int]]:
+        """Wait for the helper; return the ranges not taken yet (as :meth:`take`).
+
+        Raises:
+            Exception: what a checksum raised (a buffer that is no buffer).
+        """
+        self._pool.shutdown(wait=True)
+        if self._error is not None:
+            raise self._error
+        return self.take()
+
+    def __enter__(self) -> "CrcChain":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _update(self, pieces: Sequence[Any]) -> None:
+        crc = self._crc
+        try:
+            for piece in pieces:
+                crc = crc32(piece, crc)
+        except BaseException as exc:  # noqa: BLE001 - raised by close()
+            self._error = self._error or exc
+        self._crc = crc
+
+    def _end(self, tag: Any) -> None:
+        with self._lock:
+            self._done.append((tag, self._crc))
+        self._crc = 0
