@@ -15,11 +15,25 @@ __all__ = ["SaveOptions"]
 
 
 def default_copy_threads() -> int:
-    """The CPUs this process may run on (``os.sched_getaffinity``), at most 4."""
+    """This process's share of the CPUs, at most 4: the CPUs it may run on
+    (``os.sched_getaffinity``) divided by the ranks on this node (``LOCAL_WORLD_SIZE``,
+    set by ``torchrun``), unless the affinity already confines the process to fewer
+    CPUs than the machine has (a launcher that binds each rank to its own cores).
+
+    Ranks of one node stage at the same moment: on 2 CPUs, 2 ranks with 2 copy threads
+    each ran 4 memory-bound threads on 2 cores.
+    """
+    total = os.cpu_count() or 1
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
+        cpus = total
+    if cpus >= total:
+        try:
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        except ValueError:
+            local_ranks = 1
+        cpus //= max(1, local_ranks)
     return max(1, min(4, cpus))
 
 
@@ -34,8 +48,9 @@ class SaveOptions:
             write no longer reads the buffer; 2 lets a save stage while the previous
             one still writes.
         copy_threads: threads for the staging copy of CPU tensors, which take 8 MiB
-            pieces of ``memmove`` work from a shared list (default: the CPUs this
-            process may run on, at most 4; one copy thread runs at about half the
+            pieces of ``memmove`` work from a shared list (default:
+            :func:`default_copy_threads`, this rank's share of the node's CPUs, at
+            most 4; one copy thread runs at about half the
             memory bandwidth of two here, and a thread on a busy core simply takes
             fewer pieces). ``scripts/bench.py`` measures 1 and 2.
         write_threads: threads writing each data file with positioned writes (1: one

@@ -165,6 +165,7 @@ def fsdp_rank(rank: int, world_size: int, cfg: dict[str, int], reps: int, direct
 
 def _rank_entry(rank: int, world_size: int, port: int, args: tuple, out: Any) -> None:
     import torch.distributed as dist
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # as torchrun sets it (all ranks on this node)
     try:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():

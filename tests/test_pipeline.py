@@ -373,3 +373,23 @@ def test_the_queue_keeps_nothing_per_save_for_a_manager(tmp_path: Path) -> None:
         book = mgr.queue._book
         assert not book.unharvested and not book.pending and not book.failures
         assert mgr._saver.pending_steps() == [] and not mgr._saver._unharvested
+
+
+def test_default_copy_threads_is_this_ranks_share_of_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks of one node stage at once: each takes its share of the CPUs it may run on
+    (LOCAL_WORLD_SIZE, as torchrun sets it), at least 1 and at most 4."""
+    import os
+
+    from asyncckpt.options import default_copy_threads
+
+    cpus = len(os.sched_getaffinity(0))
+    if cpus < (os.cpu_count() or 1):
+        pytest.skip("this process is bound to fewer CPUs than the machine has: no division")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert default_copy_threads() == max(1, min(4, cpus))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert default_copy_threads() == max(1, min(4, cpus // 2))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(10 * cpus))
+    assert default_copy_threads() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert default_copy_threads() == max(1, min(4, cpus))

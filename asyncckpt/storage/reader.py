@@ -632,7 +632,7 @@ _IOV_MAX = 1024
 _UNIT_BYTES = 16 << 20
 #: With verification, the reads are ``preadv`` calls of this many bytes, each handed to
 #: the CRC helper thread as soon as it is read (still in the CPU cache).
-_CRC_STEP_BYTES = 1 << 20
+_CRC_STEP_BYTES = 4 << 20
 #: Records further apart than this are not read together (the gap would be read for nothing).
 _MAX_GAP_BYTES = 64 << 10
 
