@@ -30,6 +30,9 @@ _PRELUDE = textwrap.dedent("""
     import asyncckpt
     root = sys.argv[1]
     state = {"w": torch.ones(1 << 20), "step": 0}
+    # Ctrl-C as in a terminal, also when the test run was started in the background
+    # (a shell's "cmd &" starts it with SIGINT ignored, and children inherit that).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def interrupt_in(seconds):
         threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT)).start()
