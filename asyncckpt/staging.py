@@ -405,9 +405,12 @@ class StagingCopier:
             raise error
 
     def close(self) -> None:
-        """Stop the copy threads."""
+        """Stop the copy threads, without joining them (they are idle between copies and
+        exit on their own). Never blocks: it runs from ``weakref.finalize`` callbacks,
+        which the garbage collector may run inside ``threading``'s own bookkeeping, with
+        its shutdown lock held; a join there deadlocks (seen in the test suite)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=False)
             self._pool = None
 
 

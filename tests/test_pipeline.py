@@ -393,3 +393,20 @@ def test_default_copy_threads_is_this_ranks_share_of_the_node(monkeypatch: pytes
     assert default_copy_threads() == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
     assert default_copy_threads() == max(1, min(4, cpus))
+
+
+@pytest.mark.timeout(30)
+def test_copier_close_never_joins_its_threads() -> None:
+    """``StagingCopier.close`` runs from finalizers, which the garbage collector may call
+    inside ``threading`` with its shutdown lock held: a join there deadlocked a suite."""
+    import threading
+
+    from asyncckpt.staging import StagingCopier
+
+    copier = StagingCopier(threads=2)
+    srcs = [torch.randn(1 << 16) for _ in range(4)]
+    dsts = [torch.empty_like(s) for s in srcs]
+    copier.copy(dsts, srcs)
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    with threading._shutdown_locks_lock:  # type: ignore[attr-defined]  # where a GC finalizer may run
+        copier.close()
