@@ -305,7 +305,8 @@ def _check_segments(work: list, on_bytes: Callable[[int], None] | None, threads:
     def check_file(task: tuple) -> None:
         _, segments = task
 
-        def bad(path: Path, offset: int, length: int, expected: int, actual: int) -> CorruptCheckpointError:
+        def bad(segment: tuple, actual: int) -> CorruptCheckpointError:
+            path, offset, length, expected = segment
             return CorruptCheckpointError(
                 f"{path}: checksum mismatch in bytes [{offset}, {offset + length}) "
                 f"(crc32 {actual:08x}, manifest {expected:08x})", str(path))
@@ -329,13 +330,9 @@ def _check_segments(work: list, on_bytes: Callable[[int], None] | None, threads:
                     if on_bytes is not None:
                         with lock:
                             on_bytes(n)
-                chain.end((path, offset, length, crc))
-                for (p, o, n_, expected), actual in chain.take():
-                    if actual != expected:
-                        raise bad(p, o, n_, expected, actual)
-            for (p, o, n_, expected), actual in chain.close():
-                if actual != expected:
-                    raise bad(p, o, n_, expected, actual)
+                chain.end((path, offset, length, crc), crc)
+                chain.raise_mismatch(bad)
+            chain.raise_mismatch(bad, final=True)
 
     run_in_order(sorted(by_file.items()), check_file,
                  min(4, os.cpu_count() or 1) if threads is None else threads, "asyncckpt-verify")

@@ -56,13 +56,21 @@ class CrcChain:
         """
         return self._pool.submit(self._update, pieces)
 
-    def end(self, tag: Any) -> None:
+    def end(self, tag: Any, expected: int | None = None) -> None:
         """Close the current range: ``(tag, its crc32)`` goes to :meth:`take`; the next
-        range starts from 0."""
-        self._pool.submit(self._end, tag)
+        range starts from 0. ``expected``: the CRC the range must have, for
+        :meth:`raise_mismatch`."""
+        self._pool.submit(self._end, tag, expected)
+
+    def raise_mismatch(self, error: Any, final: bool = False) -> None:
+        """Raise ``error(tag, actual)`` for the first finished range whose CRC is not its
+        ``expected`` one; ``final``: wait for the helper first (:meth:`close`)."""
+        for (tag, expected), actual in (self.close() if final else self.take()):
+            if expected is not None and actual != expected:
+                raise error(tag, actual)
 
     def take(self) -> list[tuple[Any, int]]:
-        """The ranges finished since the last call, as ``(tag, crc32)`` in order."""
+        """The ranges finished since the last call, as ``((tag, expected), crc32)`` in order."""
         with self._lock:
             out, self._taken = self._done[self._taken:], len(self._done)
         return out
@@ -93,7 +101,7 @@ class CrcChain:
             self._error = self._error or exc
         self._crc = crc
 
-    def _end(self, tag: Any) -> None:
+    def _end(self, tag: Any, expected: int | None) -> None:
         with self._lock:
-            self._done.append((tag, self._crc))
+            self._done.append(((tag, expected), self._crc))
         self._crc = 0

@@ -889,7 +889,8 @@ def _read_file(fd: int, path: str, reads: list[tuple[_Unit, list[_Landing]]], no
         CorruptCheckpointError: a read came short, or a unit's CRC-32 is not the
             manifest's (naming the bytes and the entries in them, plus ``note``).
     """
-    def mismatch(unit: _Unit, landings: list[_Landing], crc: int) -> CorruptCheckpointError:
+    def mismatch(read: tuple[_Unit, list[_Landing]], crc: int) -> CorruptCheckpointError:
+        unit, landings = read
         keys = [la.entry.fqn for la in landings]
         return CorruptCheckpointError(
             f"{path}: checksum mismatch in bytes [{unit.lo}, {unit.hi}) (crc32 {crc:08x}, "
@@ -916,13 +917,9 @@ def _read_file(fd: int, path: str, reads: list[tuple[_Unit, list[_Landing]]], no
             if batch:
                 _preadv_all(fd, batch, pos, path)
                 chain.update(batch)
-            chain.end((unit, landings))
-            for (u, la), crc in chain.take():
-                if crc != u.crc:
-                    raise mismatch(u, la, crc)
-        for (u, la), crc in chain.close():
-            if crc != u.crc:
-                raise mismatch(u, la, crc)
+            chain.end((unit, landings), unit.crc)
+            chain.raise_mismatch(mismatch)
+        chain.raise_mismatch(mismatch, final=True)
 
 
 def _checked_segments(manifest_files: dict[str, Any], name: str, path: str, size: int) -> list[list[int]]:
