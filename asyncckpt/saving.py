@@ -187,10 +187,15 @@ def stage(save: SaveInFlight, buffer: StagingBuffer, copier: StagingCopier, *, c
         _faults.hit("stage")
     data = save.planned.data
     if not buffer.pinned and cuda and any(isinstance(d, torch.Tensor) and d.is_cuda for d in data):
+        buffer.populate(copier)  # on every copy thread: cudaHostRegister would fault them in on one
         buffer.pin()
     buffer.format(save.layout)
     pairs = [(dst, data[item]) for item, dst in buffer.views if select is None or select(data[item])]
-    copier.copy([dst for dst, _ in pairs], [src for _, src in pairs], cpu=cpu, cuda=cuda)
+    # A new buffer's pages are allocated by the copy threads, each just before its piece.
+    copier.copy([dst for dst, _ in pairs], [src for _, src in pairs], cpu=cpu, cuda=cuda,
+                populate=not buffer.populated)
+    if cpu:
+        buffer.populated = True
     if cpu and blobs:
         for slot in save.layout.blobs:
             buffer.write_bytes(slot.offset, data[slot.item])
@@ -560,6 +565,7 @@ class Saver:
                           cache=self.plan_cache, layouts=self.layouts, check_target=False,
                           check_layout=self._check_memory)
             buffer = self._buffer_for(record)
+            buffer.populate(self.copier)  # the allocation a first save would pay
             buffer.format(record.layout)
             if any(isinstance(d, torch.Tensor) and d.is_cuda for d in record.planned.data):
                 buffer.pin()

@@ -266,12 +266,14 @@ class MemorySampler:
 
 # ============================================================================ physical limits
 
-def bench_memcpy(sd: Any, reps: int) -> list[float]:
+def bench_memcpy(sd: Any, reps: int, before: Callable[[], None] | None = None) -> list[float]:
     """Times (s) of copying every tensor of ``sd`` into preallocated host memory (the
     staging limit): D2H into pinned memory for GPU tensors; for CPU tensors the faster,
     in each repetition, of torch's ``copy_`` per tensor and libc ``memmove`` per
     tensor (through ctypes; torch's copy runs on its intra-op threads and is the slower
-    of the two on a busy machine)."""
+    of the two on a busy machine). ``before()`` runs before each timed copy (the
+    fsdp2 workload passes a barrier, so that every rank copies at once)."""
+    before = before or (lambda: None)
     import ctypes
     src = list(tensors_of(sd))
     dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in src]
@@ -282,6 +284,7 @@ def bench_memcpy(sd: Any, reps: int) -> list[float]:
              if not cuda and s.is_contiguous()]
     times = []
     for _ in range(reps):
+        before()
         t0 = time.perf_counter()
         for d, s in zip(dst, src):
             d.copy_(s, non_blocking=cuda)
@@ -289,6 +292,7 @@ def bench_memcpy(sd: Any, reps: int) -> list[float]:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         if moves and len(moves) == len(src):
+            before()
             t0 = time.perf_counter()
             for move in moves:
                 ctypes.memmove(*move)

@@ -410,3 +410,70 @@ def test_copier_close_never_joins_its_threads() -> None:
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
     with threading._shutdown_locks_lock:  # type: ignore[attr-defined]  # where a GC finalizer may run
         copier.close()
+
+
+def _allocated(buffer: Any) -> int:
+    """Bytes of memory the staging buffer's memfd holds (tmpfs counts allocated pages)."""
+    return os.fstat(buffer._fd).st_blocks * 512
+
+
+@pytest.mark.parametrize("madvise", [True, False], ids=["madv_populate_write", "older_kernel"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_new_buffer_is_allocated_by_its_first_copy_or_populate(
+        monkeypatch: pytest.MonkeyPatch, madvise: bool, threads: int) -> None:
+    """A new staging buffer holds no memory until the copy threads allocate it (each
+    piece just before copying into it) or ``populate()`` does (``prepare()``, pinning),
+    keeping the bytes already there; the same without MADV_POPULATE_WRITE (before
+    Linux 5.14: first-touch faults and a populating mapping)."""
+    from asyncckpt import staging
+
+    if not madvise:
+        monkeypatch.setattr(staging, "_populate_write", False)
+    copier = staging.StagingCopier(threads=threads)
+    srcs = [torch.randn(3 << 20), torch.arange(1 << 16, dtype=torch.int64), torch.randn(5)]
+    sizes = [s.numel() * s.element_size() for s in srcs]
+    buf = staging.StagingBuffer(sum(sizes) + (64 << 10))
+    other = staging.StagingBuffer(8 << 20)
+    try:
+        assert not buf.populated and _allocated(buf) == 0
+        views, off = [], 0
+        for s, n in zip(srcs, sizes):
+            views.append(buf.u8[off:off + n].view(s.dtype))
+            off += n
+        buf.write_bytes(buf.nbytes - 4, b"tail")
+        copier.copy(views, srcs, populate=True)
+        assert all(torch.equal(v, s) for v, s in zip(views, srcs))
+        assert _allocated(buf) >= sizes[0]  # the large tensor's pages, at least
+        assert bytes(buf._mm[buf.nbytes - 4:]) == b"tail"
+
+        other.write_bytes(4096 * 3 + 1, b"framing")
+        other.populate(copier)
+        assert other.populated and _allocated(other) == other.nbytes
+        assert bytes(other._mm[4096 * 3 + 1:4096 * 3 + 8]) == b"framing"  # populate keeps the bytes
+        other.populate(copier)  # once
+    finally:
+        buf.release()
+        other.release()
+        copier.close()
+
+
+def test_copy_threads_raise_the_first_error_after_joining_the_others() -> None:
+    """An error in one copy thread (a failed allocation: prefault's OSError) reaches the
+    caller once every thread has stopped."""
+    from asyncckpt.staging import StagingCopier
+
+    copier = StagingCopier(threads=2)
+    done: list[int] = []
+
+    def fn(i: int) -> None:
+        if i == 3:
+            raise OSError(errno.ENOMEM, "cannot allocate")
+        time.sleep(0.001)
+        done.append(i)
+
+    try:
+        with pytest.raises(OSError, match="cannot allocate"):
+            copier.run([(i,) for i in range(40)], fn)
+        assert 3 not in done and len(done) == 39
+    finally:
+        copier.close()
