@@ -149,6 +149,31 @@ def test_inline_verification_refuses_a_corrupt_byte(ckpt: Path) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("read_bytes,iov_max", [(5000, 1024), (64 << 20, 3), (1 << 20, 1)],
+                         ids=["odd-call-size", "few-buffers-per-call", "one-buffer-per-call"])
+def test_reads_gathered_across_records_and_segments(ckpt: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    read_bytes: int, iov_max: int) -> None:
+    """A file's reads are gathered into ``preadv`` calls across records and manifest
+    segments: calls that end inside a segment, or a buffer, and calls cut by the buffer
+    limit load bitwise, and a flipped byte is still found in its segment."""
+    from asyncckpt.storage import reader
+
+    monkeypatch.setattr(reader, "_READ_BYTES", read_bytes)
+    monkeypatch.setattr(reader, "_IOV_MAX", iov_max)
+    state = make_state()
+    for verify in (False, "inline"):
+        out = fresh(state)
+        assert counted_load(out, ckpt, verify=verify) == "direct"
+        assert_same(state, out)
+    manifest = _commit.read_manifest(ckpt)
+    big = next(s for s in manifest["files"][DATA]["segments"] if s[1] == 4 << 19)
+    flip_byte(ckpt / DATA, big[0] + big[1] - 7)
+    with pytest.raises(CorruptCheckpointError) as info:
+        asyncckpt.load(fresh(state), ckpt, verify="inline")
+    assert f"bytes [{big[0]}, {big[0] + big[1]})" in str(info.value) and "'model.big'" in str(info.value)
+
+
+@pytest.mark.timeout(120)
 def test_inline_verification_covers_the_bytes_between_records(ckpt: Path) -> None:
     """Alignment gaps between records are read and checksummed too: nonzero gap bytes
     (re-signed in the manifest) load; a flipped gap byte is refused."""

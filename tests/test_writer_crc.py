@@ -74,6 +74,16 @@ def test_crc_chain_equals_zlib_over_ranges() -> None:
         got = chain.take() + chain.close()
     assert got == [(((lo, hi), None), zlib.crc32(data[lo:hi])) for lo, hi in ranges]
     assert crc_mod.crc32(data[5:999], 12345) == zlib.crc32(data[5:999], 12345)
+    # feed(): the same ranges handed over in two batches, one range split across them.
+    mv = memoryview(data)
+    with crc_mod.CrcChain() as chain:
+        chain.feed([([mv[0:1]], ((0, 1), 5)), ([mv[1:30_000]], None)])
+        chain.feed([([mv[30_000:70_000]], ((1, 70_000), zlib.crc32(data[1:70_000]))),
+                    ([mv[70_001:1 << 20]], ((70_001, 1 << 20), None)), ([], ((7, 7), 0))])
+        fed = chain.close()
+    assert fed == [(((0, 1), 5), zlib.crc32(data[0:1])),
+                   (((1, 70_000), zlib.crc32(data[1:70_000])), zlib.crc32(data[1:70_000])),
+                   (((70_001, 1 << 20), None), zlib.crc32(data[70_001:1 << 20])), (((7, 7), 0), 0)]
 
 
 @pytest.mark.timeout(120)

@@ -311,7 +311,10 @@ def _check_segments(work: list, on_bytes: Callable[[int], None] | None, threads:
                 f"{path}: checksum mismatch in bytes [{offset}, {offset + length}) "
                 f"(crc32 {actual:08x}, manifest {expected:08x})", str(path))
 
-        ring = [memoryview(bytearray(_READ_CHUNK)) for _ in range(_RING)]
+        # No larger than the file's bytes: a 3 x 8 MiB ring costs 13 ms to allocate,
+        # more than checking a small .metadata file.
+        chunk = min(_READ_CHUNK, max(1, sum(seg[5] for seg in segments)))
+        ring = [memoryview(bytearray(chunk)) for _ in range(_RING)]
         pending: list[Any] = [None] * _RING
         turn = 0
         with CrcChain() as chain:
@@ -321,7 +324,7 @@ def _check_segments(work: list, on_bytes: Callable[[int], None] | None, threads:
                     if pending[turn] is not None:
                         pending[turn].result()  # the helper is done with this buffer
                     buf = ring[turn]
-                    n = os.preadv(fd, [buf[:min(end - pos, _READ_CHUNK)]], pos)
+                    n = os.preadv(fd, [buf[:min(end - pos, chunk)]], pos)
                     if n <= 0:
                         raise CorruptCheckpointError(f"{path} is truncated", str(path))
                     pending[turn] = chain.update([buf[:n]])

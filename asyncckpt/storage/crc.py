@@ -56,6 +56,17 @@ class CrcChain:
         """
         return self._pool.submit(self._update, pieces)
 
+    def feed(self, steps: Sequence[tuple[Sequence[Any], tuple[Any, int | None] | None]]) -> Future:
+        """:meth:`update` and :meth:`end` for many ranges in one hand-over: for each
+        ``(pieces, closes)`` fold ``pieces`` in, then, if ``closes`` is ``(tag,
+        expected)``, end the range as :meth:`end` does (one hand-over per read call
+        instead of two per range: a file of 578 ranges paid 1156 of them).
+
+        Returns:
+            A future that is done once the pieces were read by the helper.
+        """
+        return self._pool.submit(self._feed, steps)
+
     def end(self, tag: Any, expected: int | None = None) -> None:
         """Close the current range: ``(tag, its crc32)`` goes to :meth:`take`; the next
         range starts from 0. ``expected``: the CRC the range must have, for
@@ -100,6 +111,12 @@ class CrcChain:
         except BaseException as exc:  # noqa: BLE001 - raised by close()
             self._error = self._error or exc
         self._crc = crc
+
+    def _feed(self, steps: Sequence[tuple[Sequence[Any], tuple[Any, int | None] | None]]) -> None:
+        for pieces, closes in steps:
+            self._update(pieces)
+            if closes is not None:
+                self._end(*closes)
 
     def _end(self, tag: Any, expected: int | None) -> None:
         with self._lock:
