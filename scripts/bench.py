@@ -1033,7 +1033,9 @@ def render_markdown(res: dict[str, Any]) -> str:
              f"sources sha1 {m.get('asyncckpt_sources_sha1', '?')}); load average "
              f"{m['loadavg_start'][0]:.1f} at start, {m['loadavg_end'][0]:.1f} at end (a shared machine)\n")
     L.append(f"Medians of {res['args']['reps']} saves after a first (cold) one "
-             f"({res['args']['big_reps']} for states >= 2 GiB); the trainer mutates its state after every "
+             f"({res['args']['big_reps']} for states >= 2 GiB, {res['args'].get('llm_reps', res['args']['reps'])} "
+             f"on llm and fsdp2; {res['args'].get('load_reps', res['args']['reps'])} loads per method); the trainer "
+             "mutates its state after every "
              "stall. **stall**: the training thread blocked until the state may be mutated; **returns**: "
              "the save call returned (for overlapped/asynchronous staging, before the copy is done); "
              "**committed**: durable (fsynced) and committed, from the call (torch.save: written + fsync), "
@@ -1132,7 +1134,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         L.append("")
     if res.get("fsdp2"):
         import bench_llm
-        L += bench_llm.render_fsdp(res["fsdp2"], res["args"]["reps"])
+        L += bench_llm.render_fsdp(res["fsdp2"], res["args"].get("llm_reps", res["args"]["reps"]))
     # Ratios summary
     names = list(dict.fromkeys(n for w in res["workloads"] for n in w["systems"]))
     if names:
@@ -1413,7 +1415,11 @@ def main(argv: list[str] | None = None) -> int:
                         "~1 GiB of params + AdamW state in 1172 tensors; --quick: a tiny one)")
     p.add_argument("--reps", type=int, default=3, help="saves after the first, per system (%(default)s)")
     p.add_argument("--big-reps", type=int, default=2, help="the same for states >= 2 GiB (%(default)s)")
-    p.add_argument("--load-reps", type=int, default=None, help="loads per method (default: --reps)")
+    p.add_argument("--llm-reps", type=int, default=5,
+                   help="saves after the first, per system, on llm and fsdp2 (%(default)s: their stalls vary "
+                        "more on a shared machine)")
+    p.add_argument("--load-reps", type=int, default=None,
+                   help="loads per method (default: 5; cold reads of this disk vary up to 3x)")
     p.add_argument("--techniques", default="1G/16,1G/4096",
                    help="workloads on which asyncckpt's techniques are measured one by one ('' for none)")
     p.add_argument("--technique-reps", type=int, default=2, help="saves after the first, per variant (%(default)s)")
@@ -1459,7 +1465,7 @@ def main(argv: list[str] | None = None) -> int:
     args.png = "bench_results.png" if args.png is None else args.png
     if args.quick:
         args.workloads = args.workloads or QUICK_WORKLOADS
-        args.reps = args.big_reps = 2
+        args.reps = args.big_reps = args.llm_reps = 2
         args.techniques = "4M/16" if args.techniques == p.get_default("techniques") else args.techniques
         args.share_dcp_daemon = True
         args.train_steps, args.train_reps, args.train_sparse_factor = 4, 1, 2
@@ -1472,7 +1478,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.lightning_mb == p.get_default("lightning_mb"):
             args.lightning_mb = 8
     args.workloads = DEFAULT_WORKLOADS if args.workloads is None else args.workloads
-    args.load_reps = args.load_reps or args.reps
+    args.load_reps = args.load_reps or (args.reps if args.quick else 5)
     keys = args.systems.split(",") if args.systems else None
     unknown = set(keys or ()) - set(SYSTEM_KEYS)
     if unknown:
@@ -1518,7 +1524,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = llm_cfg or bench_llm.LLM_FULL
                 log(f"workload fsdp2: 2 ranks ({bench_llm.describe(cfg)})")
                 keys_f = [s.key for s in systems_for(spec)]
-                f = bench_llm.run_fsdp(cfg, args.reps, base / "fsdp2", systems=tuple(keys_f))
+                f = bench_llm.run_fsdp(cfg, args.llm_reps, base / "fsdp2", systems=tuple(keys_f))
                 f["label"] = bench_llm.describe(cfg)
                 f["config"] = cfg
                 res["fsdp2"] = f
@@ -1527,7 +1533,7 @@ def main(argv: list[str] | None = None) -> int:
             sd, info = make_workload(spec, args.train_batch, llm_cfg)
             host = host_tensors(sd)  # the raw write / read limits' bytes
             nbytes = state_bytes(sd)
-            reps = args.big_reps if nbytes >= 2 * GiB else args.reps
+            reps = args.big_reps if nbytes >= 2 * GiB else args.llm_reps if spec == "llm" else args.reps
             saves = reps + 1
             log(f"workload {spec}: {nbytes / GiB:.3f} GiB, {info['tensors']} tensors")
             wdir = base / spec.replace("/", "_")
