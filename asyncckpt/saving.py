@@ -131,12 +131,15 @@ def plan(state_dict: dict[str, Any], final_dir: Path, handle: SaveHandle, *, syn
     Call sequence:
 
     1. (each rank) validate ``state_dict``; (coordinator) ``final_dir`` must not
-       exist, or be an empty directory.
-    2. (all ranks) the error funnel: a failure anywhere raises on every rank.
-    3. (all ranks) reuse the cached plan, or plan with DCP's ``DefaultSavePlanner``.
-    4. (each rank) resolve this rank's data (tensors, pickled values), lay out its
+       exist, or be an empty directory. (each rank whose state kept the cached plan's
+       structure) resolve this rank's data (tensors, pickled values), lay out its
        data file (the ``torch.save`` framing of every record), and run
        ``check_layout`` on the layout (the memory guard).
+    2. (all ranks) the error funnel: a failure anywhere raises on every rank. If
+       every rank kept the structure, the plan is done: the steady state's one
+       collective.
+    3. (all ranks) else plan with DCP's ``DefaultSavePlanner``.
+    4. (each rank) resolve, lay out and ``check_layout`` as in 1.
     5. (all ranks) the error funnel again (e.g. a value that cannot be pickled).
 
     ``check_target=False`` skips the target check (``prepare`` writes nothing).

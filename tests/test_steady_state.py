@@ -261,3 +261,71 @@ def test_metadata_bytes_are_reused_and_exact(tmp_path: Path) -> None:
         dcp.load(got, checkpoint_id=str(ckpt))
         assert got["step"] == step and float(got["layers"][0]["w"][0]) == step
     assert len(save_ids) == 3
+
+
+# ----------------------------------------------------------------------------- one collective, 2 ranks
+def _rank_collectives(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Saves of one manager, recording the collectives the training thread calls in each
+    ``save()`` (the ``SyncGroup`` methods, observed, not replaced)."""
+    import threading
+
+    from asyncckpt import CheckpointError
+    from asyncckpt.dist import SyncGroup
+
+    calls: list[str] = []
+    main = threading.current_thread()
+    for name in ("all_gather_ints", "all_gather_object", "gather_failures", "broadcast_object"):
+        def spy(self: Any, *args: Any, _orig: Any = getattr(SyncGroup, name), _name: str = name,
+                **kwargs: Any) -> Any:
+            if threading.current_thread() is main:
+                calls.append(_name)
+            return _orig(self, *args, **kwargs)
+        setattr(SyncGroup, name, spy)
+    out: dict[str, Any] = {"calls": {}, "hits": {}, "error": None, "mismatch": {}}
+    mgr = asyncckpt.CheckpointManager(Path(root) / "m")
+    cache = mgr._saver.plan_cache
+
+    def save(step: int, state: dict[str, Any]) -> None:
+        calls.clear()
+        try:
+            handle = mgr.save(step, state)
+        finally:
+            out["calls"][step] = list(calls)
+        handle.wait(timeout=60)
+        out["hits"][step] = cache.hits
+        _assert_loads_equal(mgr.step_dir(step), state)
+
+    def base(own: Any = 1) -> dict[str, Any]:  # a value only this rank has: this rank writes it
+        return {**_base(), f"own{rank}": own}
+
+    try:
+        save(1, base())  # planned
+        save(2, base())  # the steady state
+        try:  # the same structure; on one rank a value that cannot be pickled
+            save(3, base(threading.Lock() if rank == 1 else 1))
+        except CheckpointError as exc:
+            out["error"] = str(exc)
+        save(4, base())  # still cached
+        changed = base()
+        if rank == 1:  # a structure change on one rank: every rank re-plans
+            changed["extra"] = torch.ones(3)
+        save(5, changed)
+        save(6, changed)
+    finally:
+        mgr.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_steady_save_plans_with_one_collective_and_keeps_the_error_funnel(tmp_path: Path) -> None:
+    """With every rank's structure unchanged, planning costs one int64 all_gather (each
+    rank resolves and lays out its data before it); a value that cannot be pickled on
+    one rank still fails the save on every rank, and a change on one rank re-plans on
+    every rank."""
+    results = run_ranks(_rank_collectives, 2, str(tmp_path), timeout=150)
+    for res in results:
+        assert res["calls"][2] == ["all_gather_ints"], res["calls"]
+        assert res["calls"][4] == ["all_gather_ints"] and res["calls"][6] == ["all_gather_ints"], res["calls"]
+        assert "all_gather_object" in res["calls"][1] and "all_gather_object" in res["calls"][5], res["calls"]
+        assert res["hits"] == {1: 0, 2: 1, 4: 2, 5: 2, 6: 3}, res["hits"]
+        assert res["error"] is not None and "cannot be pickled" in res["error"] and "rank 1" in res["error"], res
