@@ -924,8 +924,8 @@ def _read_file(fd: int, path: str, reads: list[tuple[_Unit, list[_Landing]]], no
                 lo = unit.lo
             views: list[memoryview] = []
             for v in _unit_views(unit, read[1]):
-                for i in range(0, len(v), _READ_BYTES):
-                    piece = v[i:i + _READ_BYTES]
+                for piece in (v,) if len(v) <= _READ_BYTES else (v[i:i + _READ_BYTES]
+                                                                 for i in range(0, len(v), _READ_BYTES)):
                     if n and (n + len(piece) > _READ_BYTES or count >= _IOV_MAX):
                         parts.append((read, views, False))
                         views = []
