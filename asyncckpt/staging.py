@@ -79,8 +79,8 @@ def prefault(address: int, nbytes: int) -> bool:
         the pages are then faulted in by the first writes.
 
     Raises:
-        OSError: the memory cannot be allocated (``ENOMEM``), where a write into the
-            mapping would have killed the process with ``SIGBUS``.
+        OSError: the kernel refuses the memory (``ENOMEM``), where a write into the
+            unallocated page would fault (``SIGBUS``, or the OOM killer).
     """
     global _populate_write
     if not _populate_write or nbytes <= 0:
