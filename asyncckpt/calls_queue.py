@@ -25,6 +25,7 @@ Two ways to finalize:
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import queue as _queue
 import threading
@@ -64,6 +65,8 @@ class _Book:
         self.caller = caller
         self.cond = threading.Condition(threading.RLock())
         self.pending: dict[int, AsyncRequest] = {}  # insertion order is call_idx order
+        #: Claimed, not settled yet: their finalize_fns (the commit) or listeners run.
+        self.settling: set[int] = set()
         self.preload_failures: dict[int, RankFailure] = {}
         self.results: dict[int, Any] = {}
         self.failures: collections.OrderedDict[int, CheckpointException] = collections.OrderedDict()
@@ -94,11 +97,18 @@ class _Book:
         return (_OK, None) if outcome.ok else (_FAILED, outcome.error)
 
     def claim(self, call_idx: int) -> AsyncRequest | None:
-        """Take ``call_idx`` out of the pending calls; ``None`` if another thread did."""
+        """Take ``call_idx`` out of the pending calls; ``None`` if another thread did.
+        It is :meth:`unsettled` until :meth:`settle` publishes it."""
         with self.cond:
             request = self.pending.pop(call_idx, None)
             self.preload_failures.pop(call_idx, None)
+            if request is not None:
+                self.settling.add(call_idx)
             return request
+
+    def unsettled(self, until: int | None = None) -> int:
+        """How many calls (up to ``until``) are pending or being settled (hold ``cond``)."""
+        return sum(1 for i in itertools.chain(self.pending, self.settling) if until is None or i <= until)
 
     def run_finalize(self, call_idx: int, request: AsyncRequest, rank: int) -> CheckpointException | None:
         """Run the ``finalize_fns`` of a call that succeeded everywhere (already claimed).
@@ -140,17 +150,26 @@ class _Book:
                 self.failures[call_idx] = exc
                 while len(self.failures) > self.failures_kept:
                     self.failures.popitem(last=False)
+            self.settling.discard(call_idx)
             if self.background and not reported:
                 self.unharvested.append((call_idx, exc))
             self.cond.notify_all()
 
-    def drop_all(self, rank: int, why: str) -> None:
-        """Settle every pending call as failed with ``why`` (no collective)."""
+    def drop_all(self, rank: int, why: str, settler_gone: bool = False) -> None:
+        """Settle every pending call as failed with ``why`` (no collective).
+
+        Args:
+            settler_gone: the thread that claimed the calls being settled stopped
+                without settling them (the finalizer died): settle those too.
+        """
         with self.cond:
             call_idxs = list(self.pending)
+            stuck = sorted(self.settling) if settler_gone else []
         for call_idx in call_idxs:
             if self.claim(call_idx) is not None:
                 self.settle(call_idx, CheckpointException(call_idx, {rank: RankFailure(why)}))
+        for call_idx in stuck:
+            self.settle(call_idx, CheckpointException(call_idx, {rank: RankFailure(why)}))
 
 
 class _Finalizer:
@@ -198,7 +217,8 @@ class _Finalizer:
                 why = RankFailure.from_exception(error, "the background finalizer failed: ")
                 if book.claim(call_idx) is not None:
                     book.settle(call_idx, CheckpointException(call_idx, {sync.rank: why}))
-                book.drop_all(sync.rank, "the background finalizer stopped after an earlier failure:\n" + why)
+                book.drop_all(sync.rank, "the background finalizer stopped after an earlier failure:\n" + why,
+                              settler_gone=True)
                 self.stop.set()
                 return
 
@@ -400,6 +420,8 @@ class AsyncCallsQueue:
             CheckpointException: the oldest pending call failed on some rank; the same
                 exception (``call_idx`` and per-rank causes) on every rank. The call is
                 dropped without running its finalize_fns; later calls stay pending.
+                In the background mode, not blocking, a failure behind calls finalized
+                since the last call is raised by the next call; blocking, it is raised now.
         """
         if self.background_finalize:
             return self._harvest(blocking, until)
@@ -445,7 +467,7 @@ class AsyncCallsQueue:
         with book.cond:
             if blocking:
                 def settled() -> bool:
-                    return not any(until is None or i <= until for i in book.pending)
+                    return not book.unsettled(until)
                 while not book.cond.wait_for(settled, timeout=1.0):
                     if self._finalizer is None or not self._finalizer.thread.is_alive():
                         break
@@ -454,14 +476,16 @@ class AsyncCallsQueue:
                 if until is not None and call_idx > until:
                     break
                 if exc is not None:
-                    if out:
+                    if out and not blocking:
                         break  # reported by the next call
+                    # blocking: a failure behind calls that were finalized is raised now
+                    # (returning would tell the caller that everything finalized).
                     book.unharvested.popleft()
                     raise exc
                 book.unharvested.popleft()
                 out.append(call_idx)
         if blocking and self._finalizer is not None and not self._finalizer.thread.is_alive():
-            book.drop_all(self.sync.rank, "the background finalizer is not running")
+            book.drop_all(self.sync.rank, "the background finalizer is not running", settler_gone=True)
         return out
 
     def get_result(self, call_idx: int) -> Any:
@@ -480,9 +504,10 @@ class AsyncCallsQueue:
             return self._book.failures.get(call_idx)
 
     def is_pending(self, call_idx: int) -> bool:
-        """True if ``call_idx`` was scheduled and is not finalized nor failed yet."""
+        """True if ``call_idx`` was scheduled and is not finalized nor failed yet (also
+        while its finalize_fns run)."""
         with self._book.cond:
-            return call_idx in self._book.pending
+            return call_idx in self._book.pending or call_idx in self._book.settling
 
     def wait_local(self, call_idx: int, timeout: float | None = None) -> bool:
         """Wait until this rank's ``async_fn`` for ``call_idx`` no longer runs.
@@ -498,7 +523,7 @@ class AsyncCallsQueue:
     def get_num_unfinalized_calls(self) -> int:
         """Number of scheduled calls not finalized yet (on this rank)."""
         with self._book.cond:
-            return len(self._book.pending)
+            return self._book.unsettled()
 
     # ------------------------------------------------------------------ shutdown
     def close(self, abort: bool = False) -> None:
@@ -528,7 +553,7 @@ class AsyncCallsQueue:
             if not abort:
                 while True:
                     with book.cond:
-                        if not book.pending and not book.unharvested:
+                        if not book.unsettled() and not book.unharvested:
                             break
                     try:
                         self.maybe_finalize_async_calls(blocking=True)
@@ -546,7 +571,8 @@ class AsyncCallsQueue:
             else:
                 self.caller.close(abort=abort)
             rank = self._sync.rank if self._sync is not None else 0
-            book.drop_all(rank, "dropped by close(abort=True) before it was finalized")
+            book.drop_all(rank, "dropped by close(abort=True) before it was finalized",
+                          settler_gone=self._finalizer is None or not self._finalizer.thread.is_alive())
         if first_error is not None:
             raise first_error
 

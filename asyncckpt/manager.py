@@ -196,6 +196,9 @@ class CheckpointManager:
             CheckpointException: a save failed on some rank (the same on every rank);
                 nothing of it was committed, ``latest`` is unchanged, its temporary
                 directory is removed. Later outcomes are reported by the next call.
+                Not blocking, a failure behind saves committed since the last call is
+                raised by the next call (these steps are returned now); blocking, it is
+                raised now, with a note naming those steps (``steps()`` lists them).
             CallbackError: a completion callback raised (its save is committed).
         """
         self._saver.synchronize_staging()

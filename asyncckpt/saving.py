@@ -398,6 +398,7 @@ class Saver:
         self._state = threading.Lock()  # guards the maps below (training and finalizer threads)
         self._overlapped: _Overlapped | None = None
         self._inflight: dict[int, SaveInFlight] = {}  # call_idx -> scheduled, not settled
+        self._settling: set[int] = set()  # in _inflight, being settled by _on_settled
         self._unharvested: collections.deque[tuple[int, SaveInFlight, BaseException | None]] = collections.deque()
         self._reported: set[int] = set()  # outcomes already seen through handle.wait()
         self._callback_errors: list[tuple[SaveHandle, BaseException]] = []
@@ -606,9 +607,10 @@ class Saver:
         """The queue's settle listener (any thread, every rank). True for this saver's
         calls: their outcomes are reported through their handles and :meth:`harvest`."""
         with self._state:
-            record = self._inflight.pop(call_idx, None)
-        if record is None:
-            return False
+            record = self._inflight.get(call_idx)
+            if record is None or call_idx in self._settling:
+                return record is not None
+            self._settling.add(call_idx)  # stays in _inflight until queued for harvest
         self._settle(record, exc)
         return True
 
@@ -632,10 +634,17 @@ class Saver:
                 with self._state:
                     self._callback_errors.append((handle, error))
         record.planned = record.planned._replace(data=[])
-        handle._settle(record.timings if exc is None else None, exc)
+        # Out of _inflight and queued for harvest at once (a save is always in one of
+        # them, else wait_all() misses it while it settles, and a blocking harvest
+        # returns without its failure), and before the handle is settled (a wait() that
+        # returns marks the outcome reported, and must find it queued, else harvest
+        # reports it again).
         if handle.call_idx is not None:
             with self._state:
+                self._inflight.pop(handle.call_idx, None)
+                self._settling.discard(handle.call_idx)
                 self._unharvested.append((handle.call_idx, record, exc))
+        handle._settle(record.timings if exc is None else None, exc)
 
     def poll_foreground(self, handle: SaveHandle) -> None:
         """Make progress on a queue finalized in the training loop, single process only."""
@@ -672,8 +681,10 @@ class Saver:
 
     def harvest(self, blocking: bool) -> list[SaveInFlight]:
         """The saves committed since the last harvest, in order; raises the first failure
-        not reported yet (``CheckpointManager.maybe_finalize``). Callback errors are
-        left for :meth:`raise_callback_errors`.
+        not reported yet (``CheckpointManager.maybe_finalize``). Not blocking, a failure
+        behind committed saves is left for the next harvest; blocking, it is raised now
+        (a note names the committed steps). Callback errors are left for
+        :meth:`raise_callback_errors`.
 
         With a queue finalized in the training loop this first finalizes (collective).
         """
@@ -692,15 +703,20 @@ class Saver:
                 call_idx, record, exc = self._unharvested[0]
                 reported = call_idx in self._reported
                 if exc is not None and not reported:
-                    if not committed:  # else: raised by the next harvest, in order
-                        self._unharvested.popleft()
-                        failure = exc
+                    if committed and not blocking:
+                        break  # raised by the next harvest, in order
+                    # blocking (the end of training): raised now, whatever committed before
+                    self._unharvested.popleft()
+                    failure = exc
                     break
                 self._unharvested.popleft()
                 self._reported.discard(call_idx)
                 if exc is None and not reported:
                     committed.append(record)
         if failure is not None:
+            if committed:
+                steps = ", ".join(str(r.step) if r.step is not None else str(r.final_dir) for r in committed)
+                failure.add_note(f"committed before this failure and reported with it: {steps}")
             self.attach_callback_errors(failure)
             raise failure
         return committed

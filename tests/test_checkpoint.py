@@ -9,6 +9,8 @@ background callers: ``AsyncCallsQueue(persistent=False)`` (a forked child per ca
 from __future__ import annotations
 
 import json
+import shutil
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -636,10 +638,109 @@ def test_manager_last_committed_timings_after_handle_wait(tmp_path: Path, tempor
         timings = handle.wait(timeout=30)
         assert manager.steps() == [1]
         assert manager.last_committed_timings == timings
-        assert manager.maybe_finalize(blocking=True) in ([], [1])
+        assert manager.maybe_finalize(blocking=True) == []  # reported through wait()
         assert handle.call_idx not in manager._saver.pending_steps() and not manager._saver.pending_steps()
     finally:
         manager.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("caller", CALLERS)
+def test_an_outcome_seen_through_wait_is_not_reported_again(tmp_path: Path, caller: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``handle.wait()`` may return as soon as the handle is settled, while the finalizer
+    thread has not finished settling the save (the fault: that thread is descheduled
+    right after settling the handle). The outcome seen through ``wait`` must not be
+    reported again by ``maybe_finalize``: before the fix it was, and as a committed save
+    ahead of a failure it made ``maybe_finalize(blocking=True)`` return instead of
+    raising (seen in the fault suite's ``preload`` scenario)."""
+    real_settle = asyncckpt.SaveHandle._settle
+
+    def settle_then_stall(self: Any, *args: Any) -> None:
+        real_settle(self, *args)
+        time.sleep(0.3)  # the finalizer thread, descheduled here
+
+    monkeypatch.setattr(asyncckpt.SaveHandle, "_settle", settle_then_stall)
+    with CheckpointManager(tmp_path / "root", persistent=caller == "persistent") as manager:
+        manager.save(1, {"w": torch.ones(10)}).wait(timeout=30)
+        assert manager.maybe_finalize(blocking=True) == []
+        manager.save(2, {"w": torch.ones(10)}).wait(timeout=30)
+        assert manager.maybe_finalize(blocking=True) == []
+        manager.save(3, {"w": torch.ones(10)})
+        assert manager.maybe_finalize(blocking=True) == [3]
+        assert manager.steps() == [1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("caller", CALLERS)
+def test_a_blocking_maybe_finalize_waits_for_a_failure_being_settled(
+        tmp_path: Path, caller: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``maybe_finalize(blocking=True)`` called while the finalizer thread settles a failed
+    save (here: it is descheduled while removing the save's temporary directory) must
+    wait for it and raise. Before the fix the save was, for that moment, neither pending
+    nor settled, and the call returned as if every save had committed (seen in the
+    fault suite's ``preload`` scenario)."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a regular file")
+    real_tmp = commit_mod.temporary_dir_for
+    real_rmtree = shutil.rmtree
+    settling = threading.Event()
+
+    def stalled_rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(path).parent == blocker and not settling.is_set():
+            settling.set()
+            time.sleep(0.5)  # the finalizer thread, descheduled while it settles the failure
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", stalled_rmtree)
+    with CheckpointManager(tmp_path / "root", persistent=caller == "persistent") as manager:
+        manager.save(1, {"w": torch.ones(10)}).wait(timeout=30)
+        monkeypatch.setattr(commit_mod, "temporary_dir_for",
+                            lambda final_dir, token: blocker / real_tmp(final_dir, token).name)
+        failing = manager.save(2, {"w": torch.ones(10)})
+        monkeypatch.setattr(commit_mod, "temporary_dir_for", real_tmp)
+        assert settling.wait(timeout=30)
+        with pytest.raises(CheckpointException) as info:
+            manager.maybe_finalize(blocking=True)
+        assert info.value.call_idx == failing.call_idx
+        assert manager.maybe_finalize(blocking=True) == [] and manager.steps() == [1]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("caller", CALLERS)
+def test_a_blocking_maybe_finalize_raises_a_failure_behind_committed_saves(
+        tmp_path: Path, caller: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the end of training (``maybe_finalize(blocking=True)``) a failed save is raised
+    even when saves committed before it are reported in the same call: left to "the next
+    call", which may never come, the failure would be lost. Not blocking, the committed
+    steps are returned first and the failure is raised by the next call."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a regular file")
+    real_tmp = commit_mod.temporary_dir_for
+    with CheckpointManager(tmp_path / "root", persistent=caller == "persistent") as manager:
+        for blocking in (True, False):
+            first = 10 if blocking else 20
+            ok = manager.save(first, {"w": torch.ones(10)})
+            monkeypatch.setattr(commit_mod, "temporary_dir_for",
+                                lambda final_dir, token: blocker / real_tmp(final_dir, token).name)
+            failing = manager.save(first + 1, {"w": torch.ones(10)})
+            monkeypatch.setattr(commit_mod, "temporary_dir_for", real_tmp)
+            if blocking:
+                with pytest.raises(CheckpointException) as info:
+                    manager.maybe_finalize(blocking=True)
+                assert info.value.call_idx == failing.call_idx
+                assert any(f"reported with it: {first}" in note for note in info.value.__notes__)
+            else:
+                deadline = time.monotonic() + 30
+                while not failing.done() and time.monotonic() < deadline:
+                    time.sleep(0.01)  # settled by the finalizer thread, not harvested
+                assert ok.done() and failing.done()
+                assert manager.maybe_finalize() == [first]
+                with pytest.raises(CheckpointException) as info:
+                    manager.maybe_finalize()
+                assert info.value.call_idx == failing.call_idx
+            assert manager.maybe_finalize(blocking=True) == []
+        assert manager.steps() == [10, 20]
 
 
 @pytest.mark.timeout(60)

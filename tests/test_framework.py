@@ -437,6 +437,58 @@ def test_failure_is_reported_by_nonblocking_polls(make_queue, mode):
     q.close()
 
 
+def _slow_finalize(started: threading.Event, done: list) -> None:
+    started.set()
+    time.sleep(0.5)  # the commit of a large checkpoint
+    done.append(True)
+
+
+@pytest.mark.timeout(30)
+def test_background_blocking_poll_waits_for_finalize_fns_that_run(make_queue):
+    """Background finalize: a call whose finalize_fns (the commit) run is still pending:
+    a blocking poll waits for them and reports the call; ``is_pending`` and
+    ``get_num_unfinalized_calls`` count it. Before the fix the call was, while it was
+    being committed, neither pending nor reported, and the poll returned ``[]``."""
+    q = make_queue(background_finalize=True)
+    q.start()
+    started, done = threading.Event(), []
+    idx = q.schedule_async_request(AsyncRequest(echo, ("ok",), finalize_fns=[
+        functools.partial(_slow_finalize, started, done)]))
+    assert started.wait(timeout=FAIL_DEADLINE_S)
+    assert q.is_pending(idx) and q.get_num_unfinalized_calls() == 1
+    assert q.maybe_finalize_async_calls(blocking=True) == [idx]
+    assert done == [True] and not q.is_pending(idx) and q.get_num_unfinalized_calls() == 0
+    q.close()
+
+
+@pytest.mark.timeout(30)
+def test_background_blocking_poll_raises_a_failure_behind_finalized_calls(make_queue):
+    """Background finalize: a blocking poll raises a failed call even when calls
+    finalized before it are reported in the same poll (they are finalized: their
+    finalize_fns ran); left to "the next poll", the failure could be lost at the end of
+    training. A non-blocking poll returns the finalized calls first."""
+    q = make_queue(background_finalize=True)
+    q.start()
+    for blocking in (True, False):
+        ran = []
+        ok = q.schedule_async_request(AsyncRequest(echo, ("ok",), finalize_fns=[functools.partial(ran.append, 1)]))
+        bad = q.schedule_async_request(FAILURES["raises"][0]())
+        if blocking:
+            with pytest.raises(CheckpointException) as info:
+                q.maybe_finalize_async_calls(blocking=True)
+        else:
+            deadline = time.monotonic() + FAIL_DEADLINE_S
+            while q.is_pending(bad) and time.monotonic() < deadline:
+                time.sleep(0.01)  # settled by the finalizer thread, not reported
+            assert q.maybe_finalize_async_calls() == [ok]
+            with pytest.raises(CheckpointException) as info:
+                q.maybe_finalize_async_calls()
+        assert info.value.call_idx == bad and "boom-raise" in info.value.failures[0]
+        assert ran == [1]
+        assert q.maybe_finalize_async_calls(blocking=True) == []
+    q.close()
+
+
 @pytest.mark.timeout(30)
 def test_temporal_child_exiting_nonzero_after_reporting_success_is_a_failure():
     q = asyncckpt.AsyncCallsQueue(persistent=False)
