@@ -95,10 +95,12 @@ _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
 
 
 @contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """The cyclic garbage collector off while building many small objects (a metadata
     of thousands of entries otherwise triggers several full collections, a tenth of a
-    second each with a large heap). Only re-enabled if it was on."""
+    second each with a large heap). Only re-enabled if it was on; nested uses leave it
+    to the outermost. Objects freed before the end never count towards a collection
+    (CPython counts an allocation up and its deallocation down)."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -303,7 +305,7 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> Metadata:
     try:
         fd = _open_member(dir_fd, root, METADATA_NAME)
         try:
-            with open(fd, "rb", closefd=False) as f, _no_gc():
+            with open(fd, "rb", closefd=False) as f, gc_paused():
                 metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
         except CheckpointError:
             raise
@@ -691,7 +693,7 @@ def plan_direct_load(state_dict: dict[str, Any], metadata: Metadata) -> DirectPl
 
     Costs one dict lookup and a few comparisons per entry (no collective, no I/O).
     """
-    with _no_gc():
+    with gc_paused():
         return _plan_direct(state_dict, metadata)
 
 
@@ -1016,7 +1018,7 @@ def direct_load(plan: DirectPlan, root: str, manifest_files: dict[str, Any] | No
             # tensors in them land in temporaries.
             value_units = {i for e in entries if e.framing is None
                            for i, u in enumerate(units) if u.lo < e.offset + e.length and u.hi > e.offset}
-            with _no_gc():  # thousands of ctypes views: no full collection in between
+            with gc_paused():  # thousands of ctypes views: no full collection in between
                 landings = [_land(e, direct=not any(units[i].lo < e.offset + e.length and units[i].hi > e.offset
                                                     for i in value_units)) for e in entries]
             all_landings += [(name, la) for la in landings]
