@@ -242,10 +242,13 @@ def _validate_metadata(metadata: Any, path: str) -> Metadata:
     for fqn, md in metadata.state_dict_metadata.items():
         if not isinstance(fqn, str) or not isinstance(md, (_md.TensorStorageMetadata, _md.BytesStorageMetadata)):
             raise CorruptCheckpointError(f"{path}: malformed entry {fqn!r} in state_dict_metadata", path)
+    names: set[str] = set()  # checked once each (a few files for thousands of entries)
     for index, info in metadata.storage_data.items():
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             raise CorruptCheckpointError(f"{path}: malformed storage_data entry {index!r}", path)
-        check_file_name(info.relative_path, path)
+        name = info.relative_path
+        if type(name) is not str or name not in names:
+            names.add(check_file_name(name, path))
         if (not isinstance(info.offset, int) or not isinstance(info.length, int)
                 or info.offset < 0 or info.length < 0):
             raise CorruptCheckpointError(f"{path}: entry {index.fqn!r} has a bad offset or length", path)
@@ -395,12 +398,16 @@ def _writer_framing(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorFraming
 
 
 def _suffix_matches(tail: memoryview, framing: TensorFraming) -> bool:
-    if len(tail) != len(framing.suffix):
+    """``tail`` is ``framing.suffix`` but for the CRC-32 fields (at ``crc_offsets``)."""
+    got, want = tail.tobytes(), framing.suffix  # (bytes compare with memcmp; a memoryview byte by byte)
+    if len(got) != len(want):
         return False
-    masked = bytearray(tail)
-    for offset in framing.crc_offsets:
-        masked[offset:offset + 4] = b"\0\0\0\0"
-    return masked == framing.suffix
+    pos = 0
+    for offset in sorted(framing.crc_offsets):
+        if got[pos:offset] != want[pos:offset]:
+            return False
+        pos = offset + 4
+    return got[pos:] == want[pos:]
 
 
 def _tensor_from(buf: bytearray, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -426,7 +433,7 @@ def _read_record(fd: int, path: str, offset: int, framing: TensorFraming, dest: 
             if lo < len(b):
                 _pread_into(fd, b[lo:], offset + pos + lo, path)
             pos += len(b)
-    return head == framing.prefix and _suffix_matches(memoryview(tail), framing)
+    return bytes(head) == framing.prefix and _suffix_matches(memoryview(tail), framing)
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -675,7 +682,7 @@ _PLAIN_VALUES = (torch.Tensor, dict, list, tuple, str, int, float, bool, type(No
 
 
 def _plain_tensor(obj: Any) -> bool:
-    return type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type != "meta" and obj.layout == torch.strided
+    return type(obj) in (torch.Tensor, torch.nn.Parameter) and not obj.is_meta and obj.layout == torch.strided
 
 
 def plan_direct_load(state_dict: dict[str, Any], metadata: Metadata) -> DirectPlan | None:
@@ -734,7 +741,7 @@ def _plan_direct(state_dict: dict[str, Any], metadata: Metadata) -> DirectPlan |
             framing = _writer_framing(obj.dtype, shape)
             if framing is None or info.length != len(framing.prefix) + framing.nbytes + len(framing.suffix):
                 return None
-            if framing.nbytes and obj.device.type == "cpu":
+            if framing.nbytes and obj.is_cpu:
                 if obj.is_contiguous():
                     lo = obj.data_ptr()
                     spans.append((lo, lo + framing.nbytes))
@@ -829,21 +836,26 @@ class _Landing(NamedTuple):
     temp: torch.Tensor | None  # the data, when the target cannot take it directly
 
 
-def _land(entry: _Entry, direct: bool) -> _Landing:
+_EMPTY = memoryview(b"")
+
+
+def _land(entry: _Entry, direct: bool, frame: memoryview) -> _Landing:
+    """``frame``: ``len(prefix) + len(suffix)`` bytes for the framing (unused for a value)."""
     f = entry.framing
     if f is None:
-        return _Landing(entry, memoryview(bytearray(entry.length)), memoryview(b""), memoryview(b""), None)
+        return _Landing(entry, memoryview(bytearray(entry.length)), _EMPTY, _EMPTY, None)
     target = entry.target
     assert target is not None
     temp = None
     if f.nbytes == 0:
-        data = memoryview(b"")
-    elif direct and target.device.type == "cpu" and target.is_contiguous():
+        data = _EMPTY
+    elif direct and target.is_cpu and target.is_contiguous():
         data = memoryview((ctypes.c_char * f.nbytes).from_address(target.data_ptr())).cast("B")
     else:
         temp = torch.empty(target.shape, dtype=target.dtype)
         data = memoryview((ctypes.c_char * f.nbytes).from_address(temp.data_ptr())).cast("B")
-    return _Landing(entry, memoryview(bytearray(len(f.prefix))), data, memoryview(bytearray(len(f.suffix))), temp)
+    n = len(f.prefix)
+    return _Landing(entry, frame[:n], data, frame[n:], temp)
 
 
 def _unit_views(unit: _Unit, landings: list[_Landing]) -> list[memoryview]:
@@ -855,6 +867,13 @@ def _unit_views(unit: _Unit, landings: list[_Landing]) -> list[memoryview]:
     pos, gaps = unit.lo, 0
     for land in landings:
         start = land.entry.offset
+        if start >= pos and start + land.entry.length <= unit.hi:  # wholly inside (the common case)
+            if start > pos:
+                parts.append(start - pos)
+                gaps += start - pos
+            parts += [piece for piece in (land.head, land.data, land.tail) if piece]
+            pos = start + land.entry.length
+            continue
         for piece in (land.head, land.data, land.tail):
             end = start + len(piece)
             lo, hi = max(start, pos), min(end, unit.hi)
@@ -1018,9 +1037,18 @@ def direct_load(plan: DirectPlan, root: str, manifest_files: dict[str, Any] | No
             # tensors in them land in temporaries.
             value_units = {i for e in entries if e.framing is None
                            for i, u in enumerate(units) if u.lo < e.offset + e.length and u.hi > e.offset}
+            # The framing of all tensor records in one buffer (a slice each).
+            frames = memoryview(bytearray(sum(len(e.framing.prefix) + len(e.framing.suffix)
+                                              for e in entries if e.framing is not None)))
+            landings = []
+            pos = 0
             with gc_paused():  # thousands of ctypes views: no full collection in between
-                landings = [_land(e, direct=not any(units[i].lo < e.offset + e.length and units[i].hi > e.offset
-                                                    for i in value_units)) for e in entries]
+                for e in entries:
+                    n = 0 if e.framing is None else len(e.framing.prefix) + len(e.framing.suffix)
+                    direct = not any(units[i].lo < e.offset + e.length and units[i].hi > e.offset
+                                     for i in value_units)
+                    landings.append(_land(e, direct, frames[pos:pos + n]))
+                    pos += n
             all_landings += [(name, la) for la in landings]
             k = 0
             for i, u in enumerate(units):
@@ -1058,7 +1086,7 @@ def direct_load(plan: DirectPlan, root: str, manifest_files: dict[str, Any] | No
             if f is None:
                 continue
             assert e.target is not None
-            if la.head == f.prefix and _suffix_matches(la.tail, f):
+            if la.head.tobytes() == f.prefix and _suffix_matches(la.tail, f):
                 if la.temp is not None:
                     e.target.detach().copy_(la.temp)
             else:
