@@ -20,6 +20,7 @@ from .dist import SyncGroup
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailure
 from .storage import commit as _commit
 from .storage.reader import SafeFileSystemReader, SafeLoadPlanner, gc_paused, direct_load, plan_direct_load
+from .storage.records import RECORDS_NAME
 
 __all__ = ["load", "verify", "from_dcp_exception"]
 
@@ -52,8 +53,9 @@ def load(
     When ``state_dict`` has exactly the checkpoint's keys, dtypes and shapes (plain
     tensors, one record each), on every rank, the records are read directly, in few
     large reads straight into the tensors (``reader.direct_load``), without DCP's
-    per-entry load planning; anything else goes through ``dcp.load``. Both give the
-    same values and the same errors.
+    per-entry load planning (the records' places come from ``.records.json``, written
+    at commit, when it stands for the ``.metadata`` in the directory); anything else
+    goes through ``dcp.load``. Both give the same values and the same errors.
 
     The checkpoint is not trusted (:mod:`asyncckpt.storage.reader`): ``.metadata`` is
     unpickled with an allowlist of DCP metadata classes; every file it or the manifest
@@ -104,6 +106,9 @@ def load(
 #: How many loads of this process took each path: ``"direct"`` (``reader.direct_load``) or
 #: ``"dcp"`` (``dcp.load`` with our reader and planner). A debugging aid; tests read it.
 load_paths: collections.Counter = collections.Counter()
+#: Where the direct path's plans found the records: ``"records"`` (the records file),
+#: ``"metadata"`` (``.metadata``, unpickled). A debugging aid; tests read it.
+records_sources: collections.Counter = collections.Counter()
 
 
 def _raise_first(failures: dict[int, RankFailure], path: Path) -> None:
@@ -148,10 +153,16 @@ def _load_direct(state_dict: dict[str, Any], path: Path, process_group: Any, ver
         share = sorted(manifest["files"])[sync.rank::sync.world_size]
         if verify is True:
             _commit.verify_checkpoint(path, share)
-        elif verify == "inline":
-            _commit.verify_checkpoint(path, [_commit.METADATA_NAME])  # the data files as they are read
-        reader.check_manifest(manifest["files"])  # reads and checks .metadata
-        plan = plan_direct_load(state_dict, reader.read_metadata())
+        elif verify == "inline":  # the data files as they are read
+            _commit.verify_checkpoint(path, [n for n in (_commit.METADATA_NAME, RECORDS_NAME)
+                                             if n in manifest["files"]])
+        # Where each entry lies: from the records file when it stands for this
+        # .metadata (JSON, no unpickling), else from .metadata.
+        records = reader.read_records(manifest["files"])
+        records_sources["metadata" if records is None else "records"] += 1
+        if records is None:
+            reader.check_manifest(manifest["files"])  # reads and checks .metadata
+        plan = plan_direct_load(state_dict, reader.read_metadata() if records is None else records)
     except CorruptCheckpointError as exc:
         failure = RankFailure.from_exception(exc)
     # One collective: did a rank fail, and can every rank take the direct path?

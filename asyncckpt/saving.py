@@ -55,6 +55,8 @@ from .request import AsyncRequest
 from .root import CheckpointRoot
 from .staging import StagingBuffer, StagingCopier, StagingPool
 from .storage import commit as _commit
+from .storage import records as _records
+from .storage.crc import crc32
 from .storage.layout import RankLayout, build_layout
 from .storage.writer import RankWriteResult, WriteTask, current_umask, write_rank_files
 
@@ -250,7 +252,8 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
             info = {"world_size": sync.world_size, "step": save.step}
             if save.root is not None:
                 info["commit_seq"] = save.root.next_commit_seq()  # the rollback order (root.py)
-            _commit.commit_directory(save.tmp_dir, save.final_dir, _METADATA_PICKLE.dumps(metadata), files, info)
+            metadata_bytes, records = _METADATA_PICKLE.encode(metadata)
+            _commit.commit_directory(save.tmp_dir, save.final_dir, metadata_bytes, files, info, records)
         except Exception as exc:  # noqa: BLE001 - funnelled to every rank below
             failure = RankFailure.from_exception(exc, "commit failed: ")
         else:
@@ -285,11 +288,14 @@ class _MetadataPickle:
         self._key: tuple | None = None
         self._data: bytes = b""
         self._at: tuple[int, int, int, int] = (0, 0, 0, 0)  # checkpoint_id, save_id: offset, length
+        self._records: str | None = None  # the cached metadata's records (records_json), None: none
         #: how many commits reused the cached bytes (observable in tests).
         self.hits = 0
 
-    def dumps(self, metadata: Any) -> bytes:
-        """``pickle.dumps(metadata)``, from the cache where possible."""
+    def encode(self, metadata: Any) -> tuple[bytes, bytes | None]:
+        """``pickle.dumps(metadata)`` and the records file for it (``None`` when an entry
+        is not one record: :mod:`asyncckpt.storage.records`), from the cache where
+        possible (the records then differ only in the CRC-32 of the new bytes)."""
         meta = metadata.storage_meta
         cid = str(meta.checkpoint_id).encode() if meta is not None and meta.checkpoint_id is not None else None
         sid = meta.save_id.encode() if meta is not None and isinstance(meta.save_id, str) else None
@@ -304,16 +310,23 @@ class _MetadataPickle:
                 data[self._at[0]:self._at[0] + len(cid)] = cid
                 data[self._at[2]:self._at[2] + len(sid)] = sid
                 self.hits += 1
-                return bytes(data)
+                return bytes(data), self._records_file(self._records, data)
         data = pickle.dumps(metadata)
+        found = _records.records_from_metadata(metadata)
+        records = None if found is None else _records.records_json(found)
         with self._lock:
             self._key = None
+            self._records = records
             if cid is not None and sid is not None and cid != sid and data.count(cid) == 1 and data.count(sid) == 1:
                 self._key = (metadata.state_dict_metadata, metadata.planner_data, dict(metadata.storage_data),
                              metadata.version, (meta.load_id, list(meta.modules)))
                 self._data = data
                 self._at = (data.find(cid), len(cid), data.find(sid), len(sid))
-        return data
+        return data, self._records_file(records, data)
+
+    @staticmethod
+    def _records_file(records: str | None, data: bytes | bytearray) -> bytes | None:
+        return None if records is None else _records.records_file(records, crc32(data))
 
 
 _METADATA_PICKLE = _MetadataPickle()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import zlib
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -136,3 +139,18 @@ def started_session(cmd: list[str], **popen_kwargs: Any) -> Iterator[Any]:
         for stream in (proc.stdout, proc.stderr):
             if stream:
                 stream.close()
+
+
+def resign(ckpt: Path, extra: dict[str, Path] | None = None) -> None:
+    """Recompute every manifest entry (size, one CRC-32 segment) from the files as they
+    are now; ``extra`` adds entries (name -> file whose bytes to describe)."""
+    manifest_path = ckpt / ".manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    sources = {name: ckpt / name for name in manifest["files"]}
+    sources.update(extra or {})
+    files = {}
+    for name, source in sources.items():
+        data = source.read_bytes()
+        files[name] = {"size": len(data), "segments": [[0, len(data), zlib.crc32(data)]]}
+    manifest["files"] = files
+    manifest_path.write_text(json.dumps(manifest))

@@ -182,7 +182,7 @@ def test_committed_checkpoint_is_a_dcp_directory(tmp_path: Path, temporal_queue:
     # Only the committed directory: no temporary directory left beside it.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == sorted([".metadata", ".manifest.json", "__0_0.distcp"])
+    assert names == sorted([".metadata", ".records.json", ".manifest.json", "__0_0.distcp"])
 
     # Stock DCP reads it (default FileSystemReader via checkpoint_id).
     out = fresh_like(state)
@@ -197,7 +197,7 @@ def test_committed_checkpoint_is_a_dcp_directory(tmp_path: Path, temporal_queue:
 
     # The manifest: per-file sizes and CRC-32 segments covering each file.
     manifest = json.loads((ckpt / ".manifest.json").read_bytes())
-    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+    assert set(manifest["files"]) == {".metadata", ".records.json", "__0_0.distcp"}
     for name, entry in manifest["files"].items():
         content = (ckpt / name).read_bytes()
         assert entry["size"] == len(content) > 0

@@ -222,9 +222,9 @@ def test_two_ranks_save_load_and_refuse(tmp_path: Path, caller: str) -> None:
     for name in ("sync", "async", "coord1"):
         ckpt = tmp_path / name
         names = sorted(p.name for p in ckpt.iterdir())
-        assert names == sorted([".manifest.json", ".metadata", "__0_0.distcp", "__1_0.distcp"])
+        assert names == sorted([".manifest.json", ".metadata", ".records.json", "__0_0.distcp", "__1_0.distcp"])
         manifest = asyncckpt.verify(ckpt)
-        assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+        assert set(manifest["files"]) == {".metadata", ".records.json", "__0_0.distcp", "__1_0.distcp"}
         assert manifest["world_size"] == WORLD
         for fname, entry in manifest["files"].items():
             assert (ckpt / fname).stat().st_size == entry["size"]
@@ -360,7 +360,7 @@ def test_two_ranks_manager_and_one_rank_failure(tmp_path: Path, caller: str) -> 
     for step in (3, 6):
         ckpt = root / f"step_{step:08d}"
         manifest = asyncckpt.verify(ckpt)
-        assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+        assert set(manifest["files"]) == {".metadata", ".records.json", "__0_0.distcp", "__1_0.distcp"}
         assert manifest["step"] == step and manifest["world_size"] == WORLD
     dcp_to_torch_save(str(root / "step_00000006"), str(tmp_path / "s6.pt"))
     merged = torch.load(tmp_path / "s6.pt", weights_only=False)

@@ -15,7 +15,7 @@ import json
 import zlib
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -25,8 +25,9 @@ import asyncckpt
 from asyncckpt import CheckpointError, CorruptCheckpointError, loading
 from asyncckpt.storage import commit as _commit
 from asyncckpt.storage.reader import SafeLoadPlanner, direct_load, plan_direct_load, read_metadata
+from asyncckpt.storage.records import RECORDS_NAME, parse_records, records_from_metadata
 from dist_utils import run_ranks
-from helpers import assert_same, flip_byte
+from helpers import assert_same, flip_byte, resign
 
 DATA = "__0_0.distcp"
 
@@ -357,3 +358,152 @@ def test_framing_check_ignores_only_the_crc_fields(ckpt: Path, fqn: str) -> None
         assert _suffix_matches(memoryview(changed), framing) == (i in crc_bytes), i
     assert not _suffix_matches(memoryview(tail[:-1]), framing)
     assert not _suffix_matches(memoryview(tail + b"\0"), framing)
+
+
+# ----------------------------------------------------------------------------- the records file
+def _records(ckpt: Path) -> dict[str, Any]:
+    return json.loads((ckpt / RECORDS_NAME).read_bytes())
+
+
+def _load_from(ckpt: Path, **kwargs: Any) -> str:
+    """Load ``make_state()``'s structure on the direct path, check it bitwise, and return
+    where its records came from (``"records"`` or ``"metadata"``)."""
+    state = make_state()
+    out = fresh(state)
+    before = dict(loading.records_sources)
+    assert counted_load(out, ckpt, **kwargs) == "direct"
+    assert_same(state, out)
+    (source,) = [k for k, v in loading.records_sources.items() if v != before.get(k, 0)]
+    return source
+
+
+@pytest.mark.timeout(60)
+def test_the_records_file_stands_for_the_metadata(ckpt: Path) -> None:
+    """Beside ``.metadata`` the coordinator writes every entry's record (file, offset,
+    length, dtype, shape; values with none), bound to the ``.metadata`` bytes by their
+    CRC-32 and listed in the manifest; the direct path plans from it, on every
+    verification mode, without unpickling ``.metadata``."""
+    obj = _records(ckpt)
+    metadata_bytes = (ckpt / _commit.METADATA_NAME).read_bytes()
+    assert obj["format"] == "asyncckpt.records" and obj["version"] == 1
+    assert obj["metadata_crc32"] == zlib.crc32(metadata_bytes)
+    manifest = asyncckpt.verify(ckpt)  # listed, with its checksum
+    assert RECORDS_NAME in manifest["files"]
+    parsed = parse_records((ckpt / RECORDS_NAME).read_bytes(), zlib.crc32(metadata_bytes), manifest["files"])
+    metadata = read_metadata(ckpt)
+    assert parsed is not None and parsed == records_from_metadata(metadata)
+    assert set(parsed) == set(metadata.state_dict_metadata) and len(parsed) > 1500
+    assert parsed["model.ln.bias"][3:] == (torch.bfloat16, (64,)) and parsed["model.empty"][3:] == (torch.float32, (0, 4))
+    assert parsed["optim.param_groups.0.lr"][3:] == (None, None)  # a value
+    for rows in obj["files"].values():
+        assert [r[1] for r in rows] == sorted(r[1] for r in rows)
+    for verify in ("inline", True, False):
+        assert _load_from(ckpt, verify=verify) == "records"
+
+
+def _edit(obj: dict[str, Any], how: str) -> Any:
+    rows = obj["files"][DATA]
+    if how == "not json":
+        return b"{\"format\": "
+    if how == "another crc":
+        obj["metadata_crc32"] ^= 1
+    elif how == "another format":
+        obj["format"] = "asyncckpt.index"
+    elif how == "another version":
+        obj["version"] = 2
+    elif how == "an unlisted file":
+        obj["files"]["__9_0.distcp"] = obj["files"].pop(DATA)
+    elif how == "a path outside":
+        obj["files"]["../" + DATA] = obj["files"].pop(DATA)
+    elif how == "a short row":
+        rows[0].pop()
+    elif how == "a bool offset":
+        rows[0][1] = True
+    elif how == "a negative length":
+        rows[0][2] = -1
+    elif how == "an unknown dtype":
+        rows[0][3] = "torch.float99"
+    elif how == "a shape of floats":
+        rows[0][4] = [float(s) for s in rows[0][4]]
+    elif how == "a value with a shape":
+        (row,) = [r for r in rows if r[3] is None][:1]
+        row[4] = [1]
+    elif how == "an fqn twice":
+        rows.append(list(rows[0]))
+    return json.dumps(obj).encode()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["not json", "another crc", "another format", "another version", "an unlisted file",
+                                 "a path outside", "a short row", "a bool offset", "a negative length",
+                                 "an unknown dtype", "a shape of floats", "a value with a shape", "an fqn twice"])
+def test_records_that_cannot_stand_for_the_metadata_are_not_used(ckpt: Path, how: str) -> None:
+    """The records file is a cache of ``.metadata``, never an authority: when it is not
+    bound to these ``.metadata`` bytes or has any malformed field, the load (checksums
+    all correct: the manifest re-signed) reads ``.metadata`` instead, with the same result."""
+    (ckpt / RECORDS_NAME).write_bytes(_edit(_records(ckpt), how))
+    resign(ckpt)
+    asyncckpt.verify(ckpt)
+    for verify in ("inline", False):
+        assert _load_from(ckpt, verify=verify) == "metadata"
+
+
+@pytest.mark.timeout(120)
+def test_records_bound_to_the_metadata_are_still_checked(ckpt: Path) -> None:
+    """A records file that names the right CRC-32 but lies is held to the same checks as
+    ``.metadata``: a record past the end of its file is refused, naming it; overlapping
+    records or another dtype than the state's go DCP's way (which reads ``.metadata``)."""
+    def rewrite(change: Callable[[list[list[Any]]], None]) -> None:
+        obj = _records(ckpt)
+        change(obj["files"][DATA])
+        (ckpt / RECORDS_NAME).write_bytes(json.dumps(obj).encode())
+        resign(ckpt)
+
+    original = (ckpt / RECORDS_NAME).read_bytes()
+    size = (ckpt / DATA).stat().st_size
+
+    def past_the_end(rows: list[list[Any]]) -> None:
+        rows[-1][1] = size
+
+    rewrite(past_the_end)
+    with pytest.raises(CorruptCheckpointError, match="past the end") as info:
+        asyncckpt.load(fresh(make_state()), ckpt, verify=False)
+    assert DATA in str(info.value)
+
+    def overlapping(rows: list[list[Any]]) -> None:
+        rows[1][1] = rows[0][1] + 1
+
+    def another_dtype(rows: list[list[Any]]) -> None:
+        (row,) = [r for r in rows if r[0] == "model.emb"]
+        row[3] = "torch.float64"
+
+    for change in (overlapping, another_dtype):
+        (ckpt / RECORDS_NAME).write_bytes(original)
+        rewrite(change)
+        state = make_state()
+        out = fresh(state)
+        assert counted_load(out, ckpt) == "dcp", change.__name__
+        assert_same(state, out)
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_without_records_loads_from_the_metadata(ckpt: Path) -> None:
+    """Checkpoints of earlier versions (no records file) take the direct path from
+    ``.metadata``; a layout that is not one record per entry gets no records at all."""
+    (ckpt / RECORDS_NAME).unlink()
+    manifest = json.loads((ckpt / ".manifest.json").read_text())
+    del manifest["files"][RECORDS_NAME]
+    (ckpt / ".manifest.json").write_text(json.dumps(manifest))
+    resign(ckpt)
+    for verify in ("inline", False):
+        assert _load_from(ckpt, verify=verify) == "metadata"
+
+    metadata = read_metadata(ckpt)
+    assert records_from_metadata(metadata) is not None
+    md = metadata.state_dict_metadata["model.emb"]
+    md.chunks.append(md.chunks[0])  # two chunks: a sharded save
+    assert records_from_metadata(metadata) is None
+    md.chunks.pop()
+    (info,) = [i for idx, i in metadata.storage_data.items() if idx.fqn == "model.emb"]
+    info.transform_descriptors = ["zstd"]
+    assert records_from_metadata(metadata) is None

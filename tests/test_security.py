@@ -37,6 +37,7 @@ import asyncckpt
 import asyncckpt.storage.commit as commit_mod
 from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointException, CheckpointManager, CorruptCheckpointError
 from asyncckpt.storage.reader import read_metadata
+from helpers import resign
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -65,21 +66,6 @@ def ckpt(tmp_path: Path, temporal_queue: AsyncCallsQueue) -> Path:
     asyncckpt.save(make_state(), path, calls_queue=temporal_queue)
     asyncckpt.verify(path)
     return path
-
-
-def resign(ckpt: Path, extra: dict[str, Path] | None = None) -> None:
-    """Recompute every manifest entry (size, one CRC-32 segment) from the files as they
-    are now; ``extra`` adds entries (name -> file whose bytes to describe)."""
-    manifest_path = ckpt / ".manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    sources = {name: ckpt / name for name in manifest["files"]}
-    sources.update(extra or {})
-    files = {}
-    for name, source in sources.items():
-        data = source.read_bytes()
-        files[name] = {"size": len(data), "segments": [[0, len(data), zlib.crc32(data)]]}
-    manifest["files"] = files
-    manifest_path.write_text(json.dumps(manifest))
 
 
 def edit_metadata(ckpt: Path, edit: Callable[[Any], object]) -> None:
@@ -389,7 +375,7 @@ def test_files_and_directories_follow_the_umask(tmp_path: Path, caller: str) -> 
     step = manager.step_dir(1)
     assert _mode(root) == 0o750 and _mode(step) == 0o750
     names = sorted(p.name for p in step.iterdir())
-    assert names == [".manifest.json", ".metadata", DATA]
+    assert names == [".manifest.json", ".metadata", ".records.json", DATA]
     for name in names:
         assert _mode(step / name) == 0o640, (name, oct(_mode(step / name)))
     for name in ("latest", ".asyncckpt.lock"):

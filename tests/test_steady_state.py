@@ -9,6 +9,8 @@ and with stock ``dcp.load``. The cache's ``hits`` counter is the observable.
 
 from __future__ import annotations
 
+import json
+import zlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -234,10 +236,11 @@ def test_fsdp2_second_save_hits_the_cache_on_every_rank(tmp_path: Path) -> None:
 def test_metadata_bytes_are_reused_and_exact(tmp_path: Path) -> None:
     """Issue #11 item 4: a steady save's ``.metadata`` is the cached pickle with only the
     checkpoint path and save id written over: the same bytes ``pickle.dumps`` gives, the
-    right ``storage_meta``, loadable by stock ``dcp.load``."""
+    right ``storage_meta``, loadable by stock ``dcp.load``; its records file, reused as
+    well, names the CRC-32 of each step's own ``.metadata`` and is what ``load`` plans from."""
     import pickle
 
-    from asyncckpt import saving
+    from asyncckpt import loading, saving
 
     state = {"layers": [{"w": torch.full((64,), float(i)), "b": torch.zeros(3)} for i in range(200)], "step": 0}
     hits = saving._METADATA_PICKLE.hits
@@ -249,6 +252,7 @@ def test_metadata_bytes_are_reused_and_exact(tmp_path: Path) -> None:
         mgr.maybe_finalize(blocking=True)
     assert saving._METADATA_PICKLE.hits >= hits + 2
     save_ids = set()
+    files_part: set[str] = set()
     for step in range(1, 4):
         ckpt = tmp_path / f"step_{step:08d}"
         data = (ckpt / ".metadata").read_bytes()
@@ -260,7 +264,17 @@ def test_metadata_bytes_are_reused_and_exact(tmp_path: Path) -> None:
         got = {"layers": [{"w": torch.zeros(64), "b": torch.ones(3)} for _ in range(200)], "step": 0}
         dcp.load(got, checkpoint_id=str(ckpt))
         assert got["step"] == step and float(got["layers"][0]["w"][0]) == step
+        # The records file, reused with the cache, stands for this step's own .metadata.
+        records = json.loads((ckpt / ".records.json").read_bytes())
+        assert records["metadata_crc32"] == zlib.crc32(data)
+        files_part.add(json.dumps(records["files"]))
+        before = loading.records_sources["records"]
+        got = {"layers": [{"w": torch.zeros(64), "b": torch.ones(3)} for _ in range(200)], "step": 0}
+        asyncckpt.load(got, ckpt)
+        assert loading.records_sources["records"] == before + 1
+        assert got["step"] == step and float(got["layers"][0]["w"][0]) == step
     assert len(save_ids) == 3
+    assert len(files_part) == 1  # the same layout every step
 
 
 # ----------------------------------------------------------------------------- one collective, 2 ranks

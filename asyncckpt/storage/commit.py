@@ -46,6 +46,8 @@ __all__ = [
 
 METADATA_NAME = ".metadata"
 MANIFEST_NAME = ".manifest.json"
+#: An index of the records for ``load``'s direct path (:mod:`asyncckpt.storage.records`).
+RECORDS_NAME = ".records.json"
 LATEST_NAME = "latest"
 LOCK_NAME = ".asyncckpt.lock"
 MANIFEST_FORMAT = "asyncckpt.manifest"
@@ -78,8 +80,9 @@ def commit_directory(
     metadata_bytes: bytes,
     files: Iterable[FileResult],
     info: dict[str, Any],
+    records: bytes | None = None,
 ) -> dict[str, Any]:
-    """Write metadata and manifest into ``tmp_dir`` and rename it to ``final_dir``.
+    """Write metadata, records and manifest into ``tmp_dir`` and rename it to ``final_dir``.
 
     Args:
         tmp_dir: the temporary directory holding every rank's data files (durable).
@@ -87,6 +90,8 @@ def commit_directory(
         metadata_bytes: the pickled ``torch.distributed.checkpoint.metadata.Metadata``.
         files: every rank's written files.
         info: extra fields for the manifest (world_size, step, ...).
+        records: the records file's bytes (:func:`asyncckpt.storage.records.records_file`
+            of ``metadata_bytes``), written as :data:`RECORDS_NAME`; ``None``: none.
 
     Returns:
         The manifest.
@@ -95,12 +100,13 @@ def commit_directory(
         FileExistsError: ``final_dir`` exists and is not empty.
         OSError: any I/O failure; ``final_dir`` is then not created.
     """
-    _write_new_file(tmp_dir / METADATA_NAME, metadata_bytes)
     entries = {f.name: {"size": f.nbytes, "segments": [list(s) for s in f.segments]} for f in files}
-    entries[METADATA_NAME] = {
-        "size": len(metadata_bytes),
-        "segments": [[0, len(metadata_bytes), crc32(metadata_bytes)]],
-    }
+    small = {METADATA_NAME: metadata_bytes}
+    if records is not None:
+        small[RECORDS_NAME] = records
+    for name, data in small.items():
+        _write_new_file(tmp_dir / name, data)
+        entries[name] = {"size": len(data), "segments": [[0, len(data), crc32(data)]]}
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,

@@ -29,7 +29,9 @@ manifest, which checks the CRC-32 of each manifest segment it reads.
 :func:`plan_direct_load` and :func:`direct_load` are the direct path of
 ``asyncckpt.load`` for the common case (the state_dict has the checkpoint's keys,
 dtypes and shapes): no DCP load planning, few large ``preadv`` calls straight into
-the target tensors.
+the target tensors. It finds the records in ``.records.json``
+(:mod:`asyncckpt.storage.records`, :meth:`SafeFileSystemReader.read_records`) when that
+file stands for the ``.metadata`` in the directory, without unpickling anything.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import os
 import pathlib
 import pickle
 import stat
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -55,10 +57,11 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .crc import CrcChain
+from .crc import CrcChain, crc32
 from ..errors import CheckpointError, CorruptCheckpointError
 from .commit import METADATA_NAME, is_plain_name, run_in_order
 from .layout import record_framing
+from .records import RECORDS_NAME, Record, parse_records, records_from_metadata
 from .torchsave import TensorFraming
 
 __all__ = [
@@ -491,6 +494,33 @@ class SafeFileSystemReader(FileSystemReader):
                 raise CorruptCheckpointError(
                     f"{METADATA_NAME} names {name!r}, a file the manifest does not list", path)
 
+    def read_records(self, manifest_files: Mapping[str, Any]) -> dict[str, Record] | None:
+        """The records of the records file (:mod:`asyncckpt.storage.records`), when the
+        manifest lists one and it stands for this directory's ``.metadata`` (it names
+        the CRC-32 of its bytes, read here); else ``None``: read :meth:`read_metadata`.
+        Never raises for a bad or missing records file (``.metadata`` decides)."""
+        if RECORDS_NAME not in manifest_files:
+            return None
+        root = os.fspath(self.path)
+        try:
+            dir_fd = _open_dir(root)
+        except CorruptCheckpointError:
+            return None
+        try:
+            data = {}
+            for name in (RECORDS_NAME, METADATA_NAME):
+                fd = _open_member(dir_fd, root, name)
+                try:
+                    with open(fd, "rb", closefd=False) as f:
+                        data[name] = f.read()
+                finally:
+                    os.close(fd)
+        except (CorruptCheckpointError, OSError):
+            return None
+        finally:
+            os.close(dir_fd)
+        return parse_records(data[RECORDS_NAME], crc32(data[METADATA_NAME]), manifest_files)
+
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         _validate_metadata(metadata, os.path.join(os.fspath(self.path), METADATA_NAME))
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -685,7 +715,8 @@ def _plain_tensor(obj: Any) -> bool:
     return type(obj) in (torch.Tensor, torch.nn.Parameter) and not obj.is_meta and obj.layout == torch.strided
 
 
-def plan_direct_load(state_dict: dict[str, Any], metadata: Metadata) -> DirectPlan | None:
+def plan_direct_load(state_dict: dict[str, Any], metadata: Metadata | Mapping[str, Record] | None
+                     ) -> DirectPlan | None:
     """Map every entry of ``state_dict`` to its record, or ``None`` if the checkpoint or
     the state is not the common case that :func:`direct_load` handles.
 
@@ -698,48 +729,44 @@ def plan_direct_load(state_dict: dict[str, Any], metadata: Metadata) -> DirectPl
     is ``Stateful``. Anything else (resharding, a partial load, a missing key, a stock
     ``dcp.save`` record) returns ``None``: DCP's planner handles it, with its errors.
 
+    Args:
+        state_dict: the state to fill.
+        metadata: the checkpoint's ``Metadata``, or its records (fqn -> record, from
+            the records file: :mod:`asyncckpt.storage.records`); ``None``: no records.
+
     Costs one dict lookup and a few comparisons per entry (no collective, no I/O).
     """
     with gc_paused():
-        return _plan_direct(state_dict, metadata)
+        records = records_from_metadata(metadata) if isinstance(metadata, Metadata) else metadata
+        return None if records is None else _plan_direct(state_dict, records)
 
 
-def _plan_direct(state_dict: dict[str, Any], metadata: Metadata) -> DirectPlan | None:
+def _plan_direct(state_dict: dict[str, Any], records: Mapping[str, Record]) -> DirectPlan | None:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.stateful import Stateful
 
     if any(not isinstance(v, _PLAIN_VALUES) and isinstance(v, Stateful) for v in state_dict.values()):
         return None  # (the Protocol check is slow: only for what could be Stateful)
     flat, mappings = flatten_state_dict(state_dict)
-    md_all = metadata.state_dict_metadata
-    if len(flat) != len(md_all):
+    if len(flat) != len(records):
         return None  # a partial load, or keys of an older flattening: DCP's planner decides
-    # One record per entry: fqn -> (chunk offsets, storage info); None for several.
-    by_fqn: dict[str, Any] = {}
-    for index, info in metadata.storage_data.items():
-        by_fqn[index.fqn] = None if index.fqn in by_fqn else (index.offset, info)
     files: dict[str, list[_Entry]] = {}
     spans: list[tuple[int, int]] = []
     nbytes = 0
-    tensor_md, bytes_md = _md.TensorStorageMetadata, _md.BytesStorageMetadata
     for fqn, obj in flat.items():
-        md = md_all.get(fqn)
-        found = by_fqn.get(fqn)
-        if found is None:
+        record = records.get(fqn)
+        if record is None:
             return None
-        offsets, info = found
-        if type(md) is bytes_md:
-            if isinstance(obj, torch.Tensor) or offsets is not None:
+        name, offset, length, dtype, shape = record
+        if dtype is None:  # a value
+            if isinstance(obj, torch.Tensor):
                 return None
             framing = None
-        elif type(md) is tensor_md:
-            shape = tuple(obj.shape) if isinstance(obj, torch.Tensor) else None
-            if (shape is None or not _plain_tensor(obj) or obj.dtype != md.properties.dtype
-                    or shape != tuple(md.size) or len(md.chunks) != 1 or any(md.chunks[0].offsets)
-                    or tuple(md.chunks[0].sizes) != shape or offsets is None or any(offsets)):
+        else:
+            if not _plain_tensor(obj) or obj.dtype != dtype or tuple(obj.shape) != shape:
                 return None
-            framing = _writer_framing(obj.dtype, shape)
-            if framing is None or info.length != len(framing.prefix) + framing.nbytes + len(framing.suffix):
+            framing = _writer_framing(dtype, shape)
+            if framing is None or length != len(framing.prefix) + framing.nbytes + len(framing.suffix):
                 return None
             if framing.nbytes and obj.is_cpu:
                 if obj.is_contiguous():
@@ -748,14 +775,8 @@ def _plan_direct(state_dict: dict[str, Any], metadata: Metadata) -> DirectPlan |
                 else:  # its whole storage
                     storage = obj.untyped_storage()
                     spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
-        else:
-            return None
-        if (info.transform_descriptors or type(info.offset) is not int or type(info.length) is not int
-                or info.offset < 0 or info.length < 0):
-            return None
-        files.setdefault(info.relative_path, []).append(
-            _Entry(fqn, info.offset, info.length, framing, obj if framing is not None else None))
-        nbytes += info.length
+        files.setdefault(name, []).append(_Entry(fqn, offset, length, framing, obj if framing is not None else None))
+        nbytes += length
     spans.sort()
     if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
         return None  # tied or overlapping tensors: DCP's order of writes decides
