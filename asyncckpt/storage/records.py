@@ -6,7 +6,8 @@ offset and length, and (for a tensor) its dtype and shape. DCP keeps this in
 about 45 ms per 4096 entries here, a tenth of a cold load of 1 GiB. The coordinator
 therefore writes the same facts beside it at commit, when every entry is one record
 (one chunk covering the whole tensor, or one ``BYTE_IO`` value: any unsharded state;
-a resharded or stock ``dcp.save`` layout gets no records file)::
+a sharded layout, with several chunks per tensor, gets no records file, and stock
+``dcp.save`` never writes one)::
 
     {"format": "asyncckpt.records", "version": 1, "metadata_crc32": <crc32 of .metadata>,
      "files": {"__0_0.distcp": [[fqn, offset, length, "torch.float32", [4096, 64]],
