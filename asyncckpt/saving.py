@@ -33,6 +33,7 @@ import logging
 import multiprocessing.util as mp_util
 import os
 import pickle
+import secrets
 import shutil
 import threading
 import time
@@ -121,6 +122,72 @@ class _LayoutCache:
 
     def clear(self) -> None:
         self._layouts.clear()
+
+
+class _LayoutExchange:
+    """Commit step 1 without sending an unchanged file layout again (issue #11).
+
+    The coordinator needs every rank's ``storage_data`` (a ``MetadataIndex`` and a
+    ``_StorageInfo`` per record) for ``.metadata``. Gathered on every save, a cached
+    layout's entries were pickled, sent and unpickled by every rank each time: at 1172
+    FSDP2 records, about 8000 objects per commit on each rank, which set the pace of
+    the cyclic GC's full collections (250-350 ms each, in whichever thread ran then,
+    and a stall on every rank when one fell inside a save's plan).
+
+    So a rank sends a layout in full once, with a random token, and after that only
+    the token while its layout is that same object and the coordinator the same rank.
+    The coordinator keeps each rank's last ``(token, storage_data)`` and the merged
+    dict of the last commit (reused while every token is the same: the metadata
+    pickle cache then compares identical objects).
+
+    A rank forgets what it sent when a commit fails anywhere (the coordinator's
+    outcome is broadcast to every rank); a coordinator that is sent a token it does
+    not hold fails that commit, naming the rank, and the next save sends in full.
+    One instance per :class:`Saver` (its ranks create theirs together).
+    """
+
+    def __init__(self) -> None:
+        self._sent: tuple[int, RankLayout, int] | None = None  # (coordinator, layout, token)
+        self._held: dict[int, tuple[int, dict]] = {}  # coordinator: rank -> (token, storage_data)
+        self._merged: tuple[tuple[int, ...], dict] | None = None  # (tokens by rank, merged)
+        #: how many commits this rank sent only a token (observable in tests).
+        self.token_only = 0
+
+    def outgoing(self, save: SaveInFlight) -> tuple[int, dict | None]:
+        """What this rank contributes: ``(token, storage_data or None)``."""
+        sent = self._sent
+        if sent is not None and sent[0] == save.coordinator_rank and sent[1] is save.layout:
+            self.token_only += 1
+            return sent[2], None
+        token = secrets.randbits(63)
+        self._sent = (save.coordinator_rank, save.layout, token)
+        return token, save.layout.storage_data
+
+    def merged(self, gathered: list[tuple[int, dict | None]]) -> dict:
+        """(coordinator) Every rank's ``storage_data`` merged, in rank order.
+
+        Raises:
+            CheckpointError: a rank sent a token whose layout this rank does not hold.
+        """
+        for rank, (token, storage_data) in enumerate(gathered):
+            if storage_data is not None:
+                self._held[rank] = (token, storage_data)
+        tokens = tuple(token for token, _ in gathered)
+        if self._merged is not None and self._merged[0] == tokens:
+            return self._merged[1]
+        merged: dict = {}
+        for rank, (token, _) in enumerate(gathered):
+            held = self._held.get(rank)
+            if held is None or held[0] != token:
+                raise CheckpointError(f"the coordinator does not hold rank {rank}'s file layout "
+                                      "(it was sent to another coordinator); the next save sends it again")
+            merged.update(held[1])
+        self._merged = (tokens, merged)
+        return merged
+
+    def forget_sent(self) -> None:
+        """After a failed commit: send the next layout in full."""
+        self._sent = None
 
 
 # ====================================================================== the phases
@@ -217,12 +284,13 @@ def write_task(save: SaveInFlight, pool: StagingPool, write_threads: int) -> Wri
 
 
 def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
-           pending_steps: Iterable[int] = ()) -> SaveTimings:
+           pending_steps: Iterable[int] = (), exchange: _LayoutExchange | None = None) -> SaveTimings:
     """Phase 4, commit: make the checkpoint visible, atomically (all ranks, collective).
 
     Call sequence (``sync`` is the finalizer's group in the background):
 
-    1. (all ranks) all_gather every rank's file layout and write result.
+    1. (all ranks) all_gather every rank's file layout and write result (with
+       ``exchange``, only a token for a layout the coordinator already holds).
     2. (coordinator) DCP ``.metadata`` and ``.manifest.json`` (sizes, CRC-32s),
        fsync, rename the temporary directory to its final name, fsync the parent:
        the rename is the commit point.
@@ -238,15 +306,17 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
             coordinator's cause); nothing was committed.
     """
     started = time.monotonic()
-    gathered = sync.all_gather_object((save.layout.storage_data, result))
+    exchange = exchange if exchange is not None else _LayoutExchange()
+    try:
+        gathered = sync.all_gather_object((exchange.outgoing(save), result))
+    except BaseException:
+        exchange.forget_sent()
+        raise
     failure: RankFailure | None = None
     if sync.rank == save.coordinator_rank:
         try:
             metadata = save.planned.metadata
-            storage_data: dict = {}
-            for sd, _ in gathered:
-                storage_data.update(sd)
-            metadata.storage_data = storage_data
+            metadata.storage_data = exchange.merged([layout for layout, _ in gathered])
             metadata.version = CURRENT_DCP_VERSION
             files = [f for _, r in gathered for f in r.files]
             info = {"world_size": sync.world_size, "step": save.step}
@@ -259,8 +329,13 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
         else:
             if save.root is not None:
                 save.root.after_commit(save.final_dir, pending_steps)
-    failure = sync.broadcast_object(failure, save.coordinator_rank)
+    try:
+        failure = sync.broadcast_object(failure, save.coordinator_rank)
+    except BaseException:
+        exchange.forget_sent()
+        raise
     if failure is not None:
+        exchange.forget_sent()
         raise CheckpointException(save.handle.call_idx if save.handle.call_idx is not None else -1,
                                   {save.coordinator_rank: failure})
     write_s = max(r.write_s for _, r in gathered)
@@ -407,6 +482,7 @@ class Saver:
         self.copier = StagingCopier(self.options.copy_threads)
         self.plan_cache: PlanCache | None = PlanCache() if self.options.plan_cache else None
         self.layouts = _LayoutCache()
+        self.layout_exchange = _LayoutExchange()  # used by the finalizer thread's commits only
         self.lock = threading.RLock()  # one save() / synchronize_staging() at a time
         self._state = threading.Lock()  # guards the maps below (training and finalizer threads)
         self._overlapped: _Overlapped | None = None
@@ -538,7 +614,8 @@ class Saver:
         call_idx = record.handle.call_idx
         assert call_idx is not None
         result: RankWriteResult = queue.get_result(call_idx)
-        commit(record, result, queue.finalize_sync, [s for s in self.pending_steps() if s != record.step])
+        commit(record, result, queue.finalize_sync, [s for s in self.pending_steps() if s != record.step],
+               self.layout_exchange)
 
     def _save_sync(self, record: SaveInFlight, started: float) -> None:
         """A synchronous save: the same phases in this thread, after the pending saves."""

@@ -343,3 +343,75 @@ def test_a_steady_save_plans_with_one_collective_and_keeps_the_error_funnel(tmp_
         assert "all_gather_object" in res["calls"][1] and "all_gather_object" in res["calls"][5], res["calls"]
         assert res["hits"] == {1: 0, 2: 1, 4: 2, 5: 2, 6: 3}, res["hits"]
         assert res["error"] is not None and "cannot be pickled" in res["error"] and "rank 1" in res["error"], res
+
+
+# ----------------------------------------------------------------------------- the commit's layout exchange, 2 ranks
+def _rank_layout_exchange(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Saves of one manager on 2 ranks: which commits sent only a layout token, what
+    each step's ``.metadata`` holds, and a coordinator that lost the layouts it held
+    (the fault, injected by clearing them on rank 0)."""
+    import pickle
+
+    import torch.distributed as dist
+
+    from asyncckpt import CheckpointException
+
+    mgr = asyncckpt.CheckpointManager(Path(root) / "x")
+    exchange = mgr._saver.layout_exchange
+    out: dict[str, Any] = {"token_only": {}, "failure": None, "storage_data": {}, "step4": None}
+
+    def save(step: int, state: dict[str, Any]) -> None:
+        mgr.save(step, state)
+        try:
+            mgr.maybe_finalize(blocking=True)
+        except CheckpointException as exc:
+            out["failure"] = (step, sorted(exc.failures), str(exc))
+            return
+        out["token_only"][step] = exchange.token_only
+        _assert_loads_equal(mgr.step_dir(step), state)
+        metadata = pickle.loads((mgr.step_dir(step) / ".metadata").read_bytes())
+        out["storage_data"][step] = {(i.fqn, i.offset and tuple(i.offset)): (s.relative_path, s.offset, s.length)
+                                     for i, s in metadata.storage_data.items()}
+
+    try:
+        state = {**_base(), f"own{rank}": torch.full((5,), float(rank))}
+        for step in (1, 2, 3):
+            state[f"own{rank}"].add_(1)
+            save(step, state)
+        if rank == 0:
+            exchange._held.clear()  # the fault: the coordinator no longer holds any layout
+            exchange._merged = None
+        save(4, state)
+        dist.barrier()
+        out["step4"] = mgr.step_dir(4).exists()
+        save(5, state)
+        save(6, state)
+        changed = {**state, "extra": torch.ones(2)}  # a new plan, so a new layout, on every rank
+        save(7, changed)
+        save(8, changed)
+    finally:
+        mgr.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_commit_sends_an_unchanged_layout_once(tmp_path: Path) -> None:
+    """Issue #11 (FSDP2 stall): a rank sends its file layout to the coordinator once,
+    then only its token while the layout is unchanged; every step's ``.metadata``
+    still lists both ranks' records, loadable by both loaders. A coordinator that does
+    not hold a layout fails that commit on every rank, naming the rank, commits
+    nothing, and the next save sends the layouts again."""
+    results = run_ranks(_rank_layout_exchange, 2, str(tmp_path), timeout=150)
+    for rank, res in enumerate(results):
+        # Full sends at steps 1, 5 (after the failure) and 7 (new layout); tokens else.
+        assert res["token_only"] == {1: 0, 2: 1, 3: 2, 5: 3, 6: 4, 7: 4, 8: 5}, res["token_only"]
+        step, failed_ranks, message = res["failure"]
+        assert step == 4 and failed_ranks == [0], res["failure"]
+        assert "does not hold rank 0's file layout" in message, message
+        assert res["step4"] is False
+        sd = res["storage_data"]
+        for step in (1, 2, 3, 5, 6, 7, 8):
+            assert {fqn for fqn, _ in sd[step]} >= {"own0", "own1", "model.w", "step"}, sd[step]
+        assert sd[1] == sd[2] == sd[3] == sd[5] == sd[6], "an unchanged layout"
+        assert sd[7] == sd[8] and {fqn for fqn, _ in sd[7]} == {fqn for fqn, _ in sd[1]} | {"extra"}
+    assert results[0]["storage_data"] == results[1]["storage_data"]
