@@ -150,8 +150,8 @@ class PlanCache:
     and from its ``DTensorSpec`` the device mesh, placements, global shape, stride and
     dtype (which, with this rank's place in the mesh, fix its local offsets, as
     ``compute_local_shape_and_global_offset`` computes them); for every other value
-    only that it is one (its bytes are pickled on every save). States with other tensor subclasses (ShardedTensor...) are
-    planned afresh each time.
+    only that it is one (its bytes are pickled on every save). States with other
+    tensor subclasses (ShardedTensor...) are planned afresh each time.
 
     Attributes:
         signature: the structure of the cached plan's state (a list compared with

@@ -180,7 +180,7 @@ class _LayoutExchange:
             held = self._held.get(rank)
             if held is None or held[0] != token:
                 raise CheckpointError(f"the coordinator does not hold rank {rank}'s file layout "
-                                      "(it was sent to another coordinator); the next save sends it again")
+                                      f"(token {token:016x}); the next save sends every layout again")
             merged.update(held[1])
         self._merged = (tokens, merged)
         return merged
