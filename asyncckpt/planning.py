@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import io
+import pickle
 import secrets
 import sys
 import uuid
@@ -150,8 +151,8 @@ class PlanCache:
     and from its ``DTensorSpec`` the device mesh, placements, global shape, stride and
     dtype (which, with this rank's place in the mesh, fix its local offsets, as
     ``compute_local_shape_and_global_offset`` computes them); for every other value
-    only that it is one (its bytes are pickled on every save). States with other
-    tensor subclasses (ShardedTensor...) are planned afresh each time.
+    only that it is one (its bytes are produced on every save, see ``pickled``).
+    States with other tensor subclasses (ShardedTensor...) are planned afresh each time.
 
     Attributes:
         signature: the structure of the cached plan's state (a list compared with
@@ -163,6 +164,14 @@ class PlanCache:
             in the (``Stateful``-resolved) state_dict, as DCP's ``flatten_state_dict``
             maps it.
         hits: how many saves reused the plan (observable in tests).
+        pickled: for the plan's non-tensor items made of plain Python values
+            (:func:`plain_key`), by the item's position in ``plan.items``: the value's
+            ``pickle.dumps`` as of the last save, and the bytes ``torch.save`` made of
+            it then. A value whose ``pickle.dumps`` is the same reuses those bytes: an
+            optimizer's hyperparameters stay the same across saves, and each
+            ``torch.save`` of one costs 60-100 µs (its zip container) against 2-3 µs
+            for the comparison. Emptied whenever the plan changes.
+        pickled_reused: how many items reused their bytes (observable in tests).
     """
 
     def __init__(self) -> None:
@@ -171,6 +180,8 @@ class PlanCache:
         self.metadata: Metadata | None = None
         self.paths: list[tuple] | None = None
         self.hits = 0
+        self.pickled: dict[int, tuple[bytes, bytes]] = {}
+        self.pickled_reused = 0
 
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -313,7 +324,9 @@ def structure_signature(state_dict: Any, max_depth: int = 200) -> list | None:
 def _resolve_cached(cache: PlanCache, state_dict: Any) -> list[Any]:
     """This rank's data for the cached plan: one lookup path per write item (no flattening).
 
-    Tensors as they are (a DTensor's local tensor); other values pickled afresh.
+    Tensors as they are (a DTensor's local tensor); other values pickled afresh, or
+    their last bytes where they are plain values equal to the last save's
+    (``PlanCache.pickled``).
 
     Raises:
         CheckpointError: a value cannot be pickled.
@@ -324,7 +337,7 @@ def _resolve_cached(cache: PlanCache, state_dict: Any) -> list[Any]:
     dtensor = _dtensor_class()
     byte_io = WriteItemType.BYTE_IO
     with torch.no_grad():  # DTensor.to_local() without autograd bookkeeping
-        for item, path in zip(cache.plan.items, cache.paths):
+        for i, (item, path) in enumerate(zip(cache.plan.items, cache.paths)):
             obj = state_dict
             for k in path:
                 obj = obj[k]
@@ -334,9 +347,65 @@ def _resolve_cached(cache: PlanCache, state_dict: Any) -> list[Any]:
             elif t is dtensor:
                 append(obj._local_tensor)  # what to_local() returns under no_grad
             elif item.type is byte_io:
-                append(_pickled(item, obj))
+                append(_pickled_reusing(cache, i, item, obj))
             else:
                 append(obj.to_local())
+    return data
+
+
+#: The most elements (containers and values) :func:`plain_key` looks at in one value.
+PLAIN_KEY_MAX_ELEMENTS = 10_000
+_PLAIN_ATOMS = frozenset((str, int, float, bool, type(None), bytes, complex))
+
+
+def plain_key(obj: Any, max_elements: int = PLAIN_KEY_MAX_ELEMENTS) -> bytes | None:
+    """``pickle.dumps(obj)`` if ``obj`` is a plain value, else ``None``.
+
+    Plain: ``str``, ``int``, ``float``, ``bool``, ``None``, ``bytes``, ``complex``, and
+    ``list`` / ``tuple`` / ``dict`` (exactly those types) of plain values, at most
+    ``max_elements`` in all. For such values equal pickles mean values of the same
+    types, equal bit for bit (``1``, ``1.0`` and ``True`` differ; so do ``0.0`` and
+    ``-0.0``), with the same sharing of containers, so ``torch.save`` makes the same
+    object of both. Anything else (a tensor, an arbitrary object whose pickle could
+    hide state) gives ``None``.
+    """
+    todo = [obj]
+    seen = 0
+    while todo:
+        v = todo.pop()
+        t = type(v)
+        seen += 1
+        if seen > max_elements:
+            return None
+        if t in _PLAIN_ATOMS:
+            continue
+        if t is list or t is tuple:
+            todo.extend(v)
+        elif t is dict:
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        else:
+            return None
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - e.g. too deep: torch.save decides
+        return None
+
+
+def _pickled_reusing(cache: PlanCache, i: int, item: Any, obj: Any) -> bytes:
+    """:func:`_pickled`, reusing ``cache.pickled[i]``'s bytes when ``obj`` is a plain
+    value whose pickle equals the remembered one (:func:`plain_key`); remembers new ones."""
+    memo = cache.pickled
+    key = plain_key(obj)
+    if key is None:
+        memo.pop(i, None)
+        return _pickled(item, obj)
+    last = memo.get(i)
+    if last is not None and last[0] == key:
+        cache.pickled_reused += 1
+        return last[1]
+    data = _pickled(item, obj)
+    memo[i] = (key, data)
     return data
 
 
@@ -462,6 +531,7 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
     if cache is not None:
         # A state that cannot be cached (or failed) leaves no plan to reuse.
         cache.signature = cache.plan = cache.metadata = cache.paths = None
+        cache.pickled.clear()
         mappings = getattr(planner, "mappings", None)
         if signature is not None and failure is None and mappings is not None:
             try:

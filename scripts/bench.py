@@ -516,14 +516,17 @@ SHARE_DCP_DAEMON = False
 
 
 def run_system(system: System, sd: Any, root: Path, saves: int, sampler: MemorySampler, nbytes: int,
-               keep_last: bool = False, interval_s: float | None = None, cleanup: bool = True) -> dict[str, Any]:
+               keep_last: bool = False, interval_s: float | None = None, cleanup: bool = True,
+               before: Callable[[], None] | None = None) -> dict[str, Any]:
     """``saves`` saves of ``sd`` (the first one cold) with one system.
 
     Default protocol: save, wait until staged (stall), mutate, wait until committed,
     sample memory, delete the files (unless ``cleanup`` is False: on several ranks, the
     caller removes them once every rank committed). With ``interval_s``: saves are issued every
     ``interval_s`` seconds without waiting for the previous commit (a sleeping trainer),
-    all committed at the end.
+    all committed at the end. ``before()`` runs, untimed, before each save (the fsdp2
+    workload passes a barrier: the ranks of a training step call save() together, as
+    the step's collectives leave them, instead of as each saw the last commit).
     """
     free_memory()
     base = sampler.now()
@@ -533,6 +536,8 @@ def run_system(system: System, sd: Any, root: Path, saves: int, sampler: MemoryS
     pendings: list[Pending] = []
     try:
         for i in range(saves):
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             p = system.save(i, sd)
             t1 = time.perf_counter()
@@ -760,7 +765,8 @@ class TrainCkpt:
 
     overlapped = False
 
-    def open(self, root: Path) -> None:
+    def open(self, root: Path, state: Callable[[], Any] | None = None) -> None:
+        """Set up before the timed loop; ``state()`` gives the training state."""
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
@@ -797,7 +803,7 @@ class TrainDcpAsync(TrainCkpt):
         self.staging: Any = None
         self.stager = None
 
-    def open(self, root: Path) -> None:
+    def open(self, root: Path, state: Callable[[], Any] | None = None) -> None:
         super().open(root)
         if self.use_stager:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -835,9 +841,11 @@ class TrainAsyncckpt(TrainCkpt):
         self.mgr: Any = None
         self.pending = False
 
-    def open(self, root: Path) -> None:
+    def open(self, root: Path, state: Callable[[], Any] | None = None) -> None:
         super().open(root)
         self.mgr = asyncckpt.CheckpointManager(root, **self.kwargs)
+        if state is not None:  # as the quick start does, after building model and optimizer
+            self.mgr.prepare(state())
 
     def save(self, step: int, sd: Any) -> None:
         self.mgr.save(step, sd)
@@ -871,7 +879,7 @@ def train_systems() -> list[tuple[str, Callable[[], TrainCkpt]]]:
 
 
 def train_run(tr: Trainer, ck: TrainCkpt, steps: int, every: int, root: Path) -> dict[str, Any]:
-    ck.open(root)
+    ck.open(root, tr.state_dict)
     blocked = {"save": 0.0, "staging_wait": 0.0, "poll": 0.0}
     saves = 0
     try:
@@ -902,10 +910,12 @@ def train_run(tr: Trainer, ck: TrainCkpt, steps: int, every: int, root: Path) ->
 
 
 def bench_training(root: Path, steps: int, reps: int, every: list[int] | None, batch: int,
-                   systems: set[str] | None, sparse_factor: int = 4) -> dict[str, Any]:
+                   systems: set[str] | None, sparse_factor: int = 4, min_checkpoints: int = 24) -> dict[str, Any]:
     """The training loop with a checkpoint every K steps, for every K of ``every``
     (``None``: a calibrated K, where synchronous torch.save costs >= 50 %, and
-    ``sparse_factor`` * K), against no checkpoint: interleaved runs, medians."""
+    ``sparse_factor`` * K), against no checkpoint: interleaved runs, medians. Each K
+    runs ``max(steps, min_checkpoints * K)`` steps (a whole number of checkpoints), its
+    slowdown taken against no-checkpoint runs of the same length."""
     tr = Trainer(batch)
     sd = tr.state_dict()
     nbytes = state_bytes(sd)
@@ -943,38 +953,41 @@ def bench_training(root: Path, steps: int, reps: int, every: list[int] | None, b
         # asynchronous write has time to finish between checkpoints.
         ks = [auto_k] + ([sparse_factor * auto_k] if sparse_factor > 1 else [])
     k = ks[0]
-    # At least two checkpoints at the sparsest K, and a whole number of checkpoints at every K.
-    lcm = math.lcm(*ks)
-    steps = max(steps, 2 * ks[-1])
-    steps = -(-steps // lcm) * lcm
+    # Every K runs at least ``steps`` steps and ``min_checkpoints`` checkpoints, in a whole
+    # number of checkpoints: at K = 16, 96 steps held 6 checkpoints, whose cost (about
+    # 7 % of the run for torch.save) was below the spread of the runs themselves (the
+    # no-checkpoint runs alone spread +-9 %).
+    steps_at = {kk: -(-max(steps, min_checkpoints * kk, 2 * kk) // kk) * kk for kk in ks}
     chosen = [(n, f) for n, f in train_systems() if systems is None or n in systems or n == "no checkpoint"]
-    configs = [(n, f, 0 if n == "no checkpoint" else kk) for kk in ks for n, f in chosen
-               if kk == k or n != "no checkpoint"]
-    runs: dict[tuple[str, int], list[dict[str, Any]]] = {(n, kk): [] for n, _, kk in configs}
+    baselines = sorted(set(steps_at.values()))
+    configs = ([("no checkpoint", f, 0, n_steps) for n, f in chosen if n == "no checkpoint" for n_steps in baselines]
+               + [(n, f, kk, steps_at[kk]) for kk in ks for n, f in chosen if n != "no checkpoint"])
+    runs: dict[tuple[str, int, int], list[dict[str, Any]]] = {(n, kk, st): [] for n, _, kk, st in configs}
     for rep in range(reps):
-        for name, factory, kk in configs:
-            log(f"  training: {name}" + (f", every {kk}" if kk else "") + f" (rep {rep + 1}/{reps})")
+        for name, factory, kk, n_steps in configs:
+            log(f"  training: {name}" + (f", every {kk}" if kk else "") + f", {n_steps} steps (rep {rep + 1}/{reps})")
             free_memory()
-            runs[(name, kk)].append(train_run(tr, factory(), steps, kk, root / "train_ckpt"))
-    base = med([r["time_s"] for r in runs[("no checkpoint", 0)]])
+            runs[(name, kk, n_steps)].append(train_run(tr, factory(), n_steps, kk, root / "train_ckpt"))
+    base = {n_steps: med([r["time_s"] for r in runs[("no checkpoint", 0, n_steps)]]) for n_steps in baselines}
     by_every: dict[int, dict[str, Any]] = {kk: {} for kk in ks}
-    for (name, kk), rs in runs.items():
+    for (name, kk, n_steps), rs in runs.items():
         t = med([r["time_s"] for r in rs])
         per = {b: med([r[f"blocked_{b}_s"] / max(1, r["saves"]) for r in rs])
                for b in ("save", "staging_wait", "poll")}
-        entry = {"time_s": t, "slowdown": t / base - 1, "saves": rs[0]["saves"],
+        entry = {"time_s": t, "slowdown": t / base[n_steps] - 1, "saves": rs[0]["saves"], "steps": n_steps,
                  "blocked_per_save_s": med([r["blocked_s"] / max(1, r["saves"]) for r in rs]),
                  **{f"blocked_{b}_per_save_s": v for b, v in per.items()},
                  "drain_s": med([r["drain_s"] for r in rs]), "times_s": [r["time_s"] for r in rs]}
-        for target in (ks if kk == 0 else [kk]):
+        for target in ([kk2 for kk2 in ks if steps_at[kk2] == n_steps] if kk == 0 else [kk]):
             by_every[target][name] = entry
     results = by_every[k]
-    return {"config": tr.cfg, "params": tr.n_params, "state_bytes": nbytes, "steps": steps, "every": k,
+    return {"config": tr.cfg, "params": tr.n_params, "state_bytes": nbytes, "steps": steps_at[k], "every": k,
             "auto_every": auto_k, "calib_step_s": step_s, "calib_torch_save_s": save_s,
             "state_dict_s": med(sd_times),
             "torch_save_target_met": results.get("torch.save (sync)", {}).get("slowdown", 0) >= 0.5,
             "systems": results, "every_list": ks, "every_calibrated": not every,
-            "sparser": [{"every": kk, "systems": by_every[kk]} for kk in ks[1:]]}
+            "min_checkpoints": min_checkpoints,
+            "sparser": [{"every": kk, "steps": steps_at[kk], "systems": by_every[kk]} for kk in ks[1:]]}
 
 
 # ============================================================================ workloads
@@ -1105,9 +1118,13 @@ def render_markdown(res: dict[str, Any]) -> str:
         L.append(f"## Training loop: checkpoint every K = {', '.join(map(str, ks))} steps\n")
         L.append(f"scripts/train.py's GPT ({c['n_layer']} layers, {c['n_head']} heads, width {c['n_embd']}, "
                  f"context {c['block_size']}, batch {c['batch_size']}; {tr['params'] / 1e6:.2f} M params) + AdamW, "
-                 f"state {tr['state_bytes'] / 1e6:.1f} MB; {tr['steps']} steps per run, median of "
+                 f"state {tr['state_bytes'] / 1e6:.1f} MB; {tr['steps']} steps per run at K = {tr['every']} (at "
+                 f"least {tr.get('min_checkpoints', 0)} checkpoints per run: more steps at a sparser K, against "
+                 "no-checkpoint runs of the same length), median of "
                  f"{res['args']['train_reps']} interleaved runs; the last save is committed inside the measured "
-                 "time. Overlapped: save after optimizer.step() of step t, forward/backward of step t+1, then wait "
+                 "time. asyncckpt's manager is made and prepare()d before the loop, as in the quick start (its "
+                 "first save, planning and allocating, is in the first-save figures above). Overlapped: save after "
+                 "optimizer.step() of step t, forward/backward of step t+1, then wait "
                  "for the staging before optimizer.step(). dcp.async_save waits for the previous save before the "
                  "next. **blocked**: the training thread's time in save(), the staging wait and (asyncckpt) "
                  "maybe_finalize(), per checkpoint; the rest of the slowdown is the background writer competing "
@@ -1118,10 +1135,11 @@ def render_markdown(res: dict[str, Any]) -> str:
                     if "state_dict_s" in tr else "")
                  + ("" if tr["torch_save_target_met"] or not tr.get("every_calibrated", True)
                     else " (not reached in the measured runs)") + ".\n")
-        for every, systems in [(tr["every"], tr["systems"])] + [(x["every"], x["systems"])
-                                                               for x in tr.get("sparser", [])]:
+        for every, systems, n_steps in [(tr["every"], tr["systems"], None)] + [
+                (x["every"], x["systems"], x.get("steps")) for x in tr.get("sparser", [])]:
             if every != tr["every"]:
-                L.append(f"\nThe same with a checkpoint every K = {every} steps:\n")
+                L.append(f"\nThe same with a checkpoint every K = {every} steps"
+                         + (f" ({n_steps} steps per run)" if n_steps else "") + ":\n")
             L.append("| system | time (s) | slowdown | blocked per checkpoint (ms) | in save() | in staging wait | "
                      "in maybe_finalize() | final drain (ms) | checkpoints |")
             L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -1424,8 +1442,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="workloads on which asyncckpt's techniques are measured one by one ('' for none)")
     p.add_argument("--technique-reps", type=int, default=2, help="saves after the first, per variant (%(default)s)")
     p.add_argument("--train-steps", type=int, default=96,
-                   help="steps per training run, rounded up to a whole number of checkpoints at every K "
-                        "(%(default)s: 6 checkpoints at K = 16; 16 systems x K runs x --train-reps in all)")
+                   help="steps per training run at least (%(default)s), rounded up to a whole number of "
+                        "checkpoints at each K")
+    p.add_argument("--train-min-checkpoints", type=int, default=24,
+                   help="checkpoints per training run at least: a sparse K runs more steps (%(default)s: 384 "
+                        "steps at K = 16, whose 6 checkpoints in 96 steps cost less than the runs' own spread)")
     p.add_argument("--train-reps", type=int, default=3, help="interleaved training runs per system (%(default)s)")
     p.add_argument("--train-every", default="1,4,16",
                    help="checkpoint every K steps, for each K of this comma-separated list (the issue's K = 1, 4, "
@@ -1469,6 +1490,7 @@ def main(argv: list[str] | None = None) -> int:
         args.techniques = "4M/16" if args.techniques == p.get_default("techniques") else args.techniques
         args.share_dcp_daemon = True
         args.train_steps, args.train_reps, args.train_sparse_factor = 4, 1, 2
+        args.train_min_checkpoints = 2
         if args.train_every == p.get_default("train_every"):
             args.train_every = "1,2"
         if args.llm_config is None:
@@ -1584,7 +1606,8 @@ def main(argv: list[str] | None = None) -> int:
             every = (None if args.train_every.strip() == "auto"
                      else [int(k) for k in args.train_every.split(",") if k.strip()])
             res["training"] = bench_training(base / "train", args.train_steps, args.train_reps, every,
-                                             args.train_batch, None, args.train_sparse_factor)
+                                             args.train_batch, None, args.train_sparse_factor,
+                                             args.train_min_checkpoints)
         if args.lightning_mb:
             try:
                 import bench_lightning

@@ -13,7 +13,9 @@ rank's GPU where CUDA is present); each rank's state is DTensor shards. Every ra
 measures its own stalls, commits and limits (memcpy and raw write + fsync of its
 local bytes, both ranks copying / writing at once, as the systems do: every rank
 stages and writes its shard at the same time; the memcpy of one rank alone is shown
-beside it); the report takes, per figure, the largest of the ranks' medians.
+beside it); the report takes, per figure, the largest of the ranks' medians. The ranks
+start each save together (a barrier, untimed), as a training step's collectives leave
+them, and as the memcpy limit starts each copy.
 """
 
 from __future__ import annotations
@@ -165,7 +167,8 @@ def fsdp_rank(rank: int, world_size: int, cfg: dict[str, int], reps: int, direct
         if rank == 0:
             bench.log(f"  {system.name} ({world_size} ranks)")
         dist.barrier()
-        r = bench.run_system(system, sd, root / key, reps + 1, sampler, nbytes, cleanup=False)
+        r = bench.run_system(system, sd, root / key, reps + 1, sampler, nbytes, cleanup=False,
+                             before=dist.barrier)
         dist.barrier()  # every rank committed: the coordinator removes the steps
         if rank == 0:
             shutil.rmtree(root / key, ignore_errors=True)
@@ -321,7 +324,8 @@ def render_fsdp(f: dict[str, Any], reps: int) -> list[str]:
              f"{_ms(r['limits']['memcpy_s'])} ms (every rank at once; alone "
              f"{_ms(r['limits'].get('memcpy_alone_s'))} ms), raw write+fsync {_ms(r['limits']['raw_write_fsync_s'])} ms"
              for r in ranks)
-         + f". Medians of {reps} saves after the first; every figure is the largest over the ranks of the "
+         + f". Medians of {reps} saves after the first, the ranks starting each save together (a barrier, "
+           "as a training step's collectives leave them); every figure is the largest over the ranks of the "
            "rank's own median (ratios: of the rank's own ratio to its local memcpy / the raw writes right "
            "before and after the system, every rank copying / writing at once).\n",
          "| system | stall (ms) | stall / memcpy | first stall (ms) | committed (ms) | committed / raw write "

@@ -9,7 +9,9 @@ and with stock ``dcp.load``. The cache's ``hits`` counter is the observable.
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 import zlib
 from pathlib import Path
 from typing import Any, Callable
@@ -148,6 +150,64 @@ def test_cached_plan_repickles_values_and_keeps_snapshot_semantics(tmp_path: Pat
         assert _compare(snap, out)["mismatch"] == [], step
         got = asyncckpt.read_state_dict(path)
         assert got["step"] == snap["step"] and got["optim"]["groups"][0]["lr"] == step / 10
+
+
+@pytest.mark.timeout(120)
+def test_unchanged_plain_values_reuse_their_bytes_and_every_change_is_saved(tmp_path: Path) -> None:
+    """A cached plan's plain non-tensor values equal to the last save's reuse its bytes
+    (``PlanCache.pickled``); every change is saved, also one that ``==`` misses (``1``
+    to ``1.0``, ``True`` to ``1``, ``0.0`` to ``-0.0``) or made in place."""
+    from asyncckpt.planning import plain_key
+
+    state = _base()
+    group = state["optim"]["groups"][0]
+    group.update({"betas": (0.9, 0.95), "eps": 0.0, "flag": True, "lr": 1})
+    changes: list[tuple[str, Callable[[], None]]] = [
+        ("lr int to float", lambda: group.update(lr=1.0)),
+        ("flag True to 1", lambda: group.update(flag=1)),
+        ("eps 0.0 to -0.0", lambda: group.update(eps=-0.0)),
+        ("betas by one ulp", lambda: group.update(betas=(0.9, math.nextafter(0.95, 1.0)))),
+        ("params entry replaced in place", lambda: group["params"].__setitem__(0, "renamed")),
+    ]
+    with asyncckpt.CheckpointManager(tmp_path / "root") as mgr:
+        cache = mgr._saver.plan_cache
+        mgr.save(1, state).wait()  # planned
+        mgr.save(2, state).wait()  # cached plan: the values' bytes remembered
+        assert cache.hits == 1 and cache.pickled_reused == 0
+        mgr.save(3, state).wait()  # nothing changed: every plain value reused
+        n_items = reused = cache.pickled_reused
+        assert n_items >= 6  # step and the group's values
+        for step, (name, change) in enumerate(changes, start=4):
+            before = plain_key(group)
+            change()
+            assert plain_key(group) != before, name
+            mgr.save(step, state).wait()
+            assert cache.pickled_reused == reused + n_items - 1, name  # the others reused
+            reused = cache.pickled_reused
+            got = asyncckpt.read_state_dict(tmp_path / "root" / f"step_{step:08d}")["optim"]["groups"][0]
+            for key, value in group.items():
+                assert type(got[key]) is type(value) and plain_key(got[key]) == plain_key(value), (name, key)
+        assert cache.hits == 2 + len(changes)
+    out = _empty_like(state)
+    out["optim"]["groups"][0] = {k: None for k in group}
+    dcp.load(out, checkpoint_id=str(tmp_path / "root" / f"step_{3 + len(changes):08d}"))
+    assert plain_key(out["optim"]["groups"][0]) == plain_key(group)
+
+
+def test_plain_key_is_exact_about_types_and_refuses_what_it_cannot_see() -> None:
+    from asyncckpt.planning import plain_key
+
+    values = [1, 1.0, True, 0.0, -0.0, float("nan"), "1", b"1", None, (1,), [1], {"a": 1}, {"a": 1.0},
+              [[1], [1]], 1 + 0j]
+    keys = [plain_key(v) for v in values]
+    assert all(k is not None for k in keys)
+    assert len(set(keys)) == len(values)  # no two of them alike
+    shared = [1]
+    assert plain_key([shared, shared]) != plain_key([[1], [1]])  # sharing is seen too
+    for opaque in (torch.ones(2), {"t": torch.ones(2)}, object(), collections.OrderedDict(a=1), range(3)):
+        assert plain_key(opaque) is None
+    assert plain_key(list(range(100))) is not None
+    assert plain_key(list(range(100)), max_elements=50) is None
 
 
 def test_structure_signature_is_exact_and_validates() -> None:
