@@ -61,6 +61,15 @@ class SaveOptions:
             host buffer runs in a background thread while training goes on; call
             ``synchronize_staging()`` before the state is mutated (DCP's
             ``AsyncStager.synchronize_staging``).
+        drop_page_cache: once a data file is written and fsynced, ask the kernel to
+            drop its pages from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``;
+            Linux, ignored elsewhere). A checkpoint is rarely read back by the run that
+            wrote it, and keeping every save's pages cached made the writer's next
+            writes cost 3-4x the CPU (measured here: 10.9 MB written + fsynced into a
+            growing page cache, 14.6-15.7 ms of system time against 4.1-4.3 ms with the
+            pages dropped, on 2 cores the training's own) and crowds out the
+            training's cached files. ``False`` keeps them cached (e.g. to load a save
+            right back in the same process without reading the disk).
         staging_memory_limit: the memory guard. Before a new staging buffer is
             allocated, its bytes are compared with the memory available
             (``psutil.virtual_memory().available``); above this fraction of it the
@@ -78,13 +87,14 @@ class SaveOptions:
     plan_cache: bool = True
     overlap_staging: bool = False
     staging_memory_limit: float | None = 0.9
+    drop_page_cache: bool = True
 
     def __post_init__(self) -> None:
         for name in ("staging_buffers", "copy_threads", "write_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SaveOptions.{name} must be an int >= 1, not {value!r}")
-        for name in ("plan_cache", "overlap_staging"):
+        for name in ("plan_cache", "overlap_staging", "drop_page_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SaveOptions.{name} must be a bool, not {getattr(self, name)!r}")
         limit = self.staging_memory_limit

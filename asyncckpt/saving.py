@@ -276,11 +276,11 @@ def stage(save: SaveInFlight, buffer: StagingBuffer, copier: StagingCopier, *, c
     save.buffer = buffer
 
 
-def write_task(save: SaveInFlight, pool: StagingPool, write_threads: int) -> WriteTask:
+def write_task(save: SaveInFlight, pool: StagingPool, options: SaveOptions) -> WriteTask:
     """What the writer needs (picklable, torch-free): the staged buffer and the files."""
     assert save.buffer is not None
     return WriteTask(str(save.tmp_dir), save.buffer.ref, save.layout.files, pool.live_slab_ids,
-                     umask=current_umask(), threads=write_threads)
+                     umask=current_umask(), threads=options.write_threads, drop_cache=options.drop_page_cache)
 
 
 def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
@@ -592,7 +592,7 @@ class Saver:
             stage(record, buffer, self.copier)
         finally:
             record.planned.data.clear()  # drop references to the user's tensors
-        return write_task(record, self.pool, self.options.write_threads)
+        return write_task(record, self.pool, self.options)
 
     def _schedule(self, record: SaveInFlight, preload: Any) -> None:
         queue = self.queue
@@ -684,7 +684,7 @@ class Saver:
                 finally:
                     record.planned.data.clear()
                     pending.watched = []
-                return write_task(record, self.pool, self.options.write_threads)
+                return write_task(record, self.pool, self.options)
 
             try:
                 self._schedule(record, preload)

@@ -342,7 +342,7 @@ def test_options_are_data_and_contradictions_raise(tmp_path: Path) -> None:
     opts = SaveOptions(staging_buffers=2, overlap_staging=True)
     with pytest.raises(Exception):
         opts.staging_buffers = 3  # type: ignore[misc]
-    for bad in ({"staging_buffers": 0}, {"copy_threads": 1.5}, {"plan_cache": 1}):
+    for bad in ({"staging_buffers": 0}, {"copy_threads": 1.5}, {"plan_cache": 1}, {"drop_page_cache": "yes"}):
         with pytest.raises(ValueError):
             SaveOptions(**bad)
     with pytest.raises(ValueError, match="either options= or staging_buffers="):

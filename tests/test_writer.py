@@ -68,3 +68,58 @@ def test_overlapped_checksums_give_valid_records_and_segments(tmp_path, monkeypa
         assert zipfile.ZipFile(io.BytesIO(blob)).testzip() is None
         loaded = torch.load(io.BytesIO(blob), weights_only=True)
         assert torch.equal(loaded, state[index.fqn])
+
+
+def _resident_pages(path) -> tuple[int, int]:
+    """(pages of ``path`` in the page cache, pages in all), by ``mincore`` on a mapping
+    that touches none of them."""
+    import ctypes
+    import mmap
+    import os
+
+    size = os.path.getsize(path)
+    page = mmap.PAGESIZE
+    n = -(-size // page)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        try:
+            vec = ctypes.create_string_buffer(n)
+            assert libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
+            return sum(b & 1 for b in vec.raw), n
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "posix_fadvise"), reason="no posix_fadvise on this platform")
+@pytest.mark.parametrize("drop", [True, False])
+def test_written_data_leaves_the_page_cache_unless_asked_to_stay(tmp_path, drop):
+    """``SaveOptions.drop_page_cache`` (default True): once written and fsynced, a data
+    file's pages are dropped from the page cache; with False they stay cached. Either
+    way the checkpoint loads back exactly."""
+    state = {f"t{i}": torch.randn(256, 1024) for i in range(8)}  # 8 MiB
+    options = asyncckpt.SaveOptions(drop_page_cache=drop)
+    assert asyncckpt.SaveOptions().drop_page_cache is True
+    with asyncckpt.CheckpointManager(tmp_path / "root", options=options) as mgr:
+        mgr.save(1, state).wait()
+    step = tmp_path / "root" / "step_00000001"
+    data = [p for p in step.iterdir() if p.suffix == ".distcp"]
+    assert data
+    resident = [_resident_pages(p) for p in data]
+    cached, total = sum(r for r, _ in resident), sum(n for _, n in resident)
+    assert total >= 2048
+    if drop:
+        assert cached <= total // 10, resident
+    else:
+        assert cached >= total * 9 // 10, resident
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    asyncckpt.load(out, step)
+    assert all(torch.equal(out[k], v) for k, v in state.items())

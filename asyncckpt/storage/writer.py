@@ -25,7 +25,8 @@ from typing import NamedTuple
 from .crc import crc32
 from .. import _faults
 
-__all__ = ["SlabRef", "CrcPatch", "pack_patches", "unpack_patches", "FileSpec", "WriteTask", "FileResult", "RankWriteResult", "write_rank_files"]
+__all__ = ["SlabRef", "CrcPatch", "pack_patches", "unpack_patches", "FileSpec", "WriteTask", "FileResult", "RankWriteResult", "write_rank_files",
+           "drop_cached_pages"]
 
 #: Bytes per ``os.write`` call.
 WRITE_CHUNK_BYTES = 64 << 20
@@ -114,6 +115,9 @@ class WriteTask(NamedTuple):
         threads: threads writing each file: the file image is cut into this many
             contiguous ranges, each written with large positioned writes
             (``os.pwrite``); 1 writes one sequential stream.
+        drop_cache: after a file's fsync, drop its pages from the page cache
+            (:func:`drop_cached_pages`; ``SaveOptions.drop_page_cache``). Only with
+            ``fsync``: the pages of a file not yet on disk are dirty and stay.
     """
 
     directory: str
@@ -123,6 +127,7 @@ class WriteTask(NamedTuple):
     fsync: bool = True
     umask: int | None = None
     threads: int = 1
+    drop_cache: bool = False
 
 
 class FileResult(NamedTuple):
@@ -391,6 +396,24 @@ def _write_all(fd: int, data: memoryview) -> None:
         total += n
 
 
+def drop_cached_pages(fd: int) -> bool:
+    """Ask the kernel to drop the clean cached pages of the open file ``fd``
+    (``posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)``). Advice only: the file's
+    contents are unchanged, and a failure is ignored.
+
+    Returns:
+        Whether the advice was given (False where ``posix_fadvise`` is missing or failed).
+    """
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return False
+    try:
+        advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        return False
+    return True
+
+
 def fsync_directory(path: str) -> None:
     """fsync a directory so that the names created or renamed in it are durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -444,6 +467,8 @@ def write_rank_files(task: WriteTask) -> RankWriteResult:
                                            threads=task.threads)
                     if task.fsync:
                         os.fsync(fd)
+                        if task.drop_cache:
+                            drop_cached_pages(fd)
                 finally:
                     os.close(fd)
                     image.release()
