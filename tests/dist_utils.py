@@ -1,13 +1,22 @@
-"""Run a function on N real ranks: spawned processes with a gloo group on 127.0.0.1."""
+"""Run a function on N real ranks: spawned processes with a gloo group (its rendezvous a file store)."""
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
+import queue
+import shutil
 import socket
+import tempfile
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
+
+
+#: After a rank reported a failure, seconds the others get to report before they are killed.
+FAILED_RANK_GRACE_S = 15.0
 
 
 def free_port() -> int:
@@ -16,12 +25,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, out: Any) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, init_method: str, args: tuple, out: Any,
+           dump_after_s: float) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A rank still running shortly before run_ranks gives up prints every thread's stack
+    # (to the test's captured stderr), so that a hang in CI says where it is.
+    faulthandler.dump_traceback_later(dump_after_s, exit=False)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=60))
         try:
             result = fn(rank, world_size, *args)
@@ -30,6 +43,31 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         out.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _kill_with_descendants(procs: list[Any]) -> list[str]:
+    """SIGKILL ``procs`` and every process they started (a rank's forked writer, its
+    worker), reap the ranks; return what was running, for the failure message."""
+    import psutil
+
+    seen: list[str] = []
+    victims: list[psutil.Process] = []
+    for p in procs:
+        try:
+            top = psutil.Process(p.pid)
+            victims += [top, *top.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    for v in victims:
+        try:
+            seen.append(f"{v.pid} {v.name()} ({v.status()})")
+            v.kill()
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs:
+        p.join(5)
+    psutil.wait_procs(victims, timeout=5)
+    return seen
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 90.0,
@@ -43,16 +81,20 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
     """
     ctx = mp.get_context(start_method)
     out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, out), daemon=False)
+    # Rendezvous through a file, not a TCP port picked beforehand: another process can
+    # take a free port between free_port() and rank 0's bind, and the other ranks then
+    # wait for a store that never comes up.
+    store_dir = tempfile.mkdtemp(prefix="asyncckpt-ranks-")
+    init_method = f"file://{os.path.join(store_dir, 'store')}"
+    dump_after_s = max(1.0, 0.8 * timeout - 2.0)  # ranks start seconds late (imports)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_method, args, out, dump_after_s),
+                         daemon=False)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
     results: dict[int, tuple[bool, Any]] = {}
+    left_running: list[str] = []
     try:
-        import queue as _queue
-        import time
-
+        for p in procs:
+            p.start()
         deadline = time.monotonic() + timeout
         while len(results) < world_size:
             left = deadline - time.monotonic()
@@ -61,26 +103,31 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
             try:
                 rank, ok, value = out.get(timeout=min(left, 1.0))
                 results[rank] = (ok, value)
-            except _queue.Empty:
+                if not ok:  # the others may wait for it in a collective: not for long
+                    deadline = min(deadline, time.monotonic() + FAILED_RANK_GRACE_S)
+            except queue.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs) and out.empty():
                     time.sleep(0.5)
                     if out.empty():
                         break
-        for p in procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()) + 5)
+        if len(results) == world_size:  # every rank reported: let them exit
+            for p in procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()) + 5)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        left_running = _kill_with_descendants([p for p in procs if p.is_alive()])
         out.close()
         out.join_thread()
+        shutil.rmtree(store_dir, ignore_errors=True)
+    codes = {r: p.exitcode for r, p in enumerate(procs)}
+    # The error's traceback keeps this frame: drop the queue (its named semaphores) now,
+    # not whenever the test lets go of the error.
+    del out, procs
     failed = {r: v for r, (ok, v) in results.items() if not ok}
     missing = [r for r in range(world_size) if r not in results]
     if failed or missing:
         details = "\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(failed.items()))
-        codes = {r: procs[r].exitcode for r in range(world_size)}
-        raise AssertionError(f"ranks failed: {sorted(failed)}, no result from: {missing}, exit codes {codes}\n{details}")
+        raise AssertionError(f"ranks failed: {sorted(failed)}, no result from: {missing}, exit codes {codes}, "
+                             f"still running when killed: {left_running}\n{details}")
     return [results[r][1] for r in range(world_size)]
 
 

@@ -375,7 +375,7 @@ def test_two_ranks_manager_and_one_rank_failure(tmp_path: Path, caller: str) -> 
         "latest", "step_00000003", "step_00000006"]
 
 
-def _rank_gloo_cache(rank: int, world_size: int, port: int) -> dict[str, Any]:
+def _rank_gloo_cache(rank: int, world_size: int, init_method: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from asyncckpt import dist as ack_dist
@@ -387,7 +387,7 @@ def _rank_gloo_cache(rank: int, world_size: int, port: int) -> dict[str, Any]:
     dist.destroy_process_group()
     # A second process group in the same process (as a test suite or an elastic
     # restart does): the first one's cached gloo group is forgotten, not kept.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     second = SyncGroup()
     assert second.all_gather_object(f"r{rank}") == ["r0", "r1"]
     cached_after = [g for _, g in ack_dist._gloo_groups.values()]
@@ -400,7 +400,5 @@ def test_gloo_groups_of_destroyed_process_groups_are_not_kept(tmp_path: Path) ->
     """The dedicated gloo groups of destroyed process groups are dropped, and all of them at
     exit: left to interpreter finalization, a gloo group's destructor now and then aborted a
     successful run ("terminate called without an active exception", exit -6)."""
-    from dist_utils import free_port
-
-    for result in run_ranks(_rank_gloo_cache, 2, free_port()):
+    for result in run_ranks(_rank_gloo_cache, 2, f"file://{tmp_path / 'second-store'}"):
         assert result == {"before": 1, "after": 1, "current": True, "released": 0}
