@@ -8,6 +8,8 @@ import os
 import queue
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -45,6 +47,28 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, init_method: str,
         out.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
+def _kernel_wait(pid: int) -> str:
+    """Where the kernel has ``pid`` waiting (``/proc/PID/wchan``: futex, pipe, poll...)."""
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            return f.read().strip() or "?"
+    except OSError:
+        return "?"
+
+
+def _py_spy_dump(pid: int) -> str:
+    """Every thread's Python stack of ``pid`` (a forked child too, which faulthandler's
+    timer does not follow) if py-spy is installed beside this interpreter; else ``""``."""
+    exe = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
+    if exe is None:
+        return ""
+    try:
+        done = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"\n  (py-spy: {exc})"
+    return "\n" + (done.stdout + done.stderr).strip()
+
+
 def _kill_with_descendants(procs: list[Any]) -> list[str]:
     """SIGKILL ``procs`` and every process they started (a rank's forked writer, its
     worker), reap the ranks; return what was running, for the failure message."""
@@ -60,7 +84,11 @@ def _kill_with_descendants(procs: list[Any]) -> list[str]:
             pass
     for v in victims:
         try:
-            seen.append(f"{v.pid} {v.name()} ({v.status()})")
+            seen.append(f"{v.pid} {v.name()} ({v.status()}, in {_kernel_wait(v.pid)}){_py_spy_dump(v.pid)}")
+        except psutil.NoSuchProcess:
+            pass
+    for v in victims:
+        try:
             v.kill()
         except psutil.NoSuchProcess:
             pass
@@ -126,8 +154,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
     missing = [r for r in range(world_size) if r not in results]
     if failed or missing:
         details = "\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(failed.items()))
-        raise AssertionError(f"ranks failed: {sorted(failed)}, no result from: {missing}, exit codes {codes}, "
-                             f"still running when killed: {left_running}\n{details}")
+        running = "".join(f"\n{line}" for line in left_running)
+        raise AssertionError(f"ranks failed: {sorted(failed)}, no result from: {missing}, exit codes {codes}\n"
+                             f"still running when killed:{running or ' nothing'}\n{details}")
     return [results[r][1] for r in range(world_size)]
 
 
