@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import atexit
 import contextlib
+import gc
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import multiprocessing.util as mp_util
@@ -314,7 +315,15 @@ class AsyncCaller(abc.ABC):
 
 
 # --------------------------------------------------------------------------- temporal
-def _temporal_child_main(conn: Any, call_idx: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+def _temporal_child_main(conn: Any, call_idx: int, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                         gc_enabled: bool) -> None:
+    # Forked with the cyclic GC off (TemporalAsyncCaller._schedule): every object this
+    # child inherited goes to the permanent generation before it is turned back on, so
+    # that it collects only its own garbage, never the trainer's (whose finalizers free
+    # the parent's resources, and may wait on a lock that a thread held at the fork).
+    gc.freeze()
+    if gc_enabled:
+        gc.enable()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides about Ctrl-C
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's inherited handler
     outcome = _run_call(call_idx, fn, args, kwargs)
@@ -333,6 +342,11 @@ class TemporalAsyncCaller(AsyncCaller):
 
     Fork-safety: the child must not use locks or thread pools of the parent (e.g.
     torch intra-op parallelism, CUDA). asyncckpt's own writer uses only ``os`` I/O.
+    Nor does it run the parent's finalizers: it is forked with the cyclic GC off and
+    freezes what it inherited (``gc.freeze``) before turning the GC back on, so the
+    trainer's garbage (a cycle holding a CUDA tensor, a socket, a store) is never
+    collected in the child, where its destructor could wait forever on a lock that
+    another thread of the trainer held at the fork.
     """
 
     def __init__(self) -> None:
@@ -345,11 +359,13 @@ class TemporalAsyncCaller(AsyncCaller):
             self._schedule(call_idx, async_fn, args, kwargs)
 
     def _schedule(self, call_idx: int, async_fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        gc_enabled = gc.isenabled()
+        gc.disable()  # the child starts with it off (see _temporal_child_main)
         try:
             reader, writer = self._ctx.Pipe(duplex=False)
             proc = self._ctx.Process(
                 target=_temporal_child_main,
-                args=(writer, call_idx, async_fn, args, kwargs),
+                args=(writer, call_idx, async_fn, args, kwargs, gc_enabled),
                 name=f"asyncckpt-call-{call_idx}",
                 daemon=True,
             )
@@ -357,6 +373,9 @@ class TemporalAsyncCaller(AsyncCaller):
         except Exception as exc:  # e.g. fork failed (ENOMEM, EAGAIN)
             self._record(CallOutcome(call_idx, False, _format_exception(exc, "could not fork a child: ")))
             return
+        finally:
+            if gc_enabled:
+                gc.enable()
         _track(proc)
         writer.close()
         self._children[call_idx] = (proc, reader, None)

@@ -852,3 +852,55 @@ def test_temporal_child_does_not_inherit_the_trainers_sigterm_handler(tmp_path):
     finally:
         signal.signal(signal.SIGTERM, previous)
         q.close(abort=True)
+
+
+class _GarbageWithFinalizer:
+    """A reference cycle whose ``__del__`` records the pid of the process that ran it."""
+
+    def __init__(self, path):
+        self.path = path
+        self.cycle = self
+
+    def __del__(self):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def allocate_containers(n):
+    """Make ``n`` short-lived dicts, which starts the cyclic GC if it is enabled; then
+    report whether it is enabled and whether this process's GC is frozen."""
+    import gc
+
+    keep = None
+    for i in range(n):
+        keep = {"i": i, "prev": keep} if i % 1000 else None
+    return os.getpid(), gc.isenabled(), gc.get_freeze_count() > 0
+
+
+@pytest.mark.timeout(30)
+def test_temporal_child_never_runs_finalizers_of_the_parents_garbage(tmp_path):
+    """The forked child must not collect the trainer's garbage: its finalizers (a CUDA or
+    pinned-memory free, a socket's or a store's destructor) belong to the parent, and
+    running them in a child forked from a multi-threaded process can deadlock it on a
+    lock another thread held at the fork. The child's own garbage is still collected."""
+    import gc
+
+    marker = tmp_path / "finalized-by"
+    q = asyncckpt.AsyncCallsQueue(persistent=False)
+    try:
+        gc.collect()  # empty generations, so that the parent does not collect it first
+        _GarbageWithFinalizer(str(marker))  # garbage in generation 0 at the fork
+        got = []
+        q.schedule_async_request(AsyncRequest(allocate_containers, (200_000,),
+                                              finalize_fns=[functools.partial(record_result, q, 0, got)]))
+        assert gc.isenabled(), "the parent's GC must stay enabled"
+        assert q.maybe_finalize_async_calls(blocking=True) == [0]
+        child_pid, child_gc_enabled, child_frozen = got[0][1]
+        assert child_pid != os.getpid()
+        assert child_gc_enabled and child_frozen  # it collects its own garbage, not ours
+        gc.collect()
+        pids = marker.read_text().split() if marker.exists() else []
+        assert pids == [str(os.getpid())], f"finalized in {pids} (child {child_pid}, parent {os.getpid()})"
+        q.close()
+    finally:
+        q.close(abort=True)
