@@ -28,13 +28,13 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, init_method: str, args: tuple, out: Any,
-           dump_after_s: float) -> None:
+           dump_at: float) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # A rank still running shortly before run_ranks gives up prints every thread's stack
     # (to the test's captured stderr), so that a hang in CI says where it is.
-    faulthandler.dump_traceback_later(dump_after_s, exit=False)
+    faulthandler.dump_traceback_later(max(0.5, dump_at - time.time()), exit=False)
     try:
         dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=60))
@@ -114,8 +114,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
     # wait for a store that never comes up.
     store_dir = tempfile.mkdtemp(prefix="asyncckpt-ranks-")
     init_method = f"file://{os.path.join(store_dir, 'store')}"
-    dump_after_s = max(1.0, 0.8 * timeout - 2.0)  # ranks start seconds late (imports)
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_method, args, out, dump_after_s),
+    # Wall-clock time of the stack dump, 3 s before the deadline whatever the ranks'
+    # imports took (one clock for all processes of this machine).
+    dump_at = time.time() + max(1.0, timeout - 3.0)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_method, args, out, dump_at),
                          daemon=False)
              for r in range(world_size)]
     results: dict[int, tuple[bool, Any]] = {}

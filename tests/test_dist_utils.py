@@ -33,7 +33,7 @@ def _never_returns():
 def test_a_hanging_rank_is_reported_with_its_stack_and_killed_with_its_children(tmp_path, capfd):
     pid_file = tmp_path / "pids"
     with pytest.raises(AssertionError) as info:
-        run_ranks(_rank_hangs_with_a_child, 2, str(pid_file), timeout=10)
+        run_ranks(_rank_hangs_with_a_child, 2, str(pid_file), timeout=12)
     text = str(info.value)
     assert "no result from: [1]" in text
     rank_pid, child_pid = map(int, pid_file.read_text().split())
