@@ -14,7 +14,6 @@ memory, and cannot initialize CUDA.
 from __future__ import annotations
 
 import array
-import functools
 import mmap
 import os
 import struct
@@ -239,13 +238,13 @@ def _combinable(n: int) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=16)
 def _shift_tables(n: int) -> tuple[tuple[int, ...], ...]:
     """Four byte tables of the linear map ``A_n`` with ``crc32(B, c) = A_n(c) ^ crc32(B, 0)``
     for every ``B`` of ``n`` bytes (zlib's CRC-32 is affine in its start value).
 
     Column ``i`` of ``A_n`` is ``crc32(zeros(n), 1 << i) ^ crc32(zeros(n), 0)``: 33
-    checksums of ``n`` zero bytes, at C speed, once per length (cached)."""
+    checksums of ``n`` zero bytes, at C speed. The writer keeps the tables of the sizes
+    it merges in ``_tables`` (see :func:`_combinable`); other lengths build them anew."""
     zeros = bytes(n)
     base = crc32(zeros, 0)
     cols = [crc32(zeros, 1 << i) ^ base for i in range(32)]
@@ -262,8 +261,11 @@ def _shift_tables(n: int) -> tuple[tuple[int, ...], ...]:
 def crc32_combine(crc1: int, crc2: int, n2: int) -> int:
     """The CRC-32 of ``A + B`` from ``crc1 = crc32(A)``, ``crc2 = crc32(B)`` and
     ``n2 = len(B)`` (zlib's ``crc32_combine``, which Python's :mod:`zlib` lacks): the
-    start value ``crc1`` shifted through ``n2`` bytes, xor ``crc2``."""
-    t0, t1, t2, t3 = _shift_tables(n2)
+    start value ``crc1`` shifted through ``n2`` bytes, xor ``crc2``. Uses the writer's
+    table for ``n2`` when it has one (:func:`_combinable`), else builds one (33 checksums
+    of ``n2`` zero bytes)."""
+    tables = _tables.get(n2)
+    t0, t1, t2, t3 = tables if tables is not None else _shift_tables(n2)
     return t0[crc1 & 0xFF] ^ t1[(crc1 >> 8) & 0xFF] ^ t2[(crc1 >> 16) & 0xFF] ^ t3[crc1 >> 24] ^ crc2
 
 
