@@ -43,8 +43,7 @@ def test_cuda_save_copies_after_pending_compute(tmp_path):
         expected = _reference(sd)  # synchronizes: the kernel's result
         sd["w"].zero_()
         handle.wait()
-        saver = mgr._saver
-        assert all(e.slab.pinned for e in saver.stager._entries)
+        assert all(e.slab.pinned for e in mgr._saver.pool._entries)  # D2H into page-locked memory
     out = {"w": torch.empty(4096, 1024), "h": torch.empty(1000, dtype=torch.half), "cpu": torch.empty(10, dtype=torch.long),
            "step": 0}
     asyncckpt.load(out, tmp_path / "step_00000001")
