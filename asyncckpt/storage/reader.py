@@ -382,14 +382,49 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 f"state_dict entry {fqn!r} cannot be read: {type(exc).__name__}: {exc}") from exc
 
     def set_value(self, read_item: ReadItem, obj: Any) -> None:
-        """Put a decoded non-tensor value into the state_dict (as ``load_bytes`` does)."""
+        """Put a decoded non-tensor value into the state_dict (as ``load_bytes`` does, but
+        under the state_dict's own key where it is an ``int``: :func:`set_value`)."""
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            set_value(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.set_value(read_item, self.decode_bytes(read_item, value))
+
+
+def set_value(state_dict: dict[str, Any], path: tuple, value: Any) -> None:
+    """DCP's ``set_element(state_dict, path, value)`` for a ``path`` of DCP's flatten
+    mapping (``str(key)`` for every dict key), that follows the dicts' own keys: where
+    a dict holds the ``int`` key ``0`` and not ``"0"`` (an optimizer's ``state``), the
+    value goes under ``0``, not under a new ``"0"`` beside it (as stock DCP's load puts
+    it). A path that does not lead through ``state_dict`` is ``set_element``'s."""
+    parent: Any = state_dict
+    key: Any = None
+    for depth, k in enumerate(path):
+        if isinstance(parent, Mapping):
+            if type(k) is str and k not in parent:
+                try:
+                    as_int = int(k)
+                except ValueError:
+                    as_int = None
+                if as_int is not None and str(as_int) == k and as_int in parent:
+                    k = as_int
+        elif not (isinstance(parent, list) and type(k) is int):
+            break
+        if depth == len(path) - 1:
+            key = k
+            break
+        try:
+            parent = parent[k]
+        except (KeyError, IndexError):
+            break
+    if key is None or not isinstance(parent, (Mapping, list)):
+        set_element(state_dict, path, value)
+        return
+    if isinstance(parent, list):
+        parent.extend([None] * (key + 1 - len(parent)))
+    parent[key] = value
 
 
 # ----------------------------------------------------------------------------- reader
@@ -1117,7 +1152,7 @@ def direct_load(plan: DirectPlan, root: str, manifest_files: dict[str, Any] | No
             os.close(fd)
         os.close(dir_fd)
     for fqn, obj in values:
-        set_element(plan.state_dict, plan.mappings[fqn], obj)
+        set_value(plan.state_dict, plan.mappings[fqn], obj)
 
 
 def _torch_load_tensor(stream: Any, path: str, fqn: str) -> torch.Tensor:
