@@ -1,5 +1,6 @@
 """Plain PyTorch state dicts: an optimizer's ``state`` is keyed by ``int`` parameter
-indices (issue 24 item 1).
+indices (issue 24 item 1), and the records file never overrides ``.metadata``
+(issue 25 item 10).
 
 Everything is real: real optimizers that have stepped, checkpoints written by
 ``asyncckpt`` (a forked child per call) and read back by ``asyncckpt.load``,
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import asyncckpt
 from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointManager, CorruptCheckpointError, loading
 from asyncckpt.storage import commit
+from asyncckpt.storage.records import RECORDS_NAME
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -234,3 +236,42 @@ def test_int_keys_that_do_not_fit_the_metadata_are_refused(tmp_path: Path, tempo
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(CorruptCheckpointError, match="int_keys"):
         asyncckpt.read_state_dict(ckpt, verify=False)
+
+
+# ----------------------------------------------------------------------------- issue 25 item 10
+@pytest.mark.timeout(120)
+def test_records_swapped_without_the_metadata_are_not_used(tmp_path: Path, temporal_queue: AsyncCallsQueue) -> None:
+    """Two entries' places swapped in ``.records.json`` (still naming the CRC-32 of the
+    intact ``.metadata``): ``load(verify=False)`` must read what ``.metadata`` says, as
+    ``dcp.load`` and ``read_state_dict`` do, not what the records say."""
+    state = {"a": torch.full((64,), 1.0), "b": torch.full((64,), 2.0), "n": 5}
+    ckpt = ckpt_of(tmp_path / "ckpt", state, temporal_queue)
+    before = dict(loading.records_sources)
+    target = fresh(state)
+    asyncckpt.load(target, ckpt, verify=False)  # the records file as committed: used
+    assert loading.records_sources["records"] == before.get("records", 0) + 1
+    assert_same(state, target)
+
+    records_path = ckpt / RECORDS_NAME
+    obj = json.loads(records_path.read_bytes())
+    rows = {row[0]: row for rows in obj["files"].values() for row in rows}
+    rows["a"][1], rows["b"][1] = rows["b"][1], rows["a"][1]
+    os.chmod(records_path, 0o644)
+    records_path.write_bytes(json.dumps(obj).encode())
+
+    stock = fresh(state)
+    stock_load(stock, ckpt)
+    assert_same(state, stock)
+    assert_same(state, asyncckpt.read_state_dict(ckpt, verify=False))
+    before = dict(loading.records_sources)
+    target = fresh(state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asyncckpt.load(target, ckpt, verify=False)
+    assert_same(state, target)
+    assert any(".records.json or .metadata does not match the manifest" in str(w.message) for w in caught)
+    assert loading.records_sources["metadata"] == before.get("metadata", 0) + 1
+    # With verification the swapped file is corruption, named.
+    for verify in (True, "inline"):
+        with pytest.raises(CorruptCheckpointError, match=r"\.records\.json"):
+            asyncckpt.load(fresh(state), ckpt, verify=verify)
