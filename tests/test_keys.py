@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import asyncckpt
 from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointManager, CorruptCheckpointError, loading
 from asyncckpt.storage import commit
+from asyncckpt.storage.reader import read_metadata
 from asyncckpt.storage.records import RECORDS_NAME
 
 REPO = Path(__file__).resolve().parent.parent
@@ -182,6 +183,18 @@ def test_manager_saves_steady_optimizer_state_and_resumes(tmp_path: Path) -> Non
         for step, expected in saved.items():
             got = asyncckpt.read_state_dict(manager.step_dir(step))
             assert_same(expected, got)
+        # The metadata of the cached plans keeps DCP's planner_data (str keys), as
+        # stock dcp.save writes it; the int keys are in the manifest.
+        stock = tmp_path / "stock"
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(saved[3], checkpoint_id=str(stock), no_dist=True)
+        planner_data = read_metadata(stock).planner_data
+        assert planner_data["optim.state.0.exp_avg"] == ("optim", "state", "0", "exp_avg")
+        for step in saved:
+            assert read_metadata(manager.step_dir(step)).planner_data == planner_data
+            manifest = json.loads((manager.step_dir(step) / commit.MANIFEST_NAME).read_text())
+            assert manifest["int_keys"]["optim.state.0.exp_avg"] == [2]
         new_model, new_opt = trained("adamw", seed=3)
         target = {"model": new_model.state_dict(), "optim": new_opt.state_dict()}
         assert manager.load(target) == 3
