@@ -294,17 +294,6 @@ def _require_checkpoint_dir(path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- inspect
-def _entry_path(fqn: str, planner_data: Any, limit: int, where: str) -> tuple[str | int, ...]:
-    """The nested path of entry ``fqn`` (DCP ``Metadata.planner_data``), checked."""
-    path = planner_data.get(fqn) if isinstance(planner_data, dict) else None
-    if path is None:
-        return (fqn,)
-    if (not isinstance(path, (tuple, list)) or not path
-            or not all(isinstance(p, str) or (type(p) is int and 0 <= p < limit) for p in path)):
-        raise CorruptCheckpointError(f"{where}: malformed planner_data for entry {fqn!r}: {path!r}", where)
-    return tuple(path)
-
-
 def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     """Describe every entry of a checkpoint, from its ``.metadata`` (read safely).
 
@@ -318,7 +307,8 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     Returns:
         A JSON-able dict: ``path``, ``committed`` (a manifest is present), ``step`` and
         ``world_size`` (from the manifest, else ``None``), ``entries`` (each ``fqn``,
-        ``path`` (nested keys), ``kind`` (``"tensor"`` or ``"bytes"``), ``dtype``,
+        ``path`` (nested keys: ``int`` for list indices and for dict keys saved as
+        ``int``, as :func:`asyncckpt.read_state_dict` gives them), ``kind`` (``"tensor"`` or ``"bytes"``), ``dtype``,
         ``shape`` (global), ``bytes`` (tensor: ``numel * itemsize``; bytes: the pickled
         size), ``stored_bytes`` (on disk, with framing), ``chunks``, ``files``: a list of
         ``{"file", "offset", "length"}``) and ``totals``.
@@ -336,16 +326,17 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
 
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # torch only once needed
 
+    from .read import manifest_int_keys, typed_entry_paths
     from .storage.reader import read_metadata
 
     metadata = read_metadata(path)
     where = str(path / _commit.METADATA_NAME)
+    paths = typed_entry_paths(metadata, manifest_int_keys(manifest, str(path / _commit.MANIFEST_NAME)), where)
 
     storage: dict[str, list[dict[str, Any]]] = {}
     for index, info in metadata.storage_data.items():
         storage.setdefault(index.fqn, []).append(
             {"file": info.relative_path, "offset": info.offset, "length": info.length})
-    limit = len(metadata.state_dict_metadata)
     entries = []
     for fqn, md in metadata.state_dict_metadata.items():
         records = sorted(storage.get(fqn, []), key=lambda r: (r["file"], r["offset"]))
@@ -361,7 +352,7 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         else:
             entry = {"fqn": fqn, "kind": "bytes", "dtype": None, "shape": None, "bytes": stored,
                      "chunks": len(records)}
-        entry["path"] = list(_entry_path(fqn, metadata.planner_data, limit, where))
+        entry["path"] = list(paths[fqn][0])
         entry["stored_bytes"] = stored
         entry["files"] = records
         entries.append(entry)

@@ -61,7 +61,9 @@ def _tensor_problem(t: torch.Tensor) -> str | None:
 def validate_state_dict(state_dict: Any, max_depth: int = 200) -> None:
     """Refuse what cannot be saved, naming the offending entry.
 
-    Accepted: nested ``dict`` (``str`` keys) and ``list`` containers; strided CPU or
+    Accepted: nested ``dict`` (``str`` or ``int`` keys, as an optimizer's ``state``
+    has: DCP stores ``str(key)``, asyncckpt records which were ``int``) and ``list``
+    containers; strided CPU or
     CUDA tensors (DTensor included), of any dtype; other values that ``torch.save``
     can pickle.
 
@@ -74,7 +76,8 @@ def validate_state_dict(state_dict: Any, max_depth: int = 200) -> None:
 
     Raises:
         CheckpointError: for the first offending entry (sparse, meta, quantized or
-            nested tensor; non-``str`` key; a container that contains itself;
+            nested tensor; a key neither ``str`` nor ``int`` (``bool`` included), or an
+            ``int`` key beside the ``str`` of it; a container that contains itself;
             nesting deeper than ``max_depth``).
     """
     if not isinstance(state_dict, Mapping):
@@ -97,11 +100,16 @@ def validate_state_dict(state_dict: Any, max_depth: int = 200) -> None:
             above = above + (id(value),)
         if isinstance(value, Mapping):
             for k, v in value.items():
-                if not isinstance(k, str):
+                if type(k) is not str and type(k) is not int:
                     raise CheckpointError(
-                        f"{_path_str(path)}: key {k!r} is a {type(k).__name__}; keys must be str "
+                        f"{_path_str(path)}: key {k!r} is a {type(k).__name__}; keys must be str or int "
                         "(torch.distributed.checkpoint names entries by str paths)")
                 stack.append((path + (k,), v, above))
+            clash = _key_clash(value.keys())
+            if clash is not None:
+                raise CheckpointError(
+                    f"{_path_str(path)}: keys {clash!r} and {str(clash)!r} would both be stored as "
+                    f"{str(clash)!r} (torch.distributed.checkpoint names entries by str paths)")
         elif isinstance(value, list):
             for i, v in enumerate(value):
                 stack.append((path + (i,), v, above))
@@ -119,6 +127,102 @@ def validate_state_dict(state_dict: Any, max_depth: int = 200) -> None:
                         raise CheckpointError(f"{_path_str(path + (i,))}: {problem}")
 
 
+def _key_clash(keys: Any) -> int | None:
+    """An ``int`` key of ``keys`` whose ``str`` is also a key (both would be stored
+    under one name), or ``None``."""
+    ints = [k for k in keys if type(k) is int]
+    if not ints:
+        return None
+    names = {k for k in keys if type(k) is str}
+    return next((k for k in ints if str(k) in names), None)
+
+
+def _int_keys_ok(keys: tuple) -> bool:
+    """Every key a ``str`` or an ``int`` (not ``bool``), no ``int`` beside its ``str``."""
+    return all(type(k) is str or type(k) is int for k in keys) and _key_clash(keys) is None
+
+
+def typed_path(state_dict: Any, path: tuple) -> tuple:
+    """``path`` (DCP's flatten mapping of an entry: ``str(key)`` for dict keys, ``int``
+    for list indices) with each dict key as it is in ``state_dict``: ``"0"`` becomes
+    ``0`` where the dict holds the ``int`` key ``0`` and not the ``str`` ``"0"``.
+
+    Raises:
+        KeyError, IndexError, TypeError: ``path`` does not lead through ``state_dict``.
+    """
+    obj = state_dict
+    out = []
+    for k in path:
+        if isinstance(obj, _Mapping) and type(k) is str and k not in obj:
+            as_int = _int_of(k)
+            if as_int is not None and as_int in obj:
+                k = as_int
+        out.append(k)
+        obj = obj[k]
+    return tuple(out)
+
+
+def _int_of(name: str) -> int | None:
+    """The ``int`` whose ``str`` is ``name``, or ``None``."""
+    try:
+        value = int(name)
+    except ValueError:
+        return None
+    return value if str(value) == name else None
+
+
+def int_positions(path: tuple, typed: tuple) -> tuple[int, ...]:
+    """The positions where ``typed`` (:func:`typed_path` of ``path``) has an ``int`` dict
+    key for ``path``'s ``str``."""
+    return tuple(i for i, (a, b) in enumerate(zip(path, typed)) if type(a) is str and type(b) is int)
+
+
+def _describe_item(item: Any) -> str:
+    if item.type == WriteItemType.BYTE_IO:
+        return "a non-tensor value"
+    td = item.tensor_data
+    kind = "a DTensor" if item.type == WriteItemType.SHARD else "a tensor"
+    shape = "x".join(str(int(n)) for n in td.size) if len(td.size) else "scalar"
+    return f"{kind} {str(td.properties.dtype).replace('torch.', '')}[{shape}]"
+
+
+def check_plans_agree(plans: list[SavePlan], int_keys: list[dict[str, tuple[int, ...]]]) -> str | None:
+    """Why the ranks' local plans cannot make one checkpoint, or ``None``.
+
+    An entry (flattened key) that some ranks hold must be the same kind on each: a
+    tensor (plain or DTensor) of the same dtype and (global) shape everywhere, or a
+    non-tensor value everywhere; and its dict keys of the same types (``int_keys``: by
+    rank, each entry's :func:`int_positions`). Otherwise DCP's global plan fails
+    with an ``AssertionError`` (a tensor on one rank, a value on another) or keeps one
+    rank's tensor and drops the others' in silence (a plain tensor whose shape or dtype
+    differs). Reads only what the plans' all_gather brought (no collective).
+    """
+    seen: dict[str, tuple[int, Any, tuple, tuple[int, ...]]] = {}
+    for rank, plan in enumerate(plans):
+        keys = int_keys[rank] if rank < len(int_keys) else {}
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                what: tuple = ("value",)
+            else:
+                td = item.tensor_data
+                what = ("tensor", td.properties.dtype, tuple(td.size)) if td is not None else ("tensor",)
+            ints = keys.get(fqn, ())
+            first = seen.setdefault(fqn, (rank, item, what, ints))
+            if first[0] == rank:
+                continue
+            if first[2] != what:
+                return (f"state_dict entry {fqn!r} differs across ranks: {_describe_item(first[1])} on rank "
+                        f"{first[0]}, {_describe_item(item)} on rank {rank} (a plain tensor saved by several "
+                        "ranks must be the same on each; per-rank state needs per-rank keys, sharded state "
+                        "DTensors)")
+            if first[3] != ints:
+                return (f"state_dict entry {fqn!r} differs across ranks: its dict keys at positions "
+                        f"{list(first[3])} are int on rank {first[0]}, at {list(ints)} on rank {rank} "
+                        "(the others str)")
+    return None
+
+
 class SavePlanResult(NamedTuple):
     """This rank's part of a global save plan.
 
@@ -127,12 +231,17 @@ class SavePlanResult(NamedTuple):
         data: for each write item, the tensor (detached) or the ``torch.save`` bytes.
         metadata: the global DCP metadata (``storage_data`` filled in at commit).
         token: a random token, equal on all ranks (names the temporary directory).
+        int_keys: the entries (of every rank) whose path has ``int`` dict keys: flattened
+            key -> the positions in its ``metadata.planner_data`` path that are ``int``
+            keys (DCP records ``str(key)``); recorded in the manifest so that
+            ``read_state_dict`` gives the keys back as they were.
     """
 
     plan: SavePlan
     data: list[Any]
     metadata: Metadata
     token: str
+    int_keys: Mapping[str, tuple[int, ...]] = {}
 
 
 class PlanCache:
@@ -162,7 +271,8 @@ class PlanCache:
             ``storage_meta``).
         paths: for each write item of ``plan``, the path of keys / indices to its value
             in the (``Stateful``-resolved) state_dict, as DCP's ``flatten_state_dict``
-            maps it.
+            maps it but with each dict key of its own type (:func:`typed_path`).
+        int_keys: the plan's ``SavePlanResult.int_keys``.
         hits: how many saves reused the plan (observable in tests).
         pickled: for the plan's non-tensor items made of plain Python values
             (:func:`plain_key`), by the item's position in ``plan.items``: the value's
@@ -182,6 +292,7 @@ class PlanCache:
         self.hits = 0
         self.pickled: dict[int, tuple[bytes, bytes]] = {}
         self.pickled_reused = 0
+        self.int_keys: Mapping[str, tuple[int, ...]] = {}
 
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -244,7 +355,9 @@ def _walk(value: Any, sig: list, above: set[int], depth: int, max_depth: int,
         keys = tuple(value.keys())
         for k in keys:
             if type(k) is not str:
-                return False
+                if not _int_keys_ok(keys):
+                    return False
+                break  # every key checked
         sig.append(_DICT)
         sig.append(keys)
         values: Any = value.values()
@@ -496,7 +609,7 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
         try:
             data = _resolve_cached(cache, state_dict)
             result = SavePlanResult(cache.plan, data, dataclasses.replace(cache.metadata, storage_meta=storage_meta),
-                                    "")  # the token comes with the all_gather
+                                    "", cache.int_keys)  # the token comes with the all_gather
             hit = (result, finish(result) if finish is not None else None)
         except Exception as exc:  # reported on every rank below
             failure = _describe(exc)
@@ -509,18 +622,37 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
         assert cache is not None and hit is not None
         cache.hits += 1
         return hit[0]._replace(token=token), hit[1]
-    # Not every rank hit: DCP's planner, one all_gather of the local plans.
+    # Not every rank hit: DCP's planner, one all_gather of the local plans (with the
+    # int dict keys of each rank's entries, which DCP's plans record as str).
     data = []
     planner = DefaultSavePlanner()
     local_plan: SavePlan | None = None
+    typed: dict[str, tuple] = {}  # this rank's entries: flattened key -> path with its keys' types
+    local_ints: dict[str, tuple[int, ...]] = {}
     try:
         planner.set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
         local_plan = planner.create_local_plan()
+        for item in local_plan.items:
+            fqn = item.index.fqn
+            path = tuple(planner.mappings[fqn])
+            typed[fqn] = typed_path(state_dict, path)
+            ints = int_positions(path, typed[fqn])
+            if ints:
+                local_ints[fqn] = ints
     except Exception as exc:
         failure = _describe(exc)
-    gathered_plans = sync.all_gather_object((failure, local_plan))
-    _raise_errors(sync, [f for f, _ in gathered_plans])
-    global_plans, metadata = planner.create_global_plan([p for _, p in gathered_plans])
+    gathered_plans = sync.all_gather_object((failure, local_plan, local_ints))
+    _raise_errors(sync, [f for f, _, _ in gathered_plans])
+    local_plans = [p for _, p, _ in gathered_plans]
+    # Every rank has every local plan: the same checks give the same error on each rank.
+    problem = check_plans_agree(local_plans, [k for _, _, k in gathered_plans])
+    if problem is not None:
+        raise CheckpointError(problem)
+    int_keys = {fqn: ints for _, _, k in gathered_plans for fqn, ints in k.items()}
+    try:
+        global_plans, metadata = planner.create_global_plan(local_plans)
+    except Exception as exc:  # deterministic: the same on every rank
+        raise CheckpointError(f"planning {checkpoint_id} failed: {type(exc).__name__}: {exc}") from exc
     if metadata.storage_meta is None:  # as a cached plan's (and dcp.save's) metadata has it
         metadata = dataclasses.replace(metadata, storage_meta=storage_meta)
     plan = planner.finish_plan(global_plans[sync.rank])
@@ -531,17 +663,17 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
     if cache is not None:
         # A state that cannot be cached (or failed) leaves no plan to reuse.
         cache.signature = cache.plan = cache.metadata = cache.paths = None
+        cache.int_keys = {}
         cache.pickled.clear()
-        mappings = getattr(planner, "mappings", None)
-        if signature is not None and failure is None and mappings is not None:
+        if signature is not None and failure is None:
             try:
-                cache.paths = [tuple(mappings[item.index.fqn]) for item in plan.items]
+                cache.paths = [typed[item.index.fqn] for item in plan.items]
             except KeyError:
                 pass  # not found as DCP flattened it: plan afresh next time
             else:
-                cache.signature, cache.plan = signature, plan
+                cache.signature, cache.plan, cache.int_keys = signature, plan, int_keys
                 cache.metadata = dataclasses.replace(metadata, storage_data=None, storage_meta=None)
-    result = SavePlanResult(plan, data, metadata, token)
+    result = SavePlanResult(plan, data, metadata, token, int_keys)
     finished = None
     if failure is None and finish is not None:
         try:

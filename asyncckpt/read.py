@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpointException
@@ -41,24 +41,95 @@ def _entry_path(fqn: str, planner_data: Any, limit: int, where: str) -> tuple[st
     return tuple(path)
 
 
-def _place(root: dict[str, Any], path: tuple[str | int, ...], value: Any, fqn: str, where: str) -> None:
-    """Put ``value`` at ``path`` in ``root``, creating dicts (``str`` keys) and lists
-    (``int`` indices) on the way, as DCP's ``set_element`` does, but refusing a path
-    that runs through a value or lands on an entry already placed."""
+def manifest_int_keys(manifest: Mapping[str, Any] | None, where: str) -> dict[str, frozenset[int]]:
+    """The manifest's ``int_keys`` (entry -> the positions of its ``planner_data`` path
+    that were ``int`` dict keys; DCP records ``str(key)``), checked; ``{}`` without one.
+
+    Raises:
+        CorruptCheckpointError: ``int_keys`` is not a dict of lists of distinct
+            non-negative ints.
+    """
+    found = manifest.get("int_keys") if manifest is not None else None
+    if found is None:
+        return {}
+    out: dict[str, frozenset[int]] = {}
+    if type(found) is dict:
+        for fqn, positions in found.items():
+            if (type(positions) is not list or not positions
+                    or not all(type(i) is int and 0 <= i for i in positions)
+                    or len(set(positions)) != len(positions)):
+                break
+            out[fqn] = frozenset(positions)
+        else:
+            return out
+    raise CorruptCheckpointError(f"{where}: malformed int_keys in the manifest", where)
+
+
+def typed_entry_paths(metadata: Metadata, int_keys: Mapping[str, frozenset[int]], where: str
+                      ) -> dict[str, tuple[tuple[str | int, ...], frozenset[int]]]:
+    """Every entry's nested path, with its keys of the types they were saved with: each
+    entry's ``planner_data`` path (DCP's: ``str`` dict keys, ``int`` list indices) with
+    the ``str`` keys at the positions ``int_keys`` names turned back into ``int``; and
+    those positions (where an ``int`` is a dict key, not a list index).
+
+    Raises:
+        CorruptCheckpointError: a path is malformed; ``int_keys`` names an entry the
+            metadata does not have, or a position that is not the ``str`` of an int.
+    """
+    limit = len(metadata.state_dict_metadata)
+    unknown = set(int_keys) - set(metadata.state_dict_metadata)
+    if unknown:
+        raise CorruptCheckpointError(
+            f"{where}: the manifest's int_keys names {sorted(unknown)[0]!r}, an entry the metadata does not have",
+            where)
+    out: dict[str, tuple[tuple[str | int, ...], frozenset[int]]] = {}
+    for fqn in metadata.state_dict_metadata:
+        path = _entry_path(fqn, metadata.planner_data, limit, where)
+        ints = int_keys.get(fqn, frozenset())
+        if ints:
+            typed = list(path)
+            for i in ints:
+                value = _int_of(typed[i]) if i < len(typed) and type(typed[i]) is str else None
+                if value is None:
+                    raise CorruptCheckpointError(
+                        f"{where}: the manifest's int_keys for entry {fqn!r} does not fit its path {path!r}", where)
+                typed[i] = value
+            path = tuple(typed)
+        out[fqn] = (path, ints)
+    return out
+
+
+def _int_of(name: str) -> int | None:
+    try:
+        value = int(name)
+    except ValueError:
+        return None
+    return value if str(value) == name else None
+
+
+def _place(root: dict[str, Any], path: tuple[str | int, ...], ints: frozenset[int], value: Any, fqn: str,
+           where: str) -> None:
+    """Put ``value`` at ``path`` in ``root``, creating dicts (``str`` keys, and ``int``
+    keys at the positions ``ints``) and lists (other ``int`` indices) on the way, as
+    DCP's ``set_element`` does, but refusing a path that runs through a value or lands
+    on an entry already placed."""
 
     def bad() -> CorruptCheckpointError:
         return CorruptCheckpointError(
             f"{where}: planner_data is inconsistent at entry {fqn!r} (path {path!r})", where)
 
+    def is_key(depth: int) -> bool:  # path[depth] is a dict key (not a list index)
+        return isinstance(path[depth], str) or depth in ints
+
     container: Any = root
     for depth, key in enumerate(path):
         last = depth == len(path) - 1
         if isinstance(container, dict):
-            if not isinstance(key, str):
+            if not is_key(depth):
                 raise bad()
             current = container.get(key, _UNSET)
         else:
-            if type(key) is not int:
+            if is_key(depth):
                 raise bad()
             if len(container) <= key:
                 container.extend([_UNSET] * (key + 1 - len(container)))
@@ -69,9 +140,9 @@ def _place(root: dict[str, Any], path: tuple[str | int, ...], value: Any, fqn: s
             container[key] = value
             return
         if current is _UNSET:
-            current = {} if isinstance(path[depth + 1], str) else []
+            current = {} if is_key(depth + 1) else []
             container[key] = current
-        elif not isinstance(current, dict if isinstance(path[depth + 1], str) else list):
+        elif not isinstance(current, dict if is_key(depth + 1) else list):
             raise bad()
         container = current
 
@@ -91,11 +162,13 @@ def _fill_holes(value: Any) -> None:
                 stack.append(child)
 
 
-def _nest(flat: dict[str, Any], metadata: Metadata, where: str) -> dict[str, Any]:
-    limit = len(metadata.state_dict_metadata)
+def _nest(flat: dict[str, Any], metadata: Metadata, int_keys: Mapping[str, frozenset[int]],
+          where: str) -> dict[str, Any]:
+    paths = typed_entry_paths(metadata, int_keys, where)
     out: dict[str, Any] = {}
     for fqn, value in flat.items():
-        _place(out, _entry_path(fqn, metadata.planner_data, limit, where), value, fqn, where)
+        path, ints = paths[fqn]
+        _place(out, path, ints, value, fqn, where)
     _fill_holes(out)
     return out
 
@@ -109,10 +182,14 @@ def read_state_dict(checkpoint_dir: str | os.PathLike, *, verify: bool = True,
     ``format_utils.dcp_to_torch_save``) do. Tensors come back whole (unsharded, with
     the global shape recorded in the metadata: the shards of every rank are assembled)
     on the CPU; non-tensor values are decoded; the nesting that DCP flattened into
-    dotted keys is restored from the metadata's ``planner_data`` (dict keys are
-    strings, as DCP records them; lists holding tensors come back as lists; tuples,
-    sets and other values as saved). Works on asyncckpt checkpoints and on any
-    directory written by ``torch.distributed.checkpoint.save`` to a filesystem.
+    dotted keys is restored from the metadata's ``planner_data`` (lists holding
+    tensors come back as lists; tuples, sets and other values as saved). Dict keys come
+    back with their types, as from ``torch.load``: DCP records every key as ``str(key)``,
+    and an asyncckpt manifest records which were ``int`` (an optimizer's ``state`` is
+    keyed by parameter index), so ``{0: ...}`` is read back as ``{0: ...}``; a stock DCP
+    directory (no manifest) gives ``str`` keys, as DCP's ``dcp_to_torch_save`` does.
+    Works on asyncckpt checkpoints and on any directory written by
+    ``torch.distributed.checkpoint.save`` to a filesystem.
 
     It reads in this process alone, whether or not ``torch.distributed`` is
     initialized (no collective is issued; every tensor is read in full, so the
@@ -146,7 +223,8 @@ def read_state_dict(checkpoint_dir: str | os.PathLike, *, verify: bool = True,
         CorruptCheckpointError: ``.metadata`` is missing, unreadable or holds a
             disallowed global; a file is missing or does not match the manifest (with
             ``verify``); the metadata or the manifest names a path outside the
-            directory or a symlink; ``planner_data`` is inconsistent.
+            directory or a symlink; ``planner_data`` (or the manifest's ``int_keys``)
+            is inconsistent.
         CheckpointError: a non-tensor value needs ``allow_pickle=True`` (its entry is
             named).
     """
@@ -156,6 +234,7 @@ def read_state_dict(checkpoint_dir: str | os.PathLike, *, verify: bool = True,
     if not path.is_dir():
         raise NotADirectoryError(20, "not a checkpoint directory", str(path))
     reader = SafeFileSystemReader(str(path))
+    manifest: dict[str, Any] | None = None
     if os.path.lexists(path / _commit.MANIFEST_NAME):
         manifest = (_commit.verify_checkpoint(path) if verify  # also refuses names outside the directory
                     else _commit.read_manifest(path))
@@ -165,6 +244,7 @@ def read_state_dict(checkpoint_dir: str | os.PathLike, *, verify: bool = True,
                       "directory?): its checksums were not verified", UserWarning, stacklevel=2)
     metadata = reader.read_metadata()
     where = str(path / _commit.METADATA_NAME)
+    int_keys = manifest_int_keys(manifest, str(path / _commit.MANIFEST_NAME))
 
     # One destination per entry, keyed by its flat FQN (what DCP's planner matches).
     flat: dict[str, Any] = {}
@@ -180,4 +260,4 @@ def read_state_dict(checkpoint_dir: str | os.PathLike, *, verify: bool = True,
         _load_state_dict(flat, storage_reader=reader, planner=planner, no_dist=True)
     except _DcpCheckpointException as exc:
         raise from_dcp_exception(exc, path) from exc
-    return _nest(planner.state_dict, metadata, where)
+    return _nest(planner.state_dict, metadata, int_keys, where)

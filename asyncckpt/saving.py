@@ -320,6 +320,8 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
             metadata.version = CURRENT_DCP_VERSION
             files = [f for _, r in gathered for f in r.files]
             info = {"world_size": sync.world_size, "step": save.step}
+            if save.planned.int_keys:  # dict keys that were int (DCP's metadata has str(key))
+                info["int_keys"] = {fqn: list(ints) for fqn, ints in save.planned.int_keys.items()}
             if save.root is not None:
                 info["commit_seq"] = save.root.next_commit_seq()  # the rollback order (root.py)
             metadata_bytes, records = _METADATA_PICKLE.encode(metadata)

@@ -164,7 +164,9 @@ ROWS = [
     Row("views_of_one_base", _views_of_one_base),
     Row("zero_size", _zero_size, modes=("sync", "persistent")),
     # Keys.
-    Row("int_key", lambda: {"ok": torch.ones(1), "opt": {7: torch.ones(1)}}, "state_dict['opt']: key 7"),
+    Row("int_key", lambda: {"ok": torch.ones(1), "opt": {7: torch.ones(1), "x": {3: "v"}}}),  # round-trips
+    Row("int_key_beside_its_str", lambda: {"opt": {7: torch.ones(1), "7": 1}}, "state_dict['opt']: keys 7 and '7'"),
+    Row("bool_key", lambda: {"ok": torch.ones(1), "d": {True: 1}}, "state_dict['d']: key True is a bool"),
     Row("tuple_key", lambda: {"ok": torch.ones(1), ("a", 1): torch.ones(1)}, "key ('a', 1)"),
     Row("none_key", lambda: {"ok": torch.ones(1), "d": {None: 1}}, "state_dict['d']: key None"),
     Row("dotted_key_collision", lambda: {"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}, "a.b"),

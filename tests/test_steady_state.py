@@ -222,8 +222,11 @@ def test_structure_signature_is_exact_and_validates() -> None:
     # Non-contiguous tensors are accepted and cached; their values do not matter.
     t = torch.arange(6.0).view(2, 3).t()
     assert structure_signature({"t": t}) == structure_signature({"t": t + 1})
+    # int keys (an optimizer's state) are accepted, and differ from their str.
+    assert structure_signature({"s": {0: t}}) != structure_signature({"s": {"0": t}})
     # What validate_state_dict refuses, the signature refuses with the same message.
-    for bad, words in (({1: torch.ones(1)}, "keys must be str"), ({"m": torch.ones(2, device="meta")}, "meta"),
+    for bad, words in (({1.5: torch.ones(1)}, "keys must be str or int"), ({0: 1, "0": 2}, "would both be stored"),
+                       ({"m": torch.ones(2, device="meta")}, "meta"),
                        ({"s": torch.ones(2).to_sparse()}, "sparse")):
         with pytest.raises(CheckpointError, match=words):
             structure_signature(bad)

@@ -45,6 +45,7 @@ import os
 import pathlib
 import pickle
 import stat
+import warnings
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
@@ -382,14 +383,67 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 f"state_dict entry {fqn!r} cannot be read: {type(exc).__name__}: {exc}") from exc
 
     def set_value(self, read_item: ReadItem, obj: Any) -> None:
-        """Put a decoded non-tensor value into the state_dict (as ``load_bytes`` does)."""
+        """Put a decoded non-tensor value into the state_dict (as ``load_bytes`` does, but
+        under the state_dict's own key where it is an ``int``: :func:`set_value`)."""
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            set_value(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.set_value(read_item, self.decode_bytes(read_item, value))
+
+
+def set_value(state_dict: dict[str, Any], path: tuple, value: Any) -> None:
+    """DCP's ``set_element(state_dict, path, value)`` for a ``path`` of DCP's flatten
+    mapping (``str(key)`` for every dict key), that follows the dicts' own keys: where
+    a dict holds the ``int`` key ``0`` and not ``"0"`` (an optimizer's ``state``), the
+    value goes under ``0``, not under a new ``"0"`` beside it (as stock DCP's load puts
+    it). A path that does not lead through ``state_dict`` is ``set_element``'s."""
+    parent: Any = state_dict
+    key: Any = None
+    for depth, k in enumerate(path):
+        if isinstance(parent, Mapping):
+            if type(k) is str and k not in parent:
+                try:
+                    as_int = int(k)
+                except ValueError:
+                    as_int = None
+                if as_int is not None and str(as_int) == k and as_int in parent:
+                    k = as_int
+        elif not (isinstance(parent, list) and type(k) is int):
+            break
+        if depth == len(path) - 1:
+            key = k
+            break
+        try:
+            parent = parent[k]
+        except (KeyError, IndexError):
+            break
+    if key is None or not isinstance(parent, (Mapping, list)):
+        set_element(state_dict, path, value)
+        return
+    if isinstance(parent, list):
+        parent.extend([None] * (key + 1 - len(parent)))
+    parent[key] = value
+
+
+def _as_listed(data: bytes, entry: Any, whole_crc: int | None) -> bool:
+    """Whether ``data`` has the size and segment CRC-32s of its manifest ``entry``
+    (``whole_crc``: ``data``'s CRC-32, when the caller has it)."""
+    try:
+        if entry["size"] != len(data):
+            return False
+        for offset, length, crc in entry["segments"]:
+            if offset == 0 and length == len(data) and whole_crc is not None:
+                actual = whole_crc
+            else:
+                actual = crc32(memoryview(data)[offset:offset + length])
+            if actual != crc:
+                return False
+    except (KeyError, TypeError, ValueError):
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- reader
@@ -496,10 +550,22 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_records(self, manifest_files: Mapping[str, Any]) -> dict[str, Record] | None:
         """The records of the records file (:mod:`asyncckpt.storage.records`), when the
-        manifest lists one and it stands for this directory's ``.metadata`` (it names
-        the CRC-32 of its bytes, read here); else ``None``: read :meth:`read_metadata`.
-        Never raises for a bad or missing records file (``.metadata`` decides)."""
-        if RECORDS_NAME not in manifest_files:
+        manifest lists one and it stands for this directory's ``.metadata``; else
+        ``None``: read :meth:`read_metadata`. Never raises for a bad or missing records
+        file (``.metadata`` decides).
+
+        It stands for it when it names the CRC-32 of the ``.metadata`` bytes (read
+        here), and both files' bytes have the sizes and CRC-32s the manifest lists for
+        them, whatever the load's ``verify``: the commit wrote the three together, so a
+        records file edited or swapped on its own (its entries no longer those of
+        ``.metadata``) is never used. This costs a CRC-32 of the records file (about
+        100 bytes per entry; the ``.metadata`` bytes are checksummed anyway), some
+        microseconds per thousand entries, against the tens of milliseconds that
+        unpickling ``.metadata`` to compare would cost. A records file rewritten
+        together with the manifest's checksum of it is not detected (as a data file
+        rewritten with its manifest entry is not): the manifest is the root of the
+        checksums."""
+        if RECORDS_NAME not in manifest_files or METADATA_NAME not in manifest_files:
             return None
         root = os.fspath(self.path)
         try:
@@ -519,7 +585,14 @@ class SafeFileSystemReader(FileSystemReader):
             return None
         finally:
             os.close(dir_fd)
-        return parse_records(data[RECORDS_NAME], crc32(data[METADATA_NAME]), manifest_files)
+        metadata_crc = crc32(data[METADATA_NAME])
+        if not (_as_listed(data[RECORDS_NAME], manifest_files[RECORDS_NAME], None)
+                and _as_listed(data[METADATA_NAME], manifest_files[METADATA_NAME], metadata_crc)):
+            warnings.warn(f"{self.path}: {RECORDS_NAME} or {METADATA_NAME} does not match the manifest's "
+                          f"checksum; {RECORDS_NAME} ignored, {METADATA_NAME} read instead", UserWarning,
+                          stacklevel=2)
+            return None
+        return parse_records(data[RECORDS_NAME], metadata_crc, manifest_files)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         _validate_metadata(metadata, os.path.join(os.fspath(self.path), METADATA_NAME))
@@ -1117,7 +1190,7 @@ def direct_load(plan: DirectPlan, root: str, manifest_files: dict[str, Any] | No
             os.close(fd)
         os.close(dir_fd)
     for fqn, obj in values:
-        set_element(plan.state_dict, plan.mappings[fqn], obj)
+        set_value(plan.state_dict, plan.mappings[fqn], obj)
 
 
 def _torch_load_tensor(stream: Any, path: str, fqn: str) -> torch.Tensor:
