@@ -228,8 +228,7 @@ class PreemptionSave:
         self._disarm_alarm()
         kept = _commit_written(self.manager, WRITTEN_COMMIT_S)
         signum = self.agreed_signum or self.signum or signal.SIGTERM
-        what = (f"the final checkpoint of step {step} was aborted" if step is not None
-                else "the final checkpoint was not reached")
+        what = f"the final checkpoint of step {step} was aborted" if step is not None else "no final checkpoint"
         if kept:
             reason += f" (step(s) {', '.join(map(str, kept))}, fully written, committed after the budget)"
         _log.error("asyncckpt: %s: %s: %s; newest committed: %s", signal.Signals(signum).name, what, reason,
@@ -378,8 +377,8 @@ class PreemptionSave:
         :meth:`finish`, then the ``SystemExit(128 + signum)`` goes on."""
         try:
             if isinstance(exc, _GraceExpired) and not self._aborted:
-                self._abort(None, f"the grace budget of {self.grace_s:.0f} s ran out before finish() "
-                                  "was reached (the training thread was still waiting)")
+                self._abort(None, f"the grace budget of {self.grace_s:.0f} s ran out before finish() (the "
+                                  "training thread was still busy or waiting, e.g. in save() for a staging buffer)")
         finally:
             self.close()
 
