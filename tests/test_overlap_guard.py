@@ -23,6 +23,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import _faults
+from dist_utils import run_ranks
 from helpers import assert_same, clone_state
 
 pytestmark = pytest.mark.timeout(120)
@@ -192,3 +193,34 @@ def test_a_step_on_another_thread_waits_and_nothing_deadlocks(tmp_path: Path, sl
         got = _loaded(mgr, 1, expected)
     assert_same(expected, got)
 
+
+
+def _rank_fused_step(rank: int, world_size: int, root: str) -> bool:
+    """(each rank) A sharded state (its own keys), an overlapped save, a fused AdamW
+    step right after it (the copy held back by the failpoint), the checkpoint compared
+    with the values at save() on this rank."""
+    import os
+
+    os.environ[_faults.ENV] = "stage:sleep=1.5"  # this process only (the worker is already started)
+    model = _model(10 + rank)
+    opt = _optimizer("adamw_fused", model.parameters())
+    _backward(model)
+    opt.step()
+    _backward(model)
+    with asyncckpt.CheckpointManager(root, overlap_staging=True) as mgr:
+        state = {f"rank{rank}": _state(model, opt)}
+        expected = clone_state(state)
+        mgr.save(1, state)
+        opt.step()
+        assert mgr.maybe_finalize(blocking=True) == [1]
+        got = _loaded(mgr, 1, expected)
+    assert_same(expected, got)
+    assert not torch.equal(model[0].weight.detach(), expected[f"rank{rank}"]["model"]["0.weight"])
+    return True
+
+
+@pytest.mark.timeout(150)
+def test_two_ranks_a_fused_step_before_synchronize_staging(tmp_path: Path) -> None:
+    """Two gloo ranks, each steps AdamW(fused=True) right after an overlapped save: the
+    committed checkpoint holds every rank's values as of save()."""
+    assert run_ranks(_rank_fused_step, 2, str(tmp_path / "root"), timeout=120) == [True, True]
