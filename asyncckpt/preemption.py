@@ -7,6 +7,12 @@ With it, every rank stops at the same step, waits for the save in flight, saves 
 commits that step, and exits with ``128 + signum``, within ``grace_s``; past the
 budget, the save is aborted (nothing partial is committed) and the process exits.
 
+The budget starts at the signal, whatever the training thread is doing then (waiting
+in ``save()`` for a staging buffer, in :meth:`PreemptionSave.reached`, in
+``maybe_finalize``): at its end the main thread is interrupted (SIGALRM), saves
+already fully written get a short time to commit, the others are aborted, and the
+process exits with ``128 + signum``.
+
 The anchors: Megatron-LM's exit-signal handler (a ``DistributedSignalHandler`` whose
 flags are all_gathered each iteration; a checkpoint is saved before exiting) and
 Orbax's preemption checkpointing (``CheckpointManager.reached_preemption(step)``: the
@@ -52,10 +58,20 @@ _ACTIVE_SIGNALS: set[int] = set()
 #: interrupted by a Python signal handler.
 HARD_EXIT_SLACK_S = 5.0
 
+#: After the grace budget, saves whose data files are fully written get up to this
+#: long (seconds, within ``HARD_EXIT_SLACK_S``) to commit before the rest is aborted:
+#: a commit is a rename and a few fsyncs, and a written save is worth keeping.
+WRITTEN_COMMIT_S = 3.0
 
-class _GraceExpired(BaseException):
-    """Raised in the main thread when the grace budget is spent (an interrupt, as
-    ``KeyboardInterrupt``: the library's waits treat it as one)."""
+#: How often a wait for the agreement collective wakes up (seconds): a Python signal
+#: handler (the grace budget's alarm) runs only between waits.
+_POLL_S = 0.005
+
+
+class _GraceExpired(SystemExit):
+    """Raised in the main thread when the grace budget is spent, wherever it waits (an
+    interrupt, as ``KeyboardInterrupt``: the library's waits treat it as one). A
+    ``SystemExit(128 + signum)``: uncaught, the process exits with that code."""
 
 
 class PreemptionSave:
@@ -89,11 +105,18 @@ class PreemptionSave:
         manager: the ``CheckpointManager`` that saves the final checkpoint.
         signals: the signals that request a preemption save (default SIGTERM).
         grace_s: seconds from the signal (on ranks without the signal: from the
-            agreement) until the save must be committed; after that, the save is
-            aborted and the process exits all the same (``HARD_EXIT_SLACK_S`` later
-            it exits without cleanup, should the abort itself hang).
+            agreement) until the save must be committed, whatever the training
+            thread waits on meanwhile. At its end the main thread is interrupted
+            (SIGALRM, wherever it is: in :meth:`finish`, ``save()``, :meth:`reached`,
+            ``maybe_finalize``, or the training step), saves already fully written
+            get up to ``WRITTEN_COMMIT_S`` more to commit, the others are aborted
+            (nothing partial is committed), and ``SystemExit(128 + signum)`` is
+            raised (from :meth:`finish`, or out of the ``with`` block, which does the
+            abort); ``HARD_EXIT_SLACK_S`` after the budget the process exits without
+            cleanup (``os._exit``), should the main thread be stuck where no signal
+            handler runs.
         exit: :meth:`finish` exits the process (``SystemExit(128 + signum)``); with
-            ``False`` it returns instead.
+            ``False`` it returns instead (the budget's end interrupts all the same).
 
     Raises:
         ValueError: ``grace_s`` is not positive, or ``signals`` is empty.
@@ -119,11 +142,20 @@ class PreemptionSave:
         self.agreed_signum = 0
         self._sync = SyncGroup(getattr(manager, "process_group", None))
         self._pending: tuple[Any, list[torch.Tensor]] | None = None
+        #: the end of the grace budget (time.monotonic()), once armed
+        self.deadline: float | None = None
+        self._alarm: tuple[Any, float, tuple[float, float]] | None = None  # (SIGALRM handler, armed at, itimer)
+        self._aborted = False
+        self._closed = False
+        # The hard exit's watchdog: started here, not in the signal handler (a thread
+        # started there could wait for a lock the interrupted main thread holds).
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="asyncckpt-preemption", daemon=True)
+        self._watchdog.start()
         self._previous: dict[int, Any] = {}
         for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._handler)
         _ACTIVE_SIGNALS.update(s for s in self._signals if s != signal.SIGINT)
-        self._closed = False
 
     @staticmethod
     def worker_init_fn(worker_id: int) -> None:
@@ -148,6 +180,63 @@ class PreemptionSave:
         self.signum, self.received_at = signum, time.monotonic()
         _log.warning("asyncckpt: received %s: a final checkpoint at the next agreed step, then exit",
                      signal.Signals(signum).name)
+        self._arm(signum)  # the budget starts now, whatever the training thread waits on
+
+    # ------------------------------------------------------------------ the budget
+    def _watch(self) -> None:
+        """The watchdog thread: exits the process ``HARD_EXIT_SLACK_S`` after the budget."""
+        while not self._stop.wait(0.2):
+            deadline = self.deadline
+            if deadline is not None and time.monotonic() >= deadline + HARD_EXIT_SLACK_S:
+                self._hard_exit(self.agreed_signum or self.signum or signal.SIGTERM)
+
+    def _arm(self, signum: int) -> None:
+        """Start the grace budget (once): a SIGALRM at its end raises :class:`_GraceExpired`
+        in the main thread, and the watchdog exits the process ``HARD_EXIT_SLACK_S``
+        later. Runs in the signal handler: no lock, no thread started here."""
+        if self.deadline is not None or self._closed:
+            return
+        assert self.received_at is not None
+        self.deadline = self.received_at + self.grace_s
+        remaining = max(self.deadline - time.monotonic(), 1e-3)
+        if threading.current_thread() is threading.main_thread():
+            handler = signal.signal(signal.SIGALRM, self._expire)
+            previous_timer = signal.setitimer(signal.ITIMER_REAL, remaining)
+            self._alarm = (handler, time.monotonic(), previous_timer)
+
+    def _expire(self, signum: int, frame: FrameType | None) -> None:
+        if self._aborted or self._closed:
+            return
+        raise _GraceExpired(128 + (self.agreed_signum or self.signum or signal.SIGTERM))
+
+    def _disarm_alarm(self) -> None:
+        """Stop the budget's alarm and give SIGALRM back (its handler, and a timer that
+        was running, e.g. pytest-timeout's, with what is left of it). Main thread."""
+        alarm, self._alarm = self._alarm, None
+        if alarm is None or threading.current_thread() is not threading.main_thread():
+            return
+        handler, armed_at, (delay, interval) = alarm
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, handler if handler is not None else signal.SIG_DFL)
+        if delay > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - armed_at), 1e-3), interval)
+
+    def _abort(self, step: int | None, reason: str) -> None:
+        """Past the budget (or after a failure): let fully written saves commit (for up to
+        ``WRITTEN_COMMIT_S``), abort the rest, log what is committed."""
+        self._aborted = True
+        self._disarm_alarm()
+        kept = _commit_written(self.manager, WRITTEN_COMMIT_S)
+        signum = self.agreed_signum or self.signum or signal.SIGTERM
+        what = f"the final checkpoint of step {step} was aborted" if step is not None else "no final checkpoint"
+        if kept:
+            reason += f" (step(s) {', '.join(map(str, kept))}, fully written, committed after the budget)"
+        _log.error("asyncckpt: %s: %s: %s; newest committed: %s", signal.Signals(signum).name, what, reason,
+                   _newest(self.manager))
+        try:
+            self.manager.close(abort=True)
+        except Exception as exc:  # noqa: BLE001 - exiting anyway; only for the log
+            _log.error("asyncckpt: the abort failed: %s", exc)
 
     def _restore_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -176,6 +265,8 @@ class PreemptionSave:
             agreed = 0
             if self._pending is not None:
                 work, out = self._pending
+                while not work.is_completed():  # a short sleep: the budget's alarm can end it
+                    time.sleep(_POLL_S)
                 self._pending = None
                 work.wait()
                 agreed = max(int(t.item()) for t in out)
@@ -187,6 +278,7 @@ class PreemptionSave:
             self.agreed_signum = agreed
             if self.received_at is None:
                 self.received_at = time.monotonic()
+            self._arm(agreed)
             _log.info("asyncckpt: %s: the ranks stop at step %d", signal.Signals(agreed).name, step)
         return bool(agreed)
 
@@ -214,15 +306,15 @@ class PreemptionSave:
         if not self.agreed_signum:
             raise RuntimeError("finish() is for after reached() returned True")
         signum = self.agreed_signum
-        assert self.received_at is not None
-        deadline = self.received_at + self.grace_s
+        self._arm(signum)
+        assert self.deadline is not None
+        deadline = self.deadline
         t0 = time.monotonic()
         committed: int | None = None
-        hard_exit = threading.Timer(max(deadline - t0, 0.0) + HARD_EXIT_SLACK_S, self._hard_exit, (signum,))
-        hard_exit.daemon = True
-        hard_exit.start()
         try:
-            with _alarm_at(deadline):
+            try:
+                if time.monotonic() >= deadline:
+                    raise _GraceExpired(128 + signum)
                 try:
                     self.manager.maybe_finalize(blocking=True)  # the save in flight
                 except AsyncckptError as exc:
@@ -230,21 +322,21 @@ class PreemptionSave:
                 if step not in self.manager.steps():
                     self.manager.save(step, state_dict() if callable(state_dict) else state_dict, async_op=False)
                 self.manager.close()
-            committed = step
-            _log.warning("asyncckpt: %s: step %d committed in %.2f s (%.1f s of the %.0f s grace left)",
-                         signal.Signals(signum).name, step, time.monotonic() - t0, deadline - time.monotonic(),
-                         self.grace_s)
-        except (_GraceExpired, AsyncckptError) as exc:
-            reason = (f"the grace budget of {self.grace_s:.0f} s ran out" if isinstance(exc, _GraceExpired)
-                      else str(exc))
-            if "DataLoader worker" in reason:
-                reason += ("\n(DataLoader workers died of the signal: pass "
-                           "worker_init_fn=asyncckpt.PreemptionSave.worker_init_fn to the DataLoader)")
-            _log.error("asyncckpt: %s: the final checkpoint of step %d was aborted: %s; newest committed: %s",
-                       signal.Signals(signum).name, step, reason, _newest(self.manager))
-            self.manager.close(abort=True)
+                committed = step
+                self._disarm_alarm()
+            except (_GraceExpired, AsyncckptError) as exc:
+                if committed is None:
+                    reason = (f"the grace budget of {self.grace_s:.0f} s ran out" if isinstance(exc, _GraceExpired)
+                              else str(exc))
+                    if "DataLoader worker" in reason:
+                        reason += ("\n(DataLoader workers died of the signal: pass "
+                                   "worker_init_fn=asyncckpt.PreemptionSave.worker_init_fn to the DataLoader)")
+                    self._abort(step, reason)
+            if committed is not None:
+                _log.warning("asyncckpt: %s: step %d committed in %.2f s (%.1f s of the %.0f s grace left)",
+                             signal.Signals(signum).name, step, time.monotonic() - t0, deadline - time.monotonic(),
+                             self.grace_s)
         finally:
-            hard_exit.cancel()
             self.close()
         if self.exit:
             raise SystemExit(128 + signum)
@@ -265,20 +357,30 @@ class PreemptionSave:
         if self._closed:
             return
         self._closed = True
+        self._disarm_alarm()
         pending, self._pending = self._pending, None
-        if pending is not None:
+        if pending is not None and not self._aborted:  # aborted: a peer may never join it
             try:
                 pending[0].wait()
             except Exception:  # noqa: BLE001 - the group may be gone at shutdown
                 pass
+        self._stop.set()  # the watchdog exits (it watched the wait above)
         self._restore_handlers()
         _ACTIVE_SIGNALS.difference_update(self._signals)
 
     def __enter__(self) -> "PreemptionSave":
         return self
 
-    def __exit__(self, *_: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        """Past the budget (:class:`_GraceExpired` out of the block: the training thread was
+        still waiting, e.g. in ``save()`` for a staging buffer): the abort of
+        :meth:`finish`, then the ``SystemExit(128 + signum)`` goes on."""
+        try:
+            if isinstance(exc, _GraceExpired) and not self._aborted:
+                self._abort(None, f"the grace budget of {self.grace_s:.0f} s ran out before finish() (the "
+                                  "training thread was still busy or waiting, e.g. in save() for a staging buffer)")
+        finally:
+            self.close()
 
 
 def _newest(manager: Any) -> Any:
@@ -288,25 +390,32 @@ def _newest(manager: Any) -> Any:
         return "unknown"
 
 
-class _alarm_at:
-    """Raise :class:`_GraceExpired` in the main thread at ``deadline`` (time.monotonic()),
-    with SIGALRM (a real signal: it also ends a blocking wait)."""
+def _commit_written(manager: Any, timeout: float) -> list[int]:
+    """Wait up to ``timeout`` s for ``manager``'s pending saves whose data files are fully
+    written (on this rank) to settle; the steps of those that committed."""
+    saver = getattr(manager, "_saver", None)
+    queue = getattr(manager, "queue", None)
+    if saver is None or queue is None or queue.closed or not queue.background_finalize:
+        return []
+    deadline = time.monotonic() + timeout
+    kept = []
+    for record in saver.pending_records():
+        idx = record.handle.call_idx
+        if idx is None or not _fully_written(queue, idx):
+            continue  # still staging or writing: aborted
+        if record.handle._wait_settled(max(0.0, deadline - time.monotonic())) and record.handle.exception() is None:
+            kept.append(record.step)
+    return kept
 
-    def __init__(self, deadline: float) -> None:
-        self.deadline = deadline
-        self.previous: Any = None
 
-    def __enter__(self) -> None:
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            raise _GraceExpired
-        self.previous = signal.signal(signal.SIGALRM, self._expire)
-        signal.setitimer(signal.ITIMER_REAL, remaining)
-
-    @staticmethod
-    def _expire(signum: int, frame: FrameType | None) -> None:
-        raise _GraceExpired
-
-    def __exit__(self, *_: Any) -> None:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, self.previous if self.previous is not None else signal.SIG_DFL)
+def _fully_written(queue: Any, call_idx: int) -> bool:
+    """Whether this rank's data files of ``call_idx`` are written and fsynced: its write
+    returned (its outcome is waiting for the finalizer, or the commit runs now)."""
+    outcome = queue.caller.outcome(call_idx)
+    if outcome is not None:
+        return bool(outcome.ok)
+    try:
+        queue.get_result(call_idx)  # being committed now
+    except KeyError:
+        return False
+    return True

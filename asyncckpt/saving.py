@@ -54,6 +54,7 @@ from .options import SaveOptions
 from .planning import PlanCache, SavePlanResult, plan_save
 from .request import AsyncRequest
 from .root import CheckpointRoot
+from . import staging as _staging
 from .staging import StagingBuffer, StagingCopier, StagingPool
 from .storage import commit as _commit
 from .storage import records as _records
@@ -427,22 +428,52 @@ class _Overlapped:
     (``Tensor._version``, shared with the views and detached copies the plan holds; for
     a DTensor, its local tensor's): one modified in place before the copy was
     synchronized fails the save, naming its keys, instead of committing torn data.
+
+    And every optimizer waits for the copy before its step changes a parameter (a
+    global step pre-hook, :func:`asyncckpt.staging.watch_copy`): fused kernels and
+    updates through ``.data`` bump no version counter. The versions are compared once,
+    when the copy is over (:meth:`wait_copied`); later changes cannot tear it.
     """
 
-    def __init__(self, save: SaveInFlight, run: Any) -> None:
+    def __init__(self, save: SaveInFlight, run: Any, event: Any = None) -> None:
         self.save = save
         data = save.planned.data
         self.watched = [(item, data[item], data[item]._version) for item, _ in save.buffer.views
                         if not _small(data[item])] if save.buffer is not None else []
         self.error: BaseException | None = None
+        self._event = event  # the D2H copies' CUDA event, or None
+        self._lock = threading.Lock()
+        self._copied = False
         self.thread = threading.Thread(target=self._run, args=(run,), name="asyncckpt-staging", daemon=True)
         self.thread.start()
+        _staging.watch_copy(self)  # after start(): the hook joins the thread
 
     def _run(self, run: Any) -> None:
         try:
             run()
         except BaseException as exc:  # noqa: BLE001 - re-raised by the request's preload_fn
             self.error = exc
+
+    def wait_copied(self) -> None:
+        """Wait until the copy is over (the thread's CPU copies and the D2H copies), then
+        compare the versions once and stop watching (any thread; idempotent).
+
+        A change seen then is kept in :attr:`error` (raised by the save's preload)."""
+        if threading.current_thread() is self.thread:
+            return
+        self.thread.join()
+        if self._event is not None:
+            self._event.synchronize()
+        with self._lock:
+            if self._copied:
+                return
+            try:
+                self.check_unmodified()
+            except CheckpointError as exc:
+                self.error = self.error or exc
+            self.watched = []
+            self._copied = True
+        _staging.unwatch_copy(self)
 
     def check_unmodified(self) -> None:
         """Raise if a watched tensor was modified in place during its copy.
@@ -580,7 +611,7 @@ class Saver:
             stage(record, buffer, self.copier, cuda=False, synchronize=False, select=_small, blobs=False)
             self._overlapped = _Overlapped(
                 record, lambda: stage(record, buffer, self.copier, cuda=False, synchronize=False,
-                                      select=lambda t: not _small(t)))
+                                      select=lambda t: not _small(t)), self.copier.event)
             handle._set_staging(True)
             handle._add_stall(time.monotonic() - started)
             return handle
@@ -677,12 +708,11 @@ class Saver:
             record = pending.save
 
             def preload() -> WriteTask:  # joins the copy; runs inside schedule_async_request
-                pending.thread.join()
-                self.copier.synchronize()
                 try:
+                    pending.wait_copied()  # compares the versions
+                    self.copier.synchronize()
                     if pending.error is not None:
                         raise pending.error
-                    pending.check_unmodified()
                 finally:
                     record.planned.data.clear()
                     pending.watched = []
@@ -844,7 +874,7 @@ class Saver:
         to that write's process)."""
         pending, self._overlapped = self._overlapped, None
         if pending is not None:
-            pending.thread.join()
+            pending.wait_copied()  # optimizers stop waiting for it
         self.copier.close()
         queue = self._queue_ref()
         self.pool.release_all(queue.caller.is_running if queue is not None else None)

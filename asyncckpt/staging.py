@@ -25,6 +25,7 @@ import errno
 import functools
 import mmap
 import os
+import threading
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,8 @@ import torch
 from .storage import writer as _writer
 from .storage.writer import SlabRef
 
-__all__ = ["StagingBuffer", "StagingPool", "StagingCopier", "HostSlab", "Stager"]
+__all__ = ["StagingBuffer", "StagingPool", "StagingCopier", "HostSlab", "Stager", "watch_copy", "unwatch_copy",
+           "wait_pending_copies"]
 
 _PAGE = mmap.PAGESIZE
 
@@ -417,6 +419,12 @@ class StagingCopier:
             if cpu_s and cpu:
                 self._copy_cpu(cpu_d, cpu_s, populate)
 
+    @property
+    def event(self) -> Any:
+        """The CUDA event that marks the end of the device-to-host copies started last
+        (``None``: none pending). Any thread may wait for it."""
+        return self._event
+
     def synchronize(self) -> None:
         """Wait for the device-to-host copies started by :meth:`copy` (no-op for CPU)."""
         if self._event is not None:
@@ -549,3 +557,62 @@ def _split(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], n: int,
         groups[g][1].append(s)
         acc += nbytes
     return groups
+
+
+# ====================================================================== the optimizer guard
+# An overlapped staging copies the state while training goes on. Fused optimizer kernels
+# (``AdamW(fused=True)``), updates through ``.data`` and parameters that are ``.data``
+# views of one flat buffer change tensors without bumping their version counters, so
+# the saver's version check cannot see them: a global optimizer step pre-hook waits for
+# every pending copy before any optimizer changes a parameter. The hook is registered
+# once per process, at the first overlapped save, and stays (with nothing pending it
+# costs one truthiness test per step): removing it while another thread's
+# ``optimizer.step()`` iterates torch's hook dict would break that step.
+
+#: The overlapped copies in flight (objects with ``wait_copied()``), this process.
+_pending_copies: set[Any] = set()
+_pending_lock = threading.Lock()
+_hook_handle: Any = None
+
+
+def _optimizer_step_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """``torch.optim`` global step pre-hook: wait until every pending overlapped copy is
+    done, so no optimizer changes a tensor a copy still reads. Any thread; takes no lock
+    while it waits (a thread that holds a saver's lock never waits for an optimizer)."""
+    if _pending_copies:
+        wait_pending_copies()
+    return None
+
+
+def wait_pending_copies() -> None:
+    """Wait for every overlapped staging copy in flight in this process (any thread)."""
+    with _pending_lock:
+        pending = list(_pending_copies)
+    for copy in pending:
+        copy.wait_copied()
+
+
+def watch_copy(copy: Any) -> None:
+    """Register an overlapped copy in flight (an object with ``wait_copied()``, which
+    must call :func:`unwatch_copy`); installs the optimizer step pre-hook once."""
+    global _hook_handle
+    with _pending_lock:
+        _pending_copies.add(copy)
+        if _hook_handle is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+            _hook_handle = register_optimizer_step_pre_hook(_optimizer_step_pre_hook)
+
+
+def unwatch_copy(copy: Any) -> None:
+    """The copy is done (or dropped): optimizers no longer wait for it."""
+    with _pending_lock:
+        _pending_copies.discard(copy)
+
+
+def _forget_pending_copies() -> None:  # a forked child has none of its parent's copy threads
+    global _pending_lock
+    _pending_lock = threading.Lock()  # another thread of the parent may have held it
+    _pending_copies.clear()
+
+
+os.register_at_fork(after_in_child=_forget_pending_copies)
