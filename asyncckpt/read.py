@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from ._check import check_path
 from .errors import CheckpointNotFoundError, CheckpointPathError, CorruptCheckpointError
 from .loading import from_dcp_exception
+from .root import is_in_root
 from .storage import commit as _commit
 from .storage.reader import SafeFileSystemReader, SafeLoadPlanner
 
@@ -127,7 +128,8 @@ def read_state_dict(checkpoint_dir: str | os.PathLike, *, verify: bool = True,
 
     Args:
         checkpoint_dir: a checkpoint directory: committed by asyncckpt (it has a
-            ``.manifest.json``), or a stock DCP directory (no manifest).
+            ``.manifest.json``), or a stock DCP directory (no manifest; a step of an
+            asyncckpt root without one is corrupt, see :func:`asyncckpt.root.is_in_root`).
         verify: check the sizes and CRC-32 checksums of every file against the
             manifest before reading. A stock DCP directory has no manifest: it is read
             without that check and a ``UserWarning`` says so (not with
@@ -164,6 +166,8 @@ def read_state_dict(checkpoint_dir: str | os.PathLike, *, verify: bool = True,
         manifest = (_commit.verify_checkpoint(path) if verify  # also refuses names outside the directory
                     else _commit.read_manifest(path))
         reader.check_manifest(manifest["files"])  # reads and checks .metadata
+    elif is_in_root(path):  # a step of an asyncckpt root that lost its manifest: ours, damaged
+        _commit.read_manifest(path)  # raises CorruptCheckpointError (missing)
     elif verify:
         warnings.warn(f"{path} has no {_commit.MANIFEST_NAME} (a stock torch.distributed.checkpoint "
                       "directory?): its checksums were not verified", UserWarning, stacklevel=2)

@@ -314,6 +314,10 @@ def test_a_stock_dcp_checkpoint_loads_with_one_warning_and_is_not_verifiable(tmp
         assert len(ours) == 1 and ".manifest.json" in str(ours[0].message), [str(w.message) for w in caught]
         assert ours[0].filename == __file__  # points at the caller
         assert_same(state(), target)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_same(state(), read_state_dict(stock))
+    assert any("checksums were not verified" in str(w.message) for w in caught)
     with pytest.raises(UnverifiableCheckpointError, match="no manifest: not verifiable") as info:
         asyncckpt.verify(stock)
     assert not isinstance(info.value, CorruptCheckpointError)
@@ -336,6 +340,8 @@ def test_a_checkpoint_of_a_root_that_lost_its_manifest_is_still_corrupt(tmp_path
             asyncckpt.load(zeros_like_state(), tmp_path / "step_00000001", verify=verify)
     with pytest.raises(CorruptCheckpointError):
         asyncckpt.verify(tmp_path / "step_00000001")
+    with pytest.raises(CorruptCheckpointError, match=".manifest.json is missing"):
+        read_state_dict(tmp_path / "step_00000001", verify=False)
     proc = cli("verify", tmp_path / "step_00000001")
     assert proc.returncode == 1 and "FAILED" in proc.stdout, (proc.stdout, proc.stderr)
     # a stock directory beside a corrupt one: the corruption decides the exit status
@@ -366,6 +372,19 @@ def test_a_failed_save_is_named_by_its_step_and_path(tmp_path: Path, monkeypatch
         if not async_op:  # written in this process: no "remote" traceback
             assert "Remote traceback" not in text
         assert manager.steps() == list(range(1, 10))
+
+
+def test_the_new_errors_are_exported_and_pickle() -> None:
+    import pickle
+
+    for name in ("CheckpointPathError", "InvalidArgumentError", "RootInUseError", "UnverifiableCheckpointError"):
+        assert issubclass(getattr(asyncckpt, name), AsyncckptError) and name in asyncckpt.__all__
+    perm = CheckpointPathError.of(errno.EACCES, "cannot create the checkpoint root", "/r")
+    for exc in (perm, RootInUseError("in use", "/r", 12, "h"), CheckpointException(3, {0: "x"}, 10, "/r/s"),
+                UnverifiableCheckpointError("no manifest", "/c")):
+        copy = pickle.loads(pickle.dumps(exc))
+        assert type(copy) is type(exc) and str(copy) == str(exc)
+    assert isinstance(pickle.loads(pickle.dumps(perm)), PermissionError)
 
 
 def test_the_framework_api_still_names_its_calls(tmp_path: Path) -> None:
