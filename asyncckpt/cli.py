@@ -2,7 +2,8 @@
 
 Usage (``asyncckpt SUBCOMMAND --help`` for each)::
 
-    asyncckpt ls ROOT                  checkpoints of a CheckpointManager root, ``latest``, leftovers
+    asyncckpt ls ROOT                  checkpoints of a CheckpointManager root (or a Lightning
+                                       dirpath), ``latest``, leftovers
     asyncckpt inspect CKPT             every entry: kind, dtype, shape, bytes, data file(s)
     asyncckpt verify CKPT [CKPT ...]   sizes and CRC-32s against the manifest
     asyncckpt convert CKPT OUT.pt      one ``torch.save`` file, loaded safely
@@ -10,8 +11,10 @@ Usage (``asyncckpt SUBCOMMAND --help`` for each)::
 
 Every subcommand takes ``--json`` (one JSON document on stdout, also on error:
 ``{"error": ...}``). Exit status: 0 success, 1 a problem was found (a checkpoint failed
-verification, a path is missing, a checkpoint is corrupt), 2 usage error. Errors are
-printed to stderr as ``asyncckpt: error: ...``.
+verification, a path is missing, a checkpoint is corrupt), 2 usage error, 3 (``verify``)
+nothing failed but some checkpoint has no manifest and could not be verified (a stock
+``torch.distributed.checkpoint`` directory). Errors are printed to stderr as
+``asyncckpt: error: ...``.
 
 The tool is a user of the public API and the storage modules (DESIGN.md, "Layers"):
 ``ls``, ``verify`` and ``clean`` do not import torch; ``inspect`` reads ``.metadata``
@@ -36,7 +39,7 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from . import __version__
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import AsyncckptError, CheckpointError, CorruptCheckpointError
 from . import root as _root
 from .storage import commit as _commit
 
@@ -56,6 +59,9 @@ __all__ = [
 ]
 
 PROG = "asyncckpt"
+
+#: Exit status of ``verify`` when nothing failed but some checkpoint had no manifest.
+EXIT_UNVERIFIABLE = 3
 
 #: ``verify`` shows a progress bar by default for checkpoints larger than this
 #: (bytes), when stderr is a terminal.
@@ -229,7 +235,10 @@ def scan_root(root: str | os.PathLike) -> RootScan:
     """List the checkpoints and leftovers of a ``CheckpointManager`` root.
 
     Committed checkpoints are ``step_N`` directories with a manifest and ``.metadata``
-    (:func:`asyncckpt.storage.commit.is_committed`). Leftovers are ``.step_N.tmp-*``
+    (:func:`asyncckpt.storage.commit.is_committed`), and other committed directories
+    not hidden (a Lightning ``dirpath``'s ``epoch=0-step=16.ckpt`` directories written by
+    ``asyncckpt.lightning``; their step is the one recorded in the manifest, Lightning's
+    ``global_step``). Leftovers are ``.step_N.tmp-*``
     and ``.step_N.deleting-*`` directories and ``step_N`` directories that are not
     committed. Symlinks are never followed. If ``root`` is itself a checkpoint
     directory (it holds ``.manifest.json`` or ``.metadata``), it is the only entry.
@@ -273,6 +282,11 @@ def scan_root(root: str | os.PathLike) -> RootScan:
         if m:
             kind = "temporary" if ".tmp-" in entry.name else "deleting"
             scan.partial.append(PartialDir(entry.name, str(sub), kind, int(m.group(1)), _tree_bytes(sub)))
+        elif not entry.name.startswith(".") and _commit.is_committed(sub):
+            # e.g. Lightning's epoch=0-step=16.ckpt (asyncckpt.lightning): the step from the manifest
+            ckpt = _checkpoint_entry(sub, None)
+            ckpt.latest = entry.name == scan.latest
+            scan.checkpoints.append(ckpt)
     scan.checkpoints.sort(key=lambda c: (c.step if c.step is not None else -1, c.name))
     return scan
 
@@ -409,7 +423,11 @@ def _verify_targets(arg: str) -> list[Path]:
 
 def _verify_one(path: Path, progress: bool | None) -> dict[str, Any]:
     result: dict[str, Any] = {"path": str(path), "ok": False, "files": None, "bytes": None,
-                              "error": None, "file": None}
+                              "error": None, "file": None, "verifiable": True}
+    if _root.is_stock_dcp(path):  # not ours, nothing wrong with it known: its own exit status
+        result.update(verifiable=False, error="no manifest: not verifiable (a stock "
+                                              "torch.distributed.checkpoint directory has no checksums)")
+        return result
     try:
         manifest = _commit.read_manifest(path)
         total = sum(e["size"] for e in manifest["files"].values())
@@ -642,7 +660,7 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
             path = str(Path(arg).absolute())
             message = str(exc)[len(path) + 2:] if str(exc).startswith(path + ": ") else str(exc)
             results.append({"path": path, "ok": False, "files": None, "bytes": None, "error": message,
-                            "file": None})
+                            "file": None, "verifiable": True})
             if not args.json:
                 print(f"FAILED  {path}: {message}", file=out)
             continue
@@ -652,15 +670,23 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
             if not args.json:
                 if result["ok"]:
                     print(f"OK      {path}  ({result['files']} files, {human_bytes(result['bytes'])})", file=out)
+                elif not result["verifiable"]:
+                    print(f"UNVERIFIABLE  {path}: {result['error']}", file=out)
                 else:
                     print(f"FAILED  {path}: {result['error']}", file=out)
             out.flush()
-    failed = [r for r in results if not r["ok"]]
+    failed = [r for r in results if not r["ok"] and r["verifiable"]]
+    unverifiable = [r for r in results if not r["verifiable"]]
     if args.json:
-        _emit_json({"ok": not failed, "checked": len(results), "failed": len(failed), "results": results}, out)
+        _emit_json({"ok": not failed and not unverifiable, "checked": len(results), "failed": len(failed),
+                    "unverifiable": len(unverifiable), "results": results}, out)
     if failed:
         print(f"{PROG}: error: {len(failed)} of {len(results)} checkpoint(s) failed verification", file=sys.stderr)
         return 1
+    if unverifiable:
+        print(f"{PROG}: warning: {len(unverifiable)} of {len(results)} checkpoint(s) have no manifest and "
+              f"could not be verified (exit status {EXIT_UNVERIFIABLE})", file=sys.stderr)
+        return EXIT_UNVERIFIABLE
     return 0
 
 
@@ -719,7 +745,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Inspect, verify, convert and clean asyncckpt / torch.distributed.checkpoint checkpoints.",
-        epilog="Exit status: 0 success, 1 a problem was found, 2 usage error. "
+        epilog="Exit status: 0 success, 1 a problem was found (corrupt or missing checkpoint, failed "
+               f"verification), 2 usage error, {EXIT_UNVERIFIABLE} (verify) nothing failed but some checkpoint "
+               "has no manifest and could not be verified (a stock torch.distributed.checkpoint directory). "
                f"`{PROG} SUBCOMMAND --help` describes each subcommand.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
@@ -728,7 +756,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List the committed checkpoints of a CheckpointManager root (step, "
                                    "size, commit time, which one `latest` names, the newest committed "
                                    "step) and leftovers of saves that never committed. ROOT may also be "
-                                   "a single checkpoint directory.")
+                                   "a single checkpoint directory, or a Lightning dirpath holding "
+                                   "checkpoints of asyncckpt.lightning (epoch=0-step=16.ckpt; the step "
+                                   "is Lightning's global_step).")
     p.add_argument("root", metavar="ROOT", help="a CheckpointManager root (or one checkpoint directory)")
     p.set_defaults(func=_cmd_ls)
 
@@ -741,8 +771,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", parents=[common], help="check sizes and CRC-32s against the manifest",
                        description="Check every file's size and CRC-32s against the checkpoint's manifest. "
-                                   "Prints OK or FAILED per checkpoint; exit status 1 if any failed. A "
-                                   "CheckpointManager root stands for all its committed checkpoints.")
+                                   "Prints OK, FAILED or UNVERIFIABLE per checkpoint. A CheckpointManager "
+                                   "root stands for all its committed checkpoints.",
+                       epilog=f"Exit status: 0 all verified; 1 some checkpoint failed (corrupt, missing "
+                              f"files, or a checkpoint of an asyncckpt root that lost its manifest); 2 usage "
+                              f"error; {EXIT_UNVERIFIABLE} none failed, but some had no manifest and could not "
+                              "be verified (a stock torch.distributed.checkpoint directory: UNVERIFIABLE, "
+                              "'no manifest: not verifiable').")
     p.add_argument("checkpoints", metavar="CKPT", nargs="+", help="checkpoint directories")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--progress", dest="progress", action="store_const", const=True, default=None,
@@ -803,7 +838,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
-    except (CliError, CheckpointError, OSError) as exc:
+    except (CliError, AsyncckptError, OSError) as exc:
         message = str(exc)
         if args.json:
             try:

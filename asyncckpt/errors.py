@@ -10,7 +10,12 @@ Every error the library raises on purpose derives from :class:`AsyncckptError` (
 - :class:`CheckpointError` (also a ``RuntimeError``): a checkpoint cannot be saved or
   loaded as asked; input errors found before the write are gathered from every rank
   and raised, the same on every rank, with ``failures`` keyed by rank.
-- :class:`CorruptCheckpointError`, :class:`CallbackError`: subclasses of it.
+- :class:`CorruptCheckpointError`, :class:`CallbackError`,
+  :class:`UnverifiableCheckpointError`: subclasses of it.
+- Errors that replace a builtin keep its type: :class:`CheckpointNotFoundError` (a
+  ``FileNotFoundError``), :class:`CheckpointPathError` (the ``OSError`` subclass of the
+  cause: ``PermissionError``, ``NotADirectoryError``, ...), :class:`InvalidArgumentError`
+  (a ``ValueError`` and a ``TypeError``), :class:`RootInUseError` (a ``RuntimeError``).
 
 A rank's cause is a :class:`RankFailure`: the text (it *is* a ``str``, so existing
 code that searches it keeps working) plus the exception's type name, its ``errno``
@@ -35,6 +40,10 @@ __all__ = [
     "CorruptCheckpointError",
     "CallbackError",
     "CheckpointNotFoundError",
+    "CheckpointPathError",
+    "InvalidArgumentError",
+    "RootInUseError",
+    "UnverifiableCheckpointError",
 ]
 
 
@@ -90,7 +99,7 @@ class RankFailure(str):
         except Exception:  # noqa: BLE001 - an exception that does not pickle keeps its text only
             kept = None
         code = getattr(exc, "errno", None)
-        return cls(f"{context}{type(exc).__name__}: {exc}\nRemote traceback (pid {os.getpid()}):\n{text}", name,
+        return cls(f"{context}{type(exc).__name__}: {exc}\nTraceback (pid {os.getpid()}):\n{text}", name,
                    code if isinstance(code, int) else None, kept)
 
     def __reduce__(self) -> tuple:
@@ -110,29 +119,56 @@ def _format_failures(head: str, failures: Mapping[int, RankFailure]) -> str:
 
 
 class CheckpointException(AsyncckptError):
-    """An asynchronous call failed on at least one rank.
+    """An asynchronous call (a save) failed on at least one rank.
 
     Raised on every rank of the process group with the same content, so that
-    collective code never diverges.
+    collective code never diverges. For a checkpoint save the message names the step
+    and the checkpoint directory (``saving step 10 to /ckpt/step_00000010 failed on
+    rank(s) 1: ...``); a call of the framework API (``AsyncCallsQueue``, Megatron's
+    ``async_utils`` shape) that is not a save is named by its ``call_idx``.
 
     Args:
         call_idx: the ``call_idx`` of the failed call (see ``AsyncRequest``; ``-1``
             for a synchronous save).
         failures: each failing rank's cause (a :class:`RankFailure`, or text).
+        step: the step of the save (``CheckpointManager`` saves), else ``None``.
+        checkpoint_dir: the checkpoint directory of the save, else ``None`` (a call
+            that is not a save).
 
     Attributes:
-        call_idx: as above.
+        call_idx, step, checkpoint_dir: as above.
         failures: ``rank -> RankFailure``, ascending ranks.
     """
 
-    def __init__(self, call_idx: int, failures: Mapping[int, Any]) -> None:
+    def __init__(self, call_idx: int, failures: Mapping[int, Any], step: int | None = None,
+                 checkpoint_dir: str | os.PathLike | None = None) -> None:
         self.call_idx = int(call_idx)
         self.failures = _as_failures(failures)
+        self.step = step
+        self.checkpoint_dir = None if checkpoint_dir is None else str(checkpoint_dir)
         ranks = ", ".join(str(r) for r in self.failures)
-        super().__init__(_format_failures(f"async call {self.call_idx} failed on rank(s) {ranks}:", self.failures))
+        if self.checkpoint_dir is None:
+            head = f"async call {self.call_idx} failed on rank(s) {ranks}:"
+        elif step is None:
+            head = f"saving {self.checkpoint_dir} failed on rank(s) {ranks}:"
+        else:
+            head = f"saving step {step} to {self.checkpoint_dir} failed on rank(s) {ranks}:"
+        super().__init__(_format_failures(head, self.failures))
+
+    def for_save(self, step: int | None, checkpoint_dir: str | os.PathLike) -> "CheckpointException":
+        """This failure, described as the save of ``step`` to ``checkpoint_dir`` (itself
+        when it already names a checkpoint directory)."""
+        if self.checkpoint_dir is not None:
+            return self
+        exc = type(self)(self.call_idx, self.failures, step, checkpoint_dir)
+        exc.__cause__, exc.__context__ = self.__cause__, self.__context__
+        exc.__suppress_context__ = self.__suppress_context__
+        for note in getattr(self, "__notes__", ()):
+            exc.add_note(note)
+        return exc
 
     def __reduce__(self) -> tuple:  # keep pickling (e.g. across processes) lossless
-        return (type(self), (self.call_idx, self.failures))
+        return (type(self), (self.call_idx, self.failures, self.step, self.checkpoint_dir))
 
 
 class CheckpointError(AsyncckptError, RuntimeError):
@@ -208,3 +244,84 @@ class CallbackError(CheckpointError):
 
     def __reduce__(self) -> tuple:
         return (type(self), (str(self), self.errors))
+
+
+class UnverifiableCheckpointError(CheckpointError):
+    """A checkpoint has no manifest, so its sizes and checksums cannot be verified: a
+    stock ``torch.distributed.checkpoint`` directory (``dcp.save``). Not a
+    :class:`CorruptCheckpointError`: nothing is known to be wrong with it
+    (``asyncckpt.load`` and ``read_state_dict`` read it, with a warning).
+
+    Attributes:
+        path: the checkpoint directory.
+    """
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.path))
+
+
+class InvalidArgumentError(AsyncckptError, ValueError, TypeError):
+    """An argument of a public call has the wrong type or value (e.g. a negative or
+    non-integer step, arguments given in the wrong order). Both a ``ValueError`` and a
+    ``TypeError`` (like numpy's ``AxisError``), so that either builtin catches it.
+    Raised before anything is staged or written."""
+
+
+class RootInUseError(AsyncckptError, RuntimeError):
+    """Another ``CheckpointManager`` (of this or another process, perhaps on another
+    host) holds the lock of this checkpoint root.
+
+    Attributes:
+        path: the root directory.
+        pid: the process id of the holder, if known.
+        host: the host name of the holder, if known.
+    """
+
+    def __init__(self, message: str, path: str | None = None, pid: int | None = None,
+                 host: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.pid = pid
+        self.host = host
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.path, self.pid, self.host))
+
+
+_PATH_ERROR_CLASSES: dict[type, type] = {}
+
+
+class CheckpointPathError(AsyncckptError, OSError):
+    """A path given to asyncckpt cannot be used (no permission, read-only, not a
+    directory, ...). :meth:`of` makes one that is also an instance of the builtin
+    ``OSError`` subclass of the cause (``PermissionError``, ``NotADirectoryError``,
+    ``FileExistsError``, ...), so ``except PermissionError`` keeps working.
+
+    Attributes:
+        errno, strerror, filename: as ``OSError``'s.
+    """
+
+    def __str__(self) -> str:
+        return self.strerror if self.filename is None else f"{self.strerror}: {self.filename}"
+
+    @staticmethod
+    def of(code: int | None, message: str, path: str | os.PathLike | None = None) -> "CheckpointPathError":
+        """A ``CheckpointPathError`` that is also the builtin ``OSError`` subclass that
+        ``code`` (an ``errno``) maps to."""
+        builtin = type(OSError(code, "")) if code is not None else OSError
+        cls = _PATH_ERROR_CLASSES.get(builtin)
+        if cls is None:
+            if builtin is OSError:
+                cls = CheckpointPathError
+            else:
+                cls = type(f"CheckpointPathError[{builtin.__name__}]", (CheckpointPathError, builtin),
+                           {"__module__": __name__, "__doc__": CheckpointPathError.__doc__})
+            _PATH_ERROR_CLASSES[builtin] = cls
+        return cls(code, message, None if path is None else str(path))
+
+    def __reduce__(self) -> tuple:
+        return (CheckpointPathError.of, (self.errno, self.strerror, self.filename))

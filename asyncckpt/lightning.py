@@ -518,8 +518,10 @@ class AsyncckptCheckpointIO(CheckpointIO):
             target = final.parent / f".{final.name}.asyncckpt-new-{secrets.token_hex(6)}"
             callback = functools.partial(self._swap_in, target, final)
         queue = self._ensure_queue()
+        step = checkpoint.get("global_step")  # recorded in the manifest: `asyncckpt ls` shows it
         handle = save(tree, target, async_op=True, calls_queue=queue, process_group=self._queue_group,
-                      callback=callback)
+                      callback=callback,
+                      step=step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None)
         self._pending.append((key, handle))
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,

@@ -16,8 +16,11 @@ from typing import Any, Literal
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpointException
 
+from ._check import check_path, check_state_dict
 from .dist import SyncGroup
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailure
+from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailure,
+                     UnverifiableCheckpointError)
+from .root import is_stock_dcp
 from .storage import commit as _commit
 from .storage.reader import SafeFileSystemReader, SafeLoadPlanner, gc_paused, direct_load, plan_direct_load
 from .storage.records import RECORDS_NAME
@@ -32,8 +35,23 @@ def verify(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         The manifest (``files``, ``total_bytes``, ``world_size``, ``step``, ...).
 
     Raises:
-        CorruptCheckpointError: naming the first missing or mismatching file.
+        CorruptCheckpointError: naming the first missing or mismatching file (also a
+            checkpoint of an asyncckpt root that lost its manifest).
+        UnverifiableCheckpointError: a stock ``torch.distributed.checkpoint``
+            directory (``.metadata``, no manifest, not in an asyncckpt root): there
+            are no checksums to check; nothing is known to be wrong with it.
+        CheckpointNotFoundError: (a ``FileNotFoundError``) ``checkpoint_dir`` does
+            not exist.
+        InvalidArgumentError: ``checkpoint_dir`` is not a path.
     """
+    check_path(checkpoint_dir)
+    path = Path(checkpoint_dir)
+    if not os.path.lexists(path):
+        raise CheckpointNotFoundError("no such checkpoint directory", str(path))
+    if is_stock_dcp(path):
+        raise UnverifiableCheckpointError(
+            f"{path}: no manifest: not verifiable (a stock torch.distributed.checkpoint directory; "
+            "its files carry no checksums)", str(path))
     return _commit.verify_checkpoint(checkpoint_dir)
 
 
@@ -63,9 +81,15 @@ def load(
     ``checkpoint_dir``; non-tensor values load with ``torch.load(weights_only=True)``
     semantics, all decoded before any tensor of ``state_dict`` is written.
 
+    A stock ``torch.distributed.checkpoint`` directory (``dcp.save``: no
+    ``.manifest.json``, and not a step of an asyncckpt root) is read through DCP's path
+    with the same path and unpickling checks, but without checksums (there are none):
+    a ``UserWarning`` says so. A checkpoint of an asyncckpt root that lost its manifest
+    is refused as corrupt (see :func:`asyncckpt.root.is_in_root`).
+
     Args:
         state_dict: the structure to fill; its keys select what is read.
-        checkpoint_dir: a committed checkpoint directory.
+        checkpoint_dir: a committed checkpoint directory, or a stock DCP directory.
         process_group: the ranks loading together.
         verify: ``"inline"`` (default): the CRC-32 of every byte is checked as it is
             read, in the same pass (the files' sizes and ``.metadata`` are checked
@@ -92,7 +116,12 @@ def load(
         CheckpointNotFoundError: (a ``FileNotFoundError``) ``checkpoint_dir`` does not
             exist, or was removed while it was being loaded (retention of a job that
             is still saving): retry with a newer step.
+        InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``state_dict`` is not
+            a dict or ``checkpoint_dir`` not a path.
     """
+    hint = "; the call is load(state_dict, checkpoint_dir)"
+    check_state_dict(state_dict, hint=hint)
+    check_path(checkpoint_dir, hint=hint)
     path = Path(checkpoint_dir)
     try:
         _load(state_dict, path, process_group, verify, allow_pickle)
@@ -109,6 +138,10 @@ load_paths: collections.Counter = collections.Counter()
 #: Where the direct path's plans found the records: ``"records"`` (the records file),
 #: ``"metadata"`` (``.metadata``, unpickled). A debugging aid; tests read it.
 records_sources: collections.Counter = collections.Counter()
+
+
+class _Stock(Exception):
+    """(internal) A stock DCP directory: skip the manifest's checks."""
 
 
 def _raise_first(failures: dict[int, RankFailure], path: Path) -> None:
@@ -148,7 +181,10 @@ def _load_direct(state_dict: dict[str, Any], path: Path, process_group: Any, ver
     failure: RankFailure | None = None
     plan = None
     share: list[str] = []
+    stock = is_stock_dcp(path)  # no manifest: DCP's path, without checksums
     try:
+        if stock:
+            raise _Stock
         manifest = _commit.read_manifest(path)  # also refuses names outside the directory
         share = sorted(manifest["files"])[sync.rank::sync.world_size]
         if verify is True:
@@ -163,12 +199,21 @@ def _load_direct(state_dict: dict[str, Any], path: Path, process_group: Any, ver
         if records is None:
             reader.check_manifest(manifest["files"])  # reads and checks .metadata
         plan = plan_direct_load(state_dict, reader.read_metadata() if records is None else records)
+    except _Stock:
+        pass
     except CorruptCheckpointError as exc:
         failure = RankFailure.from_exception(exc)
-    # One collective: did a rank fail, and can every rank take the direct path?
-    flags = sync.all_gather_ints([failure is not None, plan is not None])
+    # One collective: did a rank fail, can every rank take the direct path, is it stock DCP?
+    flags = sync.all_gather_ints([failure is not None, plan is not None, stock])
     if any(f[0] for f in flags):
         _raise_first(sync.gather_failures(failure), path)  # the error funnel: the same error on every rank
+    if any(f[2] for f in flags):
+        if not all(f[2] for f in flags):
+            raise CorruptCheckpointError(f"{path}: some ranks see a {_commit.MANIFEST_NAME} and some do not",
+                                         str(path))
+        warnings.warn(f"{path} has no {_commit.MANIFEST_NAME} (a stock torch.distributed.checkpoint "
+                      "directory): loaded without checksum verification", UserWarning, stacklevel=4)
+        return reader, planner, path
     direct = all(f[1] for f in flags)
     if verify == "inline" and not direct:  # DCP's path checks first
         try:

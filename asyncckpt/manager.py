@@ -12,9 +12,12 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from ._check import check_state_dict, check_step
 from .callers import PersistentAsyncCaller
 from .calls_queue import AsyncCallsQueue
-from .errors import CheckpointException, CheckpointNotFoundError
+from .dist import SyncGroup
+from .errors import (AsyncckptError, CheckpointError, CheckpointException, CheckpointNotFoundError,
+                     InvalidArgumentError, RankFailure)
 from .handle import SaveCallback, SaveHandle, SaveTimings
 from .loading import load
 from .options import SaveOptions
@@ -47,10 +50,27 @@ class CheckpointManager:
             by one: ``staging_buffers``, ``copy_threads``, ``write_threads``,
             ``plan_cache``, ``overlap_staging`` (not both).
         callback: the default completion callback of :meth:`save` (see there).
+        read_only: only read the root (``steps``, ``latest_step``, ``load``; e.g. an
+            evaluation job following a training job's root): no lock is taken, and
+            :meth:`save` and :meth:`prepare` raise ``CheckpointError``.
+
+    The manager holds an exclusive lock on ``root_dir`` for its lifetime (taken by
+    the ``coordinator_rank``, the one rank that writes ``latest`` and runs retention;
+    the other ranks of the same job share the root), released by :meth:`close`, when
+    the manager is collected, or when its process ends (also killed): two jobs never
+    save into one root. Reading needs no lock (:func:`asyncckpt.load`,
+    :func:`asyncckpt.read_state_dict`, the ``asyncckpt`` command).
 
     Raises:
-        ValueError: a bad argument (``keep_last`` not an int >= 1, contradictory
-            arguments, a bad option).
+        InvalidArgumentError: (a ``ValueError`` and ``TypeError``) a bad argument
+            (``root_dir`` not a path, ``keep_last`` not an int >= 1,
+            ``coordinator_rank`` not an int); contradictory arguments and a bad
+            option raise ``ValueError``.
+        RootInUseError: another manager (this process or another, named by pid and
+            host) holds ``root_dir``'s lock (on every rank).
+        CheckpointPathError: ``root_dir`` cannot be created or its lock file not
+            written (with the builtin type of the cause, e.g. ``PermissionError`` for a
+            read-only root; on every rank).
 
     Collective contract (every rank, in the same order): the constructor,
     :meth:`save`, :meth:`prepare`, :meth:`load`, :meth:`close`, and
@@ -77,6 +97,7 @@ class CheckpointManager:
         plan_cache: bool | None = None,
         callback: SaveCallback | None = None,
         options: SaveOptions | None = None,
+        read_only: bool = False,
     ) -> None:
         self._closed = True  # until constructed
         if calls_queue is not None and (persistent is not None or start_method is not None):
@@ -85,7 +106,12 @@ class CheckpointManager:
         self.options = SaveOptions.resolve(options, staging_buffers=staging_buffers, copy_threads=copy_threads,
                                            write_threads=write_threads, plan_cache=plan_cache,
                                            overlap_staging=overlap_staging)
-        self._root = CheckpointRoot(root_dir, keep_last)
+        if isinstance(coordinator_rank, bool) or not isinstance(coordinator_rank, int):
+            raise InvalidArgumentError(f"coordinator_rank must be an int, not {coordinator_rank!r}")
+        self.read_only = bool(read_only)
+        self._root = self._open_root(root_dir, keep_last, process_group, coordinator_rank, not self.read_only)
+        # Collected without close(): the root's lock is released (the process's exit releases it too).
+        self._release_root = weakref.finalize(self, self._root.release_ownership)
         self.root_dir = self._root.path
         self.keep_last = keep_last
         self.process_group = process_group
@@ -95,12 +121,42 @@ class CheckpointManager:
         self.queue = calls_queue or AsyncCallsQueue(
             True if persistent is None else persistent, process_group=process_group,
             start_method=start_method or "spawn", import_main=False, background_finalize=True)
-        if self._owns_queue and isinstance(self.queue.caller, PersistentAsyncCaller):
+        if self._owns_queue and isinstance(self.queue.caller, PersistentAsyncCaller) and not self.read_only:
             self.queue.caller.start()  # ready before the first save: no start-up stall
         self._saver = Saver(self.queue, self.options, self._root)
         # Dropped without close(): the staging buffers go with the manager.
         self._release = weakref.finalize(self, self._saver.release)
         self._closed = False
+
+    @staticmethod
+    def _open_root(root_dir: Any, keep_last: Any, process_group: Any, coordinator_rank: int,
+                   lock: bool) -> CheckpointRoot:
+        """The root, its lock taken by the coordinator; a failure on any rank is raised,
+        the same, on every rank (collective)."""
+        sync = SyncGroup(process_group)
+        if not 0 <= coordinator_rank < sync.world_size:
+            raise InvalidArgumentError(f"coordinator_rank {coordinator_rank} is not a rank of the group "
+                                       f"(world size {sync.world_size})")
+        root: CheckpointRoot | None = None
+        failure: RankFailure | None = None
+        try:
+            root = CheckpointRoot(root_dir, keep_last)
+            if lock and sync.rank == coordinator_rank:
+                root.acquire_ownership()
+        except AsyncckptError as exc:
+            if not sync.active:
+                raise
+            failure = RankFailure.from_exception(exc)
+        failures = sync.gather_failures(failure) if sync.active else {}
+        if failures:
+            if root is not None:
+                root.release_ownership()
+            first = failures[min(failures)]
+            if isinstance(first.exception, AsyncckptError):
+                raise first.exception
+            raise CheckpointError(f"opening the checkpoint root {root_dir} failed: {first}", failures)
+        assert root is not None
+        return root
 
     @property
     def overlap_staging(self) -> bool:
@@ -135,16 +191,24 @@ class CheckpointManager:
             The handle; committed steps are also reported by :meth:`maybe_finalize`.
 
         Raises:
+            InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``step`` is not a
+                non-negative int (``bool``, ``1.5``, ``"7"``, ``-1``; numpy / torch
+                integer scalars are fine) or ``state_dict`` not a dict; nothing is staged.
             CheckpointError: invalid input, or step ``step`` already exists (on every
                 rank).
             RuntimeError: the manager is closed.
         """
+        hint = "; the call is save(step, state_dict)"
+        step = check_step(step, hint=hint)
+        check_state_dict(state_dict, hint=hint)
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
+        if self.read_only:
+            raise CheckpointError(f"this CheckpointManager of {self.root_dir} is read-only (read_only=True)")
         with self._saver.lock:
             return self._saver.save(
                 state_dict, self.step_dir(step), async_op=async_op, process_group=self.process_group,
-                coordinator_rank=self.coordinator_rank, step=int(step),
+                coordinator_rank=self.coordinator_rank, step=step,
                 callback=callback if callback is not None else self.callback)
 
     def prepare(self, state_dict: dict[str, Any]) -> int:
@@ -167,6 +231,8 @@ class CheckpointManager:
         """
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
+        if self.read_only:
+            raise CheckpointError(f"this CheckpointManager of {self.root_dir} is read-only (read_only=True)")
         return self._saver.prepare(state_dict, self.process_group, self.coordinator_rank)
 
     def synchronize_staging(self) -> None:
@@ -233,12 +299,18 @@ class CheckpointManager:
             The step loaded.
 
         Raises:
+            InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``step`` is not
+                ``None`` or a non-negative int, or ``state_dict`` not a dict.
             CheckpointNotFoundError: (a ``FileNotFoundError``) there is no committed
                 checkpoint (or not that step), or it was removed while being loaded.
             CorruptCheckpointError: the checkpoint does not match its manifest, or
                 names a path outside its directory.
             CheckpointError: a non-tensor value needs ``allow_pickle=True``.
         """
+        hint = "; the call is load(state_dict, step)"
+        check_state_dict(state_dict, hint=hint)
+        if step is not None:
+            step = check_step(step, hint=hint)
         self._saver.synchronize_staging()  # never load into tensors an overlapped copy still reads
         if step is None:
             step = self.latest_step()
@@ -291,6 +363,7 @@ class CheckpointManager:
                     pass  # this manager's saves: reported by the harvest above
             self._release()  # the staging buffers, whoever owns the queue
             self._root.join_deletion()
+            self._release_root()  # the root's lock: another manager may open it now
         if first_error is not None:
             raise first_error
         if not abort:

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from ._check import check_step
 from .dist import SyncGroup
 from .errors import AsyncckptError
 
@@ -256,7 +257,12 @@ class PreemptionSave:
 
         Returns:
             True on every rank at the same call, once any rank received a signal.
+
+        Raises:
+            InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``step`` is not a
+                non-negative int (numpy / torch integer scalars are fine, ``bool`` is not).
         """
+        step = check_step(step)
         if self.agreed_signum:
             return True
         if not self._sync.active:
@@ -302,7 +308,10 @@ class PreemptionSave:
         Raises:
             SystemExit: with ``128 + signum``, unless ``exit=False``.
             RuntimeError: :meth:`reached` has not returned True.
+            InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``step`` is not a
+                non-negative int; raised before anything is saved or closed.
         """
+        step = check_step(step, hint="; the call is finish(step, state_dict)")
         if not self.agreed_signum:
             raise RuntimeError("finish() is for after reached() returned True")
         signum = self.agreed_signum

@@ -19,8 +19,10 @@ from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpoi
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from .errors import CorruptCheckpointError
+from ._check import check_path
+from .errors import CheckpointNotFoundError, CheckpointPathError, CorruptCheckpointError
 from .loading import from_dcp_exception
+from .root import is_in_root
 from .storage import commit as _commit
 from .storage.reader import SafeFileSystemReader, SafeLoadPlanner
 
@@ -203,7 +205,8 @@ def read_state_dict(checkpoint_dir: str | os.PathLike, *, verify: bool = True,
 
     Args:
         checkpoint_dir: a checkpoint directory: committed by asyncckpt (it has a
-            ``.manifest.json``), or a stock DCP directory (no manifest).
+            ``.manifest.json``), or a stock DCP directory (no manifest; a step of an
+            asyncckpt root without one is corrupt, see :func:`asyncckpt.root.is_in_root`).
         verify: check the sizes and CRC-32 checksums of every file against the
             manifest before reading. A stock DCP directory has no manifest: it is read
             without that check and a ``UserWarning`` says so (not with
@@ -218,8 +221,11 @@ def read_state_dict(checkpoint_dir: str | os.PathLike, *, verify: bool = True,
         global shapes (each tensor has its own memory, ``numel * itemsize`` bytes).
 
     Raises:
-        FileNotFoundError: ``checkpoint_dir`` does not exist.
-        NotADirectoryError: ``checkpoint_dir`` is not a directory.
+        CheckpointNotFoundError: (a ``FileNotFoundError``) ``checkpoint_dir`` does not
+            exist.
+        CheckpointPathError: (a ``NotADirectoryError``) ``checkpoint_dir`` is not a
+            directory.
+        InvalidArgumentError: ``checkpoint_dir`` is not a path.
         CorruptCheckpointError: ``.metadata`` is missing, unreadable or holds a
             disallowed global; a file is missing or does not match the manifest (with
             ``verify``); the metadata or the manifest names a path outside the
@@ -228,17 +234,19 @@ def read_state_dict(checkpoint_dir: str | os.PathLike, *, verify: bool = True,
         CheckpointError: a non-tensor value needs ``allow_pickle=True`` (its entry is
             named).
     """
-    path = Path(checkpoint_dir)
+    path = Path(check_path(checkpoint_dir))
     if not path.exists():
-        raise FileNotFoundError(2, "no such checkpoint directory", str(path))
+        raise CheckpointNotFoundError("no such checkpoint directory", str(path))
     if not path.is_dir():
-        raise NotADirectoryError(20, "not a checkpoint directory", str(path))
+        raise CheckpointPathError.of(20, "not a checkpoint directory", path)  # errno.ENOTDIR
     reader = SafeFileSystemReader(str(path))
     manifest: dict[str, Any] | None = None
     if os.path.lexists(path / _commit.MANIFEST_NAME):
         manifest = (_commit.verify_checkpoint(path) if verify  # also refuses names outside the directory
                     else _commit.read_manifest(path))
         reader.check_manifest(manifest["files"])  # reads and checks .metadata
+    elif is_in_root(path):  # a step of an asyncckpt root that lost its manifest: ours, damaged
+        _commit.read_manifest(path)  # raises CorruptCheckpointError (missing)
     elif verify:
         warnings.warn(f"{path} has no {_commit.MANIFEST_NAME} (a stock torch.distributed.checkpoint "
                       "directory?): its checksums were not verified", UserWarning, stacklevel=2)

@@ -9,22 +9,35 @@ Layout (the names are Orbax-like policy as data: :data:`STEP_DIR_RE`)::
     root/latest                    the name of the newest save committed, for readers
     root/.step_00000200.tmp-<hex>  a save in flight, or the leftover of a failed one
     root/.step_00000050.deleting-<hex>   an old checkpoint being removed
+    root/.asyncckpt.manager.lock   the lock a CheckpointManager holds for its lifetime
+    root/.asyncckpt.manager.owner  who holds it (JSON: pid, host, since)
 """
 
 from __future__ import annotations
 
+import datetime
+import errno
+import json
 import logging
 import os
 import re
+import secrets
 import shutil
+import socket
+import stat
 import threading
 import warnings
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
+from filelock import FileLock, Timeout
+
+from ._check import check_path
+from .errors import CheckpointPathError, InvalidArgumentError, RootInUseError
 from .storage import commit as _commit
 
-__all__ = ["STEP_DIR_RE", "LEFTOVER_RE", "step_dir_name", "CheckpointRoot"]
+__all__ = ["STEP_DIR_RE", "LEFTOVER_RE", "OWNER_LOCK_NAME", "OWNER_INFO_NAME", "step_dir_name",
+           "is_in_root", "is_stock_dcp", "CheckpointRoot"]
 
 _log = logging.getLogger("asyncckpt")
 
@@ -33,11 +46,55 @@ STEP_DIR_RE = re.compile(r"^step_(\d+)$")
 #: ... and the hidden leftovers of a step (a save's temporary directory, or an old
 #: checkpoint being deleted).
 LEFTOVER_RE = re.compile(r"^\.step_(\d+)\.(?:tmp|deleting)-[0-9a-f]+$")
+#: The lock a ``CheckpointManager`` holds on its root for its lifetime (a ``flock``
+#: through :mod:`filelock`: the kernel drops it when its process dies), and the file
+#: naming its holder.
+OWNER_LOCK_NAME = ".asyncckpt.manager.lock"
+OWNER_INFO_NAME = ".asyncckpt.manager.owner"
 
 
 def step_dir_name(step: int) -> str:
     """The directory name of step ``step`` (``step_%08d``)."""
     return f"step_{int(step):08d}"
+
+
+def is_in_root(checkpoint_dir: str | os.PathLike) -> bool:
+    """Whether ``checkpoint_dir`` is (or was) a checkpoint of an asyncckpt root, so that a
+    missing ``.manifest.json`` means it is damaged, not a stock DCP directory.
+
+    True when the directory holds ``.records.json`` (only asyncckpt writes it), or its
+    name is ``step_N`` and its parent holds a sign of a ``CheckpointManager``: a
+    ``latest`` file, the manager's lock file, or another ``step_M`` directory with a
+    manifest. A stock ``dcp.save`` directory anywhere else (even named ``step_N``) is
+    not ours.
+    """
+    path = Path(checkpoint_dir).absolute()
+    if os.path.lexists(path / _commit.RECORDS_NAME):
+        return True
+    if not STEP_DIR_RE.match(path.name):
+        return False
+    parent = path.parent
+    if any(os.path.lexists(parent / name) for name in (_commit.LATEST_NAME, OWNER_LOCK_NAME, _commit.LOCK_NAME)):
+        return True
+    try:
+        with os.scandir(parent) as it:
+            for entry in it:
+                if (entry.name != path.name and STEP_DIR_RE.match(entry.name)
+                        and os.path.lexists(os.path.join(entry.path, _commit.MANIFEST_NAME))):
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def is_stock_dcp(checkpoint_dir: str | os.PathLike) -> bool:
+    """Whether ``checkpoint_dir`` is a stock ``torch.distributed.checkpoint`` directory:
+    it holds ``.metadata`` but no ``.manifest.json``, and is not a checkpoint of an
+    asyncckpt root (:func:`is_in_root`: one of ours that lost its manifest is damaged,
+    not stock)."""
+    path = Path(checkpoint_dir)
+    return (not os.path.lexists(path / _commit.MANIFEST_NAME) and os.path.isfile(path / _commit.METADATA_NAME)
+            and not os.path.islink(path / _commit.METADATA_NAME) and not is_in_root(path))
 
 
 class CheckpointRoot:
@@ -48,15 +105,25 @@ class CheckpointRoot:
         keep_last: keep this many newest committed steps (``None``: keep all).
 
     Raises:
-        ValueError: ``keep_last`` is not an int >= 1 or ``None``.
+        InvalidArgumentError: (a ``ValueError``) ``keep_last`` is not an int >= 1 or
+            ``None``; ``root_dir`` is not a path.
+        CheckpointPathError: the directory cannot be created (it keeps the builtin
+            type: ``PermissionError``, ``NotADirectoryError``, ``FileExistsError``, ...).
     """
 
     def __init__(self, root_dir: str | os.PathLike, keep_last: int | None = None) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool)
                                       or keep_last < 1):
-            raise ValueError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
-        self.path = Path(root_dir).absolute()
-        self.path.mkdir(parents=True, exist_ok=True)
+            raise InvalidArgumentError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
+        self.path = Path(check_path(root_dir, what="root_dir")).absolute()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointPathError.of(exc.errno, f"cannot create the checkpoint root {self.path}: "
+                                         f"{exc.strerror or exc}", self.path) from exc
+        if not self.path.is_dir():
+            raise CheckpointPathError.of(errno.ENOTDIR, "the checkpoint root is not a directory", self.path)
+        self._owner_lock: Any = None  # the FileLock held by acquire_ownership()
         self.keep_last = keep_last
         self._lock = threading.Lock()
         self._deletion: threading.Thread | None = None  # the retention removal in flight
@@ -65,6 +132,88 @@ class CheckpointRoot:
     def step_dir(self, step: int) -> Path:
         """The directory of step ``step``."""
         return self.path / step_dir_name(step)
+
+    def acquire_ownership(self) -> None:
+        """Take the root's lock (``.asyncckpt.manager.lock``) for this object's lifetime,
+        and record the holder (pid, host, time) in ``.asyncckpt.manager.owner``.
+
+        A ``flock`` through :mod:`filelock`: exclusive between processes (on any host
+        that shares the file system with working ``flock``) and between two objects of
+        one process; the kernel drops it when the holding process dies (also by
+        SIGKILL), so a dead holder's lock is taken over. Released by
+        :meth:`release_ownership`, or when the process ends.
+
+        Raises:
+            RootInUseError: another holder has it (named by pid and host).
+            CheckpointPathError: the lock file cannot be created (e.g. a read-only
+                root: a ``PermissionError``).
+        """
+        if self._owner_lock is not None:
+            return
+        lock_path = self.path / OWNER_LOCK_NAME
+        try:
+            if stat.S_ISLNK(os.lstat(lock_path).st_mode):
+                os.unlink(lock_path)  # never ours: not followed
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise CheckpointPathError.of(exc.errno, f"cannot use the lock file of the checkpoint root: "
+                                         f"{exc.strerror or exc}", lock_path) from exc
+        lock = FileLock(str(lock_path), timeout=0, thread_local=False)
+        try:
+            lock.acquire()
+        except Timeout:
+            owner = self.owner()
+            pid, host = owner.get("pid"), owner.get("host")
+            holder = (f"process {pid} on host {host}" if pid is not None else "another process (holder unknown)")
+            if pid == os.getpid() and host == socket.gethostname():
+                holder = f"another CheckpointManager of this process (pid {pid} on host {host})"
+            since = f", since {owner['since']}" if owner.get("since") else ""
+            raise RootInUseError(
+                f"the checkpoint root {self.path} is in use by {holder}{since}: two managers saving into "
+                "one root would overwrite each other's `latest` and remove each other's checkpoints. Use "
+                "another directory, or close() the other manager first (reading needs no lock: "
+                "asyncckpt.load, read_state_dict and the asyncckpt command work while it runs)",
+                str(self.path), pid if isinstance(pid, int) else None, host if isinstance(host, str) else None,
+            ) from None
+        except OSError as exc:
+            raise CheckpointPathError.of(exc.errno, f"cannot create the lock file of the checkpoint root "
+                                         f"({exc.strerror or exc}); a CheckpointManager needs a writable "
+                                         "root (to read checkpoints only, use asyncckpt.load or "
+                                         "read_state_dict)", lock_path) from exc
+        self._owner_lock = lock
+        info = {"pid": os.getpid(), "host": socket.gethostname(),
+                "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        tmp = self.path / f".{OWNER_INFO_NAME}.tmp-{secrets.token_hex(6)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            try:
+                os.write(fd, json.dumps(info).encode())
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path / OWNER_INFO_NAME)
+        except OSError as exc:  # the lock holds; only the holder's description is missing
+            tmp.unlink(missing_ok=True)
+            _log.warning("could not record the holder of %s: %s", lock_path, exc)
+
+    def owner(self) -> dict[str, Any]:
+        """The last recorded holder of the root's lock (``pid``, ``host``, ``since``), or
+        ``{}`` when unknown. Informational: the lock itself is the ``flock``."""
+        try:
+            fd = os.open(self.path / OWNER_INFO_NAME, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                data = json.loads(os.read(fd, 4096).decode())
+            finally:
+                os.close(fd)
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def release_ownership(self) -> None:
+        """Release the root's lock taken by :meth:`acquire_ownership` (idempotent)."""
+        lock, self._owner_lock = self._owner_lock, None
+        if lock is not None:
+            lock.release(force=True)
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (partial or temporary directories are ignored)."""

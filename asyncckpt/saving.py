@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from . import _faults
 from .calls_queue import AsyncCallsQueue
 from .dist import SyncGroup
+from ._check import check_path, check_state_dict, check_step
 from .errors import CallbackError, CheckpointError, CheckpointException, RankFailure
 from .handle import SaveCallback, SaveHandle, SaveResult, SaveTimings
 from .options import SaveOptions
@@ -340,7 +341,7 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
     if failure is not None:
         exchange.forget_sent()
         raise CheckpointException(save.handle.call_idx if save.handle.call_idx is not None else -1,
-                                  {save.coordinator_rank: failure})
+                                  {save.coordinator_rank: failure}, save.step, save.final_dir)
     write_s = max(r.write_s for _, r in gathered)
     nbytes = sum(r.nbytes for _, r in gathered)
     save.timings = save.handle._commit_timings(write_s, time.monotonic() - started, nbytes)
@@ -664,7 +665,7 @@ class Saver:
         error: CheckpointException | None = None
         failures = sync.gather_failures(failure)
         if failures:
-            error = CheckpointException(-1, failures)
+            error = CheckpointException(-1, failures, record.step, record.final_dir)
         else:
             assert result is not None
             try:
@@ -738,6 +739,8 @@ class Saver:
 
     def _settle(self, record: SaveInFlight, exc: BaseException | None) -> None:
         handle = record.handle
+        if isinstance(exc, CheckpointException):  # named by the step and path, not the queue's call
+            exc = exc.for_save(record.step, record.final_dir)
         if exc is not None:
             # Every rank, after the failure was agreed on: no rank writes any more.
             shutil.rmtree(record.tmp_dir, ignore_errors=True)
@@ -991,6 +994,7 @@ def save(
     overlap_staging: bool | None = None,
     callback: SaveCallback | None = None,
     options: SaveOptions | None = None,
+    step: int | None = None,
 ) -> SaveHandle:
     """Save ``state_dict`` as a torch.distributed.checkpoint directory, atomically.
 
@@ -1017,6 +1021,9 @@ def save(
             raises, the error is logged and raised as :class:`CallbackError` by the
             next ``wait`` (the queue and the checkpoint are unaffected).
         options: staging and writing options (:class:`SaveOptions`).
+        step: the training step this state belongs to (a non-negative int), recorded
+            in the manifest (``asyncckpt ls`` shows it) and in error messages;
+            ``None`` (default): none.
 
     Returns:
         A :class:`SaveHandle`; for ``async_op=False`` it is already committed.
@@ -1028,7 +1035,14 @@ def save(
             rank; nothing was committed.
         ValueError: ``overlap_staging`` without ``async_op``; both ``options`` and
             ``overlap_staging``.
+        InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``state_dict`` is not
+            a dict, ``checkpoint_dir`` not a path, ``step`` not a non-negative int.
     """
+    hint = "; the call is save(state_dict, checkpoint_dir)"
+    check_state_dict(state_dict, hint=hint)
+    check_path(checkpoint_dir, hint=hint)
+    if step is not None:
+        step = check_step(step)
     opts = SaveOptions.resolve(options, overlap_staging=overlap_staging)
     if opts.overlap_staging and not async_op:
         raise ValueError("overlap_staging needs async_op=True")
@@ -1036,4 +1050,4 @@ def save(
     saver = _saver_for(queue, opts)
     with saver.lock:
         return saver.save(state_dict, checkpoint_dir, async_op=async_op, process_group=process_group,
-                          coordinator_rank=coordinator_rank, callback=callback)
+                          coordinator_rank=coordinator_rank, callback=callback, step=step)

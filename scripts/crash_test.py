@@ -230,7 +230,7 @@ def disk_state(root: Path) -> DiskState:
         latest: str | None = (root / "latest").read_text()
     except FileNotFoundError:
         latest = None
-    mgr = asyncckpt.CheckpointManager(root, persistent=False)  # a temporal queue starts no process
+    mgr = asyncckpt.CheckpointManager(root, persistent=False, read_only=True)  # a reader: no lock, no process
     try:
         steps = mgr.steps()
     finally:

@@ -354,7 +354,7 @@ def test_load_racing_retention_raises_not_found(tmp_path: Path) -> None:
     trainer.start()
     outcomes = {"loaded": 0, "not_found": 0}
     try:
-        reader = CheckpointManager(root, persistent=False)
+        reader = CheckpointManager(root, persistent=False, read_only=True)  # a second job: no lock
         target = {k: torch.empty_like(v) for k, v in state.items()}
         for _ in range(150):
             steps = reader.steps()

@@ -1,0 +1,82 @@
+"""Argument checks at the public API's boundary (torch-free).
+
+Each check raises :class:`asyncckpt.errors.InvalidArgumentError` (an
+``AsyncckptError`` that is also a ``ValueError`` and a ``TypeError``) before anything
+is planned, staged or written.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from typing import Any
+
+from .errors import InvalidArgumentError
+
+__all__ = ["check_step", "check_path", "check_state_dict"]
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def check_step(step: Any, *, what: str = "step", hint: str = "") -> int:
+    """``step`` as a non-negative ``int``.
+
+    Accepted: an ``int`` and integer scalars that implement ``__index__`` (numpy
+    integers, a 0-d integer ``torch.Tensor``). Refused: ``bool`` (also numpy's and a
+    bool tensor), floats (``1.5`` is not step 1), strings (``"7"``), anything else, and
+    negative values (a ``step_-0000001`` directory would be invisible to ``steps()``).
+
+    Args:
+        step: the value to check.
+        what: the argument's name, for the message.
+        hint: appended to the message (e.g. the call's signature).
+
+    Returns:
+        The step as a plain ``int``.
+
+    Raises:
+        InvalidArgumentError: ``step`` is not a non-negative integer.
+    """
+    dtype = str(getattr(step, "dtype", ""))
+    bad = isinstance(step, bool) or "bool" in dtype or getattr(step, "ndim", 0) != 0
+    value = None
+    if not bad:
+        try:
+            value = operator.index(step)
+        except TypeError:
+            bad = True
+    if bad or value is None:
+        raise InvalidArgumentError(f"{what} must be a non-negative int, not {_describe(step)}{hint}")
+    if value < 0:
+        raise InvalidArgumentError(f"{what} must be a non-negative int, not {value}{hint}")
+    return int(value)
+
+
+def check_path(path: Any, *, what: str = "checkpoint_dir", hint: str = "") -> str | os.PathLike:
+    """Check that ``path`` is a ``str`` or an ``os.PathLike`` (``pathlib.Path``), not empty.
+
+    Raises:
+        InvalidArgumentError: it is anything else (e.g. a state_dict given where a
+            path belongs).
+    """
+    if isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes) and os.fspath(path) != "":
+        return path
+    if isinstance(path, str):
+        raise InvalidArgumentError(f"{what} must not be empty{hint}")
+    raise InvalidArgumentError(f"{what} must be a str or os.PathLike path, not {_describe(path)}{hint}")
+
+
+def check_state_dict(state_dict: Any, *, what: str = "state_dict", hint: str = "") -> dict:
+    """Check that ``state_dict`` is a ``dict`` (any dict subclass).
+
+    Raises:
+        InvalidArgumentError: it is anything else.
+    """
+    if isinstance(state_dict, dict):
+        return state_dict
+    raise InvalidArgumentError(f"{what} must be a dict, not {_describe(state_dict)}{hint}")
