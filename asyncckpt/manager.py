@@ -7,6 +7,7 @@ Small on purpose, like Orbax's ``CheckpointManager``: the phases live in
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from pathlib import Path
@@ -19,10 +20,12 @@ from .handle import SaveCallback, SaveHandle, SaveTimings
 from .loading import load
 from .options import SaveOptions
 from .root import CheckpointRoot
-from .saving import Saver
+from .saving import Saver, exit_timeout, release_when_settled
 from .storage import commit as _commit
 
 __all__ = ["CheckpointManager"]
+
+_log = logging.getLogger("asyncckpt")
 
 
 class CheckpointManager:
@@ -98,8 +101,12 @@ class CheckpointManager:
         if self._owns_queue and isinstance(self.queue.caller, PersistentAsyncCaller):
             self.queue.caller.start()  # ready before the first save: no start-up stall
         self._saver = Saver(self.queue, self.options, self._root)
-        # Dropped without close(): the staging buffers go with the manager.
-        self._release = weakref.finalize(self, self._saver.release)
+        # Dropped without close(): the pending saves still commit (a thread keeps the
+        # saver and this manager's queue until they settle), then the staging buffers
+        # are freed and the queue closed. At interpreter exit the exit hook bounds it.
+        self._release = weakref.finalize(self, release_when_settled, self._saver,
+                                         self.queue if self._owns_queue else None)
+        self._release.atexit = False
         self._closed = False
 
     @property
@@ -289,7 +296,8 @@ class CheckpointManager:
                     self.queue.close(abort=abort)
                 except CheckpointException:
                     pass  # this manager's saves: reported by the harvest above
-            self._release()  # the staging buffers, whoever owns the queue
+            if self._release.detach() is not None:  # closed: nothing left to settle
+                self._saver.release()  # the staging buffers, whoever owns the queue
             self._root.join_deletion()
         if first_error is not None:
             raise first_error
@@ -299,5 +307,31 @@ class CheckpointManager:
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        self.close(abort=exc_type is not None)
+    def __exit__(self, exc_type: Any, exc: BaseException | None, _tb: Any) -> None:
+        """Close the manager at the end of a ``with`` block.
+
+        Without an exception: :meth:`close` (pending saves commit, failures raise).
+        With an ``Exception`` (a training loop that crashed) or ``SystemExit``: every
+        save staged before it still commits, for up to ``ASYNCCKPT_EXIT_TIMEOUT_S``
+        seconds (default 5, the interpreter exit's bound); each one that failed or is
+        still pending then (dropped) is named in a warning on logger ``asyncckpt``,
+        and nothing raised here replaces the block's exception. With
+        ``KeyboardInterrupt`` (or the preemption budget running out): the pending saves
+        are dropped at once, as ``close(abort=True)``.
+        """
+        if exc_type is None:
+            self.close()
+            return
+        if not issubclass(exc_type, (Exception, SystemExit)) or self._closed:
+            self.close(abort=True)
+            return
+        when = f"when the `with CheckpointManager` block of {self.root_dir} ended with {exc_type.__name__}"
+        try:
+            lost = self._saver.settle_within(exit_timeout(), when)
+        except BaseException:
+            self.close(abort=True)  # interrupted while waiting (Ctrl-C): drop at once
+            raise
+        try:
+            self.close(abort=bool(lost))
+        except Exception as error:  # noqa: BLE001 - named above; the block's exception goes on
+            _log.debug("close() after the block's %s raised %s: %s", exc_type.__name__, type(error).__name__, error)
