@@ -876,7 +876,8 @@ class Saver:
     def settle_within(self, timeout: float, when: str) -> list[SaveInFlight]:
         """Let the pending saves settle for up to ``timeout`` seconds, then name on
         logger ``asyncckpt`` each one still pending (lost unless the caller waits on)
-        and each one that failed. An overlapped save still copying is handed to the
+        and each one that failed, also earlier failures not reported yet (no
+        ``maybe_finalize`` since). An overlapped save still copying is handed to the
         writer first. Saves of a queue finalized in the training loop cannot settle
         without the loop: they are named at once.
 
@@ -893,7 +894,16 @@ class Saver:
             pass
         queue = self._queue_ref()
         background = queue is not None and queue.background_finalize and not queue.closed
-        return _settle_or_name([(background, record) for record in self.pending_records()], timeout, when)
+        pending = self.pending_records()
+        lost = _settle_or_name([(background, record) for record in pending], timeout, when)
+        named = {id(record) for record in pending}
+        with self._state:  # failed before, never reported (no maybe_finalize since): named too
+            earlier = [(record, exc) for idx, record, exc in self._unharvested
+                       if exc is not None and idx not in self._reported and id(record) not in named]
+        for record, exc in earlier:
+            _log.warning("asyncckpt: the save of %s failed (not reported before %s): %s", _describe_save(record),
+                         when.removeprefix("when "), str(exc).splitlines()[0])
+        return lost
 
     def release(self) -> None:
         """Free the staging buffers and stop listening to the queue; never blocks on a

@@ -298,3 +298,23 @@ def test_an_exit_without_close_finishes_the_retention_removal(tmp_path: Path) ->
     assert rc == 0, err
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000002"]
     assert _hidden(root) == [] and _ls_partial(root) == []
+
+
+@pytest.mark.timeout(120)
+def test_an_exception_in_the_with_block_names_an_earlier_unreported_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A save that failed before the crash and was never reported (no maybe_finalize
+    since) is named when the block ends, step and path; the crash's exception is raised."""
+    monkeypatch.setenv("ASYNCCKPT_FAULT", "mid_write:raise")
+    root = tmp_path / "root"
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        with pytest.raises(ZeroDivisionError):
+            with CheckpointManager(root, persistent=False) as manager:
+                handle = manager.save(4, {"w": torch.ones(1 << 18)})
+                deadline = time.monotonic() + 60
+                while not handle.done() and time.monotonic() < deadline:
+                    time.sleep(0.05)  # failed in the background, not reported to the loop
+                1 / 0
+    assert handle.exception() is not None
+    assert f"the save of step 4 ({root / 'step_00000004'}) failed" in caplog.text, caplog.text
+    assert manager.steps() == [] and _hidden(root) == []
