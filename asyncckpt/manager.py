@@ -296,8 +296,10 @@ class CheckpointManager:
                     self.queue.close(abort=abort)
                 except CheckpointException:
                     pass  # this manager's saves: reported by the harvest above
-            if self._release.detach() is not None:  # closed: nothing left to settle
-                self._saver.release()  # the staging buffers, whoever owns the queue
+            if self._release.detach() is not None:
+                # The staging buffers, whoever owns the queue; a queue passed in may still
+                # hold saves of this manager (abort=True): freed once they settle.
+                release_when_settled(self._saver, None)
             self._root.join_deletion()
         if first_error is not None:
             raise first_error

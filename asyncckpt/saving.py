@@ -1008,12 +1008,15 @@ os.register_at_fork(after_in_child=_live_savers.clear)
 
 # ====================================================================== a dropped manager
 def release_when_settled(saver: Saver, queue: AsyncCallsQueue | None) -> None:
-    """What a ``CheckpointManager`` collected without ``close()`` leaves to do.
+    """What a ``CheckpointManager`` collected without ``close()`` leaves to do (and
+    ``close()`` itself, for saves still pending on a queue passed in).
 
     Its pending saves still commit: a thread (``asyncckpt-dropped-manager``) holds the
     saver and the manager's own queue (``queue``; ``None`` for a queue passed in)
-    until every save settled (an overlapped one is handed to the writer first), names
-    each failed one, then frees the staging buffers and closes the queue. Without
+    until every save settled (an overlapped one is handed to the writer first; on a
+    queue passed in, which another thread may be scheduling on, it is dropped and
+    named), names each failed one, then frees the staging buffers and closes the
+    manager's own queue. Without
     pending saves this frees the buffers at once (and the queue goes with its last
     reference). A save still pending at interpreter exit is left to the exit's bound
     and named there. Runs in whichever thread collected the manager.
@@ -1027,10 +1030,11 @@ def release_when_settled(saver: Saver, queue: AsyncCallsQueue | None) -> None:
 
 
 def _finish_dropped(saver: Saver, queue: AsyncCallsQueue | None) -> None:
-    try:
-        saver.synchronize_staging()  # an overlapped save still copying: hand it to the writer
-    except Exception:  # noqa: BLE001 - reported through its handle
-        pass
+    if queue is not None:  # the manager's own queue: nobody else schedules on it now
+        try:
+            saver.synchronize_staging()  # an overlapped save still copying: hand it to the writer
+        except Exception:  # noqa: BLE001 - reported through its handle
+            pass
     records = saver.pending_records()
     for record in records:
         record.handle._wait_settled()  # committed by the queue's finalizer (or failed, or aborted)
@@ -1041,6 +1045,11 @@ def _finish_dropped(saver: Saver, queue: AsyncCallsQueue | None) -> None:
             _log.warning("asyncckpt: the save of %s, pending when its CheckpointManager was dropped without "
                          "close(), failed: %s", _describe_save(record),
                          str(record.handle.exception()).splitlines()[0])
+    overlapped = saver._overlapped
+    if overlapped is not None:  # a queue passed in: its owner's thread schedules on it, not this one
+        _log.warning("asyncckpt: the save of %s is dropped: it was never handed to the writer (its "
+                     "CheckpointManager was closed with abort=True, or dropped without close(), before "
+                     "synchronize_staging())", _describe_save(overlapped.save))
     saver.release()
     if queue is not None:
         try:

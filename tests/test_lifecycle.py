@@ -318,3 +318,22 @@ def test_an_exception_in_the_with_block_names_an_earlier_unreported_failure(
     assert handle.exception() is not None
     assert f"the save of step 4 ({root / 'step_00000004'}) failed" in caplog.text, caplog.text
     assert manager.steps() == [] and _hidden(root) == []
+
+
+@pytest.mark.timeout(120)
+def test_an_aborted_manager_on_a_shared_queue_leaves_its_handles_settling(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """close(abort=True) of a manager whose queue was passed in (and stays open): its
+    save still pending on that queue settles with its real outcome (it used to be
+    forgotten by the manager, and wait() blocked forever)."""
+    monkeypatch.setenv("ASYNCCKPT_FAULT", "mid_write:sleep=1")
+    queue = asyncckpt.AsyncCallsQueue(persistent=False, background_finalize=True)
+    try:
+        manager = CheckpointManager(tmp_path / "root", calls_queue=queue)
+        state = {"w": torch.randn(1 << 18)}
+        handle = manager.save(1, state)
+        manager.close(abort=True)
+        handle.wait(timeout=60)
+        assert torch.equal(_loaded(tmp_path / "root" / "step_00000001", state)["w"], state["w"])
+    finally:
+        queue.close()
