@@ -263,7 +263,12 @@ class CheckpointManager:
         Idempotent. Frees the staging buffers, also when the queue was passed in
         (``calls_queue``; that queue stays open). With ``abort=True``: no collective,
         the worker is terminated, pending saves are dropped (their handles fail, their
-        temporary directories are removed).
+        temporary directories are removed); on a queue passed in they stay that
+        queue's, and their handles settle with what it makes of them.
+
+        A manager dropped without ``close()`` (garbage-collected) still commits its
+        pending saves and settles their handles (a failure is named on logger
+        ``asyncckpt``), then frees its buffers and stops its worker.
 
         Raises:
             CheckpointException: (``abort=False``) a pending save failed (the first
