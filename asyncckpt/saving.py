@@ -667,8 +667,8 @@ class Saver:
                 except CheckpointException as exc:
                     error = exc
         except BaseException as exc:
-            self._settle(record, CheckpointException(-1, {sync.rank: RankFailure.from_exception(exc, "interrupted: ")}),
-                         remove_tmp=not committing or sync.rank == record.coordinator_rank)
+            interrupted = CheckpointException(-1, {sync.rank: RankFailure.from_exception(exc, "interrupted: ")})
+            self._settle(record, interrupted, remove_tmp=not committing or sync.rank == record.coordinator_rank)
             raise
         self._settle(record, error)
         if error is not None:
@@ -914,9 +914,9 @@ class Saver:
         if pending is not None:
             pending.thread.join()
             record = pending.save
-            record.planned = record.planned._replace(data=[])
+            record.planned.data.clear()
             record.handle._set_staging(False)
-            record.handle._settle(None, CheckpointError(
+            self._settle(record, CheckpointError(
                 f"the save of {_describe_save(record)} was dropped before it was handed to the writer (its "
                 "manager was closed with abort=True or released before synchronize_staging()); it is not saved"))
         self.copier.close()
