@@ -7,6 +7,7 @@ Small on purpose, like Orbax's ``CheckpointManager``: the phases live in
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from pathlib import Path
@@ -22,10 +23,12 @@ from .handle import SaveCallback, SaveHandle, SaveTimings
 from .loading import load
 from .options import SaveOptions
 from .root import CheckpointRoot
-from .saving import Saver
+from .saving import Saver, exit_timeout, release_when_settled
 from .storage import commit as _commit
 
 __all__ = ["CheckpointManager"]
+
+_log = logging.getLogger("asyncckpt")
 
 
 class CheckpointManager:
@@ -124,8 +127,14 @@ class CheckpointManager:
         if self._owns_queue and isinstance(self.queue.caller, PersistentAsyncCaller) and not self.read_only:
             self.queue.caller.start()  # ready before the first save: no start-up stall
         self._saver = Saver(self.queue, self.options, self._root)
-        # Dropped without close(): the staging buffers go with the manager.
-        self._release = weakref.finalize(self, self._saver.release)
+        # Dropped without close(): the pending saves still commit (a thread keeps the
+        # saver and this manager's queue until they settle), then the staging buffers
+        # are freed and the queue closed. At interpreter exit the exit hook bounds it.
+        # The root's lock goes with the last save that can commit into it.
+        self._release = weakref.finalize(self, release_when_settled, self._saver,
+                                         self.queue if self._owns_queue else None, self._root.release_ownership)
+        self._release.atexit = False
+        self._release_root.detach()
         self._closed = False
 
     @staticmethod
@@ -328,7 +337,12 @@ class CheckpointManager:
         Idempotent. Frees the staging buffers, also when the queue was passed in
         (``calls_queue``; that queue stays open). With ``abort=True``: no collective,
         the worker is terminated, pending saves are dropped (their handles fail, their
-        temporary directories are removed).
+        temporary directories are removed); on a queue passed in they stay that
+        queue's, and their handles settle with what it makes of them.
+
+        A manager dropped without ``close()`` (garbage-collected) still commits its
+        pending saves and settles their handles (a failure is named on logger
+        ``asyncckpt``), then frees its buffers and stops its worker.
 
         Raises:
             CheckpointException: (``abort=False``) a pending save failed (the first
@@ -361,9 +375,12 @@ class CheckpointManager:
                     self.queue.close(abort=abort)
                 except CheckpointException:
                     pass  # this manager's saves: reported by the harvest above
-            self._release()  # the staging buffers, whoever owns the queue
             self._root.join_deletion()
-            self._release_root()  # the root's lock: another manager may open it now
+            if self._release.detach() is not None:
+                # The staging buffers, whoever owns the queue; a queue passed in may still
+                # hold saves of this manager (abort=True): freed once they settle.
+                # The root's lock goes with them: another manager may open it then.
+                release_when_settled(self._saver, None, self._root.release_ownership)
         if first_error is not None:
             raise first_error
         if not abort:
@@ -372,5 +389,31 @@ class CheckpointManager:
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        self.close(abort=exc_type is not None)
+    def __exit__(self, exc_type: Any, exc: BaseException | None, _tb: Any) -> None:
+        """Close the manager at the end of a ``with`` block.
+
+        Without an exception: :meth:`close` (pending saves commit, failures raise).
+        With an ``Exception`` (a training loop that crashed) or ``SystemExit``: every
+        save staged before it still commits, for up to ``ASYNCCKPT_EXIT_TIMEOUT_S``
+        seconds (default 5, the interpreter exit's bound); each one that failed or is
+        still pending then (dropped) is named in a warning on logger ``asyncckpt``,
+        and nothing raised here replaces the block's exception. With
+        ``KeyboardInterrupt`` (or the preemption budget running out): the pending saves
+        are dropped at once, as ``close(abort=True)``.
+        """
+        if exc_type is None:
+            self.close()
+            return
+        if not issubclass(exc_type, (Exception, SystemExit)) or self._closed:
+            self.close(abort=True)
+            return
+        when = f"when the `with CheckpointManager` block of {self.root_dir} ended with {exc_type.__name__}"
+        try:
+            lost = self._saver.settle_within(exit_timeout(), when)
+        except BaseException:
+            self.close(abort=True)  # interrupted while waiting (Ctrl-C): drop at once
+            raise
+        try:
+            self.close(abort=bool(lost))
+        except Exception as error:  # noqa: BLE001 - named above; the block's exception goes on
+            _log.debug("close() after the block's %s raised %s: %s", exc_type.__name__, type(error).__name__, error)

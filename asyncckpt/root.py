@@ -15,10 +15,12 @@ Layout (the names are Orbax-like policy as data: :data:`STEP_DIR_RE`)::
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import errno
 import json
 import logging
+import multiprocessing.util as mp_util
 import os
 import re
 import secrets
@@ -26,6 +28,7 @@ import shutil
 import socket
 import stat
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterable
@@ -51,6 +54,47 @@ LEFTOVER_RE = re.compile(r"^\.step_(\d+)\.(?:tmp|deleting)-[0-9a-f]+$")
 #: naming its holder.
 OWNER_LOCK_NAME = ".asyncckpt.manager.lock"
 OWNER_INFO_NAME = ".asyncckpt.manager.owner"
+
+
+#: Retention removals in flight in this process (every root's), joined at exit: a
+#: removal cut short by the exit would leave a ``.step_N.deleting-*`` directory.
+_deletions: set[threading.Thread] = set()
+_deletions_lock = threading.Lock()
+#: Seconds the interpreter's exit waits for retention removals in flight (the
+#: environment variable of the pending saves' bound, ``asyncckpt.saving``).
+_EXIT_TIMEOUT_ENV = "ASYNCCKPT_EXIT_TIMEOUT_S"
+
+
+def _join_deletions_at_exit() -> None:
+    """At interpreter exit: let the retention removals in flight finish (up to
+    ``ASYNCCKPT_EXIT_TIMEOUT_S`` seconds, default 5, more if that is set higher), so
+    that an exit without ``close()`` leaves no ``.step_N.deleting-*`` directory; name
+    one cut short (the next commit into the root, or ``asyncckpt clean``, removes it).
+
+    Runs after the pending saves were committed (their commits start removals):
+    atexit is last-in first-out and this module registers before
+    :mod:`asyncckpt.saving`; on multiprocessing's exit path, with a priority between
+    theirs (150) and the workers' stop (100).
+    """
+    with _deletions_lock:
+        threads = list(_deletions)
+    if not threads:
+        return
+    try:
+        timeout = float(os.environ.get(_EXIT_TIMEOUT_ENV, 5.0))
+    except ValueError:
+        timeout = 5.0
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            _log.warning("asyncckpt: the removal of an old checkpoint (%s, retention) did not finish within "
+                         "%.0f s at exit (%s); the next commit into its root or `asyncckpt clean` removes it",
+                         thread.name.partition(":")[2], timeout, _EXIT_TIMEOUT_ENV)
+
+
+atexit.register(_join_deletions_at_exit)
+mp_util.Finalize(None, _join_deletions_at_exit, exitpriority=120)
 
 
 def step_dir_name(step: int) -> str:
@@ -301,6 +345,10 @@ class CheckpointRoot:
                 try:
                     with self._lock:
                         self._deletion = _commit.remove_checkpoint(path, background=True)
+                        if self._deletion is not None:
+                            with _deletions_lock:
+                                _deletions.difference_update([t for t in _deletions if not t.is_alive()])
+                                _deletions.add(self._deletion)
                 except OSError as exc:
                     self._warn(f"retention could not remove {path}: {exc}")
         m = STEP_DIR_RE.match(final_dir.name)
@@ -328,6 +376,8 @@ class CheckpointRoot:
             deletion, self._deletion = self._deletion, None
         if deletion is not None:
             deletion.join()
+            with _deletions_lock:
+                _deletions.discard(deletion)
 
     @staticmethod
     def _warn(message: str) -> None:

@@ -196,13 +196,17 @@ class _LayoutExchange:
 def plan(state_dict: dict[str, Any], final_dir: Path, handle: SaveHandle, *, sync: SyncGroup,
          coordinator_rank: int, step: int | None = None, root: CheckpointRoot | None = None,
          cache: PlanCache | None = None, layouts: _LayoutCache | None = None,
-         check_target: bool = True, check_layout: Callable[[RankLayout], None] | None = None) -> SaveInFlight:
+         check_target: bool = True, check_layout: Callable[[RankLayout], None] | None = None,
+         in_flight: Callable[[Path], bool] | None = None) -> SaveInFlight:
     """Phase 1, plan: validate, plan and lay out one save (all ranks, collective).
 
     Call sequence:
 
     1. (each rank) validate ``state_dict``; (coordinator) ``final_dir`` must not
-       exist, or be an empty directory. (each rank whose state kept the cached plan's
+       exist, or be an empty directory, and no save of it may be in flight
+       (``in_flight``: the coordinator renames a save's directory before it settles
+       it, so to the coordinator a target is always either in flight or existing, and
+       the ranks agree through the funnel). (each rank whose state kept the cached plan's
        structure) resolve this rank's data (tensors, pickled values), lay out its
        data file (the ``torch.save`` framing of every record), and run
        ``check_layout`` on the layout (the memory guard).
@@ -214,6 +218,9 @@ def plan(state_dict: dict[str, Any], final_dir: Path, handle: SaveHandle, *, syn
     5. (all ranks) the error funnel again (e.g. a value that cannot be pickled).
 
     ``check_target=False`` skips the target check (``prepare`` writes nothing).
+    ``in_flight(final_dir)``: True while an earlier save into ``final_dir`` is
+    pending (its commit would remove this one's temporary directory, or this one
+    would fail at commit).
 
     Raises:
         CheckpointError: invalid input or target on any rank, raised on every rank,
@@ -223,6 +230,12 @@ def plan(state_dict: dict[str, Any], final_dir: Path, handle: SaveHandle, *, syn
         raise ValueError(f"coordinator_rank {coordinator_rank} is not a rank of the group")
 
     def precheck() -> None:
+        if in_flight is not None and in_flight(final_dir):
+            what = f"step {step}" if step is not None else "a save"
+            raise CheckpointError(
+                f"{what} is already being saved to {final_dir}: an earlier save of it is still pending, "
+                f"and a checkpoint is written once. Wait for it (handle.wait() or maybe_finalize(blocking=True)) "
+                f"or save under another {'step' if step is not None else 'path'}")
         if final_dir.exists() and (not final_dir.is_dir() or any(final_dir.iterdir())):
             raise FileExistsError(f"{final_dir} exists and is not an empty directory; "
                                   "a checkpoint never overwrites one")
@@ -554,6 +567,11 @@ class Saver:
         with self._state:
             return list(self._inflight.values())
 
+    def _in_flight(self, final_dir: Path) -> bool:
+        """True while a save of this saver into ``final_dir`` is scheduled and not settled."""
+        with self._state:
+            return any(record.final_dir == final_dir for record in self._inflight.values())
+
     def pending_steps(self) -> list[int]:
         """Steps of this saver's saves scheduled and not settled yet."""
         with self._state:
@@ -599,7 +617,7 @@ class Saver:
         handle = SaveHandle(final_dir, step, started, callback, self)
         record = plan(state_dict, final_dir, handle, sync=sync, coordinator_rank=coordinator_rank, step=step,
                       root=self.root, cache=self.plan_cache, layouts=self.layouts,
-                      check_layout=self._check_memory)
+                      check_layout=self._check_memory, in_flight=self._in_flight)
         if not async_op:
             self._save_sync(record, started)
             return handle
@@ -652,26 +670,41 @@ class Saver:
                self.layout_exchange)
 
     def _save_sync(self, record: SaveInFlight, started: float) -> None:
-        """A synchronous save: the same phases in this thread, after the pending saves."""
-        self.wait_all()  # commits stay in call order: `latest` never goes backwards
+        """A synchronous save: the same phases in this thread, after the pending saves.
+
+        Interrupted (Ctrl-C, or a broken collective), the save is settled as failed
+        and its temporary directory removed where no rank can commit it any more:
+        always on the coordinator (it alone commits, and it is interrupted), on the
+        other ranks only before they joined the commit (the commit's first
+        collective needs every rank). Then the interrupt is re-raised.
+        """
         sync = record.sync
         failure: RankFailure | None = None
         result: RankWriteResult | None = None
+        committing = False
         try:
-            result = write_rank_files(self._stage_now(record))
-        except Exception as exc:  # noqa: BLE001 - funnelled to every rank
-            failure = RankFailure.from_exception(exc)
-        record.handle._add_stall(time.monotonic() - started)
-        error: CheckpointException | None = None
-        failures = sync.gather_failures(failure)
-        if failures:
-            error = CheckpointException(-1, failures, record.step, record.final_dir)
-        else:
-            assert result is not None
+            self.wait_all()  # commits stay in call order: `latest` never goes backwards
             try:
-                commit(record, result, sync, self.pending_steps())
-            except CheckpointException as exc:
-                error = exc
+                result = write_rank_files(self._stage_now(record))
+            except Exception as exc:  # noqa: BLE001 - funnelled to every rank
+                failure = RankFailure.from_exception(exc)
+            record.handle._add_stall(time.monotonic() - started)
+            error: CheckpointException | None = None
+            failures = sync.gather_failures(failure)
+            if failures:
+                error = CheckpointException(-1, failures, record.step, record.final_dir)
+            else:
+                assert result is not None
+                committing = True
+                try:
+                    commit(record, result, sync, self.pending_steps())
+                except CheckpointException as exc:
+                    error = exc
+        except BaseException as exc:
+            interrupted = CheckpointException(-1, {sync.rank: RankFailure.from_exception(exc, "interrupted: ")},
+                                              record.step, record.final_dir)
+            self._settle(record, interrupted, remove_tmp=not committing or sync.rank == record.coordinator_rank)
+            raise
         self._settle(record, error)
         if error is not None:
             self.mark_reported(record.handle)
@@ -737,13 +770,14 @@ class Saver:
         self._settle(record, exc)
         return True
 
-    def _settle(self, record: SaveInFlight, exc: BaseException | None) -> None:
+    def _settle(self, record: SaveInFlight, exc: BaseException | None, remove_tmp: bool = True) -> None:
         handle = record.handle
         if isinstance(exc, CheckpointException):  # named by the step and path, not the queue's call
             exc = exc.for_save(record.step, record.final_dir)
         if exc is not None:
-            # Every rank, after the failure was agreed on: no rank writes any more.
-            shutil.rmtree(record.tmp_dir, ignore_errors=True)
+            if remove_tmp:
+                # Every rank, after the failure was agreed on: no rank writes any more.
+                shutil.rmtree(record.tmp_dir, ignore_errors=True)
             outcome: Any = exc
         else:
             assert record.timings is not None
@@ -871,13 +905,57 @@ class Saver:
         raise CallbackError("a completion callback raised: " + "; ".join(lines), [e for _, e in errors]) \
             from errors[0][1]
 
+    def busy(self) -> bool:
+        """True while a save of this saver is being staged (overlapped) or is pending."""
+        with self._state:
+            return self._overlapped is not None or bool(self._inflight)
+
+    def settle_within(self, timeout: float, when: str) -> list[SaveInFlight]:
+        """Let the pending saves settle for up to ``timeout`` seconds, then name on
+        logger ``asyncckpt`` each one still pending (lost unless the caller waits on)
+        and each one that failed, also earlier failures not reported yet (no
+        ``maybe_finalize`` since). An overlapped save still copying is handed to the
+        writer first. Saves of a queue finalized in the training loop cannot settle
+        without the loop: they are named at once.
+
+        Args:
+            timeout: seconds to wait, in all.
+            when: the occasion, for the messages ("at interpreter exit").
+
+        Returns:
+            The saves still pending.
+        """
+        try:
+            self.synchronize_staging()
+        except Exception:  # noqa: BLE001 - its failure is reported through its handle
+            pass
+        queue = self._queue_ref()
+        background = queue is not None and queue.background_finalize and not queue.closed
+        pending = self.pending_records()
+        lost = _settle_or_name([(background, record) for record in pending], timeout, when)
+        named = {id(record) for record in pending}
+        with self._state:  # failed before, never reported (no maybe_finalize since): named too
+            earlier = [(record, exc) for idx, record, exc in self._unharvested
+                       if exc is not None and idx not in self._reported and id(record) not in named]
+        for record, exc in earlier:
+            _log.warning("asyncckpt: the save of %s failed (not reported before %s): %s", _describe_save(record),
+                         when.removeprefix("when "), str(exc).splitlines()[0])
+        return lost
+
     def release(self) -> None:
         """Free the staging buffers and stop listening to the queue; never blocks on a
         write (a buffer a write may still read is closed here but its memory is left
-        to that write's process)."""
+        to that write's process). An overlapped save not handed to the writer yet is
+        dropped: its handle fails."""
         pending, self._overlapped = self._overlapped, None
         if pending is not None:
             pending.wait_copied()  # optimizers stop waiting for it
+            record = pending.save
+            record.planned.data.clear()
+            record.handle._set_staging(False)
+            self._settle(record, CheckpointError(
+                f"the save of {_describe_save(record)} was dropped before it was handed to the writer (its "
+                "manager was closed with abort=True or released before synchronize_staging()); it is not saved"))
         self.copier.close()
         queue = self._queue_ref()
         self.pool.release_all(queue.caller.is_running if queue is not None else None)
@@ -897,6 +975,41 @@ DEFAULT_EXIT_TIMEOUT_S = 5.0
 _exit_done: list[int] = []  # the pid whose exit hook ran (it runs once per process)
 
 
+def exit_timeout() -> float:
+    """The bound on waiting for pending saves at exit (``ASYNCCKPT_EXIT_TIMEOUT_S``, seconds)."""
+    try:
+        return float(os.environ.get(EXIT_TIMEOUT_ENV, DEFAULT_EXIT_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_EXIT_TIMEOUT_S
+
+
+def _describe_save(record: SaveInFlight) -> str:
+    """``step N (path)`` for a manager's save, else its path."""
+    return f"step {record.step} ({record.final_dir})" if record.step is not None else str(record.final_dir)
+
+
+def _settle_or_name(pending: list[tuple[bool, SaveInFlight]], timeout: float, when: str,
+                    hint: str = "") -> list[SaveInFlight]:
+    """Wait up to ``timeout`` seconds in all for the saves finalized in the background
+    (``(True, record)``) to settle, then name each one still pending and each failed
+    one (a warning on logger ``asyncckpt``, shown on stderr). Returns those pending."""
+    deadline = time.monotonic() + timeout
+    for background, record in pending:
+        if background:
+            record.handle._wait_settled(max(0.0, deadline - time.monotonic()))
+    lost = []
+    for _, record in pending:
+        handle = record.handle
+        if not handle._wait_settled(0):
+            lost.append(record)
+            _log.warning("asyncckpt: the save of %s was still pending %s and is lost (not committed; waited "
+                         "%.0f s, %s)%s", _describe_save(record), when, timeout, EXIT_TIMEOUT_ENV, hint)
+        elif handle.exception() is not None:
+            _log.warning("asyncckpt: the save of %s, pending %s, failed: %s", _describe_save(record), when,
+                         str(handle.exception()).splitlines()[0])
+    return lost
+
+
 def _settle_pending_at_exit() -> None:
     """At interpreter exit: let pending saves commit, for a bounded time, then name each
     one that is lost (a ``logging`` warning on logger ``asyncckpt``, shown on stderr).
@@ -908,7 +1021,7 @@ def _settle_pending_at_exit() -> None:
     """
     if os.getpid() in _exit_done:
         return
-    _exit_done.append(os.getpid())
+    _exit_done.append(os.getpid())  # also tells the threads of dropped managers (below)
     pending = []
     for saver in list(_live_savers):
         queue = saver._queue_ref()
@@ -919,25 +1032,8 @@ def _settle_pending_at_exit() -> None:
         except Exception:  # noqa: BLE001 - at exit: its failure is reported through its handle
             pass
         pending += [(queue.background_finalize, record) for record in saver.pending_records()]
-    if not pending:
-        return
-    try:
-        timeout = float(os.environ.get(EXIT_TIMEOUT_ENV, DEFAULT_EXIT_TIMEOUT_S))
-    except ValueError:
-        timeout = DEFAULT_EXIT_TIMEOUT_S
-    deadline = time.monotonic() + timeout
-    for background, record in pending:
-        if background:
-            record.handle._wait_settled(max(0.0, deadline - time.monotonic()))
-    for _, record in pending:
-        handle = record.handle
-        if not handle._wait_settled(0):
-            _log.warning("asyncckpt: the save of %s was still pending at interpreter exit and is lost (not "
-                         "committed; waited %.0f s, %s); call close() or wait() before exiting",
-                         record.final_dir, timeout, EXIT_TIMEOUT_ENV)
-        elif handle.exception() is not None:
-            _log.warning("asyncckpt: the save of %s, pending at interpreter exit, failed: %s",
-                         record.final_dir, str(handle.exception()).splitlines()[0])
+    if pending:
+        _settle_or_name(pending, exit_timeout(), "at interpreter exit", "; call close() or wait() before exiting")
 
 
 atexit.register(_settle_pending_at_exit)
@@ -945,6 +1041,72 @@ atexit.register(_settle_pending_at_exit)
 # run there too, before asyncckpt.callers stops the workers (priority 100).
 mp_util.Finalize(None, _settle_pending_at_exit, exitpriority=150)
 os.register_at_fork(after_in_child=_live_savers.clear)
+
+
+# ====================================================================== a dropped manager
+def release_when_settled(saver: Saver, queue: AsyncCallsQueue | None,
+                         then: Callable[[], None] | None = None) -> None:
+    """What a ``CheckpointManager`` collected without ``close()`` leaves to do (and
+    ``close()`` itself, for saves still pending on a queue passed in).
+
+    Its pending saves still commit: a thread (``asyncckpt-dropped-manager``) holds the
+    saver and the manager's own queue (``queue``; ``None`` for a queue passed in)
+    until every save settled (an overlapped one is handed to the writer first; on a
+    queue passed in, which another thread may be scheduling on, it is dropped and
+    named), names each failed one, then frees the staging buffers and closes the
+    manager's own queue. Without
+    pending saves this frees the buffers at once (and the queue goes with its last
+    reference). A save still pending at interpreter exit is left to the exit's bound
+    and named there. ``then`` (the manager's root lock release) runs last, once no
+    save of the manager can commit any more. Runs in whichever thread collected the
+    manager.
+    """
+    q = saver._queue_ref()
+    if q is None or q.closed or q.caller.foreign or not saver.busy():
+        saver.release()
+        if then is not None:
+            then()
+        return
+    threading.Thread(target=_finish_dropped, args=(saver, queue, then), name="asyncckpt-dropped-manager",
+                     daemon=True).start()
+
+
+def _finish_dropped(saver: Saver, queue: AsyncCallsQueue | None, then: Callable[[], None] | None) -> None:
+    try:
+        _settle_dropped(saver, queue)
+    finally:
+        if then is not None:
+            then()
+
+
+def _settle_dropped(saver: Saver, queue: AsyncCallsQueue | None) -> None:
+    if queue is not None:  # the manager's own queue: nobody else schedules on it now
+        try:
+            saver.synchronize_staging()  # an overlapped save still copying: hand it to the writer
+        except Exception:  # noqa: BLE001 - reported through its handle
+            pass
+    records = saver.pending_records()
+    for record in records:
+        record.handle._wait_settled()  # committed by the queue's finalizer (or failed, or aborted)
+    if os.getpid() in _exit_done:
+        return  # the interpreter exits: its hook named what is lost, its exit path stops the worker
+    for record in records:
+        if record.handle.exception() is not None:
+            _log.warning("asyncckpt: the save of %s, pending when its CheckpointManager was dropped without "
+                         "close(), failed: %s", _describe_save(record),
+                         str(record.handle.exception()).splitlines()[0])
+    overlapped = saver._overlapped
+    if overlapped is not None:  # a queue passed in: its owner's thread schedules on it, not this one
+        _log.warning("asyncckpt: the save of %s is dropped: it was never handed to the writer (its "
+                     "CheckpointManager was closed with abort=True, or dropped without close(), before "
+                     "synchronize_staging())", _describe_save(overlapped.save))
+    saver.release()
+    if queue is not None:
+        try:
+            queue.close()
+        except Exception as exc:  # noqa: BLE001 - nobody left to raise it to
+            _log.warning("asyncckpt: closing the queue of a CheckpointManager dropped without close() failed: %s",
+                         exc)
 
 
 # ====================================================================== free functions

@@ -82,13 +82,15 @@ def test_overlap_staging_with_save_function(tmp_path, temporal_queue):
 
 
 def test_overlap_staging_abort_drops_the_save(tmp_path):
-    """close(abort=True) with a staging in flight: nothing is committed, nothing leaks."""
+    """close(abort=True) with a staging in flight: nothing is committed, nothing leaks;
+    the handle fails at once and the callback is called once, with that failure."""
     results = []
     mgr = asyncckpt.CheckpointManager(tmp_path, overlap_staging=True, callback=results.append)
-    mgr.save(5, _state(5))
+    handle = mgr.save(5, _state(5))
     mgr.close(abort=True)
     assert mgr.steps() == []
-    assert results == []  # never scheduled: no call to report
+    assert handle.done() and results == [handle.exception()]
+    assert isinstance(results[0], asyncckpt.CheckpointError) and "step 5" in str(results[0])
 
 
 # ------------------------------------------------------------------ callbacks
