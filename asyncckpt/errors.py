@@ -325,3 +325,11 @@ class CheckpointPathError(AsyncckptError, OSError):
 
     def __reduce__(self) -> tuple:
         return (CheckpointPathError.of, (self.errno, self.strerror, self.filename))
+
+
+class PreemptionBudgetExpired(SystemExit):
+    """Raised in the main thread when a :class:`~asyncckpt.PreemptionSave` grace budget
+    is spent, wherever the training thread waits. A ``SystemExit(128 + signum)``:
+    uncaught, the process exits with that code. Not an :class:`AsyncckptError`: like
+    ``KeyboardInterrupt``, it is an interrupt, and every wait of the library treats it
+    as one (pending saves are dropped at once, nothing partial is committed)."""

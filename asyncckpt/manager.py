@@ -18,7 +18,7 @@ from .callers import PersistentAsyncCaller
 from .calls_queue import AsyncCallsQueue
 from .dist import SyncGroup
 from .errors import (AsyncckptError, CheckpointError, CheckpointException, CheckpointNotFoundError,
-                     InvalidArgumentError, RankFailure)
+                     InvalidArgumentError, PreemptionBudgetExpired, RankFailure)
 from .handle import SaveCallback, SaveHandle, SaveTimings
 from .loading import load
 from .options import SaveOptions
@@ -393,7 +393,8 @@ class CheckpointManager:
         """Close the manager at the end of a ``with`` block.
 
         Without an exception: :meth:`close` (pending saves commit, failures raise).
-        With an ``Exception`` (a training loop that crashed) or ``SystemExit``: every
+        With an ``Exception`` (a training loop that crashed) or ``SystemExit`` (other
+        than :class:`~asyncckpt.errors.PreemptionBudgetExpired`): every
         save staged before it still commits, for up to ``ASYNCCKPT_EXIT_TIMEOUT_S``
         seconds (default 5, the interpreter exit's bound); each one that failed or is
         still pending then (dropped) is named in a warning on logger ``asyncckpt``,
@@ -404,7 +405,8 @@ class CheckpointManager:
         if exc_type is None:
             self.close()
             return
-        if not issubclass(exc_type, (Exception, SystemExit)) or self._closed:
+        if (issubclass(exc_type, PreemptionBudgetExpired) or not issubclass(exc_type, (Exception, SystemExit))
+                or self._closed):
             self.close(abort=True)
             return
         when = f"when the `with CheckpointManager` block of {self.root_dir} ended with {exc_type.__name__}"

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from ._check import check_step
 from .dist import SyncGroup
-from .errors import AsyncckptError
+from .errors import AsyncckptError, PreemptionBudgetExpired
 
 __all__ = ["PreemptionSave"]
 
@@ -69,10 +69,8 @@ WRITTEN_COMMIT_S = 3.0
 _POLL_S = 0.005
 
 
-class _GraceExpired(SystemExit):
-    """Raised in the main thread when the grace budget is spent, wherever it waits (an
-    interrupt, as ``KeyboardInterrupt``: the library's waits treat it as one). A
-    ``SystemExit(128 + signum)``: uncaught, the process exits with that code."""
+#: The interrupt raised when the grace budget is spent (a ``SystemExit(128 + signum)``).
+_GraceExpired = PreemptionBudgetExpired
 
 
 class PreemptionSave:
