@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import hashlib
 import logging
 import multiprocessing.util as mp_util
 import os
@@ -233,11 +234,32 @@ def plan(state_dict: dict[str, Any], final_dir: Path, handle: SaveHandle, *, syn
             check_layout(layout)
         return layout
 
-    planned, layout = plan_save(state_dict, str(final_dir), sync, coordinator_rank,
-                                precheck if check_target else None, cache, finish=finish)
+    what = f"step {step} ({final_dir})" if step is not None else str(final_dir)
+
+    def disagree(agreed: list[list[int]]) -> None:  # (all ranks) name every rank's target
+        targets = sync.all_gather_object(what)
+        raise CheckpointError(
+            "the ranks passed different checkpoints to save(), so none is written: "
+            + "; ".join(f"rank {r}: {t}" for r, t in enumerate(targets))
+            + ". Every rank must save the same step into the same directory")
+
+    with sync.describing(f"the plan of the save of {what}"):
+        planned, layout = plan_save(state_dict, str(final_dir), sync, coordinator_rank,
+                                    precheck if check_target else None, cache, finish=finish,
+                                    agree=_target_ints(step, final_dir) if check_target else (),
+                                    on_disagree=disagree)
     return SaveInFlight(final_dir=final_dir, tmp_dir=_commit.temporary_dir_for(final_dir, planned.token),
                         step=step, sync=sync, coordinator_rank=coordinator_rank, planned=planned,
                         layout=layout, handle=handle, root=root)
+
+
+def _target_ints(step: int | None, final_dir: Path) -> tuple[int, int]:
+    """What every rank must agree on, as int64s: the step (-1: none) and a 63-bit hash
+    of the target directory's path."""
+    digest = hashlib.blake2b(os.fsencode(final_dir), digest_size=8).digest()
+    wide = step is not None and not -1 <= step < (1 << 63)
+    return (-1 if step is None or wide else step,
+            int.from_bytes(digest, "big") >> 1)
 
 
 def stage(save: SaveInFlight, buffer: StagingBuffer, copier: StagingCopier, *, cpu: bool = True,
