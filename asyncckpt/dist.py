@@ -14,6 +14,10 @@ the collective and which ranks did not arrive: a rank still waiting after
 :data:`CHECK_IN_AFTER_S` records that it arrived in the default store, and the error
 reads those records. Collectives that complete within that time (the steady state)
 touch no store.
+
+``torch.distributed.destroy_process_group`` is wrapped (once, at import) so that the
+functions registered with :func:`call_before_destroy` run before the user's groups are
+destroyed (the checkpoint layer commits its pending saves there).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch.distributed as dist
 
 from .errors import CheckpointError, RankFailure
 
-__all__ = ["SyncGroup", "collective_timeout"]
+__all__ = ["SyncGroup", "collective_timeout", "call_before_destroy"]
 
 _log = logging.getLogger("asyncckpt")
 
@@ -424,3 +428,51 @@ def _release_gloo_groups() -> None:
         _gloo_groups.clear()
     del groups
 
+
+# ---------------------------------------------------------------------- destroy_process_group
+_before_destroy: list[Callable[[Any], None]] = []
+
+
+def call_before_destroy(fn: Callable[[Any], None]) -> None:
+    """Call ``fn(group)`` at the start of ``torch.distributed.destroy_process_group(group)``
+    (``group`` ``None``: every group is being destroyed), before any group is, whenever
+    the group is the user's (never for asyncckpt's own gloo groups). An exception of
+    ``fn`` is logged; a ``BaseException`` (Ctrl-C) propagates and nothing is destroyed.
+    """
+    _before_destroy.append(fn)
+
+
+def _run_before_destroy(group: Any) -> None:
+    if group is None or group is dist.GroupMember.WORLD:
+        group = None
+    elif group is dist.GroupMember.NON_GROUP_MEMBER or group in _own_groups:
+        return
+    for fn in list(_before_destroy):
+        try:
+            fn(group)
+        except Exception:  # noqa: BLE001 - the user's destroy goes on
+            _log.exception("asyncckpt: a hook before destroy_process_group() raised")
+
+
+def _install_destroy_hook() -> None:
+    """Wrap ``destroy_process_group`` (in ``torch.distributed`` and its ``distributed_c10d``
+    module, where torch looks it up) so that :func:`call_before_destroy` hooks run first.
+    torch has no hook of its own for it. Idempotent."""
+    c10d = dist.distributed_c10d
+    original = c10d.destroy_process_group
+    if getattr(original, "__asyncckpt_original__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(group: Any = None) -> Any:
+        _run_before_destroy(group)
+        return original(group)
+
+    destroy_process_group.__asyncckpt_original__ = original  # type: ignore[attr-defined]
+    c10d.destroy_process_group = destroy_process_group
+    if getattr(dist, "destroy_process_group", None) is original:
+        dist.destroy_process_group = destroy_process_group
+
+
+if dist.is_available():
+    _install_destroy_hook()

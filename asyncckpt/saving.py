@@ -46,6 +46,7 @@ import psutil
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
+from . import _destroy_hook  # noqa: F401 - pending saves commit before destroy_process_group()
 from . import _faults
 from .calls_queue import AsyncCallsQueue
 from .dist import SyncGroup
@@ -320,6 +321,14 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
        (``save.root``); a failure here is a warning on a committed save.
     4. (all ranks) broadcast the coordinator's outcome of step 2.
 
+    A collective of 1 or 4 that breaks (a rank destroyed its groups, or left) does not
+    make the outcome up: the coordinator reports what it did (committed after its
+    rename, whatever the broadcast); another rank waits (at most
+    :data:`OUTCOME_WAIT_S`) until the coordinator decided, i.e. the temporary
+    directory is gone (renamed, or removed by the coordinator alone, see
+    ``Saver._settle``), and reports committed only if the final directory's manifest
+    carries this save's token.
+
     Returns:
         The save's timings.
 
@@ -329,19 +338,22 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
     """
     started = time.monotonic()
     exchange = exchange if exchange is not None else _LayoutExchange()
+    coordinator = sync.rank == save.coordinator_rank
     try:
         gathered = sync.all_gather_object((exchange.outgoing(save), result))
-    except BaseException:
+    except BaseException as exc:
         exchange.forget_sent()
-        raise
+        if coordinator or not isinstance(exc, Exception):
+            raise  # the coordinator commits nothing without every rank's result
+        return _outcome_from_disk(save, result, sync, started, exc)
     failure: RankFailure | None = None
-    if sync.rank == save.coordinator_rank:
+    if coordinator:
         try:
             metadata = save.planned.metadata
             metadata.storage_data = exchange.merged([layout for layout, _ in gathered])
             metadata.version = CURRENT_DCP_VERSION
             files = [f for _, r in gathered for f in r.files]
-            info = {"world_size": sync.world_size, "step": save.step}
+            info = {"world_size": sync.world_size, "step": save.step, "save_token": save.planned.token}
             if save.root is not None:
                 info["commit_seq"] = save.root.next_commit_seq()  # the rollback order (root.py)
             metadata_bytes, records = _METADATA_PICKLE.encode(metadata)
@@ -353,9 +365,15 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
                 save.root.after_commit(save.final_dir, pending_steps)
     try:
         failure = sync.broadcast_object(failure, save.coordinator_rank)
-    except BaseException:
+    except BaseException as exc:
         exchange.forget_sent()
-        raise
+        if not isinstance(exc, Exception):
+            raise
+        if not coordinator:
+            return _outcome_from_disk(save, result, sync, started, exc)
+        if failure is None:  # renamed: committed, whatever the other ranks heard
+            _log.warning("asyncckpt: %s is committed; the other ranks could not be told (%s)", save.final_dir,
+                         str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
     if failure is not None:
         exchange.forget_sent()
         raise CheckpointException(save.handle.call_idx if save.handle.call_idx is not None else -1,
@@ -364,6 +382,48 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
     nbytes = sum(r.nbytes for _, r in gathered)
     save.timings = save.handle._commit_timings(write_s, time.monotonic() - started, nbytes)
     return save.timings
+
+
+#: Seconds a rank whose commit collective broke waits for the coordinator's decision.
+OUTCOME_WAIT_S = 60.0
+
+
+def _outcome_from_disk(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup, started: float,
+                       cause: BaseException) -> SaveTimings:
+    """(a rank other than the coordinator, whose commit collective broke) The outcome as
+    the disk has it: wait until the coordinator decided (the temporary directory is
+    gone: renamed or discarded; at most :data:`OUTCOME_WAIT_S` and the group's
+    timeout), then committed only if ``final_dir``'s manifest carries this save's token.
+
+    Raises:
+        CheckpointException: not committed (or not decided in time), naming the path.
+    """
+    limit = min(OUTCOME_WAIT_S, sync.timeout.total_seconds())
+    deadline = time.monotonic() + limit
+    while save.tmp_dir.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        manifest: dict[str, Any] | None = _commit.read_manifest(save.final_dir)
+    except Exception:  # noqa: BLE001 - absent or not ours: not committed by this save
+        manifest = None
+    why = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    name = f"step {save.step} ({save.final_dir})" if save.step is not None else str(save.final_dir)
+    if manifest is not None and manifest.get("save_token") == save.planned.token:
+        _log.warning("asyncckpt: the commit of %s broke on this rank (%s); the coordinator committed it",
+                     name, why)
+        small = (_commit.METADATA_NAME, _commit.RECORDS_NAME)
+        nbytes = sum(e["size"] for n, e in manifest["files"].items() if n not in small)
+        save.timings = save.handle._commit_timings(result.write_s, time.monotonic() - started, nbytes)
+        return save.timings
+    if save.tmp_dir.exists():
+        text = (f"the commit of {name} broke on this rank ({why}) and the coordinator (rank "
+                f"{save.coordinator_rank}) did not decide within {limit:g} s: it is not committed now "
+                f"(a checkpoint that appears there later is complete)")
+    else:
+        text = (f"the commit of {name} broke on this rank ({why}); the coordinator (rank "
+                f"{save.coordinator_rank}) did not commit it")
+    raise CheckpointException(save.handle.call_idx if save.handle.call_idx is not None else -1,
+                              {sync.rank: RankFailure(text)}) from cause
 
 
 class _MetadataPickle:
@@ -729,8 +789,10 @@ class Saver:
     def _settle(self, record: SaveInFlight, exc: BaseException | None) -> None:
         handle = record.handle
         if exc is not None:
-            # Every rank, after the failure was agreed on: no rank writes any more.
-            shutil.rmtree(record.tmp_dir, ignore_errors=True)
+            if record.sync.rank == record.coordinator_rank:
+                # The coordinator alone, once it decided not to commit: another rank
+                # must never remove what the coordinator may still be committing.
+                _commit.discard_temporary(record.tmp_dir)
             outcome: Any = exc
         else:
             assert record.timings is not None
