@@ -73,6 +73,18 @@ def destroy_pending(rank: int, world: int, store: str, out_dir: Path, root: str,
     _report(out_dir, rank, {"outcomes": results})
 
 
+def destroy_foreground(rank: int, world: int, store: str, out_dir: Path, root: str) -> None:
+    """A save pending on a queue finalized in the training loop at ``destroy_process_group()``:
+    it cannot commit there, and is named as lost (the log, read by the test)."""
+    _init(rank, world, store, 60)
+    queue = asyncckpt.AsyncCallsQueue(background_finalize=False)
+    manager = asyncckpt.CheckpointManager(root, calls_queue=queue)
+    handle = manager.save(2, _state(rank, 1))
+    dist.destroy_process_group()
+    _report(out_dir, rank, {"outcomes": [_outcome(handle)]})
+    queue.close(abort=True)
+
+
 def abort_mid_commit(rank: int, world: int, store: str, out_dir: Path, root: str, reached: str) -> None:
     """Both ranks save step 2; rank 1 drops it (``close(abort=True)``) while the
     coordinator is at its commit point (failpoint ``commit`` on rank 0 touches
@@ -180,7 +192,7 @@ def absent_rank(rank: int, world: int, store: str, out_dir: Path, root: str, tim
     dist.destroy_process_group()
 
 
-SCENARIOS = {f.__name__: f for f in (destroy_pending, abort_mid_commit, different_steps, missing_file, absent_rank)}
+SCENARIOS = {f.__name__: f for f in (destroy_pending, destroy_foreground, abort_mid_commit, different_steps, missing_file, absent_rank)}
 
 
 def main() -> None:

@@ -158,6 +158,16 @@ def test_destroy_process_group_while_the_coordinator_commits(tmp_path: Path) -> 
     assert seen == ["committed", "committed"], seen
 
 
+@pytest.mark.timeout(120)
+def test_a_save_that_cannot_commit_at_destroy_process_group_is_named_as_lost(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    [report] = _run(tmp_path, "destroy_foreground", str(root), world=1)
+    assert report["outcomes"] == [{"state": "pending"}], report
+    lost = [line for line in report["log"].splitlines() if "destroy_process_group()" in line]
+    assert lost and "step 2" in lost[0] and str(root / "step_00000002") in lost[0] and "lost" in lost[0], \
+        report["log"]
+
+
 @pytest.mark.timeout(180)
 def test_a_rank_that_aborts_while_the_coordinator_commits_removes_nothing(tmp_path: Path) -> None:
     """Rank 1 drops the save (``close(abort=True)``) while rank 0 is at its commit point:
