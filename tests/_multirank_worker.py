@@ -23,7 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import asyncckpt
+#: As a script that did ``from torch.distributed import destroy_process_group`` before
+#: asyncckpt was imported (``import asyncckpt`` alone imports none of its modules).
+EARLY_DESTROY = dist.destroy_process_group
+
+import asyncckpt  # noqa: E402
 
 
 def _report(out_dir: Path, rank: int, result: dict[str, Any]) -> None:
@@ -71,6 +75,26 @@ def destroy_pending(rank: int, world: int, store: str, out_dir: Path, root: str,
         dist.destroy_process_group()
         results.append(_outcome(handle))
     _report(out_dir, rank, {"outcomes": results})
+
+
+def destroy_unhooked(rank: int, world: int, store: str, out_dir: Path, root: str, reached: str) -> None:
+    """As ``destroy_pending`` (one loop, rank 1 destroys once the coordinator is at its
+    commit point), but rank 1 calls a ``destroy_process_group`` taken before asyncckpt
+    was imported: nothing waits, rank 1's commit collective breaks."""
+    _init(rank, world, store, 60)
+    manager = asyncckpt.CheckpointManager(os.path.join(root, "loop0"))
+    manager.save(1, _state(rank)).wait(timeout=60)
+    handle = manager.save(2, _state(rank))
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(reached) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert getattr(EARLY_DESTROY, "__asyncckpt_original__", None) is None  # not the wrapper
+        EARLY_DESTROY()
+    else:
+        dist.destroy_process_group()
+    handle._wait_settled(90)  # the background commit settles it, whatever the groups
+    _report(out_dir, rank, {"outcomes": [_outcome(handle)]})
 
 
 def destroy_foreground(rank: int, world: int, store: str, out_dir: Path, root: str) -> None:
@@ -192,7 +216,7 @@ def absent_rank(rank: int, world: int, store: str, out_dir: Path, root: str, tim
     dist.destroy_process_group()
 
 
-SCENARIOS = {f.__name__: f for f in (destroy_pending, destroy_foreground, abort_mid_commit, different_steps, missing_file, absent_rank)}
+SCENARIOS = {f.__name__: f for f in (destroy_pending, destroy_unhooked, destroy_foreground, abort_mid_commit, different_steps, missing_file, absent_rank)}
 
 
 def main() -> None:

@@ -158,6 +158,19 @@ def test_destroy_process_group_while_the_coordinator_commits(tmp_path: Path) -> 
     assert seen == ["committed", "committed"], seen
 
 
+@pytest.mark.timeout(180)
+def test_a_commit_collective_broken_on_one_rank_reports_what_is_on_disk(tmp_path: Path) -> None:
+    """Rank 1 destroys its groups with a ``destroy_process_group`` taken before asyncckpt
+    was imported (no hook) while rank 0 is at its commit point: rank 1's collective
+    breaks; it removes nothing, and reports the coordinator's commit, as on disk."""
+    root = tmp_path / "root"
+    reached = tmp_path / "commit-reached"
+    fault = {0: {"ASYNCCKPT_FAULT": f"commit:touch={reached};commit:sleep=2"}}
+    reports = _run(tmp_path, "destroy_unhooked", str(root), str(reached), env=fault)
+    seen = _check_destroy_outcomes(root, reports, 1)
+    assert seen == ["committed", "committed"], seen
+
+
 @pytest.mark.timeout(120)
 def test_a_save_that_cannot_commit_at_destroy_process_group_is_named_as_lost(tmp_path: Path) -> None:
     root = tmp_path / "root"
