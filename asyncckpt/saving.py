@@ -547,7 +547,8 @@ class Saver:
     layout caches, the saves in flight and their handles. It learns how each save
     ended from the queue's settle listener, on every rank, whichever thread settled
     it: it then settles the handle, runs the completion callback, and for a failed
-    save removes its temporary directory (so a failed save leaves nothing behind).
+    save the coordinator removes its temporary directory (so a failed save leaves
+    nothing behind; another rank never removes what the coordinator may commit).
 
     Args:
         queue: the queue that runs the writes (held weakly: the saver goes with it).
