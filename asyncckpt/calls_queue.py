@@ -314,8 +314,8 @@ class AsyncCallsQueue:
         """Call ``listener(call_idx, exc_or_None)`` once for every call settled from now on.
 
         The checkpoint layer uses it to settle save handles, run completion callbacks
-        and remove a failed save's files on every rank, whichever way the failure is
-        observed. A listener that raises is logged and ignored.
+        and (on the coordinator) remove a failed save's files, whichever way the
+        failure is observed. A listener that raises is logged and ignored.
         """
         self._book.listeners.append(listener)
 

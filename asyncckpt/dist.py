@@ -5,25 +5,55 @@ once per process group, so they work whatever the default backend is (NCCL inclu
 and never interleave with the user's own collectives on the default group. With no
 process group initialized, everything behaves as world_size 1 and no collective is
 issued.
+
+Each gloo group takes the timeout of the user's process group (the ``timeout`` given
+to ``init_process_group`` or ``new_group``; the finalizer's groups at least torch's
+default, as a rank's write may take that much longer than another's). A collective
+that fails (its timeout passed, or a peer left) raises :class:`CheckpointError` naming
+the collective and which ranks did not arrive: a rank still waiting after
+:data:`CHECK_IN_AFTER_S` records that it arrived in the default store, and the error
+reads those records. Collectives that complete within that time (the steady state)
+touch no store.
+
+``torch.distributed.destroy_process_group`` is wrapped (once, at import) so that the
+functions registered with :func:`call_before_destroy` run before the user's groups are
+destroyed (the checkpoint layer commits its pending saves there).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
+import hashlib
+import logging
 import pickle
 import threading
-from typing import Any
+import time
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from .errors import RankFailure
+from .errors import CheckpointError, RankFailure
 
-__all__ = ["SyncGroup"]
+__all__ = ["SyncGroup", "collective_timeout", "call_before_destroy"]
+
+_log = logging.getLogger("asyncckpt")
+
+#: Seconds a collective may run before this rank records its arrival in the store
+#: (at most a quarter of the group's timeout); the steady state stays under it.
+CHECK_IN_AFTER_S = 1.0
+#: torch's default timeout of gloo groups (30 minutes).
+_TORCH_DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 _lock = threading.Lock()
 # (id of the user's group object or of the default group) -> (user group, gloo group)
 _gloo_groups: dict[int, tuple[Any, Any]] = {}
+#: The gloo groups asyncckpt created, and what their collectives need to report a failure.
+_own_groups: "weakref.WeakKeyDictionary[Any, _Arrivals]" = weakref.WeakKeyDictionary()
 
 
 def _resolve(process_group: Any) -> Any:
@@ -55,6 +85,17 @@ class SyncGroup:
             self.rank, self.world_size = 0, 1
         self._gloo = None
         self._private = False
+        self._what = "a collective of asyncckpt"
+
+    @contextlib.contextmanager
+    def describing(self, what: str) -> Iterator[None]:
+        """Name the collectives issued inside the block in their errors, e.g. "the plan
+        of the save of step 5 (/ckpt/step_00000005)"."""
+        before, self._what = self._what, what
+        try:
+            yield
+        finally:
+            self._what = before
 
     @classmethod
     def private(cls, process_group: Any = None) -> "SyncGroup":
@@ -66,8 +107,12 @@ class SyncGroup:
         """
         sync = cls(process_group)
         if sync.active:
-            sync._gloo = _new_gloo_group(process_group)
+            # At least torch's default: the finalizer's first collective waits for every
+            # rank's write, which may take one rank much longer than another.
+            sync._gloo = _new_gloo_group(process_group, op_timeout=max(collective_timeout(process_group),
+                                                                       _TORCH_DEFAULT_TIMEOUT))
             sync._private = True
+            sync._what = "a collective of the background commit"
         return sync
 
     def destroy(self) -> None:
@@ -110,7 +155,7 @@ class SyncGroup:
             return [list(values)]
         local = torch.tensor(values, dtype=torch.int64)
         out = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(out, local, group=self.gloo)
+        self._collective("all_gather", lambda group: dist.all_gather(out, local, group=group, async_op=True))
         return [t.tolist() for t in out]
 
     def gather_failures(self, failure: RankFailure | None) -> dict[int, RankFailure]:
@@ -145,8 +190,9 @@ class SyncGroup:
         local = bytearray(width)
         local[:len(payload)] = payload
         bufs = [bytearray(width) for _ in range(self.world_size)]
-        dist.all_gather([torch.frombuffer(b, dtype=torch.uint8) for b in bufs],
-                        torch.frombuffer(local, dtype=torch.uint8), group=self.gloo)
+        self._collective("all_gather", lambda group: dist.all_gather(
+            [torch.frombuffer(b, dtype=torch.uint8) for b in bufs], torch.frombuffer(local, dtype=torch.uint8),
+            group=group, async_op=True))
         return [pickle.loads(memoryview(b)[:n]) for b, n in zip(bufs, sizes)]
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
@@ -159,18 +205,186 @@ class SyncGroup:
             return obj
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == src else b""
         size = torch.tensor([len(payload)], dtype=torch.int64)
-        dist.broadcast(size, src=self.global_rank(src), group=self.gloo)
+        root = self.global_rank(src)
+        self._collective("broadcast", lambda group: dist.broadcast(size, src=root, group=group, async_op=True))
         buf = bytearray(payload) if self.rank == src else bytearray(int(size.item()))
         if buf:
-            dist.broadcast(torch.frombuffer(buf, dtype=torch.uint8), src=self.global_rank(src), group=self.gloo)
+            data = torch.frombuffer(buf, dtype=torch.uint8)
+            self._collective("broadcast", lambda group: dist.broadcast(data, src=root, group=group, async_op=True))
         return obj if self.rank == src else pickle.loads(buf)
 
+    def _collective(self, op: str, issue: Callable[[Any], Any]) -> None:
+        """Run one collective (``issue(group)`` starts it with ``async_op=True``) and wait.
 
-def _new_gloo_group(process_group: Any) -> Any:
-    if process_group is None:
-        return dist.new_group(backend="gloo")
-    ranks = dist.get_process_group_ranks(process_group)
-    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        Raises:
+            CheckpointError: it failed or timed out; names the collective and the ranks
+                that did not arrive (read from the store, see :class:`_Arrivals`).
+        """
+        group = self.gloo
+        arrivals = _own_groups.get(group)
+        if arrivals is None:  # not ours (cannot happen): wait as torch does
+            issue(group).wait()
+            return
+        arrivals.seq += 1
+        seq = arrivals.seq
+        started = time.monotonic()
+        try:
+            work = issue(group)
+            try:
+                work.wait(arrivals.check_in_after)
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    raise  # failed within the short wait: no "Operation timed out!" here
+            arrivals.check_in(seq, "waiting")  # still waiting: say so, for the others' errors
+            work.wait()
+        except RuntimeError as exc:
+            raise arrivals.error(f"{self._what} ({op})", seq, self.rank, time.monotonic() - started,
+                                 exc) from exc
+
+    @property
+    def timeout(self) -> timedelta:
+        """The timeout of this group's collectives (the dedicated or private gloo group's)."""
+        arrivals = _own_groups.get(self._gloo) if self._gloo is not None else None
+        if arrivals is not None:
+            return arrivals.timeout
+        return collective_timeout(self._user_group) if self.distributed else _TORCH_DEFAULT_TIMEOUT
+
+
+class _Arrivals:
+    """Which ranks reached a collective of one of our gloo groups, for its error.
+
+    Each rank counts the collectives it issues on the group (``seq``, equal across
+    ranks while they are in step). A rank still waiting after ``check_in_after``
+    seconds sets its key in the default store to ``"<seq> waiting"``; a rank whose
+    collective failed sets ``"<seq> gave up"``, then reads every rank's key: a rank
+    without ``<seq>`` did not arrive. Nothing is stored while collectives complete
+    within ``check_in_after``.
+    """
+
+    def __init__(self, name: str, ranks: list[int], timeout: timedelta) -> None:
+        self.timeout = timeout
+        self.check_in_after = timedelta(seconds=min(CHECK_IN_AFTER_S, timeout.total_seconds() / 4))
+        self.seq = 0
+        self.name = name
+        self.ranks = list(ranks)  # group rank -> global rank
+
+    def _key(self, group_rank: int) -> str:
+        return f"asyncckpt/arrival/{self.name}/{self.ranks[group_rank]}"
+
+    @staticmethod
+    def _store() -> Any:
+        return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+
+    def check_in(self, seq: int, state: str) -> None:
+        """Record this rank's ``state`` at collective ``seq`` (best effort)."""
+        try:
+            store = self._store()
+            if store is not None:
+                store.set(self._key(self.ranks.index(dist.get_rank())), f"{seq} {state}")
+        except Exception:  # noqa: BLE001 - a diagnosis only
+            pass
+
+    def _states(self, seq: int, me: int) -> dict[str, list[int]]:
+        store = self._store()
+        if store is None:
+            raise RuntimeError("torch.distributed is no longer initialized")
+        found: dict[str, list[int]] = {"did not arrive": [], "gave up": [], "was waiting": []}
+        for r in range(len(self.ranks)):
+            if r == me:
+                continue
+            key = self._key(r)
+            value = store.get(key).decode() if store.check([key]) else ""
+            their_seq, _, state = value.partition(" ")
+            if not their_seq.isdigit() or int(their_seq) < seq:
+                found["did not arrive"].append(r)
+            elif int(their_seq) == seq and state == "gave up":
+                found["gave up"].append(r)
+            else:
+                found["was waiting"].append(r)
+        return found
+
+    def error(self, what: str, seq: int, me: int, waited_s: float, cause: BaseException) -> CheckpointError:
+        """The error of a failed collective, naming the ranks that did not arrive."""
+        self.check_in(seq, "gave up")
+        try:
+            found = self._states(seq, me)
+            if found["did not arrive"]:  # one that arrived just now has not checked in yet
+                time.sleep(self.check_in_after.total_seconds())
+                found = self._states(seq, me)
+            parts = [f"{k}: " + ", ".join(f"rank {r}" for r in v) for k, v in found.items() if v]
+            who = "; ".join(parts) if parts else "every rank arrived"
+        except Exception as exc:  # noqa: BLE001 - the store may be gone with the group
+            who = f"which ranks arrived is unknown ({type(exc).__name__}: {exc})"
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        timeout_s = self.timeout.total_seconds()
+        return CheckpointError(
+            f"{what} failed on rank {me} after {waited_s:.1f} s (the group's timeout is {timeout_s:g} s): "
+            f"{who}. Every rank must make the same asyncckpt calls in the same order (each rank calls "
+            f"save() for every checkpoint). Cause: {first}")
+
+
+def collective_timeout(process_group: Any = None) -> timedelta:
+    """The timeout of ``process_group``'s collectives (default: the default group's):
+    the ``timeout`` given to ``init_process_group`` / ``new_group``, else torch's default."""
+    try:
+        group = _resolve(process_group)
+        for device in group._device_types:
+            timeout = getattr(getattr(group._get_backend(device), "options", None), "_timeout", None)
+            if isinstance(timeout, timedelta):
+                return timeout
+        if process_group is None:
+            timeout = dist.distributed_c10d._get_default_store().timeout
+            if isinstance(timeout, timedelta):
+                return timeout
+    except Exception:  # noqa: BLE001 - private attributes of torch: fall back to its default
+        pass
+    return _TORCH_DEFAULT_TIMEOUT
+
+
+#: Our group creations per set of ranks (the same order on every member): names the
+#: store keys of a creation's check-in.
+_creations: dict[tuple[int, ...], int] = {}
+
+
+def _new_gloo_group(process_group: Any, op_timeout: timedelta | None = None) -> Any:
+    """A new gloo group over ``process_group``'s ranks (collective on them).
+
+    Created with the user group's timeout (a rank that does not come fails it after
+    that long), then given ``op_timeout`` for its collectives when that differs.
+
+    Raises:
+        CheckpointError: the creation failed (timed out), naming the ranks that did
+            not arrive. Each rank records its arrival in the store first (once per
+            group: not the steady state).
+    """
+    timeout = collective_timeout(process_group)
+    ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
+             else list(range(dist.get_world_size())))
+    members = tuple(ranks)
+    with _lock:
+        _creations[members] = _creations.get(members, 0) + 1
+        nth = _creations[members]
+    digest = hashlib.blake2b(repr(members).encode(), digest_size=8).hexdigest()
+    creation = _Arrivals(f"new_group/{digest}/{nth}", ranks, timeout)
+    creation.check_in(1, "waiting")
+    started = time.monotonic()
+    try:
+        if process_group is None:
+            gloo = dist.new_group(backend="gloo", timeout=timeout)
+        else:
+            gloo = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
+    except RuntimeError as exc:
+        raise creation.error("the creation of asyncckpt's gloo group (new_group)", 1,
+                             ranks.index(dist.get_rank()), time.monotonic() - started, exc) from exc
+    if op_timeout is not None and op_timeout != timeout:
+        try:
+            gloo._get_backend(torch.device("cpu"))._set_default_timeout(op_timeout)
+            timeout = op_timeout
+        except Exception:  # noqa: BLE001 - a private method of torch: keep the creation's timeout
+            pass
+    _own_groups[gloo] = _Arrivals(f"group/{getattr(gloo, 'group_name', '') or digest}", ranks, timeout)
+    return gloo
 
 
 def _registered(group: Any) -> bool:
@@ -213,3 +427,52 @@ def _release_gloo_groups() -> None:
         groups = list(_gloo_groups.values())
         _gloo_groups.clear()
     del groups
+
+
+# ---------------------------------------------------------------------- destroy_process_group
+_before_destroy: list[Callable[[Any], None]] = []
+
+
+def call_before_destroy(fn: Callable[[Any], None]) -> None:
+    """Call ``fn(group)`` at the start of ``torch.distributed.destroy_process_group(group)``
+    (``group`` ``None``: every group is being destroyed), before any group is, whenever
+    the group is the user's (never for asyncckpt's own gloo groups). An exception of
+    ``fn`` is logged; a ``BaseException`` (Ctrl-C) propagates and nothing is destroyed.
+    """
+    _before_destroy.append(fn)
+
+
+def _run_before_destroy(group: Any) -> None:
+    if group is None or group is dist.GroupMember.WORLD:
+        group = None
+    elif group is dist.GroupMember.NON_GROUP_MEMBER or group in _own_groups:
+        return
+    for fn in list(_before_destroy):
+        try:
+            fn(group)
+        except Exception:  # noqa: BLE001 - the user's destroy goes on
+            _log.exception("asyncckpt: a hook before destroy_process_group() raised")
+
+
+def _install_destroy_hook() -> None:
+    """Wrap ``destroy_process_group`` (in ``torch.distributed`` and its ``distributed_c10d``
+    module, where torch looks it up) so that :func:`call_before_destroy` hooks run first.
+    torch has no hook of its own for it. Idempotent."""
+    c10d = dist.distributed_c10d
+    original = c10d.destroy_process_group
+    if getattr(original, "__asyncckpt_original__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(group: Any = None) -> Any:
+        _run_before_destroy(group)
+        return original(group)
+
+    destroy_process_group.__asyncckpt_original__ = original  # type: ignore[attr-defined]
+    c10d.destroy_process_group = destroy_process_group
+    if getattr(dist, "destroy_process_group", None) is original:
+        dist.destroy_process_group = destroy_process_group
+
+
+if dist.is_available():
+    _install_destroy_hook()

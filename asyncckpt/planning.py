@@ -548,7 +548,8 @@ def _resolve(plan: SavePlan, lookup: Any) -> list[Any]:
 
 def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, coordinator_rank: int,
               precheck: Callable[[], None] | None = None, cache: PlanCache | None = None,
-              finish: Callable[[SavePlanResult], Any] | None = None) -> tuple[SavePlanResult, Any]:
+              finish: Callable[[SavePlanResult], Any] | None = None, agree: tuple[int, ...] = (),
+              on_disagree: Callable[[list[list[int]]], None] | None = None) -> tuple[SavePlanResult, Any]:
     """Validate, plan collectively (or reuse the cached plan), and resolve this rank's data.
 
     Call sequence (all ranks, every step a collective on ``sync`` except where said):
@@ -559,8 +560,9 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
        signature equals its cached one) resolve its data by the cached paths (each
        write item's value looked up, no flattening) and run ``finish`` (e.g. the file
        layout) on the cached plan, ahead of knowing whether every rank hit.
-    2. one int64 all_gather: failed?, cache hit?, the coordinator's random token.
-       A failure anywhere raises here, on every rank. Every rank hit: done, with the
+    2. one int64 all_gather: failed?, cache hit?, the coordinator's random token, and
+       ``agree``. A failure anywhere raises here, on every rank; so does a rank whose
+       ``agree`` differs from another's (``on_disagree``). Every rank hit: done, with the
        plan and data of 1: the steady state costs this one collective.
     3. else DCP's ``DefaultSavePlanner`` (one all_gather of the local plans, then the
        same global plan on every rank); what 1 resolved is dropped.
@@ -577,6 +579,10 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
         cache: reuse and update this plan cache.
         finish: run on the resolved plan before the last error funnel; its return
             value is returned (its exceptions are funnelled like the others).
+        agree: ints every rank must give equal (e.g. the step and a hash of the
+            target), carried by the first all_gather (no collective of their own).
+        on_disagree: called on every rank with every rank's ``agree`` when they
+            differ; it raises (default: a :class:`CheckpointError` listing them).
 
     Returns:
         This rank's plan, and what ``finish`` returned (``None`` without it).
@@ -614,9 +620,14 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
         except Exception as exc:  # reported on every rank below
             failure = _describe(exc)
     token_parts = [secrets.randbits(63), secrets.randbits(63)] if is_coordinator else [0, 0]
-    gathered = sync.all_gather_ints([failure is not None, cached, *token_parts])
+    gathered = sync.all_gather_ints([failure is not None, cached, *token_parts, *agree])
     if any(g[0] for g in gathered):
         _raise_errors(sync, sync.all_gather_object(failure))
+    if any(g[4:] != gathered[0][4:] for g in gathered):
+        agreed = [g[4:] for g in gathered]
+        if on_disagree is not None:
+            on_disagree(agreed)
+        raise CheckpointError("the ranks disagree: " + "; ".join(f"rank {r}: {v}" for r, v in enumerate(agreed)))
     token = "".join(f"{v:016x}" for v in gathered[coordinator_rank][2:4])
     if all(g[1] for g in gathered):
         assert cache is not None and hit is not None

@@ -29,12 +29,12 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import hashlib
 import logging
 import multiprocessing.util as mp_util
 import os
 import pickle
 import secrets
-import shutil
 import threading
 import time
 import weakref
@@ -45,6 +45,7 @@ import psutil
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
+from . import _destroy_hook  # noqa: F401 - pending saves commit before destroy_process_group()
 from . import _faults
 from .calls_queue import AsyncCallsQueue
 from .dist import SyncGroup
@@ -248,11 +249,32 @@ def plan(state_dict: dict[str, Any], final_dir: Path, handle: SaveHandle, *, syn
             check_layout(layout)
         return layout
 
-    planned, layout = plan_save(state_dict, str(final_dir), sync, coordinator_rank,
-                                precheck if check_target else None, cache, finish=finish)
+    what = f"step {step} ({final_dir})" if step is not None else str(final_dir)
+
+    def disagree(agreed: list[list[int]]) -> None:  # (all ranks) name every rank's target
+        targets = sync.all_gather_object(what)
+        raise CheckpointError(
+            "the ranks passed different checkpoints to save(), so none is written: "
+            + "; ".join(f"rank {r}: {t}" for r, t in enumerate(targets))
+            + ". Every rank must save the same step into the same directory")
+
+    with sync.describing(f"the plan of the save of {what}"):
+        planned, layout = plan_save(state_dict, str(final_dir), sync, coordinator_rank,
+                                    precheck if check_target else None, cache, finish=finish,
+                                    agree=_target_ints(step, final_dir) if check_target else (),
+                                    on_disagree=disagree)
     return SaveInFlight(final_dir=final_dir, tmp_dir=_commit.temporary_dir_for(final_dir, planned.token),
                         step=step, sync=sync, coordinator_rank=coordinator_rank, planned=planned,
                         layout=layout, handle=handle, root=root)
+
+
+def _target_ints(step: int | None, final_dir: Path) -> tuple[int, int]:
+    """What every rank must agree on, as int64s: the step (-1: none) and a 63-bit hash
+    of the target directory's path."""
+    digest = hashlib.blake2b(os.fsencode(final_dir), digest_size=8).digest()
+    wide = step is not None and not -1 <= step < (1 << 63)
+    return (-1 if step is None or wide else step,
+            int.from_bytes(digest, "big") >> 1)
 
 
 def stage(save: SaveInFlight, buffer: StagingBuffer, copier: StagingCopier, *, cpu: bool = True,
@@ -313,6 +335,14 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
        (``save.root``); a failure here is a warning on a committed save.
     4. (all ranks) broadcast the coordinator's outcome of step 2.
 
+    A collective of 1 or 4 that breaks (a rank destroyed its groups, or left) does not
+    make the outcome up: the coordinator reports what it did (committed after its
+    rename, whatever the broadcast); another rank waits (at most
+    :data:`OUTCOME_WAIT_S`) until the coordinator decided, i.e. the temporary
+    directory is gone (renamed, or removed by the coordinator alone, see
+    ``Saver._settle``), and reports committed only if the final directory's manifest
+    carries this save's token.
+
     Returns:
         The save's timings.
 
@@ -322,19 +352,22 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
     """
     started = time.monotonic()
     exchange = exchange if exchange is not None else _LayoutExchange()
+    coordinator = sync.rank == save.coordinator_rank
     try:
         gathered = sync.all_gather_object((exchange.outgoing(save), result))
-    except BaseException:
+    except BaseException as exc:
         exchange.forget_sent()
-        raise
+        if coordinator or not isinstance(exc, Exception):
+            raise  # the coordinator commits nothing without every rank's result
+        return _outcome_from_disk(save, result, sync, started, exc)
     failure: RankFailure | None = None
-    if sync.rank == save.coordinator_rank:
+    if coordinator:
         try:
             metadata = save.planned.metadata
             metadata.storage_data = exchange.merged([layout for layout, _ in gathered])
             metadata.version = CURRENT_DCP_VERSION
             files = [f for _, r in gathered for f in r.files]
-            info = {"world_size": sync.world_size, "step": save.step}
+            info = {"world_size": sync.world_size, "step": save.step, "save_token": save.planned.token}
             if save.planned.int_keys:  # dict keys that were int (DCP's metadata has str(key))
                 info["int_keys"] = {fqn: list(ints) for fqn, ints in save.planned.int_keys.items()}
             if save.root is not None:
@@ -348,9 +381,15 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
                 save.root.after_commit(save.final_dir, pending_steps)
     try:
         failure = sync.broadcast_object(failure, save.coordinator_rank)
-    except BaseException:
+    except BaseException as exc:
         exchange.forget_sent()
-        raise
+        if not isinstance(exc, Exception):
+            raise
+        if not coordinator:
+            return _outcome_from_disk(save, result, sync, started, exc)
+        if failure is None:  # renamed: committed, whatever the other ranks heard
+            _log.warning("asyncckpt: %s is committed; the other ranks could not be told (%s)", save.final_dir,
+                         str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
     if failure is not None:
         exchange.forget_sent()
         raise CheckpointException(save.handle.call_idx if save.handle.call_idx is not None else -1,
@@ -359,6 +398,48 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
     nbytes = sum(r.nbytes for _, r in gathered)
     save.timings = save.handle._commit_timings(write_s, time.monotonic() - started, nbytes)
     return save.timings
+
+
+#: Seconds a rank whose commit collective broke waits for the coordinator's decision.
+OUTCOME_WAIT_S = 60.0
+
+
+def _outcome_from_disk(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup, started: float,
+                       cause: BaseException) -> SaveTimings:
+    """(a rank other than the coordinator, whose commit collective broke) The outcome as
+    the disk has it: wait until the coordinator decided (the temporary directory is
+    gone: renamed or discarded; at most :data:`OUTCOME_WAIT_S` and the group's
+    timeout), then committed only if ``final_dir``'s manifest carries this save's token.
+
+    Raises:
+        CheckpointException: not committed (or not decided in time), naming the path.
+    """
+    limit = min(OUTCOME_WAIT_S, sync.timeout.total_seconds())
+    deadline = time.monotonic() + limit
+    while save.tmp_dir.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        manifest: dict[str, Any] | None = _commit.read_manifest(save.final_dir)
+    except Exception:  # noqa: BLE001 - absent or not ours: not committed by this save
+        manifest = None
+    why = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    name = f"step {save.step} ({save.final_dir})" if save.step is not None else str(save.final_dir)
+    if manifest is not None and manifest.get("save_token") == save.planned.token:
+        _log.warning("asyncckpt: the commit of %s broke on this rank (%s); the coordinator committed it",
+                     name, why)
+        small = (_commit.METADATA_NAME, _commit.RECORDS_NAME)
+        nbytes = sum(e["size"] for n, e in manifest["files"].items() if n not in small)
+        save.timings = save.handle._commit_timings(result.write_s, time.monotonic() - started, nbytes)
+        return save.timings
+    if save.tmp_dir.exists():
+        text = (f"the commit of {name} broke on this rank ({why}) and the coordinator (rank "
+                f"{save.coordinator_rank}) did not decide within {limit:g} s: it is not committed now "
+                f"(a checkpoint that appears there later is complete)")
+    else:
+        text = (f"the commit of {name} broke on this rank ({why}); the coordinator (rank "
+                f"{save.coordinator_rank}) did not commit it")
+    raise CheckpointException(save.handle.call_idx if save.handle.call_idx is not None else -1,
+                              {sync.rank: RankFailure(text)}) from cause
 
 
 class _MetadataPickle:
@@ -512,7 +593,8 @@ class Saver:
     layout caches, the saves in flight and their handles. It learns how each save
     ended from the queue's settle listener, on every rank, whichever thread settled
     it: it then settles the handle, runs the completion callback, and for a failed
-    save removes its temporary directory (so a failed save leaves nothing behind).
+    save the coordinator removes its temporary directory (so a failed save leaves
+    nothing behind; another rank never removes what the coordinator may commit).
 
     Args:
         queue: the queue that runs the writes (held weakly: the saver goes with it).
@@ -675,13 +757,12 @@ class Saver:
         Interrupted (Ctrl-C, or a broken collective), the save is settled as failed
         and its temporary directory removed where no rank can commit it any more:
         always on the coordinator (it alone commits, and it is interrupted), on the
-        other ranks only before they joined the commit (the commit's first
-        collective needs every rank). Then the interrupt is re-raised.
+        other ranks never (the coordinator may still commit them). Then the interrupt
+        is re-raised.
         """
         sync = record.sync
         failure: RankFailure | None = None
         result: RankWriteResult | None = None
-        committing = False
         try:
             self.wait_all()  # commits stay in call order: `latest` never goes backwards
             try:
@@ -695,7 +776,6 @@ class Saver:
                 error = CheckpointException(-1, failures, record.step, record.final_dir)
             else:
                 assert result is not None
-                committing = True
                 try:
                     commit(record, result, sync, self.pending_steps())
                 except CheckpointException as exc:
@@ -703,7 +783,7 @@ class Saver:
         except BaseException as exc:
             interrupted = CheckpointException(-1, {sync.rank: RankFailure.from_exception(exc, "interrupted: ")},
                                               record.step, record.final_dir)
-            self._settle(record, interrupted, remove_tmp=not committing or sync.rank == record.coordinator_rank)
+            self._settle(record, interrupted)  # the coordinator removes its files: it did not commit
             raise
         self._settle(record, error)
         if error is not None:
@@ -770,14 +850,15 @@ class Saver:
         self._settle(record, exc)
         return True
 
-    def _settle(self, record: SaveInFlight, exc: BaseException | None, remove_tmp: bool = True) -> None:
+    def _settle(self, record: SaveInFlight, exc: BaseException | None) -> None:
         handle = record.handle
         if isinstance(exc, CheckpointException):  # named by the step and path, not the queue's call
             exc = exc.for_save(record.step, record.final_dir)
         if exc is not None:
-            if remove_tmp:
-                # Every rank, after the failure was agreed on: no rank writes any more.
-                shutil.rmtree(record.tmp_dir, ignore_errors=True)
+            if record.sync.rank == record.coordinator_rank:
+                # The coordinator alone, once it decided not to commit: another rank
+                # must never remove what the coordinator may still be committing.
+                _commit.discard_temporary(record.tmp_dir)
             outcome: Any = exc
         else:
             assert record.timings is not None

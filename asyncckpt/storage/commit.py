@@ -36,6 +36,7 @@ __all__ = [
     "LATEST_NAME",
     "temporary_dir_for",
     "commit_directory",
+    "discard_temporary",
     "read_manifest",
     "verify_checkpoint",
     "is_committed",
@@ -98,8 +99,11 @@ def commit_directory(
 
     Raises:
         FileExistsError: ``final_dir`` exists and is not empty.
+        CorruptCheckpointError: a file of ``files`` is missing from ``tmp_dir`` or has
+            another size (checked just before the rename): nothing is committed.
         OSError: any I/O failure; ``final_dir`` is then not created.
     """
+    files = list(files)
     entries = {f.name: {"size": f.nbytes, "segments": [list(s) for s in f.segments]} for f in files}
     small = {METADATA_NAME: metadata_bytes}
     if records is not None:
@@ -119,11 +123,49 @@ def commit_directory(
     _write_new_file(tmp_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
     fsync_directory(str(tmp_dir))
     _faults.hit("commit")
+    _check_present(tmp_dir, final_dir, files)
     if final_dir.exists() and any(final_dir.iterdir()):
         raise FileExistsError(f"{final_dir} exists and is not empty; it is never overwritten")
     os.rename(tmp_dir, final_dir)  # atomic; replaces an empty directory
     fsync_directory(str(final_dir.parent))
     return manifest
+
+
+def _check_present(tmp_dir: Path, final_dir: Path, files: list[FileResult]) -> None:
+    """Every rank's data file is in ``tmp_dir``, with the size its writer reported (one
+    ``lstat`` per file), so that a rename never commits a checkpoint missing a rank's data.
+
+    Raises:
+        CorruptCheckpointError: naming the first file missing or of another size.
+    """
+    for f in files:
+        path = tmp_dir / f.name
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{f.name} is missing from the temporary directory {tmp_dir} although the manifest lists it "
+                f"(did every rank write into the same directory?); {final_dir} is not committed",
+                str(path)) from None
+        if not stat.S_ISREG(st.st_mode) or st.st_size != f.nbytes:
+            raise CorruptCheckpointError(
+                f"{f.name} in {tmp_dir} has {st.st_size} bytes, its writer wrote {f.nbytes}; "
+                f"{final_dir} is not committed", str(path))
+
+
+def discard_temporary(tmp_dir: Path) -> None:
+    """Remove a save's temporary directory that will never be committed: first renamed
+    to a hidden ``.deleting-`` name (so whoever waits for the coordinator's decision sees
+    the temporary name go at once), then removed. No error if it is gone already."""
+    base = tmp_dir.name.rsplit(".tmp-", 1)[0]
+    doomed = tmp_dir.parent / f"{base}.deleting-{secrets.token_hex(6)}"
+    try:
+        os.rename(tmp_dir, doomed)
+    except FileNotFoundError:
+        return
+    except OSError:
+        doomed = tmp_dir
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _open_no_follow(path: Path) -> int:
