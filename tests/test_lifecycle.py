@@ -218,6 +218,65 @@ def test_ctrl_c_in_the_with_block_still_drops_at_once(tmp_path: Path, monkeypatc
     assert manager.steps() == [] and _hidden(root) == []
 
 
+@pytest.mark.timeout(120)
+def test_sys_exit_in_the_with_block_keeps_the_staged_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sys.exit()` inside the block is an ending like a crash, not an interrupt: the
+    save staged before it commits, and the SystemExit goes on."""
+    monkeypatch.setenv("ASYNCCKPT_FAULT", "mid_write:sleep=0.5")
+    state = {"w": torch.full((1 << 18,), 3.0)}
+    with pytest.raises(SystemExit) as exited:
+        with CheckpointManager(tmp_path / "root") as manager:
+            manager.save(3, state)
+            sys.exit(4)
+    assert exited.value.code == 4
+    assert manager.steps() == [3] and torch.equal(_loaded(manager.step_dir(3), state)["w"], state["w"])
+
+
+@pytest.mark.timeout(60)
+def test_the_preemption_budget_ending_the_with_block_drops_at_once(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interrupt of a spent preemption budget (a SystemExit subclass) is treated as
+    Ctrl-C, not as a crash: the block does not wait the crash bound for a write that
+    cannot finish in time; nothing partial is left."""
+    monkeypatch.setenv("ASYNCCKPT_FAULT", "mid_write:sleep=30")
+    monkeypatch.setenv("ASYNCCKPT_EXIT_TIMEOUT_S", "20")
+    root = tmp_path / "root"
+    started = time.monotonic()
+    with pytest.raises(asyncckpt.errors.PreemptionBudgetExpired):
+        with CheckpointManager(root, persistent=False) as manager:
+            handle = manager.save(1, {"w": torch.ones(1 << 18)})
+            raise asyncckpt.errors.PreemptionBudgetExpired(143)
+    assert time.monotonic() - started < 15, "the budget's interrupt must not wait for the crash bound"
+    assert handle.done() and handle.exception() is not None
+    assert manager.steps() == [] and _hidden(root) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_dropped_managers_root_stays_locked_until_its_save_settles(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manager dropped with a save in flight keeps its root locked while that save may
+    still commit (another job must not take the root then), and lets it go afterwards."""
+    monkeypatch.setenv("ASYNCCKPT_FAULT", "mid_write:sleep=2")
+    root = tmp_path / "root"
+    handle = CheckpointManager(root).save(1, {"w": torch.randn(1 << 18)})
+    gc.collect()
+    with pytest.raises(asyncckpt.RootInUseError):
+        CheckpointManager(root)
+    handle.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while True:  # released by the thread that finishes the dropped manager, after the settle
+        try:
+            successor = CheckpointManager(root)
+            break
+        except asyncckpt.RootInUseError:
+            assert time.monotonic() < deadline, "the root stayed locked after the dropped manager's save settled"
+            time.sleep(0.05)
+    try:
+        assert successor.steps() == [1]
+    finally:
+        successor.close()
+
+
 # ------------------------------------------------------------------ one step saved twice (issue 25.8)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("caller", CALLERS)
