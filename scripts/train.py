@@ -231,6 +231,24 @@ def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
     return f
 
 
+def settle_ddp_buckets(model: DistributedDataParallel, batch_shape: tuple[int, int], device: torch.device) -> None:
+    """One forward and backward of ``model`` on a dummy batch of ``batch_shape`` (bytes of
+    value 0), leaving parameters, gradients and every RNG as they were, so that every
+    training step all-reduces its gradients with the same bucket layout.
+
+    DDP packs gradients into buckets in reverse parameter order when constructed, and
+    repacks them once, in the order they became ready, after a process's first backward.
+    On more than 2 ranks an all-reduce adds the ranks' values in an order that depends on
+    where an element lies in its bucket (the ring's chunks), so the first step after
+    ``--resume``, all-reduced with the initial layout, would differ in the last bits from
+    the same step of an uninterrupted run, all-reduced with the repacked one. After this,
+    every step, of a fresh or a resumed process, uses the repacked layout.
+    """
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout draws
+        model(torch.zeros(batch_shape, dtype=torch.long, device=device)).float().sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
 # ----------------------------------------------------------------------------- RNG state
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -456,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{args.ckpt_dir} already holds checkpoints (latest step {latest}); "
                              "pass --resume to continue, or remove it / choose another --ckpt-dir")
         model = DistributedDataParallel(raw_model) if distributed and not args.fsdp else raw_model
+        if isinstance(model, DistributedDataParallel):
+            settle_ddp_buckets(model, (args.batch_size, args.block_size), device)
         handles: dict[int, Any] = {}  # step -> SaveHandle, until committed
         blocked: list[float] = []  # seconds the loop spent in state_dict() + save(), per checkpoint
         committed: list[Any] = []  # SaveTimings of the committed saves
