@@ -4,8 +4,11 @@ checkpointing asynchronously with :class:`asyncckpt.CheckpointManager`.
 
     python scripts/train.py                              # about 2 minutes on 2 CPU cores
     python scripts/train.py --resume                     # continue from ./checkpoints
-    torchrun --nproc-per-node 2 scripts/train.py         # DDP (gloo on CPU)
-    torchrun --nproc-per-node 2 scripts/train.py --fsdp  # FSDP2: parameters and AdamW state sharded
+    python scripts/train.py --fresh                      # start over: remove ./checkpoints first
+    torchrun --standalone --nproc-per-node 2 scripts/train.py         # DDP (gloo on CPU)
+    torchrun --standalone --nproc-per-node 2 scripts/train.py --fsdp  # FSDP2: parameters, AdamW state sharded
+
+Without --resume or --fresh it refuses to start over checkpoints in --ckpt-dir.
 
 Per step it shows one progress bar on stderr when that is a terminal (step, loss, steps/s,
 the last checkpoint's stall), else one line per 10% of the steps; --log-every N prints a
