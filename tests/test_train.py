@@ -232,15 +232,23 @@ def _run_until_signal(cmd: list[str], cwd: Path, sig: signal.Signals, to_group: 
             lines.put(None)
         threading.Thread(target=pump, daemon=True).start()
         out, deadline = "", time.monotonic() + 60
-        while not COMMIT_RE.search(out):
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"no checkpoint committed within 60 s:\n{out}")
-            if line is None:
-                pytest.fail(f"exited early with {proc.wait()}:\n{out}")
-            out += line
-        time.sleep(0.3)  # let it run on, so a save may be in flight when the signal arrives
+
+        def read_until(done: Any, what: str) -> None:
+            nonlocal out
+            while not done():
+                try:
+                    line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    pytest.fail(f"no {what} within 60 s:\n{out}")
+                if line is None:
+                    pytest.fail(f"exited early with {proc.wait()}:\n{out}")
+                out += line
+
+        read_until(lambda: COMMIT_RE.search(out), "checkpoint committed")
+        # Let it run on to the next save, so that one is in flight when the signal arrives
+        # (a fixed delay is hundreds of steps on a fast machine: past the reference's LONG).
+        staged = len(STAGED_STALL_RE.findall(out))
+        read_until(lambda: len(STAGED_STALL_RE.findall(out)) > staged, "next checkpoint staged")
         t0 = time.monotonic()
         if to_group:
             os.killpg(proc.pid, sig)
