@@ -4,13 +4,19 @@ checkpointing asynchronously with :class:`asyncckpt.CheckpointManager`.
 
     python scripts/train.py                              # about 2 minutes on 2 CPU cores
     python scripts/train.py --resume                     # continue from ./checkpoints
-    torchrun --nproc-per-node 2 scripts/train.py         # DDP (gloo on CPU)
-    torchrun --nproc-per-node 2 scripts/train.py --fsdp  # FSDP2: parameters and AdamW state sharded
+    python scripts/train.py --fresh                      # start over: remove ./checkpoints first
+    torchrun --standalone --nproc-per-node 2 scripts/train.py         # DDP (gloo on CPU)
+    torchrun --standalone --nproc-per-node 2 scripts/train.py --fsdp  # FSDP2: parameters, AdamW state sharded
+
+Without --resume or --fresh it refuses to start over checkpoints in --ckpt-dir.
 
 Per step it shows one progress bar on stderr when that is a terminal (step, loss, steps/s,
 the last checkpoint's stall), else one line per 10% of the steps; --log-every N prints a
 line every N steps instead, --quiet nothing per step. Every checkpoint prints its lines,
-and the run ends with a summary. With several ranks only rank 0 prints.
+and the run ends with a summary. With several ranks only rank 0 prints. A checkpoint's
+*stall* is how long it blocked the training loop: building the state dict (with the
+all_gather of the RNG states) and ``save()`` staging it; this one figure is printed per
+checkpoint, on the progress line and in the summary.
 
 Everything needed for a bitwise-exact resume is checkpointed: model, AdamW state,
 LR schedule, data position and every RNG (per rank). SIGTERM (a cluster's preemption
@@ -33,6 +39,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -71,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="on SIGTERM, checkpoint the step the ranks agree on and exit within S seconds (%(default)s)")
     a("--no-preemption-save", action="store_true",
       help="on SIGTERM, abort in-flight checkpoints and exit at the next step boundary instead")
+    a("--fresh", action="store_true",
+      help="start at step 0 even if --ckpt-dir holds checkpoints: remove it first (only if it holds nothing else)")
     a("--temporal", action="store_true",
       help="write each checkpoint from a forked child instead of the persistent worker")
     a("--fsdp", action="store_true",
@@ -98,9 +107,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--steps and --ckpt-every must be positive")
     if args.log_every < 0:
         p.error("--log-every must be 0 (off) or positive")
+    if args.fresh and args.resume:
+        p.error("--fresh starts over, --resume continues: pass one of them")
     if args.warmup is None:
         args.warmup = max(1, args.steps // 20)
     return args
+
+
+def remove_checkpoint_dir(ckpt_dir: str, remove: bool) -> None:
+    """``--fresh``: remove ``ckpt_dir`` if it exists (when ``remove``; every rank checks).
+
+    Raises:
+        SystemExit: it holds something that is not part of a checkpoint root (a name
+            other than ``step_*``, ``latest`` and hidden ones): nothing is removed.
+    """
+    root = Path(ckpt_dir)
+    if not root.exists():
+        return
+    others = sorted(e.name for e in root.iterdir() if not (e.name.startswith((".", "step_")) or e.name == "latest"))
+    if not root.is_dir() or others:
+        raise SystemExit(f"--fresh: {ckpt_dir} holds more than checkpoints ({', '.join(others[:3]) or 'a file'}); "
+                         "not removing it: choose another --ckpt-dir")
+    if remove:
+        shutil.rmtree(root)
 
 
 # ----------------------------------------------------------------------------- data
@@ -231,6 +260,24 @@ def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
     return f
 
 
+def settle_ddp_buckets(model: DistributedDataParallel, batch_shape: tuple[int, int], device: torch.device) -> None:
+    """One forward and backward of ``model`` on a dummy batch of ``batch_shape`` (bytes of
+    value 0), leaving parameters, gradients and every RNG as they were, so that every
+    training step all-reduces its gradients with the same bucket layout.
+
+    DDP packs gradients into buckets in reverse parameter order when constructed, and
+    repacks them once, in the order they became ready, after a process's first backward.
+    On more than 2 ranks an all-reduce adds the ranks' values in an order that depends on
+    where an element lies in its bucket (the ring's chunks), so the first step after
+    ``--resume``, all-reduced with the initial layout, would differ in the last bits from
+    the same step of an uninterrupted run, all-reduced with the repacked one. After this,
+    every step, of a fresh or a resumed process, uses the repacked layout.
+    """
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout draws
+        model(torch.zeros(batch_shape, dtype=torch.long, device=device)).float().sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
 # ----------------------------------------------------------------------------- RNG state
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -322,7 +369,7 @@ class Progress:
             self.mark, self.mark_step, self.mark_t = step * 10 // self.total, step, now
 
     def checkpoint(self, stall_s: float) -> None:
-        """A checkpoint was committed with this stall."""
+        """A checkpoint was committed; it blocked the loop ``stall_s`` seconds."""
         self.stall_s = stall_s
 
     def close(self) -> None:
@@ -426,7 +473,20 @@ def main(argv: list[str] | None = None) -> int:
         f"world size {world_size} | {'FSDP' if args.fsdp else 'DDP' if distributed else 'single process'} | "
         f"device {device} | "
         f"{'temporal' if args.temporal else 'persistent'} checkpoint writer")
+    if args.fresh:
+        remove_checkpoint_dir(args.ckpt_dir, remove=rank == 0)
+        if use_pg:
+            dist.barrier()
     mgr = asyncckpt.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last, persistent=not args.temporal)
+
+    def ckpt_path(s: int) -> str:
+        """Step ``s``'s directory, as the command line named the root (``./checkpoints/step_00000100``)."""
+        return os.path.join(args.ckpt_dir, mgr.step_dir(s).name)
+
+    def latest_committed() -> str:
+        latest = mgr.latest_step()
+        return "no checkpoint committed" if latest is None else f"latest committed: step {latest} ({ckpt_path(latest)})"
+
     preemption = (None if args.no_preemption_save
                   else asyncckpt.PreemptionSave(mgr, grace_s=args.grace_s, exit=False))
     logging.getLogger("asyncckpt.preemption").setLevel(logging.ERROR)  # this script prints its own lines
@@ -448,25 +508,33 @@ def main(argv: list[str] | None = None) -> int:
             sampler.load_state_dict(sd["data"])
             if rank < saved_ws:
                 set_rng_state(sd["rng"][f"rank{rank}"], device)
-            log(f"resumed from step {step} in {args.ckpt_dir} ({time.perf_counter() - t0:.2f} s)"
+            log(f"resumed from step {step} in {ckpt_path(step)} ({time.perf_counter() - t0:.2f} s)"
                 + (f", saved by {saved_ws} ranks, resharded to {world_size}" if saved_ws != world_size else ""))
         elif args.resume:
             log(f"no checkpoint in {args.ckpt_dir}: starting from step 0")
         elif latest is not None:
-            raise SystemExit(f"{args.ckpt_dir} already holds checkpoints (latest step {latest}); "
-                             "pass --resume to continue, or remove it / choose another --ckpt-dir")
+            raise SystemExit(f"{args.ckpt_dir} already holds checkpoints (latest step {latest}); pass --resume "
+                             "to continue, --fresh to start over (removes them), or choose another --ckpt-dir")
+        end = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
+        if step >= end and step:
+            log(f"nothing left to train: step {step} ({ckpt_path(step)}) is at "
+                + (f"--steps {args.steps}" if end == args.steps else f"--stop-at {args.stop_at}"))
         model = DistributedDataParallel(raw_model) if distributed and not args.fsdp else raw_model
+        if isinstance(model, DistributedDataParallel):
+            settle_ddp_buckets(model, (args.batch_size, args.block_size), device)
         handles: dict[int, Any] = {}  # step -> SaveHandle, until committed
-        blocked: list[float] = []  # seconds the loop spent in state_dict() + save(), per checkpoint
-        committed: list[Any] = []  # SaveTimings of the committed saves
+        # A checkpoint's stall: the seconds the loop spent in state_dict() + save() (the
+        # library's SaveTimings.stall_s counts save()'s part only), per step saved.
+        stalls: dict[int, float] = {}
+        committed: list[tuple[float, Any]] = []  # (stall, SaveTimings) of the committed saves
 
         def report(steps: list[int]) -> None:
             for s in steps:
                 t = handles.pop(s).timings
-                committed.append(t)
-                progress.checkpoint(t.stall_s)
-                log(f"checkpoint step {s} committed | stall {t.stall_s * 1e3:.1f} ms | write {t.write_s:.3f} s | "
-                    f"{t.bytes / 1e6:.1f} MB at {t.gbps:.3f} GB/s")
+                committed.append((stalls[s], t))
+                progress.checkpoint(stalls[s])
+                log(f"checkpoint step {s} committed | {ckpt_path(s)} | stall {stalls[s] * 1e3:.1f} ms | "
+                    f"write {t.write_s:.3f} s | {t.bytes / 1e6:.1f} MB at {t.gbps:.3f} GB/s")
 
         model.train()
         start_step, t_start = step, time.perf_counter()
@@ -499,8 +567,9 @@ def main(argv: list[str] | None = None) -> int:
             if step % args.ckpt_every == 0 or last:
                 t1 = time.perf_counter()
                 handles[step] = mgr.save(step, state_dict(step))
-                blocked.append(time.perf_counter() - t1)
-                log(f"checkpoint step {step} staged in {blocked[-1] * 1e3:.1f} ms, writing in the background")
+                stalls[step] = time.perf_counter() - t1
+                log(f"checkpoint step {step} staged in {stalls[step] * 1e3:.1f} ms (stall), "
+                    f"writing {ckpt_path(step)} in the background")
             try:
                 report(mgr.maybe_finalize())
             except asyncckpt.CheckpointException as exc:  # raised on every rank alike
@@ -517,8 +586,8 @@ def main(argv: list[str] | None = None) -> int:
                 final = preemption.finish(step, lambda: state_dict(step))
                 report([s for s in list(handles) if handles[s].done() and handles[s].exception() is None])
                 exit_code = 128 + preemption.agreed_signum
-                log(f"preemption checkpoint step {step} committed in {time.perf_counter() - t1:.2f} s"
-                    if final == step else f"preemption save of step {step} aborted")
+                log(f"preemption checkpoint step {step} committed in {time.perf_counter() - t1:.2f} s: "
+                    f"{ckpt_path(step)}" if final == step else f"preemption save of step {step} aborted")
                 break
         train_s = time.perf_counter() - t_start
         if preemption is not None:
@@ -529,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
             preempted = preemption is not None and preemption.agreed_signum
             mgr.close(abort=True)  # after a preemption save: closed already, nothing to abort
             log(("" if preempted else "aborted in-flight checkpoints; ")
-                + f"latest committed: step {mgr.latest_step()}")
+                + latest_committed())
             return exit_code
         t0 = time.perf_counter()
         report(mgr.maybe_finalize(blocking=True))
@@ -545,17 +614,21 @@ def main(argv: list[str] | None = None) -> int:
 
         n = step - start_step
         log("=" * 72)
-        log(f"summary: {n} steps in {train_s:.1f} s ({n / max(train_s, 1e-9):.2f} steps/s, "
-            f"{n * args.batch_size * args.block_size * world_size / max(train_s, 1e-9):,.0f} tokens/s), "
-            f"final loss {global_loss(loss) if n else float('nan'):.4f}")
-        log(f"  checkpoints: {len(blocked)} saved, {len(committed)} committed, kept {mgr.steps()} "
+        if n:
+            log(f"summary: {n} steps in {train_s:.1f} s ({n / max(train_s, 1e-9):.2f} steps/s, "
+                f"{n * args.batch_size * args.block_size * world_size / max(train_s, 1e-9):,.0f} tokens/s), "
+                f"final loss {global_loss(loss):.4f}")
+        else:
+            log(f"summary: no step trained (at step {step} of {args.steps})")
+        log(f"  checkpoints: {len(stalls)} saved, {len(committed)} committed, kept {mgr.steps()} "
             f"in {args.ckpt_dir}")
         if committed:
-            log(f"  stall: median {statistics.median(t.stall_s for t in committed) * 1e3:.1f} ms, "
-                f"max {max(t.stall_s for t in committed) * 1e3:.1f} ms; training loop blocked "
-                f"{sum(blocked):.2f} s in all ({100 * sum(blocked) / max(train_s, 1e-9):.1f}% of training time)")
-            log(f"  write: median {statistics.median(t.write_s for t in committed):.3f} s at "
-                f"{statistics.median(t.gbps for t in committed):.3f} GB/s, {committed[-1].bytes / 1e6:.1f} MB "
+            blocked = sum(stalls.values())
+            log(f"  stall: median {statistics.median(st for st, _ in committed) * 1e3:.1f} ms, "
+                f"max {max(st for st, _ in committed) * 1e3:.1f} ms; training loop blocked "
+                f"{blocked:.2f} s in all ({100 * blocked / max(train_s, 1e-9):.1f}% of training time)")
+            log(f"  write: median {statistics.median(t.write_s for _, t in committed):.3f} s at "
+                f"{statistics.median(t.gbps for _, t in committed):.3f} GB/s, {committed[-1][1].bytes / 1e6:.1f} MB "
                 f"per checkpoint; final wait + close {close_s:.2f} s")
         return 0
     except BaseException:

@@ -1,10 +1,27 @@
-"""Every python snippet of README.md runs as written.
+"""README.md runs as written: every command and snippet, in the order written, twice.
 
-Each snippet is saved as ``snippet.py`` in a temporary directory and run there with
-``python snippet.py`` in a process group of its own (killed with all its descendants at
-the end), as a new user would run it. A snippet is either run here (``RUN``) or listed
-in ``EXCLUDED`` with the reason; a new one that is neither fails
-:func:`test_every_snippet_is_run_or_excluded`.
+A new user follows the README from top to bottom in the repository root, with the
+programs of the ``.venv`` that command 1 creates, and may run it all again. This test
+does the same in a temporary directory, in two passes over the same directory:
+
+- ``.venv/bin/python``, ``.venv/bin/torchrun`` and ``.venv/bin/asyncckpt`` there are
+  small scripts that run this interpreter (the one the tests run in, with the package
+  installed), and ``scripts`` links to the repository's ``scripts``;
+- a ``bash`` block runs as one bash script (``set -e``), except the parts in
+  :data:`SKIPPED_COMMANDS` (the installs, the test suite, the benchmark), each with why;
+- every ``scripts/train.py`` command gets :data:`TINY` (a tiny model on a tiny slice of
+  the corpus) before its own arguments, and its step numbers (``--steps``,
+  ``--stop-at``, ``--ckpt-every``, the defaults 600 and 100 included, and the
+  ``step_00000600`` directories named after them) are divided by :data:`SCALE`, so that
+  a pass takes a minute or two rather than an hour;
+- a ``python`` block is saved as a file and run with ``.venv/bin/python file.py``, or
+  with the command its first line names (``# .venv/bin/torchrun ... fsdp_example.py``),
+  as many times as the README says (:data:`PYTHON`).
+
+Each block is either run (:data:`PYTHON`, :data:`BASH`) or skipped as a whole with the
+reason (:data:`SKIPPED_BLOCKS`); a new block that is neither fails
+:func:`test_every_block_is_run_or_skipped`. Every process runs in a session of its own,
+killed with all its descendants at the end.
 
 The last test is the one-line error of a script without a ``__main__`` guard whose
 persistent worker re-imports it (see BOOTSTRAP_PATCH.md).
@@ -13,32 +30,47 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import stat
 import subprocess
 import sys
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
-from dist_utils import free_port
 from helpers import kill_process_tree, process_group_gone
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-PYTHON_FENCES = {"python", "py", "python3"}
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+CODE_FENCES = {"python": "python", "py": "python", "python3": "python", "bash": "bash", "sh": "bash",
+               "shell": "bash", "console": "bash"}
+
+# A tiny model on ~2 KB of text, for every scripts/train.py command (before its own arguments).
+TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--batch-size", "8",
+        "--data-mb", "0.002", "--quiet"]
+SCALE = 25  # step numbers of the training example, divided: 600 -> 24, 300 -> 12, 100 -> 4
+TRAIN_DEFAULTS = {"--steps": 600, "--ckpt-every": 100}  # train.py's defaults, scaled too
 
 
 @dataclass(frozen=True)
-class Snippet:
+class Block:
     """One fenced code block of README.md: the heading it is under, its language, its code."""
 
     heading: str
     lang: str
     code: str
 
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.heading, self.lang
 
-def readme_snippets(text: str) -> list[Snippet]:
-    """The fenced code blocks of a markdown text, each with the nearest heading above it."""
-    snippets: list[Snippet] = []
+
+def readme_blocks(text: str) -> list[Block]:
+    """The fenced code blocks of a markdown text, in order, each with the nearest heading
+    above it; the language is normalised (``python``, ``bash``) or kept as written."""
+    blocks: list[Block] = []
     heading, lang, code = "", None, []  # type: ignore[var-annotated]
     for line in text.splitlines():
         fence = re.match(r"^\s*```\s*([\w+-]*)", line)
@@ -48,42 +80,50 @@ def readme_snippets(text: str) -> list[Snippet]:
             elif line.startswith("#"):
                 heading = line.lstrip("#").strip()
         elif fence and not fence.group(1):
-            snippets.append(Snippet(heading, lang, "\n".join(code) + "\n"))
+            blocks.append(Block(heading, CODE_FENCES.get(lang, lang), "\n".join(code) + "\n"))
             lang = None
         else:
             code.append(line)
     assert lang is None, f"unclosed code block under {heading!r}"
-    return snippets
+    return blocks
 
 
-def python_snippets() -> dict[str, Snippet]:
-    """The python snippets by heading (at most one per heading, so that the heading names it)."""
-    found: dict[str, Snippet] = {}
-    for snippet in readme_snippets(README.read_text()):
-        if snippet.lang in PYTHON_FENCES:
-            assert snippet.heading not in found, f"two python snippets under {snippet.heading!r}: give one a heading"
-            found[snippet.heading] = snippet
-    return found
+def code_blocks() -> list[Block]:
+    """The python and bash blocks, in order; at most one of each language per heading."""
+    blocks = [b for b in readme_blocks(README.read_text()) if b.lang in ("python", "bash")]
+    keys = [b.key for b in blocks]
+    assert len(keys) == len(set(keys)), f"two blocks of one language under one heading: {keys}"
+    return blocks
 
 
-# ----------------------------------------------------------------------------- running one
+# ----------------------------------------------------------------------------- the user's directory
 
 
-def run_script(path: Path, *, env: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, str]:
-    """Run ``python path`` in its directory; return its exit code and output (stdout + stderr).
+def make_workdir(d: Path) -> None:
+    """``d`` as a user's checkout after command 1's install: ``.venv/bin`` and ``scripts``."""
+    bin_dir = d / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name, args in {"python": "", "torchrun": "-m torch.distributed.run", "asyncckpt": "-m asyncckpt"}.items():
+        script = bin_dir / name
+        script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {args} "$@"\n')
+        script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    (d / "scripts").symlink_to(REPO / "scripts")
 
-    The script runs in a session of its own; whatever of it is still alive a few seconds
-    after it exits (or when it times out) is killed.
+
+def run_in(d: Path, cmd: list[str], timeout: float) -> tuple[int, str]:
+    """Run ``cmd`` in ``d`` in a session of its own; its exit code and output (stdout + stderr).
+
+    Whatever of it is still alive a few seconds after it exits (or when it times out) is killed.
     """
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    proc = subprocess.Popen([sys.executable, path.name], cwd=path.parent, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=d, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_process_tree(proc)
         out, _ = proc.communicate()
-        pytest.fail(f"{path.name} still running after {timeout} s:\n{out}")
+        pytest.fail(f"{' '.join(cmd)} still running after {timeout} s:\n{out}")
     finally:
         if proc.poll() is None or not process_group_gone(proc.pid, 10):
             kill_process_tree(proc)
@@ -91,99 +131,221 @@ def run_script(path: Path, *, env: dict[str, str] | None = None, timeout: float 
     return proc.returncode, out
 
 
-def one_rank_env() -> dict[str, str]:
-    """What ``torchrun --nproc-per-node 1`` would set: a process group of one, in this process."""
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
-            "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+# ----------------------------------------------------------------------------- bash blocks
+
+#: Parts of commands (between ``&&``) not run here, matched at their start, with why.
+SKIPPED_COMMANDS: dict[str, str] = {
+    "python3 -m venv": "the test runs in the interpreter the suite runs in, with the package installed",
+    ".venv/bin/pip": "installs: .ci/run runs command 1's and command 2's",
+    ".venv/bin/python -m pip": "installs: .ci/run runs command 1's and command 2's",
+    ".venv/bin/python -m pytest": "the test suite itself: .ci/run runs command 2",
+    ".venv/bin/python scripts/bench.py": "22-30 min; tests/test_bench.py runs the benchmark's quick mode",
+}
 
 
-# ----------------------------------------------------------------------------- what each snippet must do
+def _scale_train_args(args: str) -> str:
+    """``scripts/train.py``'s arguments with TINY first and its step numbers divided by SCALE."""
+    defaults = " ".join(f"{k} {v // SCALE}" for k, v in TRAIN_DEFAULTS.items())
+    scaled = re.sub(r"(--steps|--stop-at|--ckpt-every)(\s+|=)(\d+)",
+                    lambda m: f"{m.group(1)}{m.group(2)}{int(m.group(3)) // SCALE}", args)
+    return f"{shlex.join(TINY)} {defaults} {scaled}"
+
+
+def as_run_here(code: str) -> str:
+    """A bash block as this test runs it (see the module docstring)."""
+    lines = []
+    for line in code.splitlines():
+        kept = [part for part in line.split(" && ")
+                if not any(part.strip().startswith(prefix) for prefix in SKIPPED_COMMANDS)]
+        line = " && ".join(kept)
+        line = re.sub(r"(scripts/train\.py)([^#]*)", lambda m: f"{m.group(1)} {_scale_train_args(m.group(2))} ", line)
+        line = re.sub(r"step_(\d{8})", lambda m: f"step_{int(m.group(1)) // SCALE:08d}", line)
+        lines.append(line)
+    return "set -euo pipefail\n" + "\n".join(lines) + "\n"
 
 
 def _committed_steps(root: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in root.glob("step_*") if (p / ".metadata").is_file())
 
 
-def check_manager_loop(d: Path, outs: list[str]) -> None:
-    assert "trained steps 0-299; checkpoints of steps [0, 100, 200]" in outs[0], outs[0]
-    assert "trained steps 201-299; checkpoints of steps [0, 100, 200]" in outs[1], outs[1]  # resumed
+def check_setup(d: Path, out: str, pass_no: int) -> None:
+    # command 1's training run (--fresh: the same on both passes); command 2 is skipped
+    assert re.search(r"^summary: 24 steps in", out, re.M), out
+    assert "kept [16, 20, 24] in ./checkpoints" in out, out
 
 
-def check_overlapped(d: Path, outs: list[str]) -> None:
-    assert re.findall(r"^committed .*/checkpoints/step_(\d+)$", outs[0], re.M) == ["00000000", "00000100",
-                                                                                  "00000200"], outs[0]
-    assert _committed_steps(d / "checkpoints") == [0, 100, 200]
+def check_cli(d: Path, out: str, pass_no: int) -> None:
+    assert re.search(r"step_00000024", out) and "latest" in out, out
+    assert (d / "model.pt").is_file(), out
 
 
-def check_preemption(d: Path, outs: list[str]) -> None:
-    assert "starting at step 0" in outs[0] and "done" not in outs[0], outs[0]
-    assert "SIGTERM: step 150 committed" in outs[0], outs[0]
-    assert "starting at step 151" in outs[1] and "done; checkpoints of steps [150, 200]" in outs[1], outs[1]
+def check_ddp(d: Path, out: str, pass_no: int) -> None:
+    assert "world size 2 | DDP" in out and "resumed from step 12 in ckpt_ddp/step_00000012" in out, out
+    assert _committed_steps(d / "ckpt_ddp")[-1] == 24, out
 
 
-def check_lightning(d: Path, outs: list[str]) -> None:
-    assert "Restored all states from the checkpoint at checkpoints/last.ckpt" in outs[0], outs[0]
-    assert (d / "checkpoints" / "last.ckpt" / ".metadata").is_file()
-    assert (d / "checkpoints" / "epoch=5-step=96.ckpt" / ".metadata").is_file()
+def check_fsdp_train(d: Path, out: str, pass_no: int) -> None:
+    assert "resumed from step 12 in ckpt_fsdp/step_00000012" in out, out
+    assert "saved by 2 ranks, resharded to 3" in out, out
 
 
-def check_megatron(d: Path, outs: list[str]) -> None:
+def check_training_example(d: Path, out: str, pass_no: int) -> None:
+    assert "resumed from step 12 in ckpt_resume/step_00000012" in out, out
+    assert "temporal checkpoint writer" in out and "kept [16, 20, 24] in ckpt_temporal" in out, out
+
+
+#: bash blocks run here, by heading, with what must hold after each pass.
+BASH: dict[str, Callable[[Path, str, int], None]] = {
+    "Set up and run": check_setup,
+    "The `asyncckpt` command": check_cli,
+    "Multiple ranks": check_ddp,
+    "Sharded state (FSDP2 / DTensor) and resharding": check_fsdp_train,
+    "The training example": check_training_example,
+}
+
+#: Blocks not run here at all, by (heading, language), with why.
+SKIPPED_BLOCKS: dict[tuple[str, str], str] = {
+    ("Installing for CPU or for CUDA", "bash"): "installs torch from a CUDA index (network, a GPU)",
+    ("Measured results", "bash"): "the install of the bench extra and the benchmark (see SKIPPED_COMMANDS)",
+}
+
+
+# ----------------------------------------------------------------------------- python blocks
+
+
+def check_manager_loop(d: Path, outs: list[str], pass_no: int) -> None:
+    first = "0-299" if pass_no == 1 else "201-299"  # run again, it resumes
+    assert f"trained steps {first}; checkpoints of steps [0, 100, 200]" in outs[0], outs[0]
+    assert "trained steps 201-299; checkpoints of steps [0, 100, 200]" in outs[1], outs[1]
+
+
+def check_overlapped(d: Path, outs: list[str], pass_no: int) -> None:
+    expected = [0, 100, 200] if pass_no == 1 else [300, 400, 500]  # pass 2: resumed at 201, to 500
+    committed = [int(s) for s in re.findall(r"^committed .*/ckpt_overlap/step_(\d+)$", outs[0], re.M)]
+    assert committed == expected, outs[0]
+    assert _committed_steps(d / "ckpt_overlap") == [0, 100, 200] + ([300, 400, 500] if pass_no == 2 else [])
+
+
+def check_preemption(d: Path, outs: list[str], pass_no: int) -> None:
+    if pass_no == 1:
+        assert "starting at step 0" in outs[0] and "done" not in outs[0], outs[0]
+        assert "SIGTERM: step 150 committed" in outs[0], outs[0]
+        assert "starting at step 151" in outs[1], outs[1]
+    else:  # run again: it starts after the last checkpoint, is not "preempted" and finishes
+        assert "starting at step 201" in outs[0] and "done; checkpoints of steps [150, 200]" in outs[0], outs[0]
+    assert "done; checkpoints of steps [150, 200]" in outs[1], outs[1]
+
+
+def check_lightning(d: Path, outs: list[str], pass_no: int) -> None:
+    assert "Restored all states from the checkpoint at ckpt_lightning/last.ckpt" in outs[0], outs[0]
+    assert (d / "ckpt_lightning" / "last.ckpt" / ".metadata").is_file()
+    assert (d / "ckpt_lightning" / "epoch=5-step=96.ckpt" / ".metadata").is_file()
+
+
+def check_megatron(d: Path, outs: list[str], pass_no: int) -> None:
     assert outs[0].split() == ["committed"] * 3, outs[0]
-    assert sorted(p.name for p in d.glob("step_*.txt")) == ["step_0.txt", "step_100.txt", "step_200.txt"]
+    assert sorted(p.name for p in (d / "queue_out").glob("step_*.txt")) == ["step_0.txt", "step_100.txt",
+                                                                            "step_200.txt"]
 
 
-def check_fsdp(d: Path, outs: list[str]) -> None:
-    assert "rank 0 of 1: loaded step 1" in outs[0], outs[0]
-    assert _committed_steps(d / "checkpoints") == [1]
+def check_fsdp(d: Path, outs: list[str], pass_no: int) -> None:
+    for rank in range(2):  # run again, it saves the next step
+        assert f"rank {rank} of 2: loaded step {pass_no}" in outs[0], outs[0]
+    assert _committed_steps(d / "ckpt_sharded") == list(range(1, pass_no + 1))
 
 
 @dataclass(frozen=True)
-class Run:
-    """How to run one snippet: how many times in the same directory, with what environment
-    (a fresh one per run), and what must hold afterwards."""
+class Python:
+    """How to run one python block: how many times per pass (the same file, the same
+    directory), the exit code of each run on each pass, and what must hold afterwards."""
 
-    check: Callable[[Path, list[str]], None]
+    check: Callable[[Path, list[str], int], None]
     times: int = 1
-    env: Callable[[], dict[str, str]] = field(default=dict)
-    exit_codes: tuple[int, ...] = ()  # of each run (default: 0)
+    exit_codes: Callable[[int], tuple[int, ...]] = lambda pass_no: ()  # default: 0 each time
 
 
-RUN: dict[str, Run] = {
-    "`CheckpointManager` in a training loop": Run(check_manager_loop, times=2),  # the 2nd run resumes
-    "Overlapped staging, completion callbacks, a warm first save": Run(check_overlapped),
-    "Preemption save on SIGTERM": Run(check_preemption, times=2, exit_codes=(143, 0)),  # preempted, resumed
-    "With Lightning": Run(check_lightning),
-    "The Megatron-style loop with `AsyncCallsQueue`": Run(check_megatron),
-    # The torchrun snippet on a process group of one, set up as torchrun would (env://).
-    # Several ranks and resharding: tests/test_sharded.py and test_train.py.
-    "Sharded state (FSDP2 / DTensor) and resharding": Run(check_fsdp, env=one_rank_env),
+PYTHON: dict[str, Python] = {
+    "`CheckpointManager` in a training loop": Python(check_manager_loop, times=2),  # the 2nd run resumes
+    "Overlapped staging, completion callbacks, a warm first save": Python(check_overlapped),
+    # "Run this twice": preempted, then resumed; on the second pass, resumed both times.
+    "Preemption save on SIGTERM": Python(check_preemption, times=2,
+                                         exit_codes=lambda pass_no: (143, 0) if pass_no == 1 else (0, 0)),
+    "With Lightning": Python(check_lightning),
+    "The Megatron-style loop with `AsyncCallsQueue`": Python(check_megatron),
+    "Sharded state (FSDP2 / DTensor) and resharding": Python(check_fsdp),  # torchrun, as its first line says
 }
 
-#: Python snippets not run here, with the reason. (The ``bash`` blocks are not python:
-#: the training example's commands are run by tests/test_train.py and .ci/run, the
-#: ``asyncckpt`` command's by tests/test_cli.py.)
-EXCLUDED: dict[str, str] = {}
+
+def python_command(block: Block) -> tuple[str, list[str]]:
+    """(file name, command) for a python block: its first line's ``# .venv/bin/... FILE.py``
+    command, else ``.venv/bin/python`` on a file named after its heading."""
+    first = block.code.splitlines()[0]
+    m = re.match(r"^#\s*(\.venv/bin/\S+.*\s(\w+\.py))\s*$", first)
+    if m:
+        return m.group(2), shlex.split(m.group(1))
+    name = re.sub(r"\W+", "_", block.heading).strip("_").lower()[:40] + ".py"
+    return name, [".venv/bin/python", name]
 
 
-def test_every_snippet_is_run_or_excluded() -> None:
-    found = set(python_snippets())
-    assert not set(RUN) & set(EXCLUDED)
-    assert found - set(RUN) - set(EXCLUDED) == set(), "a new README snippet: add it to RUN (or EXCLUDED, with why)"
-    assert set(RUN) | set(EXCLUDED) <= found, "a snippet in RUN or EXCLUDED is no longer in README.md"
+# ----------------------------------------------------------------------------- the tests
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("heading", list(RUN))
-def test_snippet_runs_as_written(heading: str, tmp_path: Path) -> None:
-    snippet, how = python_snippets()[heading], RUN[heading]
-    script = tmp_path / "snippet.py"
-    script.write_text(snippet.code)
-    outs = []
-    for i in range(how.times):
-        rc, out = run_script(script, env=how.env())
-        assert rc == (how.exit_codes[i] if how.exit_codes else 0), f"run {i + 1} of the snippet under {heading!r} exited with {rc}:\n{out}"
-        outs.append(out)
-    how.check(tmp_path, outs)
+def test_every_block_is_run_or_skipped() -> None:
+    found = [b.key for b in code_blocks()]
+    handled = {(h, "python") for h in PYTHON} | {(h, "bash") for h in BASH} | set(SKIPPED_BLOCKS)
+    assert not {(h, "python") for h in PYTHON} & set(SKIPPED_BLOCKS)
+    assert not {(h, "bash") for h in BASH} & set(SKIPPED_BLOCKS)
+    assert set(found) - handled == set(), \
+        "a new README code block: add it to PYTHON / BASH (or SKIPPED_BLOCKS, with why)"
+    assert handled <= set(found), "a block in PYTHON, BASH or SKIPPED_BLOCKS is no longer in README.md"
+
+
+def test_bash_blocks_use_the_venv() -> None:
+    """The README's commands name the programs of the .venv command 1 creates (a bare
+    ``python`` or ``torchrun`` would not find torch)."""
+    for block in code_blocks():
+        if block.lang != "bash":
+            continue
+        for line in block.code.splitlines():
+            for part in line.split("#")[0].split("&&"):
+                words = part.split()
+                if words and words[0] not in ("python3", "source") and not words[0].startswith(".venv/bin/"):
+                    pytest.fail(f"under {block.heading!r}: {line.strip()!r} does not run a .venv/bin program")
+
+
+def run_pass(d: Path, pass_no: int) -> None:
+    """Run every code block of README.md in order in ``d`` (see the module docstring)."""
+    for block in code_blocks():
+        if block.key in SKIPPED_BLOCKS:
+            continue
+        t0 = time.monotonic()
+        where = f"pass {pass_no}, the {block.lang} block under {block.heading!r}"
+        if block.lang == "bash":
+            script = as_run_here(block.code)
+            rc, out = run_in(d, ["bash", "-c", script], timeout=240)
+            assert rc == 0, f"{where} exited with {rc}:\n{script}\n{out}"
+            BASH[block.heading](d, out, pass_no)
+        else:
+            how = PYTHON[block.heading]
+            name, cmd = python_command(block)
+            (d / name).write_text(block.code)
+            outs = []
+            for i in range(how.times):
+                rc, out = run_in(d, cmd, timeout=120)
+                expected = how.exit_codes(pass_no)[i] if how.exit_codes(pass_no) else 0
+                assert rc == expected, f"{where}, run {i + 1}: exit code {rc}:\n{out}"
+                outs.append(out)
+            how.check(d, outs, pass_no)
+        print(f"pass {pass_no}: {block.lang} block under {block.heading!r} in {time.monotonic() - t0:.1f} s")
+
+
+@pytest.mark.timeout(1200)
+def test_readme_runs_in_order_twice(tmp_path: Path) -> None:
+    """Every command and snippet of README.md, in order, in one directory; then all of
+    them again there (each example has its own directory and can be run again)."""
+    make_workdir(tmp_path)
+    run_pass(tmp_path, 1)
+    run_pass(tmp_path, 2)
 
 
 # ----------------------------------------------------------------------------- a script without a guard
@@ -208,7 +370,7 @@ def test_script_without_main_guard_fails_in_one_line(tmp_path: Path) -> None:
     bootstrapping RuntimeError from inside the worker."""
     script = tmp_path / "no_guard.py"
     script.write_text(NO_GUARD)
-    rc, out = run_script(script)
+    rc, out = run_in(tmp_path, [sys.executable, script.name], timeout=60)
     assert rc == 1, out
     lines = [line for line in out.splitlines() if "__main__" in line and "could not start" in line]
     assert len(lines) == 1, out

@@ -33,8 +33,13 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
         "--batch-size", "8", "--data-mb", "0.002", "--dropout", "0.1", "--lr", "3e-3"]
 STEPS, HALF = 24, 11  # "2K steps straight" vs "K steps, exit, resume to 2K"
-COMMIT_RE = re.compile(r"^checkpoint step (\d+) committed \| stall [\d.]+ ms \| write [\d.]+ s \| "
+COMMIT_RE = re.compile(r"^checkpoint step (\d+) committed \| \S+/step_\d{8} \| stall [\d.]+ ms \| write [\d.]+ s \| "
                        r"[\d.]+ MB at [\d.]+ GB/s$", re.M)
+# One stall figure per checkpoint (the loop blocked in state_dict() + save()), printed
+# when it is staged and again when it is committed, with the checkpoint's directory.
+STAGED_STALL_RE = re.compile(r"^checkpoint step (\d+) staged in ([\d.]+) ms \(stall\), "
+                             r"writing (\S+) in the background$", re.M)
+COMMIT_STALL_RE = re.compile(r"^checkpoint step (\d+) committed \| (\S+) \| stall ([\d.]+) ms \|", re.M)
 # --log-every N: one line per N steps
 STEP_RE = re.compile(r"^step\s+(\d+)/(\d+) \| loss \d+\.\d+ \| lr ", re.M)
 # the default when stderr is not a terminal: one line per 10% of the steps
@@ -100,6 +105,24 @@ def test_default_output(straight: tuple[Path, str]) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_one_stall_figure_per_checkpoint_with_its_path(straight: tuple[Path, str]) -> None:
+    """Each checkpoint's stall is printed once as measured (staged line = committed line =
+    the summary's figures), and its lines name the step and its directory."""
+    _, out = straight
+    staged = {int(s): (float(ms), path) for s, ms, path in STAGED_STALL_RE.findall(out)}
+    committed = {int(s): (float(ms), path) for s, path, ms in COMMIT_STALL_RE.findall(out)}
+    assert sorted(staged) == [5, 10, 15, 20, 24], out
+    assert committed == staged, out
+    assert all(path == f"./checkpoints/step_{s:08d}" for s, (_, path) in staged.items()), out
+    stalls = sorted(ms for ms, _ in staged.values())
+    m = re.search(r"stall: median ([\d.]+) ms, max ([\d.]+) ms; training loop blocked ([\d.]+) s in all", out)
+    assert m, out
+    assert float(m.group(1)) == pytest.approx(stalls[2], abs=0.051), out  # 5 values: the median is the 3rd
+    assert float(m.group(2)) == stalls[-1], out
+    assert float(m.group(3)) == pytest.approx(sum(stalls) / 1e3, abs=0.006), out
+
+
+@pytest.mark.timeout(60)
 def test_progress_bar_on_a_terminal(tmp_path: Path) -> None:
     """With stderr on a terminal: one tqdm bar there, the checkpoint lines and the summary on stdout."""
     master, slave = pty.openpty()
@@ -152,7 +175,36 @@ def test_resume_is_bitwise_identical(straight: tuple[Path, str], tmp_path: Path,
 @pytest.mark.timeout(60)
 def test_refuses_to_start_over_existing_checkpoints(straight: tuple[Path, str]) -> None:
     out = run([*TINY, "--steps", "2"], straight[0].parent, expect_rc=1)
-    assert "already holds checkpoints (latest step 24); pass --resume" in out, out
+    assert "already holds checkpoints (latest step 24); pass --resume to continue, --fresh to start over" in out, out
+
+
+@pytest.mark.timeout(60)
+def test_resume_with_nothing_left_to_train(straight: tuple[Path, str]) -> None:
+    """--resume of a finished run (or one past --stop-at) says so, naming the step and
+    its checkpoint; no loss is printed for steps that did not run."""
+    d = straight[0].parent
+    out = run([*TINY, "--steps", str(STEPS), "--resume"], d)
+    assert f"resumed from step {STEPS} in ./checkpoints/step_{STEPS:08d}" in out, out
+    assert f"nothing left to train: step {STEPS} (./checkpoints/step_{STEPS:08d}) is at --steps {STEPS}" in out, out
+    assert f"summary: no step trained (at step {STEPS} of {STEPS})" in out, out
+    assert "nan" not in out and "final loss" not in out, out
+    out = run([*TINY, "--steps", "100", "--stop-at", "20", "--resume", "--quiet"], d)
+    assert f"nothing left to train: step {STEPS} (./checkpoints/step_{STEPS:08d}) is at --stop-at 20" in out, out
+    assert "nan" not in out, out
+
+
+@pytest.mark.timeout(90)
+def test_fresh_starts_over(straight: tuple[Path, str], tmp_path: Path) -> None:
+    """--fresh removes a checkpoint root and starts at step 0; a directory that holds
+    anything else is left alone."""
+    shutil.copytree(straight[0].parent / "checkpoints", tmp_path / "checkpoints")
+    out = run([*TINY, "--steps", "6", "--ckpt-every", "3", "--fresh", "--quiet"], tmp_path)
+    assert "resumed" not in out and sorted(int(s) for s in COMMIT_RE.findall(out)) == [3, 6], out
+    assert "kept [3, 6] in ./checkpoints" in out, out
+    (tmp_path / "notes.txt").write_text("mine")
+    out = run([*TINY, "--steps", "6", "--fresh", "--ckpt-dir", "."], tmp_path, expect_rc=1)
+    assert "--fresh: . holds more than checkpoints (checkpoints, notes.txt); not removing it" in out, out
+    assert (tmp_path / "notes.txt").read_text() == "mine" and (tmp_path / "checkpoints").is_dir()
 
 
 # The reference for the interrupted runs below: the same arguments, straight to step LONG.
@@ -180,15 +232,23 @@ def _run_until_signal(cmd: list[str], cwd: Path, sig: signal.Signals, to_group: 
             lines.put(None)
         threading.Thread(target=pump, daemon=True).start()
         out, deadline = "", time.monotonic() + 60
-        while not COMMIT_RE.search(out):
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"no checkpoint committed within 60 s:\n{out}")
-            if line is None:
-                pytest.fail(f"exited early with {proc.wait()}:\n{out}")
-            out += line
-        time.sleep(0.3)  # let it run on, so a save may be in flight when the signal arrives
+
+        def read_until(done: Any, what: str) -> None:
+            nonlocal out
+            while not done():
+                try:
+                    line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    pytest.fail(f"no {what} within 60 s:\n{out}")
+                if line is None:
+                    pytest.fail(f"exited early with {proc.wait()}:\n{out}")
+                out += line
+
+        read_until(lambda: COMMIT_RE.search(out), "checkpoint committed")
+        # Let it run on to the next save, so that one is in flight when the signal arrives
+        # (a fixed delay is hundreds of steps on a fast machine: past the reference's LONG).
+        staged = len(STAGED_STALL_RE.findall(out))
+        read_until(lambda: len(STAGED_STALL_RE.findall(out)) > staged, "next checkpoint staged")
         t0 = time.monotonic()
         if to_group:
             os.killpg(proc.pid, sig)
@@ -356,7 +416,7 @@ def test_fsdp_torchrun_resume_is_bitwise_identical(fsdp_runs: dict[str, object],
 
     d = _resume_dir(fsdp_runs, tmp_path)
     out = run([*FSDP, "--batch-size", "3", "--resume", "--save-final", "final.pt"], d, launcher=torchrun(2))
-    assert "resumed from step 6 in ./checkpoints" in out and "resharded" not in out, out
+    assert "resumed from step 6 in ./checkpoints/step_00000006" in out and "resharded" not in out, out
     assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [8, 12], out
     assert_same_params(fsdp_runs["final"], d / "final.pt")  # type: ignore[arg-type]
 
@@ -366,7 +426,8 @@ def test_fsdp_resume_two_ranks_on_one(fsdp_runs: dict[str, object], tmp_path: Pa
     d = _resume_dir(fsdp_runs, tmp_path)
     # Resumed and stopped at once: the parameters are exactly those saved at step 6.
     out = run([*FSDP, "--batch-size", "6", "--resume", "--stop-at", "6", "--save-final", "at6.pt"], d)
-    assert "resumed from step 6 in ./checkpoints" in out and "saved by 2 ranks, resharded to 1" in out, out
+    assert "resumed from step 6 in ./checkpoints/step_00000006" in out, out
+    assert "saved by 2 ranks, resharded to 1" in out, out
     assert_same_params(fsdp_runs["at6"], d / "at6.pt")  # type: ignore[arg-type]
     # Resumed to the end on one rank (a single-process group, no torchrun).
     out = run([*FSDP, "--batch-size", "6", "--resume", "--save-final", "final.pt"], d)
