@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import errno
+import fcntl
 import json
 import logging
 import multiprocessing.util as mp_util
@@ -33,7 +34,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
-from filelock import FileLock, Timeout
 
 from ._check import check_path
 from .errors import CheckpointPathError, InvalidArgumentError, RootInUseError
@@ -50,7 +50,7 @@ STEP_DIR_RE = re.compile(r"^step_(\d+)$")
 #: checkpoint being deleted).
 LEFTOVER_RE = re.compile(r"^\.step_(\d+)\.(?:tmp|deleting)-[0-9a-f]+$")
 #: The lock a ``CheckpointManager`` holds on its root for its lifetime (a ``flock``
-#: through :mod:`filelock`: the kernel drops it when its process dies), and the file
+#: on a descriptor opened read-only: the kernel drops it when its process dies), and the file
 #: naming its holder.
 OWNER_LOCK_NAME = ".asyncckpt.manager.lock"
 OWNER_INFO_NAME = ".asyncckpt.manager.owner"
@@ -95,6 +95,28 @@ def _join_deletions_at_exit() -> None:
 
 atexit.register(_join_deletions_at_exit)
 mp_util.Finalize(None, _join_deletions_at_exit, exitpriority=120)
+
+
+#: The descriptors of the root locks this process holds (acquire_ownership).
+_held_fds: set[int] = set()
+_held_lock = threading.Lock()
+
+
+def _close_held_in_child() -> None:
+    """In a forked child: close the inherited root-lock descriptors (the parent's flock
+    stays: it is dropped only when every descriptor of it is closed), so the child
+    never holds a root that its parent has left."""
+    global _held_lock
+    _held_lock = threading.Lock()
+    for fd in _held_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held_fds.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 def step_dir_name(step: int) -> str:
@@ -167,7 +189,8 @@ class CheckpointRoot:
                                          f"{exc.strerror or exc}", self.path) from exc
         if not self.path.is_dir():
             raise CheckpointPathError.of(errno.ENOTDIR, "the checkpoint root is not a directory", self.path)
-        self._owner_lock: Any = None  # the FileLock held by acquire_ownership()
+        self._owner_fd: int | None = None  # the descriptor whose flock acquire_ownership() holds
+        self._owner_pid = 0  # ... in this process
         self.keep_last = keep_last
         self._lock = threading.Lock()
         self._deletion: threading.Thread | None = None  # the retention removal in flight
@@ -181,32 +204,45 @@ class CheckpointRoot:
         """Take the root's lock (``.asyncckpt.manager.lock``) for this object's lifetime,
         and record the holder (pid, host, time) in ``.asyncckpt.manager.owner``.
 
-        A ``flock`` through :mod:`filelock`: exclusive between processes (on any host
+        A ``flock`` (``LOCK_EX | LOCK_NB``): exclusive between processes (on any host
         that shares the file system with working ``flock``) and between two objects of
-        one process; the kernel drops it when the holding process dies (also by
-        SIGKILL), so a dead holder's lock is taken over. Released by
-        :meth:`release_ownership`, or when the process ends.
+        one process (each opens its own file description); the kernel drops it when the
+        holding process dies (also by SIGKILL), so a dead holder's lock is taken over.
+        Released by :meth:`release_ownership`, or when the process ends; forked children
+        close their copy of the descriptor (``os.register_at_fork``), so a DataLoader
+        worker or a forked writer never keeps a dead trainer's root locked.
+
+        The lock file is opened read-only, which is all ``flock`` needs: a descriptor
+        open for writing on the checkpoint file system would make the kernel refuse to
+        remount it read-only (``EBUSY``) for as long as the job runs. filelock, used for
+        the short lock of ``latest``, always opens its file read-write, hence this one
+        system call of our own.
 
         Raises:
             RootInUseError: another holder has it (named by pid and host).
             CheckpointPathError: the lock file cannot be created (e.g. a read-only
                 root: a ``PermissionError``).
         """
-        if self._owner_lock is not None:
+        if self._owner_fd is not None:
             return
         lock_path = self.path / OWNER_LOCK_NAME
         try:
-            if stat.S_ISLNK(os.lstat(lock_path).st_mode):
-                os.unlink(lock_path)  # never ours: not followed
-        except FileNotFoundError:
-            pass
+            fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
-            raise CheckpointPathError.of(exc.errno, f"cannot use the lock file of the checkpoint root: "
-                                         f"{exc.strerror or exc}", lock_path) from exc
-        lock = FileLock(str(lock_path), timeout=0, thread_local=False)
+            if exc.errno == errno.ELOOP:  # a symlink there is never ours: not followed
+                raise CheckpointPathError.of(exc.errno, "the lock file of the checkpoint root is a symbolic "
+                                             "link", lock_path) from exc
+            raise CheckpointPathError.of(exc.errno, f"cannot create the lock file of the checkpoint root "
+                                         f"({exc.strerror or exc}); a CheckpointManager needs a writable "
+                                         "root (to read checkpoints only, use asyncckpt.load or "
+                                         "read_state_dict)", lock_path) from exc
         try:
-            lock.acquire()
-        except Timeout:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise CheckpointPathError.of(exc.errno, f"cannot lock the checkpoint root ({exc.strerror or exc})",
+                                             lock_path) from exc
             owner = self.owner()
             pid, host = owner.get("pid"), owner.get("host")
             holder = (f"process {pid} on host {host}" if pid is not None else "another process (holder unknown)")
@@ -220,12 +256,9 @@ class CheckpointRoot:
                 "asyncckpt.load, read_state_dict and the asyncckpt command work while it runs)",
                 str(self.path), pid if isinstance(pid, int) else None, host if isinstance(host, str) else None,
             ) from None
-        except OSError as exc:
-            raise CheckpointPathError.of(exc.errno, f"cannot create the lock file of the checkpoint root "
-                                         f"({exc.strerror or exc}); a CheckpointManager needs a writable "
-                                         "root (to read checkpoints only, use asyncckpt.load or "
-                                         "read_state_dict)", lock_path) from exc
-        self._owner_lock = lock
+        self._owner_fd, self._owner_pid = fd, os.getpid()
+        with _held_lock:
+            _held_fds.add(fd)
         info = {"pid": os.getpid(), "host": socket.gethostname(),
                 "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         tmp = self.path / f".{OWNER_INFO_NAME}.tmp-{secrets.token_hex(6)}"
@@ -255,9 +288,11 @@ class CheckpointRoot:
 
     def release_ownership(self) -> None:
         """Release the root's lock taken by :meth:`acquire_ownership` (idempotent)."""
-        lock, self._owner_lock = self._owner_lock, None
-        if lock is not None:
-            lock.release(force=True)
+        fd, self._owner_fd = self._owner_fd, None
+        if fd is not None and self._owner_pid == os.getpid():  # a forked child closed its copy at fork
+            with _held_lock:
+                _held_fds.discard(fd)
+            os.close(fd)  # drops the flock
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (partial or temporary directories are ignored)."""

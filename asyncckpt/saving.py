@@ -1104,6 +1104,7 @@ def _settle_pending_at_exit() -> None:
         return
     _exit_done.append(os.getpid())  # also tells the threads of dropped managers (below)
     pending = []
+    queues: dict[int, AsyncCallsQueue] = {}
     for saver in list(_live_savers):
         queue = saver._queue_ref()
         if queue is None or queue.closed or queue.caller.foreign:
@@ -1112,9 +1113,20 @@ def _settle_pending_at_exit() -> None:
             saver.synchronize_staging()  # an overlapped save still copying: hand it to the writer
         except Exception:  # noqa: BLE001 - at exit: its failure is reported through its handle
             pass
-        pending += [(queue.background_finalize, record) for record in saver.pending_records()]
-    if pending:
-        _settle_or_name(pending, exit_timeout(), "at interpreter exit", "; call close() or wait() before exiting")
+        records = saver.pending_records()
+        pending += [(queue.background_finalize, record) for record in records]
+        queues.update((id(record), queue) for record in records)
+    if not pending:
+        return
+    lost = _settle_or_name(pending, exit_timeout(), "at interpreter exit", "; call close() or wait() before exiting")
+    # A lost save's queue is aborted now, while the interpreter is whole: its finalizer
+    # thread must not be left inside a call (waiting for the writer, or in a collective)
+    # when the process groups are torn down (gloo then aborts the process).
+    for queue in {id(q): q for q in (queues[id(record)] for record in lost)}.values():
+        try:
+            queue.close(abort=True)
+        except Exception as exc:  # noqa: BLE001 - at exit: nobody left to raise it to
+            _log.debug("aborting a queue at exit failed: %s", exc)
 
 
 atexit.register(_settle_pending_at_exit)
