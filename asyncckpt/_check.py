@@ -80,3 +80,14 @@ def check_state_dict(state_dict: Any, *, what: str = "state_dict", hint: str = "
     if isinstance(state_dict, dict):
         return state_dict
     raise InvalidArgumentError(f"{what} must be a dict, not {_describe(state_dict)}{hint}")
+
+
+def int_key(name: str) -> int | None:
+    """The ``int`` dict key whose ``str`` is ``name`` (DCP records every key as
+    ``str(key)``), or ``None`` when ``name`` is not the ``str`` of an ``int``
+    (``"07"``, ``"+1"`` and ``" 1"`` are not)."""
+    try:
+        value = int(name)
+    except ValueError:
+        return None
+    return value if str(value) == name else None

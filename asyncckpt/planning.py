@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ._check import int_key
 from .dist import SyncGroup
 from .errors import CheckpointError, RankFailure
 
@@ -154,21 +155,12 @@ def typed_path(state_dict: Any, path: tuple) -> tuple:
     out = []
     for k in path:
         if isinstance(obj, _Mapping) and type(k) is str and k not in obj:
-            as_int = _int_of(k)
+            as_int = int_key(k)
             if as_int is not None and as_int in obj:
                 k = as_int
         out.append(k)
         obj = obj[k]
     return tuple(out)
-
-
-def _int_of(name: str) -> int | None:
-    """The ``int`` whose ``str`` is ``name``, or ``None``."""
-    try:
-        value = int(name)
-    except ValueError:
-        return None
-    return value if str(value) == name else None
 
 
 def int_positions(path: tuple, typed: tuple) -> tuple[int, ...]:

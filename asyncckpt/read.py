@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpoi
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from ._check import check_path
+from ._check import check_path, int_key
 from .errors import CheckpointNotFoundError, CheckpointPathError, CorruptCheckpointError
 from .loading import from_dcp_exception
 from .root import is_in_root
@@ -91,7 +91,7 @@ def typed_entry_paths(metadata: Metadata, int_keys: Mapping[str, frozenset[int]]
         if ints:
             typed = list(path)
             for i in ints:
-                value = _int_of(typed[i]) if i < len(typed) and type(typed[i]) is str else None
+                value = int_key(typed[i]) if i < len(typed) and type(typed[i]) is str else None
                 if value is None:
                     raise CorruptCheckpointError(
                         f"{where}: the manifest's int_keys for entry {fqn!r} does not fit its path {path!r}", where)
@@ -100,13 +100,6 @@ def typed_entry_paths(metadata: Metadata, int_keys: Mapping[str, frozenset[int]]
         out[fqn] = (path, ints)
     return out
 
-
-def _int_of(name: str) -> int | None:
-    try:
-        value = int(name)
-    except ValueError:
-        return None
-    return value if str(value) == name else None
 
 
 def _place(root: dict[str, Any], path: tuple[str | int, ...], ints: frozenset[int], value: Any, fqn: str,
