@@ -101,7 +101,6 @@ def typed_entry_paths(metadata: Metadata, int_keys: Mapping[str, frozenset[int]]
     return out
 
 
-
 def _place(root: dict[str, Any], path: tuple[str | int, ...], ints: frozenset[int], value: Any, fqn: str,
            where: str) -> None:
     """Put ``value`` at ``path`` in ``root``, creating dicts (``str`` keys, and ``int``
