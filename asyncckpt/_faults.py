@@ -8,6 +8,8 @@ inherits the training process's environment when it is started). Points:
 - ``after_write``: in the writer, after every file is written and fsynced, before the
   result is returned;
 - ``commit``: in the coordinator's commit, before the directory is renamed;
+- ``after_rename``: in the coordinator's commit, after the directory is renamed (the
+  commit point) and its parent fsynced, before ``latest`` and retention;
 - ``stage``: in the training process, when a save starts its staging copy.
 
 Actions: ``sleep=SECONDS``, ``raise`` (``OSError(EIO)``), ``enospc``

@@ -234,8 +234,9 @@ class SyncGroup:
                 work.wait(arrivals.check_in_after)
                 return
             except RuntimeError:
-                if work.is_completed():
-                    raise  # failed within the short wait: no "Operation timed out!" here
+                if work.is_completed():  # failed within the short wait, or done just after it:
+                    work.wait()  # raises its own error, or returns
+                    return
             arrivals.check_in(seq, "waiting")  # still waiting: say so, for the others' errors
             work.wait()
         except RuntimeError as exc:

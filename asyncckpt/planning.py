@@ -135,6 +135,8 @@ def _key_clash(keys: Any) -> int | None:
     if not ints:
         return None
     names = {k for k in keys if type(k) is str}
+    if not names:  # an optimizer's `state`: int keys alone
+        return None
     return next((k for k in ints if str(k) in names), None)
 
 

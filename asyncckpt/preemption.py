@@ -227,7 +227,10 @@ class PreemptionSave:
         self._disarm_alarm()
         kept = _commit_written(self.manager, WRITTEN_COMMIT_S)
         signum = self.agreed_signum or self.signum or signal.SIGTERM
-        what = f"the final checkpoint of step {step} was aborted" if step is not None else "no final checkpoint"
+        if step is not None and step in self.manager.steps():  # the interrupt came after its commit point
+            what = f"step {step} is committed, but the end of its commit was cut short"
+        else:
+            what = f"the final checkpoint of step {step} was aborted" if step is not None else "no final checkpoint"
         if kept:
             reason += f" (step(s) {', '.join(map(str, kept))}, fully written, committed after the budget)"
         _log.error("asyncckpt: %s: %s: %s; newest committed: %s", signal.Signals(signum).name, what, reason,
@@ -339,6 +342,8 @@ class PreemptionSave:
                         reason += ("\n(DataLoader workers died of the signal: pass "
                                    "worker_init_fn=asyncckpt.PreemptionSave.worker_init_fn to the DataLoader)")
                     self._abort(step, reason)
+                    if step in self.manager.steps():  # renamed before the interrupt: it is the disk's
+                        committed = step
             if committed is not None:
                 _log.warning("asyncckpt: %s: step %d committed in %.2f s (%.1f s of the %.0f s grace left)",
                              signal.Signals(signum).name, step, time.monotonic() - t0, deadline - time.monotonic(),

@@ -60,9 +60,19 @@ OWNER_INFO_NAME = ".asyncckpt.manager.owner"
 #: removal cut short by the exit would leave a ``.step_N.deleting-*`` directory.
 _deletions: set[threading.Thread] = set()
 _deletions_lock = threading.Lock()
-#: Seconds the interpreter's exit waits for retention removals in flight (the
-#: environment variable of the pending saves' bound, ``asyncckpt.saving``).
-_EXIT_TIMEOUT_ENV = "ASYNCCKPT_EXIT_TIMEOUT_S"
+#: The environment variable of the bound, in seconds, on what the interpreter's exit
+#: (and a ``with CheckpointManager`` block ended by an exception) waits for: pending
+#: saves (``asyncckpt.saving``) and retention removals in flight.
+EXIT_TIMEOUT_ENV = "ASYNCCKPT_EXIT_TIMEOUT_S"
+DEFAULT_EXIT_TIMEOUT_S = 5.0
+
+
+def exit_timeout() -> float:
+    """The bound on waiting at exit: ``ASYNCCKPT_EXIT_TIMEOUT_S`` seconds (default 5)."""
+    try:
+        return float(os.environ.get(EXIT_TIMEOUT_ENV, DEFAULT_EXIT_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_EXIT_TIMEOUT_S
 
 
 def _join_deletions_at_exit() -> None:
@@ -80,17 +90,14 @@ def _join_deletions_at_exit() -> None:
         threads = list(_deletions)
     if not threads:
         return
-    try:
-        timeout = float(os.environ.get(_EXIT_TIMEOUT_ENV, 5.0))
-    except ValueError:
-        timeout = 5.0
+    timeout = exit_timeout()
     deadline = time.monotonic() + timeout
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
             _log.warning("asyncckpt: the removal of an old checkpoint (%s, retention) did not finish within "
                          "%.0f s at exit (%s); the next commit into its root or `asyncckpt clean` removes it",
-                         thread.name.partition(":")[2], timeout, _EXIT_TIMEOUT_ENV)
+                         thread.name.partition(":")[2], timeout, EXIT_TIMEOUT_ENV)
 
 
 atexit.register(_join_deletions_at_exit)

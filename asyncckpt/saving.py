@@ -55,7 +55,7 @@ from .handle import SaveCallback, SaveHandle, SaveResult, SaveTimings
 from .options import SaveOptions
 from .planning import PlanCache, SavePlanResult, plan_save
 from .request import AsyncRequest
-from .root import CheckpointRoot
+from .root import EXIT_TIMEOUT_ENV, CheckpointRoot, exit_timeout
 from . import staging as _staging
 from .staging import StagingBuffer, StagingCopier, StagingPool
 from .storage import commit as _commit
@@ -404,6 +404,21 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
 OUTCOME_WAIT_S = 60.0
 
 
+def _committed_on_disk(save: SaveInFlight, result: RankWriteResult, started: float) -> SaveTimings | None:
+    """The save's timings (set on ``save``) if ``final_dir`` holds the checkpoint this
+    save committed (its manifest carries this save's token), else ``None``."""
+    try:
+        manifest: dict[str, Any] | None = _commit.read_manifest(save.final_dir)
+    except Exception:  # noqa: BLE001 - absent or not ours: not committed by this save
+        manifest = None
+    if manifest is None or manifest.get("save_token") != save.planned.token:
+        return None
+    small = (_commit.METADATA_NAME, _commit.RECORDS_NAME)
+    nbytes = sum(e["size"] for n, e in manifest["files"].items() if n not in small)
+    save.timings = save.handle._commit_timings(result.write_s, time.monotonic() - started, nbytes)
+    return save.timings
+
+
 def _outcome_from_disk(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup, started: float,
                        cause: BaseException) -> SaveTimings:
     """(a rank other than the coordinator, whose commit collective broke) The outcome as
@@ -418,19 +433,13 @@ def _outcome_from_disk(save: SaveInFlight, result: RankWriteResult, sync: SyncGr
     deadline = time.monotonic() + limit
     while save.tmp_dir.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    try:
-        manifest: dict[str, Any] | None = _commit.read_manifest(save.final_dir)
-    except Exception:  # noqa: BLE001 - absent or not ours: not committed by this save
-        manifest = None
     why = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
     name = f"step {save.step} ({save.final_dir})" if save.step is not None else str(save.final_dir)
-    if manifest is not None and manifest.get("save_token") == save.planned.token:
+    timings = _committed_on_disk(save, result, started)
+    if timings is not None:
         _log.warning("asyncckpt: the commit of %s broke on this rank (%s); the coordinator committed it",
                      name, why)
-        small = (_commit.METADATA_NAME, _commit.RECORDS_NAME)
-        nbytes = sum(e["size"] for n, e in manifest["files"].items() if n not in small)
-        save.timings = save.handle._commit_timings(result.write_s, time.monotonic() - started, nbytes)
-        return save.timings
+        return timings
     if save.tmp_dir.exists():
         text = (f"the commit of {name} broke on this rank ({why}) and the coordinator (rank "
                 f"{save.coordinator_rank}) did not decide within {limit:g} s: it is not committed now "
@@ -613,7 +622,7 @@ class Saver:
         self.layouts = _LayoutCache()
         self.layout_exchange = _LayoutExchange()  # used by the finalizer thread's commits only
         self.lock = threading.RLock()  # one save() / synchronize_staging() at a time
-        self._state = threading.Lock()  # guards the maps below (training and finalizer threads)
+        self._state = threading.RLock()  # guards the maps below (training and finalizer threads)
         self._overlapped: _Overlapped | None = None
         self._inflight: dict[int, SaveInFlight] = {}  # call_idx -> scheduled, not settled
         self._settling: set[int] = set()  # in _inflight, being settled by _on_settled
@@ -781,6 +790,9 @@ class Saver:
                 except CheckpointException as exc:
                     error = exc
         except BaseException as exc:
+            if result is not None and _committed_on_disk(record, result, started) is not None:
+                self._settle(record, None)  # interrupted after the commit point: committed, as on disk
+                raise
             interrupted = CheckpointException(-1, {sync.rank: RankFailure.from_exception(exc, "interrupted: ")},
                                               record.step, record.final_dir)
             self._settle(record, interrupted)  # the coordinator removes its files: it did not commit
@@ -1049,19 +1061,9 @@ class Saver:
 # ====================================================================== interpreter exit
 #: Every saver of this process (a forked child forgets its parent's).
 _live_savers: "weakref.WeakSet[Saver]" = weakref.WeakSet()
-#: Seconds the interpreter's exit waits for pending saves to commit (environment
-#: variable ``ASYNCCKPT_EXIT_TIMEOUT_S``); a save still pending then is lost, and named.
-EXIT_TIMEOUT_ENV = "ASYNCCKPT_EXIT_TIMEOUT_S"
-DEFAULT_EXIT_TIMEOUT_S = 5.0
+#: Pending saves get ``root.exit_timeout()`` seconds at exit to commit; one still
+#: pending then is lost, and named.
 _exit_done: list[int] = []  # the pid whose exit hook ran (it runs once per process)
-
-
-def exit_timeout() -> float:
-    """The bound on waiting for pending saves at exit (``ASYNCCKPT_EXIT_TIMEOUT_S``, seconds)."""
-    try:
-        return float(os.environ.get(EXIT_TIMEOUT_ENV, DEFAULT_EXIT_TIMEOUT_S))
-    except ValueError:
-        return DEFAULT_EXIT_TIMEOUT_S
 
 
 def _describe_save(record: SaveInFlight) -> str:

@@ -337,6 +337,40 @@ def test_ctrl_c_during_a_synchronous_save_leaves_no_temporary_directory(tmp_path
 
 
 @pytest.mark.timeout(120)
+def test_ctrl_c_after_the_commit_point_of_a_synchronous_save_reports_it_committed(tmp_path: Path) -> None:
+    """SIGINT during a synchronous save after its directory was renamed (the commit
+    point): the interrupt is raised, and the save is reported as what the disk holds,
+    committed (its handle and callback), not as failed."""
+    root = tmp_path / "root"
+    marker = tmp_path / "renamed"
+    proc = _start(tmp_path, f"""
+        outcomes = []
+        manager = asyncckpt.CheckpointManager(root, callback=outcomes.append)
+        handle = None
+        try:
+            os.environ["ASYNCCKPT_FAULT"] = "after_rename:touch={marker};after_rename:sleep=60"
+            handle = manager.save(1, {{"w": torch.ones(1 << 16)}}, async_op=False)
+        except KeyboardInterrupt:
+            os.environ.pop("ASYNCCKPT_FAULT")
+            print(json.dumps({{"interrupted": True, "steps": manager.steps(),
+                              "callback": [type(o).__name__ for o in outcomes]}}), flush=True)
+        manager.close()
+    """, root)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the commit point was never reached"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+    finally:
+        rc, out, err = _finish(proc)
+    assert rc == 0, err
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen == {"interrupted": True, "steps": [1], "callback": ["SaveResult"]}, (seen, err)
+    assert asyncckpt.verify(root / "step_00000001") and _hidden(root) == []
+
+
+@pytest.mark.timeout(120)
 def test_an_exit_without_close_finishes_the_retention_removal(tmp_path: Path) -> None:
     """keep_last=1 and an exit without close(): the commit at exit starts the removal of
     the old step; the exit lets it finish, so no `.step_N.deleting-*` directory is left.

@@ -128,6 +128,7 @@ def commit_directory(
         raise FileExistsError(f"{final_dir} exists and is not empty; it is never overwritten")
     os.rename(tmp_dir, final_dir)  # atomic; replaces an empty directory
     fsync_directory(str(final_dir.parent))
+    _faults.hit("after_rename")
     return manifest
 
 

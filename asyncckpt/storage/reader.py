@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .crc import CrcChain, crc32
+from .._check import int_key
 from ..errors import CheckpointError, CorruptCheckpointError
 from .commit import METADATA_NAME, is_plain_name, run_in_order
 from .layout import record_framing
@@ -405,11 +406,8 @@ def set_value(state_dict: dict[str, Any], path: tuple, value: Any) -> None:
     for depth, k in enumerate(path):
         if isinstance(parent, Mapping):
             if type(k) is str and k not in parent:
-                try:
-                    as_int = int(k)
-                except ValueError:
-                    as_int = None
-                if as_int is not None and str(as_int) == k and as_int in parent:
+                as_int = int_key(k)
+                if as_int is not None and as_int in parent:
                     k = as_int
         elif not (isinstance(parent, list) and type(k) is int):
             break
