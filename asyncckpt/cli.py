@@ -202,7 +202,14 @@ class RootScan:
 
     @property
     def newest_step(self) -> int | None:
-        """The newest committed step (what ``CheckpointManager`` resumes from)."""
+        """The step ``CheckpointManager`` resumes from: the newest *save* committed in a
+        root (:meth:`asyncckpt.root.CheckpointRoot.latest`: after a rollback, not the
+        largest step number); for a directory without ``step_N`` checkpoints (a
+        Lightning ``dirpath``) or a single checkpoint, the largest step."""
+        if not self.is_checkpoint:
+            newest = _root.CheckpointRoot(self.root).latest()
+            if newest is not None:
+                return newest
         steps = [c.step for c in self.checkpoints if c.step is not None]
         return max(steps) if steps else None
 

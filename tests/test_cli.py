@@ -403,3 +403,22 @@ def test_clean_never_removes_a_stock_dcp_checkpoint(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (root / "step_00000005").iterdir()) == files
     assert "never removed" in proc.stdout
+
+
+def test_ls_marks_as_newest_the_step_a_run_resumes_from_after_a_rollback(tmp_path: Path) -> None:
+    """Steps 10 and 20 saved, then a rollback to 10 and a save of 11: a manager resumes
+    from 11 (the newest save wins), and `ls` marks 11 as the newest, not 20."""
+    root = tmp_path / "root"
+    with asyncckpt.CheckpointManager(root, persistent=False) as mgr:
+        for step in (10, 20):
+            mgr.save(step, {"w": torch.full((8,), float(step))}, async_op=False)
+        state = {"w": torch.zeros(8)}
+        mgr.load(state, 10)
+        mgr.save(11, {"w": torch.full((8,), 11.0)}, async_op=False)
+        assert mgr.latest_step() == 11
+    listed = run_json("ls", root)
+    assert listed["newest_step"] == 11, listed
+    proc = run("ls", root)
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    newest = [row[1] for row in rows if "newest" in row[-1]]
+    assert newest == ["step_00000011"], proc.stdout
