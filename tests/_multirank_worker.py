@@ -192,26 +192,18 @@ def absent_rank(rank: int, world: int, store: str, out_dir: Path, root: str, tim
     result: dict[str, Any] = {}
     if first != "1":
         manager.save(1, _state(rank, 1)).wait(timeout=60)
-    if rank == 0:
-        try:
-            manager.save(4, _state(rank, 1)).wait(timeout=120)
-            result["outcome"] = "committed"
-        except asyncckpt.AsyncckptError as exc:
-            result["outcome"] = type(exc).__name__
-            result["error"] = str(exc)
-        _report(out_dir, rank, result)
-    else:
+    if rank != 0:
         deadline = time.monotonic() + 60
         while not (out_dir / "rank0.json").exists() and time.monotonic() < deadline:
             time.sleep(0.05)  # "busy": not in any call of asyncckpt
         result["rank0_reported_while_busy"] = (out_dir / "rank0.json").exists()
-        try:
-            manager.save(4, _state(rank, 1)).wait(timeout=120)
-            result["outcome"] = "committed"
-        except asyncckpt.AsyncckptError as exc:
-            result["outcome"] = type(exc).__name__
-            result["error"] = str(exc)
-        _report(out_dir, rank, result)
+    try:
+        manager.save(4, _state(rank, 1)).wait(timeout=120)
+        result["outcome"] = "committed"
+    except asyncckpt.AsyncckptError as exc:
+        result["outcome"] = type(exc).__name__
+        result["error"] = str(exc)
+    _report(out_dir, rank, result)
     manager.close(abort=True)
     dist.destroy_process_group()
 
