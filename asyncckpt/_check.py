@@ -11,7 +11,7 @@ import operator
 import os
 from typing import Any
 
-from .errors import InvalidArgumentError
+from asyncckpt.errors import InvalidArgumentError
 
 __all__ = ["check_step", "check_path", "check_state_dict"]
 

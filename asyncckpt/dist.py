@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointError, RankFailure
+from asyncckpt.errors import CheckpointError, RankFailure
 
 __all__ = ["SyncGroup", "collective_timeout", "call_before_destroy"]
 

@@ -69,10 +69,10 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("asyncckpt.lightning needs Lightning: pip install 'asyncckpt[lightning]'") from exc
 
-from . import AsyncCallsQueue, SaveHandle, SaveResult, read_state_dict, save
-from .errors import CheckpointError
-from .storage import commit as _commit
-from .storage.writer import fsync_directory
+from asyncckpt import AsyncCallsQueue, SaveHandle, SaveResult, read_state_dict, save
+from asyncckpt.errors import CheckpointError
+from asyncckpt.format import manifest as _commit
+from asyncckpt.io.writer import fsync_directory
 
 __all__ = ["AsyncckptCheckpointIO", "STRUCTURE_KEY"]
 

@@ -1,7 +1,7 @@
 """CheckpointManager: numbered asynchronous checkpoints in one root, with retention.
 
 Small on purpose, like Orbax's ``CheckpointManager``: the phases live in
-:mod:`asyncckpt.saving`, the root's naming, ``latest`` and retention in
+:mod:`asyncckpt.saving.saver`, the root's naming, ``latest`` and retention in
 :mod:`asyncckpt.root`, the options in :class:`asyncckpt.SaveOptions`.
 """
 
@@ -13,18 +13,18 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from ._check import check_state_dict, check_step
-from .callers import PersistentAsyncCaller
-from .calls_queue import AsyncCallsQueue
-from .dist import SyncGroup
-from .errors import (AsyncckptError, CheckpointError, CheckpointException, CheckpointNotFoundError,
+from asyncckpt._check import check_state_dict, check_step
+from asyncckpt.async_utils.callers import PersistentAsyncCaller
+from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
+from asyncckpt.dist import SyncGroup
+from asyncckpt.errors import (AsyncckptError, CheckpointError, CheckpointException, CheckpointNotFoundError,
                      InvalidArgumentError, PreemptionBudgetExpired, RankFailure)
-from .handle import SaveCallback, SaveHandle, SaveTimings
-from .loading import load
-from .options import SaveOptions
-from .root import CheckpointRoot
-from .saving import Saver, exit_timeout, release_when_settled
-from .storage import commit as _commit
+from asyncckpt.saving.handle import SaveCallback, SaveHandle, SaveTimings
+from asyncckpt.loading.api import load
+from asyncckpt.options import SaveOptions
+from asyncckpt.root import CheckpointRoot
+from asyncckpt.saving.saver import Saver, exit_timeout, release_when_settled
+from asyncckpt.format import manifest as _commit
 
 __all__ = ["CheckpointManager"]
 

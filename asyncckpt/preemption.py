@@ -42,9 +42,9 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ._check import check_step
-from .dist import SyncGroup
-from .errors import AsyncckptError, PreemptionBudgetExpired
+from asyncckpt._check import check_step
+from asyncckpt.dist import SyncGroup
+from asyncckpt.errors import AsyncckptError, PreemptionBudgetExpired
 
 __all__ = ["PreemptionSave"]
 

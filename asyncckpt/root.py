@@ -27,7 +27,6 @@ import re
 import secrets
 import shutil
 import socket
-import stat
 import threading
 import time
 import warnings
@@ -35,9 +34,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 
-from ._check import check_path
-from .errors import CheckpointPathError, InvalidArgumentError, RootInUseError
-from .storage import commit as _commit
+from asyncckpt._check import check_path
+from asyncckpt.errors import CheckpointPathError, InvalidArgumentError, RootInUseError
+from asyncckpt.format import manifest as _commit
 
 __all__ = ["STEP_DIR_RE", "LEFTOVER_RE", "OWNER_LOCK_NAME", "OWNER_INFO_NAME", "step_dir_name",
            "is_in_root", "is_stock_dcp", "CheckpointRoot"]
@@ -62,7 +61,7 @@ _deletions: set[threading.Thread] = set()
 _deletions_lock = threading.Lock()
 #: The environment variable of the bound, in seconds, on what the interpreter's exit
 #: (and a ``with CheckpointManager`` block ended by an exception) waits for: pending
-#: saves (``asyncckpt.saving``) and retention removals in flight.
+#: saves (``asyncckpt.saving.saver``) and retention removals in flight.
 EXIT_TIMEOUT_ENV = "ASYNCCKPT_EXIT_TIMEOUT_S"
 DEFAULT_EXIT_TIMEOUT_S = 5.0
 
@@ -83,7 +82,7 @@ def _join_deletions_at_exit() -> None:
 
     Runs after the pending saves were committed (their commits start removals):
     atexit is last-in first-out and this module registers before
-    :mod:`asyncckpt.saving`; on multiprocessing's exit path, with a priority between
+    :mod:`asyncckpt.saving.saver`; on multiprocessing's exit path, with a priority between
     theirs (150) and the workers' stop (100).
     """
     with _deletions_lock:

@@ -42,7 +42,7 @@ LLM_TINY = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 32}
 
 #: What the fsdp2 ranks import, once, in the forkserver they fork from.
 RANK_PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
-                "torch.distributed.fsdp", "asyncckpt.manager", "asyncckpt.saving", "asyncckpt.loading")
+                "torch.distributed.fsdp", "asyncckpt.manager", "asyncckpt.saving.saver", "asyncckpt.loading.api")
 
 #: asyncckpt and DCP, the systems the LLM workloads compare (keys of bench.py's systems).
 LLM_SYSTEMS = ("dcp-async-thread-stager", "ack-persistent", "ack-prepare")

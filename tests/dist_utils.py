@@ -164,7 +164,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
 
 #: What ranks of the sharded-state tests import (torch alone takes seconds per process).
 TORCH_PRELOAD = ("torch", "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp",
-                 "torch.nn.parallel", "asyncckpt.saving", "asyncckpt.manager")
+                 "torch.nn.parallel", "asyncckpt.saving.saver", "asyncckpt.manager")
 
 
 def preload_forkserver(modules: tuple[str, ...] = TORCH_PRELOAD) -> None:

@@ -95,7 +95,7 @@ def _rank_state(rank: int) -> dict[str, Any]:
 def _patch_tmp_dir_into(blocker: Path) -> Any:
     """Fault injection on this rank only: its data directory lands under a regular
     file, so its write fails with NotADirectoryError. Returns the undo function."""
-    import asyncckpt.storage.commit as commit_mod
+    import asyncckpt.format.manifest as commit_mod
 
     real = commit_mod.temporary_dir_for
     commit_mod.temporary_dir_for = lambda final_dir, token: blocker / real(final_dir, token).name
@@ -237,7 +237,7 @@ def test_two_ranks_save_load_and_refuse(tmp_path: Path, caller: str) -> None:
         merged = torch.load(tmp_path / f"{name}.pt", weights_only=False)
         expected = _clone(_rank_state(0))
         expected.update({k: v for k, v in _rank_state(1).items() if k not in ("nested",)})
-        expected["nested"][f"r1"] = [1, "text", None]
+        expected["nested"]["r1"] = [1, "text", None]
         assert _diff(expected, merged) is None, _diff(expected, merged)
 
     # No temporary directory left over, nothing written for the refused saves.

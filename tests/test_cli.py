@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
 from asyncckpt import cli
-from asyncckpt.storage import commit
+from asyncckpt.format import manifest as commit
 
 pytestmark = pytest.mark.timeout(90)
 

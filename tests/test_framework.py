@@ -25,9 +25,9 @@ import psutil
 import pytest
 
 import asyncckpt
-from asyncckpt.callers import TERMINATE_GRACE_S, PersistentAsyncCaller, TemporalAsyncCaller
+from asyncckpt.async_utils.callers import TERMINATE_GRACE_S, PersistentAsyncCaller, TemporalAsyncCaller
 from asyncckpt.errors import CheckpointException
-from asyncckpt.request import AsyncRequest
+from asyncckpt.async_utils.request import AsyncRequest
 
 TESTS_DIR = Path(__file__).resolve().parent
 #: A failed call must be reported within this many seconds (anchor failure 1: hang forever).
@@ -691,8 +691,8 @@ def test_caller_close_keeps_the_outcome_of_a_finished_call(caller_cls):
 EXIT_SCRIPT = """\
 import os, sys, time
 sys.path.insert(0, {tests_dir!r})
-from asyncckpt.calls_queue import AsyncCallsQueue
-from asyncckpt.request import AsyncRequest
+from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
+from asyncckpt.async_utils.request import AsyncRequest
 import test_framework
 
 if __name__ == "__main__":  # the spawned worker re-imports this script as __mp_main__
@@ -783,8 +783,8 @@ MAIN_SCRIPT = """\
 import os, sys
 sys.path.insert(0, {tests_dir!r})
 import test_framework
-from asyncckpt.calls_queue import AsyncCallsQueue
-from asyncckpt.request import AsyncRequest
+from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
+from asyncckpt.async_utils.request import AsyncRequest
 
 print("main module executed in pid", os.getpid(), flush=True)
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from test_framework import (  # noqa: F401 - the autouse fixture is used by bein
 )
 
 from asyncckpt.errors import CheckpointException
-from asyncckpt.request import AsyncRequest
+from asyncckpt.async_utils.request import AsyncRequest
 
 WORLD_SIZE = 2
 
@@ -57,7 +57,7 @@ def _summary(exc):
 
 
 def _queue(persistent):
-    from asyncckpt.calls_queue import AsyncCallsQueue
+    from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 
     return AsyncCallsQueue(persistent=persistent)
 

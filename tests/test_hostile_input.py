@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import asyncckpt
-from helpers import assert_same, bits, clone_state
+from helpers import assert_same, clone_state
 from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointException, CorruptCheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -25,10 +25,11 @@ from helpers import assert_same, clone_state
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
-from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointManager, CorruptCheckpointError, loading
-from asyncckpt.storage import commit
-from asyncckpt.storage.reader import read_metadata
-from asyncckpt.storage.records import RECORDS_NAME
+from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointManager, CorruptCheckpointError
+from asyncckpt.loading import api as loading
+from asyncckpt.format import manifest as commit
+from asyncckpt.loading.reader import read_metadata
+from asyncckpt.format.records import RECORDS_NAME
 
 REPO = Path(__file__).resolve().parent.parent
 

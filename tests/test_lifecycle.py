@@ -19,7 +19,6 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -71,7 +70,7 @@ def _ls_partial(root: Path) -> list[str]:
 
 def _wait_committed(path: Path, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while not asyncckpt.storage.commit.is_committed(path):
+    while not asyncckpt.format.manifest.is_committed(path):
         assert time.monotonic() < deadline, f"{path} was not committed within {timeout} s"
         time.sleep(0.05)
 

@@ -53,7 +53,7 @@ def _rank_lifecycle(rank: int, world: int, root: str) -> dict[str, Any]:
     handle = _manager(os.path.join(root, "dropped"), "mid_write:sleep=1").save(1, state)
     gc.collect()
     handle.wait(timeout=60)
-    out["dropped_committed"] = asyncckpt.storage.commit.is_committed(Path(root, "dropped", "step_00000001"))
+    out["dropped_committed"] = asyncckpt.format.manifest.is_committed(Path(root, "dropped", "step_00000001"))
 
     # 3. a crash inside `with`: the save staged before it commits on every rank.
     try:

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 import asyncckpt
 from asyncckpt.errors import CallbackError, CheckpointException
-from asyncckpt.storage import writer as _writer
+from asyncckpt.io import writer as _writer
 from helpers import assert_same, clone_state
 
 pytestmark = pytest.mark.timeout(120)
@@ -182,7 +182,7 @@ def test_callback_error_during_a_failed_save_is_attached_to_the_exception(tmp_pa
 def test_threads_write_the_same_bytes(tmp_path, monkeypatch, copy_threads, write_threads):
     """Copies spread across threads and files written by several threads give the
     same files, byte for byte, as one thread each (small chunks force the paths)."""
-    from asyncckpt import staging
+    from asyncckpt.saving import staging
     monkeypatch.setattr(_writer, "WRITE_CHUNK_BYTES", 64 << 10)  # sync saves write in this process
     monkeypatch.setattr(staging.StagingCopier, "CHUNK_BYTES", 48 << 10)
     monkeypatch.setattr(staging.StagingCopier, "PIECE_BYTES", 40 << 10)
@@ -218,7 +218,7 @@ def test_copier_memmoves_what_it_may_and_copies_the_rest_exactly(threads, monkey
     """Large contiguous tensors go through memmove (no intra-op threads); strided,
     conjugate, negative, small and dtype-converting copies through torch; every
     destination ends bitwise equal to what ``copy_`` gives."""
-    from asyncckpt import staging
+    from asyncckpt.saving import staging
     monkeypatch.setattr(staging.StagingCopier, "PIECE_BYTES", 40 << 10)
     moved = []
     real = staging._memmove
@@ -266,7 +266,7 @@ def test_write_threads_failure_removes_the_file(tmp_path, monkeypatch):
 
 
 def test_staging_copier_splits_by_bytes():
-    from asyncckpt.staging import StagingCopier, _split
+    from asyncckpt.saving.staging import StagingCopier, _split
     srcs = [torch.randn(1000), torch.randn(10), torch.randn(5000).view(50, 100).t()]
     dsts = [torch.empty(1000), torch.empty(10), torch.empty(100, 50)]
     groups = _split(dsts, srcs, 3, 400)

@@ -47,7 +47,7 @@ def _memfds() -> int:
 def _scenarios(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    import asyncckpt.saving as saving
+    import asyncckpt.saving.saver as saving
 
     out: dict[str, Any] = {}
     state = {"w": torch.full((4096,), float(rank)), "meta": {"rank": rank}}
@@ -401,7 +401,7 @@ def test_copier_close_never_joins_its_threads() -> None:
     inside ``threading`` with its shutdown lock held: a join there deadlocked a suite."""
     import threading
 
-    from asyncckpt.staging import StagingCopier
+    from asyncckpt.saving.staging import StagingCopier
 
     copier = StagingCopier(threads=2)
     srcs = [torch.randn(1 << 16) for _ in range(4)]
@@ -425,7 +425,7 @@ def test_a_new_buffer_is_allocated_by_its_first_copy_or_populate(
     piece just before copying into it) or ``populate()`` does (``prepare()``, pinning),
     keeping the bytes already there; the same without MADV_POPULATE_WRITE (before
     Linux 5.14: first-touch faults and a populating mapping)."""
-    from asyncckpt import staging
+    from asyncckpt.saving import staging
 
     if not madvise:
         monkeypatch.setattr(staging, "_populate_write", False)
@@ -460,7 +460,7 @@ def test_a_new_buffer_is_allocated_by_its_first_copy_or_populate(
 def test_copy_threads_raise_the_first_error_after_joining_the_others() -> None:
     """An error in one copy thread (a failed allocation: prefault's OSError) reaches the
     caller once every thread has stopped."""
-    from asyncckpt.staging import StagingCopier
+    from asyncckpt.saving.staging import StagingCopier
 
     copier = StagingCopier(threads=2)
     done: list[int] = []

@@ -7,7 +7,7 @@
   ranks' checkpoints load back on 2, model and Adam state, compared as full tensors
   with references saved as plain tensors (``full_state_dict=True``).
 - DDP (replicated) state: DCP's dedup of the global plan writes one copy in all, split
-  between the ranks, also when the plan comes from :class:`asyncckpt.planning.PlanCache`.
+  between the ranks, also when the plan comes from :class:`asyncckpt.saving.planning.PlanCache`.
 
 The rank functions return what they saw; the assertions run in the test process
 (see ``test_checkpoint_dist.py``). Run with ``-s`` to see the resharding report.
@@ -349,7 +349,7 @@ def _rank_save_ddp(rank: int, world_size: int, root: str) -> dict[str, Any]:
                 dcp.load(got, checkpoint_id=str(path))
                 out["diffs"][(name, step)] = _compare(snapshot, got)
         # The 2nd and 3rd saves of each saver reused the 1st one's plan.
-        out["cache_hits"] = {"save": asyncckpt.saving._saver_for(queue).plan_cache.hits,
+        out["cache_hits"] = {"save": asyncckpt.saving.saver._saver_for(queue).plan_cache.hits,
                              "manager": manager._saver.plan_cache.hits}
         manager.close()
         queue.close()

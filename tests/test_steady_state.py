@@ -1,7 +1,7 @@
 """The steady state: a save of a state with the previous save's structure reuses the plan.
 
-Issue #11, items 1-2. :class:`asyncckpt.planning.PlanCache` keys the plan on the
-state's structure (:func:`asyncckpt.planning.structure_signature`); every kind of
+Issue #11, items 1-2. :class:`asyncckpt.saving.planning.PlanCache` keys the plan on the
+state's structure (:func:`asyncckpt.saving.planning.structure_signature`); every kind of
 change must re-plan, and every checkpoint, planned or cached, must load back equal.
 Each case saves for real (a persistent worker, real files) and loads with asyncckpt
 and with stock ``dcp.load``. The cache's ``hits`` counter is the observable.
@@ -157,7 +157,7 @@ def test_unchanged_plain_values_reuse_their_bytes_and_every_change_is_saved(tmp_
     """A cached plan's plain non-tensor values equal to the last save's reuse its bytes
     (``PlanCache.pickled``); every change is saved, also one that ``==`` misses (``1``
     to ``1.0``, ``True`` to ``1``, ``0.0`` to ``-0.0``) or made in place."""
-    from asyncckpt.planning import plain_key
+    from asyncckpt.saving.planning import plain_key
 
     state = _base()
     group = state["optim"]["groups"][0]
@@ -195,7 +195,7 @@ def test_unchanged_plain_values_reuse_their_bytes_and_every_change_is_saved(tmp_
 
 
 def test_plain_key_is_exact_about_types_and_refuses_what_it_cannot_see() -> None:
-    from asyncckpt.planning import plain_key
+    from asyncckpt.saving.planning import plain_key
 
     values = [1, 1.0, True, 0.0, -0.0, float("nan"), "1", b"1", None, (1,), [1], {"a": 1}, {"a": 1.0},
               [[1], [1]], 1 + 0j]
@@ -212,7 +212,7 @@ def test_plain_key_is_exact_about_types_and_refuses_what_it_cannot_see() -> None
 
 def test_structure_signature_is_exact_and_validates() -> None:
     from asyncckpt.errors import CheckpointError
-    from asyncckpt.planning import structure_signature
+    from asyncckpt.saving.planning import structure_signature
 
     base = _base()
     sig = structure_signature(base)
@@ -303,7 +303,9 @@ def test_metadata_bytes_are_reused_and_exact(tmp_path: Path) -> None:
     well, names the CRC-32 of each step's own ``.metadata`` and is what ``load`` plans from."""
     import pickle
 
-    from asyncckpt import loading, saving
+    from asyncckpt.loading import api as loading
+
+    from asyncckpt.saving import saver as saving
 
     state = {"layers": [{"w": torch.full((64,), float(i)), "b": torch.zeros(3)} for i in range(200)], "step": 0}
     hits = saving._METADATA_PICKLE.hits

@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 
-from asyncckpt.storage.torchsave import TensorFraming, tensor_framing
+from asyncckpt.format.torchsave import TensorFraming, tensor_framing
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,

@@ -11,11 +11,11 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
 import asyncckpt
-from asyncckpt.planning import plan_save
+from asyncckpt.saving.planning import plan_save
 from asyncckpt.dist import SyncGroup
-from asyncckpt.staging import HostSlab
-from asyncckpt.storage import writer
-from asyncckpt.storage.layout import build_layout
+from asyncckpt.saving.staging import HostSlab
+from asyncckpt.io import writer
+from asyncckpt.format.layout import build_layout
 
 
 @pytest.mark.timeout(60)

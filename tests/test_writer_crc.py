@@ -13,9 +13,9 @@ import zlib
 
 import pytest
 
-from asyncckpt.storage import crc as crc_mod
-from asyncckpt.storage import writer
-from asyncckpt.storage.writer import BIG_SEGMENT_BYTES, COMBINE_MIN_BYTES, CrcPatch, crc32_combine
+from asyncckpt.format import crc as crc_mod
+from asyncckpt.io import writer
+from asyncckpt.io.writer import BIG_SEGMENT_BYTES, COMBINE_MIN_BYTES, CrcPatch, crc32_combine
 
 
 @pytest.mark.timeout(60)
@@ -137,7 +137,7 @@ def test_checkpoints_check_the_same_without_isal(tmp_path) -> None:  # type: ign
         "import sys, torch\n"
         "sys.modules['isal'] = sys.modules['isal.isal_zlib'] = None\n"
         "import asyncckpt\n"
-        "from asyncckpt.storage import crc\n"
+        "from asyncckpt.format import crc\n"
         "assert crc.IMPLEMENTATION == 'zlib', crc.IMPLEMENTATION\n"
         "out = {'w': torch.zeros(300_000), 'b': torch.zeros(7), 'step': 0}\n"
         "asyncckpt.verify(sys.argv[1] + '/isal')\n"

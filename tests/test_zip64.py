@@ -28,13 +28,13 @@ import torch.distributed.checkpoint as dcp
 
 import asyncckpt
 from asyncckpt import CheckpointError, CorruptCheckpointError
-from asyncckpt import loading as loading_mod
+from asyncckpt.loading import api as loading_mod
 from asyncckpt.dist import SyncGroup
-from asyncckpt.planning import plan_save
-from asyncckpt.storage import reader as reader_mod
-from asyncckpt.storage.layout import build_layout, record_framing
-from asyncckpt.storage.torchsave import MAX_RECORD_BYTES, ZIP64_LIMIT, TensorFraming, tensor_framing
-from asyncckpt.storage.writer import unpack_patches
+from asyncckpt.saving.planning import plan_save
+from asyncckpt.loading import reader as reader_mod
+from asyncckpt.format.layout import build_layout, record_framing
+from asyncckpt.format.torchsave import MAX_RECORD_BYTES, ZIP64_LIMIT, TensorFraming, tensor_framing
+from asyncckpt.io.writer import unpack_patches
 from helpers import closing_queue
 
 LONG = os.environ.get("ASYNCCKPT_LONG") == "1"

@@ -17,7 +17,7 @@ nothing in it is allowed to name a path outside it or to run code on load:
   before any tensor of the state_dict is written, so a refused value leaves the
   state_dict unchanged.
 
-Tensor records written by our writer (``asyncckpt.storage.layout``: one fixed
+Tensor records written by our writer (``asyncckpt.format.layout``: one fixed
 ``torch.save`` framing per dtype and shape, the zip64 one for records of 4 GiB and
 more) are recognised byte for byte and their raw bytes copied directly, without a
 ``torch.load`` per tensor; any other record is read with ``torch.load(...,
@@ -30,7 +30,7 @@ manifest, which checks the CRC-32 of each manifest segment it reads.
 ``asyncckpt.load`` for the common case (the state_dict has the checkpoint's keys,
 dtypes and shapes): no DCP load planning, few large ``preadv`` calls straight into
 the target tensors. It finds the records in ``.records.json``
-(:mod:`asyncckpt.storage.records`, :meth:`SafeFileSystemReader.read_records`) when that
+(:mod:`asyncckpt.format.records`, :meth:`SafeFileSystemReader.read_records`) when that
 file stands for the ``.metadata`` in the directory, without unpickling anything.
 """
 
@@ -58,13 +58,13 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .crc import CrcChain, crc32
-from .._check import int_key
-from ..errors import CheckpointError, CorruptCheckpointError
-from .commit import METADATA_NAME, is_plain_name, run_in_order
-from .layout import record_framing
-from .records import RECORDS_NAME, Record, parse_records, records_from_metadata
-from .torchsave import TensorFraming
+from asyncckpt.format.crc import CrcChain, crc32
+from asyncckpt._check import int_key
+from asyncckpt.errors import CheckpointError, CorruptCheckpointError
+from asyncckpt.format.manifest import METADATA_NAME, is_plain_name, run_in_order
+from asyncckpt.format.layout import record_framing
+from asyncckpt.format.records import RECORDS_NAME, Record, parse_records, records_from_metadata
+from asyncckpt.format.torchsave import TensorFraming
 
 __all__ = [
     "METADATA_NAME",
@@ -139,7 +139,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def check_file_name(name: Any, where: str) -> str:
     """Return ``name`` if it is a plain file name (see
-    :func:`asyncckpt.storage.commit.is_plain_name`): joined to a directory, it names an
+    :func:`asyncckpt.format.manifest.is_plain_name`): joined to a directory, it names an
     entry of that directory and nothing else.
 
     Args:
@@ -547,7 +547,7 @@ class SafeFileSystemReader(FileSystemReader):
                     f"{METADATA_NAME} names {name!r}, a file the manifest does not list", path)
 
     def read_records(self, manifest_files: Mapping[str, Any]) -> dict[str, Record] | None:
-        """The records of the records file (:mod:`asyncckpt.storage.records`), when the
+        """The records of the records file (:mod:`asyncckpt.format.records`), when the
         manifest lists one and it stands for this directory's ``.metadata``; else
         ``None``: read :meth:`read_metadata`. Never raises for a bad or missing records
         file (``.metadata`` decides).
@@ -803,7 +803,7 @@ def plan_direct_load(state_dict: dict[str, Any], metadata: Metadata | Mapping[st
     Args:
         state_dict: the state to fill.
         metadata: the checkpoint's ``Metadata``, or its records (fqn -> record, from
-            the records file: :mod:`asyncckpt.storage.records`); ``None``: no records.
+            the records file: :mod:`asyncckpt.format.records`); ``None``: no records.
 
     Costs one dict lookup and a few comparisons per entry (no collective, no I/O).
     """
@@ -998,7 +998,7 @@ def _read_file(fd: int, path: str, reads: list[tuple[_Unit, list[_Landing]]], no
     thread as fast as ``readinto`` of the whole, by 2 and 4 threads at different
     offsets 1.2x and 1.6x slower). Consecutive reads are gathered into ``preadv`` calls
     of up to :data:`_READ_BYTES`. With verification each call's bytes are checksummed
-    on a helper thread (:class:`~asyncckpt.storage.crc.CrcChain`), unit by unit, while
+    on a helper thread (:class:`~asyncckpt.format.crc.CrcChain`), unit by unit, while
     the next call reads; the first mismatch stops the reads.
 
     Raises:

@@ -18,7 +18,7 @@ nothing failed but some checkpoint has no manifest and could not be verified (a 
 
 The tool is a user of the public API and the storage modules (DESIGN.md, "Layers"):
 ``ls``, ``verify`` and ``clean`` do not import torch; ``inspect`` reads ``.metadata``
-with the restricted unpickler of :mod:`asyncckpt.storage.reader`; ``convert`` reads with
+with the restricted unpickler of :mod:`asyncckpt.loading.reader`; ``convert`` reads with
 :func:`asyncckpt.read_state_dict` (path checks, CRC verification when the checkpoint
 has a manifest, ``weights_only`` values).
 """
@@ -38,10 +38,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from . import __version__
-from .errors import AsyncckptError, CheckpointError, CorruptCheckpointError
-from . import root as _root
-from .storage import commit as _commit
+from asyncckpt import __version__
+from asyncckpt.errors import AsyncckptError, CheckpointError, CorruptCheckpointError
+from asyncckpt import root as _root
+from asyncckpt.format import manifest as _commit
 
 __all__ = [
     "main",
@@ -242,7 +242,7 @@ def scan_root(root: str | os.PathLike) -> RootScan:
     """List the checkpoints and leftovers of a ``CheckpointManager`` root.
 
     Committed checkpoints are ``step_N`` directories with a manifest and ``.metadata``
-    (:func:`asyncckpt.storage.commit.is_committed`), and other committed directories
+    (:func:`asyncckpt.format.manifest.is_committed`), and other committed directories
     not hidden (a Lightning ``dirpath``'s ``epoch=0-step=16.ckpt`` directories written by
     ``asyncckpt.lightning``; their step is the one recorded in the manifest, Lightning's
     ``global_step``). Leftovers are ``.step_N.tmp-*``
@@ -318,7 +318,7 @@ def _require_checkpoint_dir(path: Path) -> None:
 def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     """Describe every entry of a checkpoint, from its ``.metadata`` (read safely).
 
-    ``.metadata`` is read with :func:`asyncckpt.storage.reader.read_metadata` (an
+    ``.metadata`` is read with :func:`asyncckpt.loading.reader.read_metadata` (an
     allowlist of DCP metadata classes, every data file checked). The manifest is
     optional (a stock DCP directory has none).
 
@@ -347,8 +347,8 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
 
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # torch only once needed
 
-    from .read import manifest_int_keys, typed_entry_paths
-    from .storage.reader import read_metadata
+    from asyncckpt.loading.read import manifest_int_keys, typed_entry_paths
+    from asyncckpt.loading.reader import read_metadata
 
     metadata = read_metadata(path)
     where = str(path / _commit.METADATA_NAME)
@@ -505,8 +505,8 @@ def convert_to_torch_save(checkpoint_dir: str | os.PathLike, out: str | os.PathL
 
     import torch  # only once needed: ls / verify / clean and argument errors stay fast
 
-    from . import read_state_dict  # the public API
-    from .storage.reader import read_metadata
+    from asyncckpt import read_state_dict  # the public API
+    from asyncckpt.loading.reader import read_metadata
 
     entries = len(read_metadata(src).state_dict_metadata)  # an unsafe .metadata is named as such first
     has_manifest = os.path.lexists(src / _commit.MANIFEST_NAME)
@@ -541,7 +541,7 @@ def convert_to_torch_save(checkpoint_dir: str | os.PathLike, out: str | os.PathL
                 if os.path.lexists(dst):  # no hard links here: check, then rename
                     raise CliError(f"{dst} exists; pass --force to overwrite it") from None
                 os.replace(tmp, dst)
-        from .storage.writer import fsync_directory
+        from asyncckpt.io.writer import fsync_directory
 
         fsync_directory(str(dst.parent))
     finally:

@@ -32,7 +32,7 @@ import torch
 from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .commit import RECORDS_NAME, is_plain_name
+from asyncckpt.format.manifest import RECORDS_NAME, is_plain_name
 
 __all__ = ["RECORDS_NAME", "RECORDS_FORMAT", "Record", "records_from_metadata", "records_json", "records_file",
            "parse_records"]

@@ -2,7 +2,7 @@
 
 ``load`` reads a committed checkpoint into a given state_dict, like
 ``torch.distributed.checkpoint.load`` (resharded as DCP does), without trusting the
-checkpoint: see :mod:`asyncckpt.storage.reader`.
+checkpoint: see :mod:`asyncckpt.loading.reader`.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from typing import Any, Literal
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpointException
 
-from ._check import check_path, check_state_dict
-from .dist import SyncGroup
-from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailure,
+from asyncckpt._check import check_path, check_state_dict
+from asyncckpt.dist import SyncGroup
+from asyncckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailure,
                      UnverifiableCheckpointError)
-from .root import is_stock_dcp
-from .storage import commit as _commit
-from .storage.reader import SafeFileSystemReader, SafeLoadPlanner, gc_paused, direct_load, plan_direct_load
-from .storage.records import RECORDS_NAME
+from asyncckpt.root import is_stock_dcp
+from asyncckpt.format import manifest as _commit
+from asyncckpt.loading.reader import SafeFileSystemReader, SafeLoadPlanner, gc_paused, direct_load, plan_direct_load
+from asyncckpt.format.records import RECORDS_NAME
 
 __all__ = ["load", "verify", "from_dcp_exception"]
 
@@ -75,7 +75,7 @@ def load(
     at commit, when it stands for the ``.metadata`` in the directory); anything else
     goes through ``dcp.load``. Both give the same values and the same errors.
 
-    The checkpoint is not trusted (:mod:`asyncckpt.storage.reader`): ``.metadata`` is
+    The checkpoint is not trusted (:mod:`asyncckpt.loading.reader`): ``.metadata`` is
     unpickled with an allowlist of DCP metadata classes; every file it or the manifest
     names must be a plain file name of a regular file (not a symlink) inside
     ``checkpoint_dir``; non-tensor values load with ``torch.load(weights_only=True)``

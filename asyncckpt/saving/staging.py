@@ -33,8 +33,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .storage import writer as _writer
-from .storage.writer import SlabRef
+from asyncckpt.io import writer as _writer
+from asyncckpt.io.writer import SlabRef
 
 __all__ = ["StagingBuffer", "StagingPool", "StagingCopier", "HostSlab", "Stager", "watch_copy", "unwatch_copy",
            "wait_pending_copies"]
@@ -115,7 +115,7 @@ class StagingBuffer:
         nbytes: size in bytes (rounded up to a whole page).
 
     Attributes:
-        ref: how the writer finds it (:class:`~asyncckpt.storage.writer.SlabRef`).
+        ref: how the writer finds it (:class:`~asyncckpt.io.writer.SlabRef`).
         u8: a ``torch.uint8`` tensor of shape ``(nbytes,)`` over the whole buffer.
         layout_key: the layout the buffer is currently formatted for (or ``None``).
 

@@ -18,9 +18,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from ..errors import CheckpointError
-from .torchsave import TensorFraming, tensor_framing
-from .writer import CrcPatch, FileSpec, pack_patches
+from asyncckpt.errors import CheckpointError
+from asyncckpt.format.torchsave import TensorFraming, tensor_framing
+from asyncckpt.io.writer import CrcPatch, FileSpec, pack_patches
 
 __all__ = ["RankLayout", "build_layout", "layout_key"]
 

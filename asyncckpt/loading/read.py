@@ -19,12 +19,12 @@ from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpoi
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from ._check import check_path, int_key
-from .errors import CheckpointNotFoundError, CheckpointPathError, CorruptCheckpointError
-from .loading import from_dcp_exception
-from .root import is_in_root
-from .storage import commit as _commit
-from .storage.reader import SafeFileSystemReader, SafeLoadPlanner
+from asyncckpt._check import check_path, int_key
+from asyncckpt.errors import CheckpointNotFoundError, CheckpointPathError, CorruptCheckpointError
+from asyncckpt.loading.api import from_dcp_exception
+from asyncckpt.root import is_in_root
+from asyncckpt.format import manifest as _commit
+from asyncckpt.loading.reader import SafeFileSystemReader, SafeLoadPlanner
 
 __all__ = ["read_state_dict"]
 

@@ -1,7 +1,7 @@
 """The writer: runs in the background worker (or a forked child), without torch.
 
 The training process stages each rank's data files, complete byte images of them,
-into one shared host buffer (a "slab", see ``asyncckpt.staging``). The writer maps
+into one shared host buffer (a "slab", see ``asyncckpt.saving.staging``). The writer maps
 the slab by path, computes the CRC-32 of every tensor record and patches it into the
 record's zip fields, then writes each file with large sequential ``os.write`` calls,
 fsyncs it and the directory, and returns what the commit needs: per-file sizes and
@@ -21,8 +21,8 @@ import threading
 import time
 from typing import NamedTuple
 
-from .crc import crc32
-from .. import _faults
+from asyncckpt.format.crc import crc32
+from asyncckpt import _faults
 
 __all__ = ["SlabRef", "CrcPatch", "pack_patches", "unpack_patches", "FileSpec", "WriteTask", "FileResult", "RankWriteResult", "write_rank_files",
            "drop_cached_pages"]

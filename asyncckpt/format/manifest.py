@@ -25,10 +25,10 @@ from typing import Any, Callable, Iterable
 
 from filelock import FileLock
 
-from .crc import CrcChain, crc32
-from .. import _faults
-from ..errors import CheckpointError, CorruptCheckpointError
-from .writer import FileResult, fsync_directory
+from asyncckpt.format.crc import CrcChain, crc32
+from asyncckpt import _faults
+from asyncckpt.errors import CheckpointError, CorruptCheckpointError
+from asyncckpt.io.writer import FileResult, fsync_directory
 
 __all__ = [
     "METADATA_NAME",
@@ -47,7 +47,7 @@ __all__ = [
 
 METADATA_NAME = ".metadata"
 MANIFEST_NAME = ".manifest.json"
-#: An index of the records for ``load``'s direct path (:mod:`asyncckpt.storage.records`).
+#: An index of the records for ``load``'s direct path (:mod:`asyncckpt.format.records`).
 RECORDS_NAME = ".records.json"
 LATEST_NAME = "latest"
 LOCK_NAME = ".asyncckpt.lock"
@@ -91,7 +91,7 @@ def commit_directory(
         metadata_bytes: the pickled ``torch.distributed.checkpoint.metadata.Metadata``.
         files: every rank's written files.
         info: extra fields for the manifest (world_size, step, ...).
-        records: the records file's bytes (:func:`asyncckpt.storage.records.records_file`
+        records: the records file's bytes (:func:`asyncckpt.format.records.records_file`
             of ``metadata_bytes``), written as :data:`RECORDS_NAME`; ``None``: none.
 
     Returns:
@@ -343,7 +343,7 @@ def _check_segments(work: list, on_bytes: Callable[[int], None] | None, threads:
     Each file is read sequentially by one thread (files in parallel, up to ``threads``),
     into a ring of :data:`_RING` reused buffers of ``_READ_CHUNK`` bytes, and each
     chunk's CRC-32 is computed on a helper thread while the next is read
-    (:class:`~asyncckpt.storage.crc.CrcChain`): on the disk measured here one reader
+    (:class:`~asyncckpt.format.crc.CrcChain`): on the disk measured here one reader
     per file is faster than several at different offsets (see
     ``reader._read_file``)."""
     lock = threading.Lock()

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-from .errors import CheckpointError, CheckpointException
+from asyncckpt.errors import CheckpointError, CheckpointException
 
 if TYPE_CHECKING:
-    from .saving import Saver
+    from asyncckpt.saving.saver import Saver
 
 __all__ = ["SaveTimings", "SaveResult", "SaveCallback", "SaveHandle"]
 

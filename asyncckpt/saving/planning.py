@@ -23,9 +23,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ._check import int_key
-from .dist import SyncGroup
-from .errors import CheckpointError, RankFailure
+from asyncckpt._check import int_key
+from asyncckpt.dist import SyncGroup
+from asyncckpt.errors import CheckpointError, RankFailure
 
 __all__ = ["validate_state_dict", "structure_signature", "SavePlanResult", "PlanCache", "plan_save"]
 

@@ -45,24 +45,24 @@ import psutil
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
-from . import _destroy_hook  # noqa: F401 - pending saves commit before destroy_process_group()
-from . import _faults
-from .calls_queue import AsyncCallsQueue
-from .dist import SyncGroup
-from ._check import check_path, check_state_dict, check_step
-from .errors import CallbackError, CheckpointError, CheckpointException, RankFailure
-from .handle import SaveCallback, SaveHandle, SaveResult, SaveTimings
-from .options import SaveOptions
-from .planning import PlanCache, SavePlanResult, plan_save
-from .request import AsyncRequest
-from .root import EXIT_TIMEOUT_ENV, CheckpointRoot, exit_timeout
-from . import staging as _staging
-from .staging import StagingBuffer, StagingCopier, StagingPool
-from .storage import commit as _commit
-from .storage import records as _records
-from .storage.crc import crc32
-from .storage.layout import RankLayout, build_layout
-from .storage.writer import RankWriteResult, WriteTask, current_umask, write_rank_files
+from asyncckpt.saving import destroy_hook as _destroy_hook  # noqa: F401 - pending saves commit before destroy_process_group()
+from asyncckpt import _faults
+from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
+from asyncckpt.dist import SyncGroup
+from asyncckpt._check import check_path, check_state_dict, check_step
+from asyncckpt.errors import CallbackError, CheckpointError, CheckpointException, RankFailure
+from asyncckpt.saving.handle import SaveCallback, SaveHandle, SaveResult, SaveTimings
+from asyncckpt.options import SaveOptions
+from asyncckpt.saving.planning import PlanCache, SavePlanResult, plan_save
+from asyncckpt.async_utils.request import AsyncRequest
+from asyncckpt.root import EXIT_TIMEOUT_ENV, CheckpointRoot, exit_timeout
+from asyncckpt.saving import staging as _staging
+from asyncckpt.saving.staging import StagingBuffer, StagingCopier, StagingPool
+from asyncckpt.format import manifest as _commit
+from asyncckpt.format import records as _records
+from asyncckpt.format.crc import crc32
+from asyncckpt.format.layout import RankLayout, build_layout
+from asyncckpt.io.writer import RankWriteResult, WriteTask, current_umask, write_rank_files
 
 __all__ = ["SaveInFlight", "plan", "stage", "commit", "Saver", "save", "default_calls_queue"]
 
@@ -476,7 +476,7 @@ class _MetadataPickle:
 
     def encode(self, metadata: Any) -> tuple[bytes, bytes | None]:
         """``pickle.dumps(metadata)`` and the records file for it (``None`` when an entry
-        is not one record: :mod:`asyncckpt.storage.records`), from the cache where
+        is not one record: :mod:`asyncckpt.format.records`), from the cache where
         possible (the records then differ only in the CRC-32 of the new bytes)."""
         meta = metadata.storage_meta
         cid = str(meta.checkpoint_id).encode() if meta is not None and meta.checkpoint_id is not None else None
@@ -534,7 +534,7 @@ class _Overlapped:
     synchronized fails the save, naming its keys, instead of committing torn data.
 
     And every optimizer waits for the copy before its step changes a parameter (a
-    global step pre-hook, :func:`asyncckpt.staging.watch_copy`): fused kernels and
+    global step pre-hook, :func:`asyncckpt.saving.staging.watch_copy`): fused kernels and
     updates through ``.data`` bump no version counter. The versions are compared once,
     when the copy is over (:meth:`wait_copied`); later changes cannot tear it.
     """
@@ -1098,7 +1098,7 @@ def _settle_pending_at_exit() -> None:
     one that is lost (a ``logging`` warning on logger ``asyncckpt``, shown on stderr).
 
     Runs before the workers are stopped (atexit is last-in first-out, and this module
-    registers after :mod:`asyncckpt.callers`; on multiprocessing's exit path, with a
+    registers after :mod:`asyncckpt.async_utils.callers`; on multiprocessing's exit path, with a
     higher priority). Saves of a queue finalized in the training loop cannot commit
     without the loop: they are named at once.
     """
@@ -1133,7 +1133,7 @@ def _settle_pending_at_exit() -> None:
 
 atexit.register(_settle_pending_at_exit)
 # A process started by multiprocessing exits through its own exit path (no atexit):
-# run there too, before asyncckpt.callers stops the workers (priority 100).
+# run there too, before asyncckpt.async_utils.callers stops the workers (priority 100).
 mp_util.Finalize(None, _settle_pending_at_exit, exitpriority=150)
 os.register_at_fork(after_in_child=_live_savers.clear)
 

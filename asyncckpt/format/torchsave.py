@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .crc import crc32
+from asyncckpt.format.crc import crc32
 
 __all__ = ["TensorFraming", "tensor_framing", "MAX_RECORD_BYTES", "ZIP64_LIMIT"]
 

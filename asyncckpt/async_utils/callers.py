@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple
 
-from .errors import RankFailure
+from asyncckpt.errors import RankFailure
 
 __all__ = ["AsyncCaller", "CallOutcome", "PersistentAsyncCaller", "TemporalAsyncCaller"]
 
