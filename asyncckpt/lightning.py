@@ -65,7 +65,9 @@ import torch
 import torch.distributed as dist
 
 try:
-    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # = lightning.pytorch.plugins.io.CheckpointIO
+    from lightning.fabric.plugins.io.checkpoint_io import (
+        CheckpointIO,  # = lightning.pytorch.plugins.io.CheckpointIO
+    )
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("asyncckpt.lightning needs Lightning: pip install 'asyncckpt[lightning]'") from exc
 

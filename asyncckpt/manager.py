@@ -17,14 +17,22 @@ from asyncckpt._check import check_state_dict, check_step
 from asyncckpt.async_utils.callers import PersistentAsyncCaller
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 from asyncckpt.dist import SyncGroup
-from asyncckpt.errors import (AsyncckptError, CheckpointError, CheckpointException, CheckpointNotFoundError,
-                     InvalidArgumentError, PreemptionBudgetExpired, RankFailure)
-from asyncckpt.saving.handle import SaveCallback, SaveHandle, SaveTimings
+from asyncckpt.errors import (
+    AsyncckptError,
+    CheckpointError,
+    CheckpointException,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    PreemptionBudgetExpired,
+    RankFailure,
+)
+from asyncckpt.format import manifest as _commit
 from asyncckpt.loading.api import load
 from asyncckpt.options import SaveOptions
-from asyncckpt.root import CheckpointRoot
-from asyncckpt.saving.saver import Saver, exit_timeout, release_when_settled
-from asyncckpt.format import manifest as _commit
+from asyncckpt.root import CheckpointRoot, exit_timeout
+from asyncckpt.saving.handle import SaveCallback, SaveHandle, SaveTimings
+from asyncckpt.saving.pending import release_when_settled
+from asyncckpt.saving.saver import Saver
 
 __all__ = ["CheckpointManager"]
 

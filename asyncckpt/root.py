@@ -33,7 +33,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
-
 from asyncckpt._check import check_path
 from asyncckpt.errors import CheckpointPathError, InvalidArgumentError, RootInUseError
 from asyncckpt.format import manifest as _commit

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
-import asyncckpt.saving.saver as ckpt_mod
+import asyncckpt.saving.api as ckpt_mod
 from helpers import assert_same, clone_state, closing_queue
 import asyncckpt.format.manifest as commit_mod
 from asyncckpt import (
@@ -827,7 +827,7 @@ def test_manager_starts_a_light_worker_before_the_first_save(tmp_path):
 def test_plan_is_cached_while_the_structure_is_unchanged(tmp_path):
     queue = asyncckpt.AsyncCallsQueue(persistent=False)
     try:
-        saver = asyncckpt.saving.saver._saver_for(queue)
+        saver = asyncckpt.saving.api._saver_for(queue)
         states = [
             {"a": torch.ones(3), "b": [torch.zeros(2, 2)], "step": 1},
             {"a": torch.full((3,), 2.0), "b": [torch.ones(2, 2)], "step": 2},      # same structure: hit

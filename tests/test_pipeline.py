@@ -47,7 +47,7 @@ def _memfds() -> int:
 def _scenarios(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    import asyncckpt.saving.saver as saving
+    import asyncckpt.saving.exchange as saving
 
     out: dict[str, Any] = {}
     state = {"w": torch.full((4096,), float(rank)), "meta": {"rank": rank}}

@@ -349,7 +349,7 @@ def _rank_save_ddp(rank: int, world_size: int, root: str) -> dict[str, Any]:
                 dcp.load(got, checkpoint_id=str(path))
                 out["diffs"][(name, step)] = _compare(snapshot, got)
         # The 2nd and 3rd saves of each saver reused the 1st one's plan.
-        out["cache_hits"] = {"save": asyncckpt.saving.saver._saver_for(queue).plan_cache.hits,
+        out["cache_hits"] = {"save": asyncckpt.saving.api._saver_for(queue).plan_cache.hits,
                              "manager": manager._saver.plan_cache.hits}
         manager.close()
         queue.close()

@@ -305,7 +305,7 @@ def test_metadata_bytes_are_reused_and_exact(tmp_path: Path) -> None:
 
     from asyncckpt.loading import api as loading
 
-    from asyncckpt.saving import saver as saving
+    from asyncckpt.saving import phases as saving
 
     state = {"layers": [{"w": torch.full((64,), float(i)), "b": torch.zeros(3)} for i in range(200)], "step": 0}
     hits = saving._METADATA_PICKLE.hits

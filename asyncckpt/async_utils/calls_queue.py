@@ -32,10 +32,15 @@ import threading
 import time
 from typing import Any, Callable
 
-from asyncckpt.async_utils.callers import WAIT_SLICE_S, AsyncCaller, PersistentAsyncCaller, TemporalAsyncCaller
+from asyncckpt.async_utils.callers import (
+    WAIT_SLICE_S,
+    AsyncCaller,
+    PersistentAsyncCaller,
+    TemporalAsyncCaller,
+)
+from asyncckpt.async_utils.request import AsyncRequest
 from asyncckpt.dist import SyncGroup
 from asyncckpt.errors import CheckpointException, RankFailure
-from asyncckpt.async_utils.request import AsyncRequest
 
 __all__ = ["AsyncCallsQueue", "SettleListener"]
 

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from asyncckpt import __version__
-from asyncckpt.errors import AsyncckptError, CheckpointError, CorruptCheckpointError
 from asyncckpt import root as _root
+from asyncckpt.errors import AsyncckptError, CheckpointError, CorruptCheckpointError
 from asyncckpt.format import manifest as _commit
 
 __all__ = [
@@ -345,7 +345,9 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     if os.path.lexists(path / _commit.MANIFEST_NAME):
         manifest = _commit.read_manifest(path)
 
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # torch only once needed
+    from torch.distributed.checkpoint.metadata import (
+        TensorStorageMetadata,  # torch only once needed
+    )
 
     from asyncckpt.loading.read import manifest_int_keys, typed_entry_paths
     from asyncckpt.loading.reader import read_metadata

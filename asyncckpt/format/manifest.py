@@ -25,9 +25,9 @@ from typing import Any, Callable, Iterable
 
 from filelock import FileLock
 
-from asyncckpt.format.crc import CrcChain, crc32
 from asyncckpt import _faults
 from asyncckpt.errors import CheckpointError, CorruptCheckpointError
+from asyncckpt.format.crc import CrcChain, crc32
 from asyncckpt.io.writer import FileResult, fsync_directory
 
 __all__ = [

@@ -21,8 +21,8 @@ import threading
 import time
 from typing import NamedTuple
 
-from asyncckpt.format.crc import crc32
 from asyncckpt import _faults
+from asyncckpt.format.crc import crc32
 
 __all__ = ["SlabRef", "CrcPatch", "pack_patches", "unpack_patches", "FileSpec", "WriteTask", "FileResult", "RankWriteResult", "write_rank_files",
            "drop_cached_pages"]

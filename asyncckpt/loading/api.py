@@ -14,16 +14,29 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpointException
+from torch.distributed.checkpoint.api import (
+    CheckpointException as _DcpCheckpointException,
+)
 
 from asyncckpt._check import check_path, check_state_dict
 from asyncckpt.dist import SyncGroup
-from asyncckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailure,
-                     UnverifiableCheckpointError)
-from asyncckpt.root import is_stock_dcp
+from asyncckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    RankFailure,
+    UnverifiableCheckpointError,
+)
 from asyncckpt.format import manifest as _commit
-from asyncckpt.loading.reader import SafeFileSystemReader, SafeLoadPlanner, gc_paused, direct_load, plan_direct_load
 from asyncckpt.format.records import RECORDS_NAME
+from asyncckpt.loading.reader import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    direct_load,
+    gc_paused,
+    plan_direct_load,
+)
+from asyncckpt.root import is_stock_dcp
 
 __all__ = ["load", "verify", "from_dcp_exception"]
 

@@ -15,16 +15,22 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpointException
+from torch.distributed.checkpoint.api import (
+    CheckpointException as _DcpCheckpointException,
+)
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from asyncckpt._check import check_path, int_key
-from asyncckpt.errors import CheckpointNotFoundError, CheckpointPathError, CorruptCheckpointError
-from asyncckpt.loading.api import from_dcp_exception
-from asyncckpt.root import is_in_root
+from asyncckpt.errors import (
+    CheckpointNotFoundError,
+    CheckpointPathError,
+    CorruptCheckpointError,
+)
 from asyncckpt.format import manifest as _commit
+from asyncckpt.loading.api import from_dcp_exception
 from asyncckpt.loading.reader import SafeFileSystemReader, SafeLoadPlanner
+from asyncckpt.root import is_in_root
 
 __all__ = ["read_state_dict"]
 

@@ -55,15 +55,25 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
 from torch.futures import Future
 
-from asyncckpt.format.crc import CrcChain, crc32
 from asyncckpt._check import int_key
 from asyncckpt.errors import CheckpointError, CorruptCheckpointError
-from asyncckpt.format.manifest import METADATA_NAME, is_plain_name, run_in_order
+from asyncckpt.format.crc import CrcChain, crc32
 from asyncckpt.format.layout import record_framing
-from asyncckpt.format.records import RECORDS_NAME, Record, parse_records, records_from_metadata
+from asyncckpt.format.manifest import METADATA_NAME, is_plain_name, run_in_order
+from asyncckpt.format.records import (
+    RECORDS_NAME,
+    Record,
+    parse_records,
+    records_from_metadata,
+)
 from asyncckpt.format.torchsave import TensorFraming
 
 __all__ = [

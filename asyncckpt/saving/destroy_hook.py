@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any
 
-from asyncckpt.dist import SyncGroup, _TORCH_DEFAULT_TIMEOUT, call_before_destroy
+from asyncckpt.dist import _TORCH_DEFAULT_TIMEOUT, SyncGroup, call_before_destroy
 
 _log = logging.getLogger("asyncckpt")
 
@@ -34,7 +34,9 @@ def settle_pending_before_destroy(group: Any) -> None:
     named at once. The wait is bounded by the group's collective timeout (at least
     torch's default, 30 minutes): a peer that is gone fails the commit much sooner.
     """
-    from asyncckpt.saving.saver import _live_savers  # not at import: saving imports this module
+    from asyncckpt.saving.pending import (
+        _live_savers,  # not at import: pending imports this module
+    )
 
     pending: list[tuple[bool, Any, float]] = []
     for saver in list(_live_savers):

@@ -1,0 +1,95 @@
+"""Overlapped staging: the CPU copies of a save run in a thread while the training step runs."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from asyncckpt.errors import CheckpointError
+from asyncckpt.saving import destroy_hook as _destroy_hook  # noqa: F401 - pending saves commit before destroy_process_group()
+from asyncckpt.saving import staging as _staging
+from asyncckpt.saving.record import SaveInFlight
+
+# ====================================================================== the saver
+#: With overlapped staging, CPU tensors up to this size (bytes) are copied before
+#: ``save`` returns: buffers such as BatchNorm's running statistics change in the next
+#: forward, before ``synchronize_staging``, and cost little to copy at once.
+OVERLAP_SYNC_BYTES = 1 << 20
+
+
+def _small(t: torch.Tensor) -> bool:
+    return not t.is_cuda and t.numel() * t.element_size() <= OVERLAP_SYNC_BYTES
+
+
+class _Overlapped:
+    """An overlapped staging: the large CPU copies run in a thread while training goes on.
+
+    Every tensor copied after ``save`` returned is watched through its version counter
+    (``Tensor._version``, shared with the views and detached copies the plan holds; for
+    a DTensor, its local tensor's): one modified in place before the copy was
+    synchronized fails the save, naming its keys, instead of committing torn data.
+
+    And every optimizer waits for the copy before its step changes a parameter (a
+    global step pre-hook, :func:`asyncckpt.saving.staging.watch_copy`): fused kernels and
+    updates through ``.data`` bump no version counter. The versions are compared once,
+    when the copy is over (:meth:`wait_copied`); later changes cannot tear it.
+    """
+
+    def __init__(self, save: SaveInFlight, run: Any, event: Any = None) -> None:
+        self.save = save
+        data = save.planned.data
+        self.watched = [(item, data[item], data[item]._version) for item, _ in save.buffer.views
+                        if not _small(data[item])] if save.buffer is not None else []
+        self.error: BaseException | None = None
+        self._event = event  # the D2H copies' CUDA event, or None
+        self._lock = threading.Lock()
+        self._copied = False
+        self.thread = threading.Thread(target=self._run, args=(run,), name="asyncckpt-staging", daemon=True)
+        self.thread.start()
+        _staging.watch_copy(self)  # after start(): the hook joins the thread
+
+    def _run(self, run: Any) -> None:
+        try:
+            run()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the request's preload_fn
+            self.error = exc
+
+    def wait_copied(self) -> None:
+        """Wait until the copy is over (the thread's CPU copies and the D2H copies), then
+        compare the versions once and stop watching (any thread; idempotent).
+
+        A change seen then is kept in :attr:`error` (raised by the save's preload)."""
+        if threading.current_thread() is self.thread:
+            return
+        self.thread.join()
+        if self._event is not None:
+            self._event.synchronize()
+        with self._lock:
+            if self._copied:
+                return
+            try:
+                self.check_unmodified()
+            except CheckpointError as exc:
+                self.error = self.error or exc
+            self.watched = []
+            self._copied = True
+        _staging.unwatch_copy(self)
+
+    def check_unmodified(self) -> None:
+        """Raise if a watched tensor was modified in place during its copy.
+
+        Raises:
+            CheckpointError: naming the state_dict keys that changed.
+        """
+        items = self.save.planned.plan.items
+        changed = [items[item].index.fqn for item, tensor, version in self.watched if tensor._version != version]
+        if changed:
+            shown = ", ".join(repr(k) for k in changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+            raise CheckpointError(
+                f"overlapped staging: {shown} changed in place before synchronize_staging(); the checkpoint "
+                "would mix two steps, so it is not written. Call synchronize_staging() before the state "
+                "changes (before optimizer.step()), or save without overlap_staging")
+
+
