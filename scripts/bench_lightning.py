@@ -138,7 +138,7 @@ def run(reps: int = 5, size_mb: int = 256, directory: str | Path | None = None) 
     checkpoint = make_checkpoint(size_mb)
     nbytes = tensor_bytes(checkpoint)
     own_dir = directory is None
-    root = Path(tempfile.mkdtemp(prefix="bench_lightning_", dir=ROOT) if own_dir else directory)
+    root = Path(tempfile.mkdtemp(prefix="bench_lightning_", dir=ROOT)) if directory is None else Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     plugins = [_Plugin(name) for name in SYSTEMS]
     times: dict[str, list[tuple[float, float]]] = {p.name: [] for p in plugins}
@@ -176,8 +176,8 @@ def render_markdown(result: dict[str, Any]) -> str:
     """The result of :func:`run` as a small markdown table."""
     mib = result["bytes"] / (1 << 20)
     lines = [
-        f"Lightning save_checkpoint stall: {mib:.0f} MiB of tensors, median of {result['reps']} saves "
-        f"(torch {result['versions']['torch']}, lightning {result['versions']['lightning']})",
+        (f"Lightning save_checkpoint stall: {mib:.0f} MiB of tensors, median of {result['reps']} saves "
+         f"(torch {result['versions']['torch']}, lightning {result['versions']['lightning']})"),
         "",
         "| plugin | stall per save (median) | first save stall | until on disk (median) |",
         "| --- | ---: | ---: | ---: |",
@@ -187,9 +187,9 @@ def render_markdown(result: dict[str, Any]) -> str:
                      f"{s['on_disk_s']:.2f} s |")
     a, b = (result["systems"][n]["stall_s"] for n in SYSTEMS)
     if a > 0:
-        lines += ["", f"Stall ratio (Lightning AsyncCheckpointIO / asyncckpt): {b / a:.1f}x. "
-                      "'until on disk': asyncckpt written, fsynced and committed; Lightning's torch.save "
-                      "returned (no fsync)."]
+        lines += ["", (f"Stall ratio (Lightning AsyncCheckpointIO / asyncckpt): {b / a:.1f}x. "
+                       "'until on disk': asyncckpt written, fsynced and committed; Lightning's torch.save "
+                       "returned (no fsync).")]
     return "\n".join(lines)
 
 

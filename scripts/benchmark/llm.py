@@ -1,4 +1,4 @@
-"""LLM-shaped workloads of scripts/bench.py: a GPT + AdamW state on one rank, and FSDP2.
+"""LLM-shaped workloads of the benchmark: a GPT + AdamW state on one rank, and FSDP2.
 
 ``llm``: scripts/train.py's GPT at a size where the parameters and AdamW's ``exp_avg``
 and ``exp_avg_sq`` are about 1 GiB (float32) in about 1170 tensors (:data:`LLM_FULL`:
@@ -20,7 +20,6 @@ them, and as the memcpy limit starts each copy.
 
 from __future__ import annotations
 
-import math
 import multiprocessing as mp
 import os
 import queue
@@ -35,6 +34,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmark.common import GiB, log, med, state_bytes, tensors_of
+from benchmark.figures import fmt_ms
+from benchmark.harness import run_system
+from benchmark.limits import bench_memcpy, raw_write
+from benchmark.memory import MemorySampler
+from benchmark.systems import Asyncckpt, all_systems
+
 #: ~1.02 GiB of float32 state (params + exp_avg + exp_avg_sq) in 1172 tensors.
 LLM_FULL = {"n_layer": 24, "n_head": 8, "n_embd": 560, "block_size": 128}
 #: the same structure at a few MB (--quick).
@@ -44,7 +50,7 @@ LLM_TINY = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 32}
 RANK_PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
                 "torch.distributed.fsdp", "asyncckpt.manager", "asyncckpt.saving.saver", "asyncckpt.loading.api")
 
-#: asyncckpt and DCP, the systems the LLM workloads compare (keys of bench.py's systems).
+#: asyncckpt and DCP, the systems the LLM workloads compare (keys of benchmark.systems).
 LLM_SYSTEMS = ("dcp-async-thread-stager", "ack-persistent", "ack-prepare")
 
 
@@ -100,8 +106,7 @@ def build_llm(cfg: dict[str, int], fsdp: bool = False, rank: int = 0) -> tuple[A
 def local_tensors(sd: Any) -> list[torch.Tensor]:
     """The rank's own bytes: DTensors' local shards, plain tensors as they are."""
     from torch.distributed.tensor import DTensor
-    import bench
-    return [t.to_local() if isinstance(t, DTensor) else t for t in bench.tensors_of(sd)]
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors_of(sd)]
 
 
 # ============================================================================ fsdp2 ranks
@@ -109,21 +114,19 @@ def local_tensors(sd: Any) -> list[torch.Tensor]:
 def _concurrent_raw_write(host: list[torch.Tensor], path: Path) -> float:
     """Both ranks write + fsync their local bytes at once (started by a barrier)."""
     import torch.distributed as dist
-    import bench
     dist.barrier()
-    return bench.raw_write(host, path)
+    return raw_write(host, path)
 
 
 def _memcpy_alone(local: list[torch.Tensor], rank: int, world_size: int) -> list[float]:
     """The memcpy of this rank's bytes while the other ranks wait (shown beside the
     limit, which is every rank copying at once, as every rank stages at once)."""
     import torch.distributed as dist
-    import bench
     times: list[float] = []
     for r in range(world_size):
         dist.barrier()
         if r == rank:
-            times = bench.bench_memcpy(local, 3)
+            times = bench_memcpy(local, 3)
     dist.barrier()
     return times
 
@@ -134,40 +137,39 @@ def fsdp_rank(rank: int, world_size: int, cfg: dict[str, int], reps: int, direct
 
     Returns this rank's figures: ``bytes`` (local), ``limits`` (``memcpy_s`` best of
     6 with every rank copying at once, ``memcpy_alone_s`` best of 3 with the other
-    ranks waiting, ``raw_write_fsync_s`` median), and per system :func:`bench.run_system`'s
+    ranks waiting, ``raw_write_fsync_s`` median), and per system :func:`harness.run_system`'s
     figures plus ``raw_write_adjacent_s`` (the mean of the raw writes right before
     and after that system's saves).
     """
     import torch.distributed as dist
-    import bench
 
     root = Path(directory)
     t0 = time.perf_counter()
     _, _, sd = build_llm(cfg, fsdp=True, rank=rank)
     build_s = time.perf_counter() - t0
     if rank == 0:
-        bench.log(f"  FSDP2 model + AdamW state built in {build_s:.1f} s")
+        log(f"  FSDP2 model + AdamW state built in {build_s:.1f} s")
     local = local_tensors(sd)
     host = [t.cpu() if t.is_cuda else t for t in local]  # raw writes go from host memory
-    nbytes = bench.state_bytes(local)
-    memcpy_times = bench.bench_memcpy(local, 3, before=dist.barrier)
+    nbytes = state_bytes(local)
+    memcpy_times = bench_memcpy(local, 3, before=dist.barrier)
     alone_times = _memcpy_alone(local, rank, world_size)
     raw_path = root / f"raw_rank{rank}.bin"
     _concurrent_raw_write(host, raw_path)  # warm-up (file system allocation), not reported
     raw_times = [_concurrent_raw_write(host, raw_path)]
-    sampler = bench.MemorySampler(enabled=False)
+    sampler = MemorySampler(enabled=False)
     out: dict[str, Any] = {"rank": rank, "bytes": nbytes, "tensors": len(local), "build_s": build_s, "systems": {}}
-    by_key = {s.key: s for s in bench.all_systems()}
+    by_key = {s.key: s for s in all_systems()}
     for key in systems:
         system = by_key[key]
-        if isinstance(system, bench.Asyncckpt):
+        if isinstance(system, Asyncckpt):
             system.loadable = False
             if key == "ack-prepare":
                 system.prepare_sd = sd
         if rank == 0:
-            bench.log(f"  {system.name} ({world_size} ranks)")
+            log(f"  {system.name} ({world_size} ranks)")
         dist.barrier()
-        r = bench.run_system(system, sd, root / key, reps + 1, sampler, nbytes, cleanup=False,
+        r = run_system(system, sd, root / key, reps + 1, sampler, nbytes, cleanup=False,
                              before=dist.barrier)
         dist.barrier()  # every rank committed: the coordinator removes the steps
         if rank == 0:
@@ -176,11 +178,11 @@ def fsdp_rank(rank: int, world_size: int, cfg: dict[str, int], reps: int, direct
         r["raw_write_before_s"], r["raw_write_after_s"] = raw_times[-2], raw_times[-1]
         r["raw_write_adjacent_s"] = (raw_times[-2] + raw_times[-1]) / 2
         out["systems"][system.name] = r
-    memcpy_times += bench.bench_memcpy(local, 3, before=dist.barrier)
+    memcpy_times += bench_memcpy(local, 3, before=dist.barrier)
     raw_path.unlink(missing_ok=True)
     out["limits"] = {"memcpy_s": min(memcpy_times), "memcpy_all_s": memcpy_times,
                      "memcpy_alone_s": min(alone_times),
-                     "raw_write_fsync_s": bench.med(raw_times), "raw_write_fsync_all_s": raw_times}
+                     "raw_write_fsync_s": med(raw_times), "raw_write_fsync_all_s": raw_times}
     return out
 
 
@@ -209,7 +211,8 @@ def _free_port() -> int:
 
 def run_fsdp(cfg: dict[str, int], reps: int, directory: Path, world_size: int = 2,
              systems: tuple[str, ...] = LLM_SYSTEMS, timeout_s: float = 1200.0) -> dict[str, Any]:
-    """The ``fsdp2`` workload on ``world_size`` ranks (processes forked from a forkserver; gloo on 127.0.0.1, a free port).
+    """The ``fsdp2`` workload on ``world_size`` ranks (processes forked from a forkserver;
+    gloo on 127.0.0.1, a free port).
 
     Returns ``{"ranks": [per-rank figures of fsdp_rank], "systems": {name: figures}}``
     where each figure is the largest over the ranks of the rank's median (``*_ratio``:
@@ -259,7 +262,7 @@ def run_fsdp(cfg: dict[str, int], reps: int, directory: Path, world_size: int = 
         else:
             os.environ["OMP_NUM_THREADS"] = env_threads
         for p in procs:
-            if p.is_alive():
+            if p.is_alive() and p.pid is not None:
                 _kill_tree(p.pid)
                 p.join(10)
         out.close()
@@ -321,29 +324,20 @@ def render_fsdp(f: dict[str, Any], reps: int) -> list[str]:
     L = [f"## fsdp2: the llm workload under FSDP2, {len(ranks)} ranks ({f['label']})\n",
          "Per rank: " + "; ".join(
              f"rank {r['rank']} {r['bytes'] / GiB:.3f} GiB local in {r['tensors']} tensors, memcpy "
-             f"{_ms(r['limits']['memcpy_s'])} ms (every rank at once; alone "
-             f"{_ms(r['limits'].get('memcpy_alone_s'))} ms), raw write+fsync {_ms(r['limits']['raw_write_fsync_s'])} ms"
+             f"{fmt_ms(r['limits']['memcpy_s'])} ms (every rank at once; alone "
+             f"{fmt_ms(r['limits'].get('memcpy_alone_s'))} ms), raw write+fsync "
+             f"{fmt_ms(r['limits']['raw_write_fsync_s'])} ms"
              for r in ranks)
          + f". Medians of {reps} saves after the first, the ranks starting each save together (a barrier, "
            "as a training step's collectives leave them); every figure is the largest over the ranks of the "
            "rank's own median (ratios: of the rank's own ratio to its local memcpy / the raw writes right "
            "before and after the system, every rank copying / writing at once).\n",
-         "| system | stall (ms) | stall / memcpy | first stall (ms) | committed (ms) | committed / raw write "
-         "around it | stall per rank (ms) |",
+         ("| system | stall (ms) | stall / memcpy | first stall (ms) | committed (ms) | committed / raw write "
+          "around it | stall per rank (ms) |"),
          "|---|---:|---:|---:|---:|---:|---:|"]
     for name, s in f["systems"].items():
-        L.append(f"| {name} | {_ms(s['stall_s'])} | {s['stall_memcpy_ratio']:.2f}x | {_ms(s['first_stall_s'])} | "
-                 f"{_ms(s['committed_s'])} | {s['committed_raw_ratio']:.2f}x | "
-                 + " / ".join(_ms(x) for x in s["stall_by_rank_s"]) + " |")
+        L.append(f"| {name} | {fmt_ms(s['stall_s'])} | {s['stall_memcpy_ratio']:.2f}x | {fmt_ms(s['first_stall_s'])} | "
+                 f"{fmt_ms(s['committed_s'])} | {s['committed_raw_ratio']:.2f}x | "
+                 + " / ".join(fmt_ms(x) for x in s["stall_by_rank_s"]) + " |")
     L.append("")
     return L
-
-
-GiB = 1 << 30
-
-
-def _ms(s: float) -> str:
-    if s is None or math.isnan(s):
-        return ""
-    ms = s * 1e3
-    return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 1 else f"{ms:.2f}"

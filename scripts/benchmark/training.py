@@ -1,0 +1,303 @@
+"""The training example's loop (scripts/train.py's GPT + AdamW) with a checkpoint every
+K steps, against the same loop without one."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+import asyncckpt
+from benchmark.common import free_memory, log, med, state_bytes
+
+
+def train_defaults() -> dict[str, Any]:
+    import train
+    try:
+        a = train.parse_args([])
+        return {"n_layer": a.n_layer, "n_head": a.n_head, "n_embd": a.n_embd, "block_size": a.block_size,
+                "lr": a.lr, "weight_decay": a.weight_decay, "dropout": a.dropout}
+    except (AttributeError, SystemExit):  # the example's command line changed: its documented defaults
+        return {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128, "lr": 1e-3,
+                "weight_decay": 0.1, "dropout": 0.1}
+
+
+class Trainer:
+    """The training example's model (scripts/train.py's GPT) and AdamW, on random bytes."""
+
+    def __init__(self, batch_size: int, seed: int = 1337, **overrides: Any) -> None:
+        import train
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        self._get_state_dict = get_state_dict
+        cfg = {**train_defaults(), **overrides}
+        self.cfg = {**cfg, "batch_size": batch_size}
+        torch.manual_seed(seed)
+        self.model = train.GPT(train.GPTConfig(cfg["block_size"], cfg["n_layer"], cfg["n_head"], cfg["n_embd"],
+                                               cfg["dropout"]))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95),
+                                     weight_decay=cfg["weight_decay"])
+        self.vocab = getattr(train, "VOCAB", 256)
+        gen = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, self.vocab, (64, batch_size, cfg["block_size"] + 1), generator=gen)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.step_no = 0
+        self.model.train()
+        self.forward_backward()
+        self.opt.step()  # AdamW's state exists from here on
+
+    def forward_backward(self) -> None:
+        w = self.data[self.step_no % len(self.data)]
+        x, y = w[:, :-1], w[:, 1:]
+        loss = F.cross_entropy(self.model(x).view(-1, self.vocab), y.reshape(-1))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+
+    def optimizer_step(self) -> None:
+        self.opt.step()
+        self.step_no += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = self._get_state_dict(self.model, self.opt)
+        return {"model": model_sd, "optim": optim_sd, "step": self.step_no}
+
+
+class TrainCkpt:
+    """A checkpointing policy in the training loop: ``before_update`` runs between
+    backward and optimizer.step(), ``after_update`` after it (where a checkpoint is
+    due), ``drain`` at the end. Their time in the loop is the stall."""
+
+    overlapped = False
+
+    def open(self, root: Path, state: Callable[[], Any] | None = None) -> None:
+        """Set up before the timed loop; ``state()`` gives the training state."""
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def before_update(self) -> None:
+        pass
+
+    def save(self, step: int, sd: Any) -> None:
+        pass
+
+    def poll(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TrainTorchSave(TrainCkpt):
+    def save(self, step: int, sd: Any) -> None:
+        with open(self.root / f"step_{step}.pt", "wb") as f:
+            torch.save(sd, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class TrainDcpAsync(TrainCkpt):
+    """dcp.async_save, waiting for the previous save before the next (as torchtitan does)."""
+
+    def __init__(self, stager: bool) -> None:
+        self.use_stager, self.overlapped = stager, stager
+        self.prev: Any = None
+        self.staging: Any = None
+        self.stager: Any = None
+
+    def open(self, root: Path, state: Callable[[], Any] | None = None) -> None:
+        super().open(root)
+        if self.use_stager:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            self.stager = DefaultStager(StagingOptions(False, True, True, False))
+
+    def save(self, step: int, sd: Any) -> None:
+        if self.prev is not None:
+            self.prev.result()
+        r = dcp.async_save(sd, checkpoint_id=str(self.root / f"step_{step}"), async_stager=self.stager)
+        if isinstance(r, AsyncSaveResponse):
+            self.staging, self.prev = r.staging_completion, r.upload_completion
+        else:
+            self.prev = r
+
+    def before_update(self) -> None:
+        if self.staging is not None:
+            self.staging.result()
+            self.staging = None
+
+    def drain(self) -> None:
+        self.before_update()
+        if self.prev is not None:
+            self.prev.result()
+            self.prev = None
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+
+
+class TrainAsyncckpt(TrainCkpt):
+    def __init__(self, overlap: bool) -> None:
+        self.overlapped = overlap
+        self.kwargs = {"overlap_staging": True} if overlap else {}
+        self.mgr: Any = None
+        self.pending = False
+
+    def open(self, root: Path, state: Callable[[], Any] | None = None) -> None:
+        super().open(root)
+        self.mgr = asyncckpt.CheckpointManager(root, **self.kwargs)
+        if state is not None:  # as the quick start does, after building model and optimizer
+            self.mgr.prepare(state())
+
+    def save(self, step: int, sd: Any) -> None:
+        self.mgr.save(step, sd)
+        self.pending = self.overlapped
+
+    def before_update(self) -> None:
+        if self.pending:
+            self.mgr.synchronize_staging()
+            self.pending = False
+
+    def poll(self) -> None:
+        self.mgr.maybe_finalize()
+
+    def drain(self) -> None:
+        self.before_update()
+        self.mgr.maybe_finalize(blocking=True)
+
+    def close(self) -> None:
+        self.mgr.close()
+
+
+def train_systems() -> list[tuple[str, Callable[[], TrainCkpt]]]:
+    return [
+        ("no checkpoint", TrainCkpt),
+        ("torch.save (sync)", TrainTorchSave),
+        ("dcp.async_save thread", lambda: TrainDcpAsync(False)),
+        ("dcp.async_save thread + DefaultStager, overlapped", lambda: TrainDcpAsync(True)),
+        ("asyncckpt persistent", lambda: TrainAsyncckpt(False)),
+        ("asyncckpt persistent overlapped", lambda: TrainAsyncckpt(True)),
+    ]
+
+
+def train_run(tr: Trainer, ck: TrainCkpt, steps: int, every: int, root: Path) -> dict[str, Any]:
+    ck.open(root, tr.state_dict)
+    blocked = {"save": 0.0, "staging_wait": 0.0, "poll": 0.0}
+    saves = 0
+    try:
+        t_start = time.perf_counter()
+        for s in range(1, steps + 1):
+            tr.forward_backward()
+            t0 = time.perf_counter()
+            ck.before_update()  # overlapped: the copy ran during this step's forward/backward
+            blocked["staging_wait"] += time.perf_counter() - t0
+            tr.optimizer_step()
+            if every and s % every == 0:
+                t0 = time.perf_counter()
+                ck.save(tr.step_no, tr.state_dict())
+                blocked["save"] += time.perf_counter() - t0
+                saves += 1
+            t0 = time.perf_counter()
+            ck.poll()
+            blocked["poll"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ck.drain()  # the last save is committed inside the measured time
+        drain = time.perf_counter() - t0
+        total = time.perf_counter() - t_start
+    finally:
+        ck.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return {"time_s": total, "saves": saves, "blocked_s": sum(blocked.values()), "drain_s": drain,
+            **{f"blocked_{k}_s": v for k, v in blocked.items()}}
+
+
+def bench_training(root: Path, steps: int, reps: int, every: list[int] | None, batch: int,
+                   systems: set[str] | None, sparse_factor: int = 4, min_checkpoints: int = 24) -> dict[str, Any]:
+    """The training loop with a checkpoint every K steps, for every K of ``every``
+    (``None``: a calibrated K, where synchronous torch.save costs >= 50 %, and
+    ``sparse_factor`` * K), against no checkpoint: interleaved runs, medians. Each K
+    runs ``max(steps, min_checkpoints * K)`` steps (a whole number of checkpoints), its
+    slowdown taken against no-checkpoint runs of the same length."""
+    tr = Trainer(batch)
+    sd = tr.state_dict()
+    nbytes = state_bytes(sd)
+    # Calibration: the step time, and the torch.save + fsync time of the training state.
+    for _ in range(3):
+        tr.forward_backward()
+        tr.optimizer_step()
+    step_times = []
+    for _ in range(10 if every is None else 3):
+        t0 = time.perf_counter()
+        tr.forward_backward()
+        tr.optimizer_step()
+        step_times.append(time.perf_counter() - t0)
+    save_times = []
+    root.mkdir(parents=True, exist_ok=True)
+    calib = TrainTorchSave()
+    calib.open(root)
+    for i in range(5 if every is None else 2):
+        t0 = time.perf_counter()
+        calib.save(i, tr.state_dict())
+        save_times.append(time.perf_counter() - t0)
+    shutil.rmtree(root, ignore_errors=True)
+    sd_times = []
+    for _ in range(10 if every is None else 3):
+        t0 = time.perf_counter()
+        tr.state_dict()
+        sd_times.append(time.perf_counter() - t0)
+    step_s, save_s = med(step_times), med(save_times)
+    # Sync torch.save every K steps costs about save / (K * step): the largest K with >= 50 %.
+    auto_k = max(1, math.floor(2 * save_s / step_s))
+    if every:
+        ks = sorted(set(every))
+    else:
+        # The calibrated K, and a sparser cadence (sparse_factor * K), where an
+        # asynchronous write has time to finish between checkpoints.
+        ks = [auto_k] + ([sparse_factor * auto_k] if sparse_factor > 1 else [])
+    k = ks[0]
+    # Every K runs at least ``steps`` steps and ``min_checkpoints`` checkpoints, in a whole
+    # number of checkpoints: at K = 16, 96 steps held 6 checkpoints, whose cost (about
+    # 7 % of the run for torch.save) was below the spread of the runs themselves (the
+    # no-checkpoint runs alone spread +-9 %).
+    steps_at = {kk: -(-max(steps, min_checkpoints * kk, 2 * kk) // kk) * kk for kk in ks}
+    chosen = [(n, f) for n, f in train_systems() if systems is None or n in systems or n == "no checkpoint"]
+    baselines = sorted(set(steps_at.values()))
+    configs = ([("no checkpoint", f, 0, n_steps) for n, f in chosen if n == "no checkpoint" for n_steps in baselines]
+               + [(n, f, kk, steps_at[kk]) for kk in ks for n, f in chosen if n != "no checkpoint"])
+    runs: dict[tuple[str, int, int], list[dict[str, Any]]] = {(n, kk, st): [] for n, _, kk, st in configs}
+    for rep in range(reps):
+        for name, factory, kk, n_steps in configs:
+            log(f"  training: {name}" + (f", every {kk}" if kk else "") + f", {n_steps} steps (rep {rep + 1}/{reps})")
+            free_memory()
+            runs[(name, kk, n_steps)].append(train_run(tr, factory(), n_steps, kk, root / "train_ckpt"))
+    base = {n_steps: med([r["time_s"] for r in runs[("no checkpoint", 0, n_steps)]]) for n_steps in baselines}
+    by_every: dict[int, dict[str, Any]] = {kk: {} for kk in ks}
+    for (name, kk, n_steps), rs in runs.items():
+        t = med([r["time_s"] for r in rs])
+        per = {b: med([r[f"blocked_{b}_s"] / max(1, r["saves"]) for r in rs])
+               for b in ("save", "staging_wait", "poll")}
+        entry = {"time_s": t, "slowdown": t / base[n_steps] - 1, "saves": rs[0]["saves"], "steps": n_steps,
+                 "blocked_per_save_s": med([r["blocked_s"] / max(1, r["saves"]) for r in rs]),
+                 **{f"blocked_{b}_per_save_s": v for b, v in per.items()},
+                 "drain_s": med([r["drain_s"] for r in rs]), "times_s": [r["time_s"] for r in rs]}
+        for target in ([kk2 for kk2 in ks if steps_at[kk2] == n_steps] if kk == 0 else [kk]):
+            by_every[target][name] = entry
+    results = by_every[k]
+    return {"config": tr.cfg, "params": tr.n_params, "state_bytes": nbytes, "steps": steps_at[k], "every": k,
+            "auto_every": auto_k, "calib_step_s": step_s, "calib_torch_save_s": save_s,
+            "state_dict_s": med(sd_times),
+            "torch_save_target_met": results.get("torch.save (sync)", {}).get("slowdown", 0) >= 0.5,
+            "systems": results, "every_list": ks, "every_calibrated": not every,
+            "min_checkpoints": min_checkpoints,
+            "sparser": [{"every": kk, "steps": steps_at[kk], "systems": by_every[kk]} for kk in ks[1:]]}
