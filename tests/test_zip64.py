@@ -383,7 +383,7 @@ def test_zip64_round_trip(tmp_path: Path, mode: str) -> None:
             return ok
 
         out = {"model": {"emb": torch.empty(shape, dtype=torch.float32), "bias": torch.zeros(7)}, "step": None}
-        direct_before = loading_mod.load_paths["direct"]
+        paths_before = dict(loading_mod.load_paths)
         reader_mod._read_record = spy
         try:
             started = time.monotonic()
@@ -391,10 +391,14 @@ def test_zip64_round_trip(tmp_path: Path, mode: str) -> None:
             figures["load_s"] = time.monotonic() - started
         finally:
             reader_mod._read_record = real_read_record
-        # read straight into the target: by the direct load path (its framing checked
-        # against ours), or by the DCP path's raw record read
-        assert loading_mod.load_paths["direct"] == direct_before + 1 or True in calls, \
-            "the zip64 record was not read by a raw fast path"
+        # The state is the checkpoint's, key for key, dtype and shape, in our writer's
+        # zip64 framing: the direct load path reads it straight into the target (its
+        # framing checked against ours), never DCP's path (whose raw record read the
+        # spy sees).
+        taken = [k for k, v in loading_mod.load_paths.items() if v != paths_before.get(k, 0)]
+        assert taken == ["direct"] and loading_mod.load_paths["direct"] == paths_before.get("direct", 0) + 1, \
+            f"the zip64 checkpoint was loaded by {taken}, not the direct path alone"
+        assert not calls, "DCP's path read records of the zip64 checkpoint"
         assert out["step"] == 3 and torch.equal(out["model"]["bias"], torch.arange(7, dtype=torch.float32))
         _assert_filled(out["model"]["emb"].view(-1).view(torch.uint8))
         del out
