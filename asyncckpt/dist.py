@@ -335,7 +335,7 @@ def collective_timeout(process_group: Any = None) -> timedelta:
             if isinstance(timeout, timedelta):
                 return timeout
         if process_group is None:
-            timeout = dist.distributed_c10d._get_default_store().timeout
+            timeout = getattr(dist.distributed_c10d._get_default_store(), "timeout", None)
             if isinstance(timeout, timedelta):
                 return timeout
     except Exception:  # noqa: BLE001 - private attributes of torch: fall back to its default

@@ -220,7 +220,7 @@ class CheckpointNotFoundError(AsyncckptError, FileNotFoundError):
         super().__init__(2, message, path)  # errno.ENOENT
 
     def __str__(self) -> str:
-        return self.strerror if self.filename is None else f"{self.strerror}: {self.filename}"
+        return str(self.strerror) if self.filename is None else f"{self.strerror}: {self.filename}"
 
     def __reduce__(self) -> tuple:
         return (type(self), (self.strerror, self.filename))
@@ -306,7 +306,7 @@ class CheckpointPathError(AsyncckptError, OSError):
     """
 
     def __str__(self) -> str:
-        return self.strerror if self.filename is None else f"{self.strerror}: {self.filename}"
+        return str(self.strerror) if self.filename is None else f"{self.strerror}: {self.filename}"
 
     @staticmethod
     def of(code: int | None, message: str, path: str | os.PathLike | None = None) -> "CheckpointPathError":

@@ -226,7 +226,7 @@ def test_inspect_entries_dtypes_shapes_totals(tmp_path: Path, capsys: pytest.Cap
     for fqn, (dtype, shape) in TENSORS.items():
         e = entries[fqn]
         assert (e["kind"], e["dtype"], e["shape"]) == ("tensor", dtype, shape)
-        tensor = state
+        tensor: Any = state
         for key in e["path"]:
             tensor = tensor[key]
         assert e["bytes"] == tensor.numel() * tensor.element_size()

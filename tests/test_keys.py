@@ -55,7 +55,7 @@ def user_state(optimizer: str, seed: int = 0) -> dict[str, Any]:
     optimizer such as LBFGS keeps in its state) and an ``int`` key at the top level."""
     model, opt = trained(optimizer, seed)
     return {"model": model.state_dict(), "optim": opt.state_dict(),
-            "extra": {3: "three", 10: {"n": 7, 2: 2.5}, "name": "run"}, 0: torch.arange(4)}
+            "extra": {3: "three", 10: {"n": 7, 2: 2.5}, "name": "run"}, 0: torch.arange(4)}  # type: ignore[dict-item]
 
 
 def fresh(state: dict[str, Any]) -> dict[str, Any]:

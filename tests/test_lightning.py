@@ -29,8 +29,9 @@ from typing import Any, NamedTuple
 
 import pytest
 
-lightning = pytest.importorskip("lightning")
+pytest.importorskip("lightning")
 
+import lightning  # noqa: E402
 import torch  # noqa: E402
 from helpers import bits  # noqa: E402
 from lightning.fabric.utilities.data import AttributeDict  # noqa: E402
@@ -61,7 +62,7 @@ class TinyModel(lightning.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"])
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -74,7 +75,7 @@ def loader() -> DataLoader:
 
 
 def make_trainer(root: Path, max_steps: int, plugin: AsyncckptCheckpointIO, **ckpt: Any) -> lightning.Trainer:
-    callbacks = [ModelCheckpoint(dirpath=root, **ckpt)] if ckpt else []
+    callbacks: list[lightning.Callback] = [ModelCheckpoint(dirpath=root, **ckpt)] if ckpt else []
     return lightning.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, enable_progress_bar=False,
                              logger=False, default_root_dir=root, enable_model_summary=False,
                              enable_checkpointing=bool(ckpt), callbacks=callbacks, plugins=[plugin],
@@ -188,7 +189,7 @@ def exotic_checkpoint() -> dict[str, Any]:
         "hparams_name": "kwargs",
         "pair": Pair(torch.arange(4), 5),
         "tensors_in_tuple": (torch.ones(2), "x"),
-        (1, "non-str key"): {"set": {1, 2}, "none": None, "bytes": b"\x00\x01"},
+        (1, "non-str key"): {"set": {1, 2}, "none": None, "bytes": b"\x00\x01"},  # type: ignore[dict-item]
     }
 
 

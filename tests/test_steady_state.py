@@ -307,7 +307,7 @@ def test_metadata_bytes_are_reused_and_exact(tmp_path: Path) -> None:
 
     from asyncckpt.saving import phases as saving
 
-    state = {"layers": [{"w": torch.full((64,), float(i)), "b": torch.zeros(3)} for i in range(200)], "step": 0}
+    state: dict[str, Any] = {"layers": [{"w": torch.full((64,), float(i)), "b": torch.zeros(3)} for i in range(200)], "step": 0}
     hits = saving._METADATA_PICKLE.hits
     with asyncckpt.CheckpointManager(tmp_path) as mgr:
         for step in range(1, 4):
@@ -326,7 +326,7 @@ def test_metadata_bytes_are_reused_and_exact(tmp_path: Path) -> None:
         assert metadata.storage_meta.checkpoint_id == str(ckpt)
         save_ids.add(metadata.storage_meta.save_id)
         asyncckpt.verify(ckpt)
-        got = {"layers": [{"w": torch.zeros(64), "b": torch.ones(3)} for _ in range(200)], "step": 0}
+        got: dict[str, Any] = {"layers": [{"w": torch.zeros(64), "b": torch.ones(3)} for _ in range(200)], "step": 0}
         dcp.load(got, checkpoint_id=str(ckpt))
         assert got["step"] == step and float(got["layers"][0]["w"][0]) == step
         # The records file, reused with the cache, stands for this step's own .metadata.

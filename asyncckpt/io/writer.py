@@ -454,7 +454,7 @@ def write_rank_files(task: WriteTask) -> RankWriteResult:
         os.umask(task.umask)
     os.makedirs(task.directory, exist_ok=True)
     mapped = _map_slab(task.slab, task.live_slab_ids)
-    results = []
+    results: list[FileResult] = []
     created: list[str] = []
     total = 0
     try:
