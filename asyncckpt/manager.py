@@ -394,7 +394,7 @@ class CheckpointManager:
         if not abort:
             self._saver.raise_callback_errors()
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, _tb: Any) -> None:

@@ -752,7 +752,7 @@ def test_concurrent_saves_to_one_target_commit_once(tmp_path: Path, calls_queue:
     second = {"w": torch.full((1000,), 2.0)}
     h1 = asyncckpt.save(first, target, async_op=True, calls_queue=calls_queue)
     # Pending: refused as being saved; committed already (a fast first save): it exists.
-    with pytest.raises(CheckpointError, match="already being saved|exists") as info:
+    with pytest.raises(CheckpointError, match=r"already being saved|exists") as info:
         asyncckpt.save(second, target, async_op=True, calls_queue=calls_queue)
     assert str(target) in str(info.value)
     h1.wait(timeout=30)

@@ -258,7 +258,7 @@ def _scenario_stale_result(rank, persistent, tmpdir):
         t0 = time.monotonic()
         exc = None
         polls = 0
-        for polls in range(1, 2001):  # a bounded, rank-symmetric loop (no time-based exit)
+        for polls in range(1, 2001):  # noqa: B007 - counted, read after the loop; bounded, rank-symmetric (no time-based exit)
             try:
                 q.maybe_finalize_async_calls()
             except CheckpointException as e:
@@ -397,7 +397,7 @@ def _check_failure(rank_results, kind):
 
 @pytest.mark.timeout(60)
 def test_async_fn_raising_on_one_rank_raises_the_same_exception_on_both(rank_results):
-    cause, bad, good = _check_failure(rank_results, "raises")
+    cause, bad, _good = _check_failure(rank_results, "raises")
     assert "ValueError: rank1-boom" in cause and "Traceback" in cause and "raise_value_error" in cause
     if rank_results["persistent"]:  # an exception does not kill the worker
         assert bad["starts_after"] == bad["starts_before"] == 1
@@ -423,7 +423,7 @@ def test_worker_exiting_on_one_rank_raises_on_both_and_is_restarted(rank_results
 
 @pytest.mark.timeout(60)
 def test_preload_raising_on_one_rank_never_blocks_schedule_and_raises_on_both(rank_results):
-    cause, bad, good = _check_failure(rank_results, "preload_raises")
+    cause, _bad, _good = _check_failure(rank_results, "preload_raises")
     assert "preload_fn" in cause and "RuntimeError: preload-bad" in cause
 
 

@@ -31,16 +31,17 @@ import pytest
 
 pytest.importorskip("lightning")
 
-import lightning  # noqa: E402
-import torch  # noqa: E402
-from helpers import bits  # noqa: E402
-from lightning.fabric.utilities.data import AttributeDict  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import lightning
+import torch
+from lightning.fabric.utilities.data import AttributeDict
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
 
-import asyncckpt  # noqa: E402
-from asyncckpt import CheckpointError, CheckpointException  # noqa: E402
-from asyncckpt.lightning import STRUCTURE_KEY, AsyncckptCheckpointIO, replace_path  # noqa: E402
+import asyncckpt
+from asyncckpt import CheckpointError, CheckpointException
+from asyncckpt.lightning import STRUCTURE_KEY, AsyncckptCheckpointIO, replace_path
+
+from helpers import bits
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
                                         "ignore::FutureWarning")
@@ -298,8 +299,9 @@ def test_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path: Path)
 
 # ----------------------------------------------------------------------------- DDP, two gloo ranks
 def test_ddp_two_ranks_rank0_saves_alone(tmp_path: Path) -> None:
-    from dist_utils import TORCH_PRELOAD, preload_forkserver
     from lightning.pytorch.strategies import DDPStrategy
+
+    from dist_utils import TORCH_PRELOAD, preload_forkserver
 
     # Ranks fork from multiprocessing's forkserver, which imports torch and Lightning once
     # (shared with the other distributed tests): seconds saved per rank on a small machine.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import io
+import itertools
 import json
 import zlib
 import warnings
@@ -183,7 +184,7 @@ def test_inline_verification_covers_the_bytes_between_records(ckpt: Path) -> Non
     (re-signed in the manifest) load; a flipped gap byte is refused."""
     md = read_metadata(ckpt)
     spans = sorted((i.offset, i.offset + i.length) for i in md.storage_data.values())
-    gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(spans, spans[1:]) if b_start > a_end]
+    gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in itertools.pairwise(spans) if b_start > a_end]
     assert len(gaps) > 10
     content = bytearray((ckpt / DATA).read_bytes())
     for lo, hi in gaps:
@@ -231,13 +232,13 @@ def test_unusual_states_go_dcps_way(ckpt: Path) -> None:
     # A key the checkpoint lacks: DCP's error, naming it.
     out = fresh(state)
     out["model"]["extra"] = torch.zeros(3)
-    with pytest.raises(CheckpointError, match="model.extra"):
+    with pytest.raises(CheckpointError, match=r"model\.extra"):
         counted_load(out, ckpt)
     assert loading.load_paths["dcp"] >= 2
     # Another shape: refused by DCP, naming the entry.
     out = fresh(state)
     out["model"]["emb"] = torch.zeros(301, 64)
-    with pytest.raises(CheckpointError, match="model.emb"):
+    with pytest.raises(CheckpointError, match=r"model\.emb"):
         counted_load(out, ckpt)
     # Tied targets (one tensor under two keys): DCP's order of writes decides.
     out = fresh(state)

@@ -68,7 +68,7 @@ def _run(tmp_path: Path, scenario: str, *args: str, env: dict[int, dict[str, str
                     pass
             psutil.wait_procs(victims, timeout=10)
         texts = []
-        for rank, log in enumerate(logs):
+        for log in logs:
             log.seek(0)
             texts.append(log.read())
             log.close()

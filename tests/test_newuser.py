@@ -336,11 +336,11 @@ def test_a_checkpoint_of_a_root_that_lost_its_manifest_is_still_corrupt(tmp_path
         manager.save(1, state(), async_op=False)
     (tmp_path / "step_00000001" / ".manifest.json").unlink()
     for verify in ("inline", False):
-        with pytest.raises(CorruptCheckpointError, match=".manifest.json is missing"):
+        with pytest.raises(CorruptCheckpointError, match=r"\.manifest\.json is missing"):
             asyncckpt.load(zeros_like_state(), tmp_path / "step_00000001", verify=verify)
     with pytest.raises(CorruptCheckpointError):
         asyncckpt.verify(tmp_path / "step_00000001")
-    with pytest.raises(CorruptCheckpointError, match=".manifest.json is missing"):
+    with pytest.raises(CorruptCheckpointError, match=r"\.manifest\.json is missing"):
         read_state_dict(tmp_path / "step_00000001", verify=False)
     proc = cli("verify", tmp_path / "step_00000001")
     assert proc.returncode == 1 and "FAILED" in proc.stdout, (proc.stdout, proc.stderr)

@@ -8,6 +8,7 @@ real memfd descriptors.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import gc
 import os
@@ -341,7 +342,7 @@ def test_errors_share_one_base_class_and_pickle() -> None:
 
 def test_options_are_data_and_contradictions_raise(tmp_path: Path) -> None:
     opts = SaveOptions(staging_buffers=2, overlap_staging=True)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         opts.staging_buffers = 3  # type: ignore[misc]
     bad: dict[str, Any]
     for bad in ({"staging_buffers": 0}, {"copy_threads": 1.5}, {"plan_cache": 1}, {"drop_page_cache": "yes"}):

@@ -129,11 +129,11 @@ class SoakResult:
     max_dirs: int = 0  # most checkpoint directories seen on disk at once
 
     def report(self, title: str) -> str:
-        lines = [f"{title}: {SAVES} saves of {STATE_BYTES / MiB:.0f} MiB in {self.wall_s:.1f} s "
+        lines = [(f"{title}: {SAVES} saves of {STATE_BYTES / MiB:.0f} MiB in {self.wall_s:.1f} s "
                  f"({self.wall_s / SAVES:.3f} s per save); stall median {statistics.median(self.stalls) * 1e3:.1f} ms "
                  f"(max {max(self.stalls) * 1e3:.1f}); write median {statistics.median(self.writes) * 1e3:.1f} ms; "
                  f"save-to-commit median {statistics.median(self.totals) * 1e3:.1f} ms; "
-                 f"at most {self.max_dirs} checkpoint directories on disk"]
+                 f"at most {self.max_dirs} checkpoint directories on disk")]
         lines += ["  " + p.line() for p in self.probes]
         return "\n".join(lines)
 

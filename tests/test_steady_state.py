@@ -354,8 +354,9 @@ def _rank_collectives(rank: int, world_size: int, root: str) -> dict[str, Any]:
     calls: list[str] = []
     main = threading.current_thread()
     for name in ("all_gather_ints", "all_gather_object", "gather_failures", "broadcast_object"):
-        def spy(self: Any, *args: Any, _orig: Any = getattr(SyncGroup, name), _name: str = name,
-                **kwargs: Any) -> Any:
+        orig = getattr(SyncGroup, name)
+
+        def spy(self: Any, *args: Any, _orig: Any = orig, _name: str = name, **kwargs: Any) -> Any:
             if threading.current_thread() is main:
                 calls.append(_name)
             return _orig(self, *args, **kwargs)
@@ -467,7 +468,7 @@ def test_a_commit_sends_an_unchanged_layout_once(tmp_path: Path) -> None:
     not hold a layout fails that commit on every rank, naming the rank, commits
     nothing, and the next save sends the layouts again."""
     results = run_ranks(_rank_layout_exchange, 2, str(tmp_path), timeout=150)
-    for rank, res in enumerate(results):
+    for res in results:
         # Full sends at steps 1, 5 (after the failure) and 7 (new layout); tokens else.
         assert res["token_only"] == {1: 0, 2: 1, 3: 2, 5: 3, 6: 4, 7: 4, 8: 5}, res["token_only"]
         step, failed_ranks, message = res["failure"]

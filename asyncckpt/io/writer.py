@@ -24,8 +24,8 @@ from typing import NamedTuple
 from asyncckpt import _faults
 from asyncckpt.format.crc import crc32
 
-__all__ = ["SlabRef", "CrcPatch", "pack_patches", "unpack_patches", "FileSpec", "WriteTask", "FileResult", "RankWriteResult", "write_rank_files",
-           "drop_cached_pages"]
+__all__ = ["SlabRef", "CrcPatch", "pack_patches", "unpack_patches", "FileSpec", "WriteTask", "FileResult",
+           "RankWriteResult", "write_rank_files", "drop_cached_pages"]
 
 #: Bytes per ``os.write`` call.
 WRITE_CHUNK_BYTES = 64 << 20
