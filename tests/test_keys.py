@@ -50,12 +50,12 @@ def trained(optimizer: str, seed: int = 0, steps: int = 2) -> tuple[torch.nn.Mod
     return model, opt
 
 
-def user_state(optimizer: str, seed: int = 0) -> dict[str, Any]:
+def user_state(optimizer: str, seed: int = 0) -> dict[Any, Any]:
     """The most common state dict, plus non-tensor values under ``int`` keys (what an
     optimizer such as LBFGS keeps in its state) and an ``int`` key at the top level."""
     model, opt = trained(optimizer, seed)
     return {"model": model.state_dict(), "optim": opt.state_dict(),
-            "extra": {3: "three", 10: {"n": 7, 2: 2.5}, "name": "run"}, 0: torch.arange(4)}  # type: ignore[dict-item]
+            "extra": {3: "three", 10: {"n": 7, 2: 2.5}, "name": "run"}, 0: torch.arange(4)}
 
 
 def fresh(state: dict[str, Any]) -> dict[str, Any]:

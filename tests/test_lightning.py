@@ -170,7 +170,7 @@ class Pair(NamedTuple):
     second: int
 
 
-def exotic_checkpoint() -> dict[str, Any]:
+def exotic_checkpoint() -> dict[Any, Any]:
     g = torch.Generator().manual_seed(3)
     weights = collections.OrderedDict([("layer.weight", torch.randn(3, 2, generator=g)),
                                        ("layer.bias", torch.randn(3, generator=g).to(torch.bfloat16))])
@@ -190,7 +190,7 @@ def exotic_checkpoint() -> dict[str, Any]:
         "hparams_name": "kwargs",
         "pair": Pair(torch.arange(4), 5),
         "tensors_in_tuple": (torch.ones(2), "x"),
-        (1, "non-str key"): {"set": {1, 2}, "none": None, "bytes": b"\x00\x01"},  # type: ignore[dict-item]
+        (1, "non-str key"): {"set": {1, 2}, "none": None, "bytes": b"\x00\x01"},
     }
 
 

@@ -133,13 +133,15 @@ def test_argument_errors_at_the_api_boundary(tmp_path: Path) -> None:
             manager.save(3, [torch.ones(2)])  # type: ignore[arg-type]
         with pytest.raises(InvalidArgumentError, match=r"the call is load\(state_dict, step\)"):
             manager.load(3, state())  # type: ignore[arg-type]  # swapped
-    for call in (lambda: asyncckpt.save(tmp_path / "x", state()),  # type: ignore[arg-type]  # swapped
-                 lambda: asyncckpt.load(tmp_path / "x", state()),  # type: ignore[arg-type]
-                 lambda: asyncckpt.save(state(), 5),  # type: ignore[arg-type]
-                 lambda: read_state_dict(state()),  # type: ignore[arg-type]
-                 lambda: CheckpointManager(state()),  # type: ignore[arg-type]
-                 lambda: CheckpointManager(tmp_path / "k", keep_last=0),
-                 lambda: CheckpointManager(tmp_path / "c", coordinator_rank="0")):  # type: ignore[arg-type]
+    for call in (
+        lambda: asyncckpt.save(tmp_path / "x", state()),  # type: ignore[arg-type]  # swapped
+        lambda: asyncckpt.load(tmp_path / "x", state()),  # type: ignore[arg-type]
+        lambda: asyncckpt.save(state(), 5),  # type: ignore[arg-type]
+        lambda: read_state_dict(state()),  # type: ignore[arg-type]
+        lambda: CheckpointManager(state()),  # type: ignore[arg-type]
+        lambda: CheckpointManager(tmp_path / "k", keep_last=0),
+        lambda: CheckpointManager(tmp_path / "c", coordinator_rank="0"),  # type: ignore[arg-type]
+    ):
         with pytest.raises(InvalidArgumentError) as info:
             call()
         assert isinstance(info.value, (TypeError, ValueError)) and isinstance(info.value, AsyncckptError)
