@@ -12,7 +12,7 @@ this package does not import torch unless that function needs it.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -46,7 +46,38 @@ _EXPORTS = {
     "PreemptionSave": "preemption",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605 (the names above, kept in one place)
+
+if TYPE_CHECKING:
+    # What __getattr__ returns, for type checkers and editors (without these, every
+    # `asyncckpt.X` is `Any` to mypy). tests/test_checks.py keeps this list equal to _EXPORTS.
+    from asyncckpt.async_utils.callers import AsyncCaller as AsyncCaller
+    from asyncckpt.async_utils.callers import PersistentAsyncCaller as PersistentAsyncCaller
+    from asyncckpt.async_utils.callers import TemporalAsyncCaller as TemporalAsyncCaller
+    from asyncckpt.async_utils.calls_queue import AsyncCallsQueue as AsyncCallsQueue
+    from asyncckpt.async_utils.request import AsyncRequest as AsyncRequest
+    from asyncckpt.errors import AsyncckptError as AsyncckptError
+    from asyncckpt.errors import CallbackError as CallbackError
+    from asyncckpt.errors import CheckpointError as CheckpointError
+    from asyncckpt.errors import CheckpointException as CheckpointException
+    from asyncckpt.errors import CheckpointNotFoundError as CheckpointNotFoundError
+    from asyncckpt.errors import CheckpointPathError as CheckpointPathError
+    from asyncckpt.errors import CorruptCheckpointError as CorruptCheckpointError
+    from asyncckpt.errors import InvalidArgumentError as InvalidArgumentError
+    from asyncckpt.errors import RankFailure as RankFailure
+    from asyncckpt.errors import RootInUseError as RootInUseError
+    from asyncckpt.errors import UnverifiableCheckpointError as UnverifiableCheckpointError
+    from asyncckpt.loading.api import load as load
+    from asyncckpt.loading.api import verify as verify
+    from asyncckpt.loading.read import read_state_dict as read_state_dict
+    from asyncckpt.manager import CheckpointManager as CheckpointManager
+    from asyncckpt.options import SaveOptions as SaveOptions
+    from asyncckpt.preemption import PreemptionSave as PreemptionSave
+    from asyncckpt.saving.api import default_calls_queue as default_calls_queue
+    from asyncckpt.saving.api import save as save
+    from asyncckpt.saving.handle import SaveHandle as SaveHandle
+    from asyncckpt.saving.handle import SaveResult as SaveResult
+    from asyncckpt.saving.handle import SaveTimings as SaveTimings
 
 
 def __getattr__(name: str) -> Any:

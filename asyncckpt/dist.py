@@ -31,8 +31,9 @@ import pickle
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,7 @@ _lock = threading.Lock()
 # (id of the user's group object or of the default group) -> (user group, gloo group)
 _gloo_groups: dict[int, tuple[Any, Any]] = {}
 #: The gloo groups asyncckpt created, and what their collectives need to report a failure.
-_own_groups: "weakref.WeakKeyDictionary[Any, _Arrivals]" = weakref.WeakKeyDictionary()
+_own_groups: weakref.WeakKeyDictionary[Any, _Arrivals] = weakref.WeakKeyDictionary()
 
 
 def _resolve(process_group: Any) -> Any:
@@ -98,7 +99,7 @@ class SyncGroup:
             self._what = before
 
     @classmethod
-    def private(cls, process_group: Any = None) -> "SyncGroup":
+    def private(cls, process_group: Any = None) -> SyncGroup:
         """A group over the same ranks with a gloo group of its own (collective).
 
         For collectives issued from another thread (a queue's finalizer): two threads
@@ -335,7 +336,7 @@ def collective_timeout(process_group: Any = None) -> timedelta:
             if isinstance(timeout, timedelta):
                 return timeout
         if process_group is None:
-            timeout = dist.distributed_c10d._get_default_store().timeout
+            timeout = getattr(dist.distributed_c10d._get_default_store(), "timeout", None)
             if isinstance(timeout, timedelta):
                 return timeout
     except Exception:  # noqa: BLE001 - private attributes of torch: fall back to its default

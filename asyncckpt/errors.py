@@ -30,7 +30,8 @@ from __future__ import annotations
 import os
 import pickle
 import traceback
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = [
     "AsyncckptError",
@@ -71,7 +72,7 @@ class RankFailure(str):
     exception: BaseException | None
 
     def __new__(cls, text: str, exc_type: str | None = None, errno: int | None = None,
-                exception: BaseException | None = None) -> "RankFailure":
+                exception: BaseException | None = None) -> RankFailure:
         self = super().__new__(cls, text)
         self.exc_type = exc_type
         self.errno = errno
@@ -79,7 +80,7 @@ class RankFailure(str):
         return self
 
     @classmethod
-    def from_exception(cls, exc: BaseException, context: str = "") -> "RankFailure":
+    def from_exception(cls, exc: BaseException, context: str = "") -> RankFailure:
         """The failure for ``exc``: ``context``, type, message, and the traceback (with the
         pid of the process that raised it) as text.
 
@@ -155,7 +156,7 @@ class CheckpointException(AsyncckptError):
             head = f"saving step {step} to {self.checkpoint_dir} failed on rank(s) {ranks}:"
         super().__init__(_format_failures(head, self.failures))
 
-    def for_save(self, step: int | None, checkpoint_dir: str | os.PathLike) -> "CheckpointException":
+    def for_save(self, step: int | None, checkpoint_dir: str | os.PathLike) -> CheckpointException:
         """This failure, described as the save of ``step`` to ``checkpoint_dir`` (itself
         when it already names a checkpoint directory)."""
         if self.checkpoint_dir is not None:
@@ -220,7 +221,7 @@ class CheckpointNotFoundError(AsyncckptError, FileNotFoundError):
         super().__init__(2, message, path)  # errno.ENOENT
 
     def __str__(self) -> str:
-        return self.strerror if self.filename is None else f"{self.strerror}: {self.filename}"
+        return str(self.strerror) if self.filename is None else f"{self.strerror}: {self.filename}"
 
     def __reduce__(self) -> tuple:
         return (type(self), (self.strerror, self.filename))
@@ -306,10 +307,10 @@ class CheckpointPathError(AsyncckptError, OSError):
     """
 
     def __str__(self) -> str:
-        return self.strerror if self.filename is None else f"{self.strerror}: {self.filename}"
+        return str(self.strerror) if self.filename is None else f"{self.strerror}: {self.filename}"
 
     @staticmethod
-    def of(code: int | None, message: str, path: str | os.PathLike | None = None) -> "CheckpointPathError":
+    def of(code: int | None, message: str, path: str | os.PathLike | None = None) -> CheckpointPathError:
         """A ``CheckpointPathError`` that is also the builtin ``OSError`` subclass that
         ``code`` (an ``errno``) maps to."""
         builtin = type(OSError(code, "")) if code is not None else OSError

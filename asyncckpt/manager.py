@@ -11,7 +11,7 @@ import logging
 import os
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from asyncckpt._check import check_state_dict, check_step
 from asyncckpt.async_utils.callers import PersistentAsyncCaller
@@ -285,7 +285,7 @@ class CheckpointManager:
             CallbackError: a completion callback raised (its save is committed).
         """
         self._saver.synchronize_staging()
-        steps = [record.step for record in self._saver.harvest(blocking)]
+        steps = [record.step for record in self._saver.harvest(blocking) if record.step is not None]
         self._saver.raise_callback_errors()
         return steps
 
@@ -304,7 +304,7 @@ class CheckpointManager:
         """
         return self._root.latest()
 
-    def load(self, state_dict: dict[str, Any], step: int | None = None, *, verify: bool | str = "inline",
+    def load(self, state_dict: dict[str, Any], step: int | None = None, *, verify: bool | Literal["inline"] = "inline",
              allow_pickle: bool = False) -> int:
         """Load step ``step`` (default: the latest) into ``state_dict`` in place (collective).
 
@@ -394,7 +394,7 @@ class CheckpointManager:
         if not abort:
             self._saver.raise_callback_errors()
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, _tb: Any) -> None:

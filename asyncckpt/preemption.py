@@ -36,8 +36,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterable
 from types import FrameType
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -380,7 +381,7 @@ class PreemptionSave:
         self._restore_handlers()
         _ACTIVE_SIGNALS.difference_update(self._signals)
 
-    def __enter__(self) -> "PreemptionSave":
+    def __enter__(self) -> PreemptionSave:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:

@@ -55,8 +55,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import asyncckpt  # noqa: E402
 from filelock import FileLock, Timeout  # noqa: E402
+
+import asyncckpt  # noqa: E402
 
 TRAIN = REPO / "scripts" / "train.py"
 # 0.47 M parameters + AdamW state: 5.8 MB per checkpoint, written in some tens of ms;

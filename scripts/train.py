@@ -35,6 +35,7 @@ that did not exist in the checkpoint start from their seeds.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
@@ -45,16 +46,21 @@ import statistics
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
@@ -583,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
                 progress.close()
                 log(f"received {signame}: preemption save of step {step}")
                 t1 = time.perf_counter()
-                final = preemption.finish(step, lambda: state_dict(step))
+                final = preemption.finish(step, functools.partial(state_dict, step))
                 report([s for s in list(handles) if handles[s].done() and handles[s].exception() is None])
                 exit_code = 128 + preemption.agreed_signum
                 log(f"preemption checkpoint step {step} committed in {time.perf_counter() - t1:.2f} s: "

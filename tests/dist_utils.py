@@ -107,7 +107,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
     ``timeout`` seconds; all rank processes are killed on the way out.
     ``start_method="forkserver"`` (see :func:`preload_forkserver`) starts ranks faster.
     """
-    ctx = mp.get_context(start_method)
+    ctx: Any = mp.get_context(start_method)  # typeshed's BaseContext has no Process; every real one has
     out = ctx.Queue()
     # Rendezvous through a file, not a TCP port picked beforehand: another process can
     # take a free port between free_port() and rank 0's bind, and the other ranks then

@@ -160,7 +160,7 @@ def test_sync_save_without_queue_starts_no_worker(tmp_path: Path, default_queues
 
 @pytest.mark.timeout(60)
 def test_async_save_with_default_queue(tmp_path: Path, default_queues_closed: None) -> None:
-    state = {"w": torch.randn(1000), "n": 3}
+    state: dict[str, Any] = {"w": torch.randn(1000), "n": 3}
     expected = clone_state(state)
     handle = asyncckpt.save(state, tmp_path / "ck", async_op=True)
     state["w"].zero_()
@@ -286,7 +286,7 @@ def test_load_refuses_uncommitted_directory(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_mutation_after_async_save_does_not_change_checkpoint(tmp_path: Path, calls_queue: AsyncCallsQueue) -> None:
     g = torch.Generator().manual_seed(3)
-    state = {
+    state: dict[str, Any] = {
         "big": torch.randn(2 << 20, generator=g),  # 8 MB, so the write takes a while
         "m": torch.randn(256, 256, generator=g),
         "half": torch.randn(1000, generator=g).to(torch.bfloat16),
@@ -323,7 +323,7 @@ def test_mutation_after_async_save_does_not_change_checkpoint(tmp_path: Path, ca
 @pytest.mark.parametrize("caller", CALLERS)
 def test_back_to_back_saves_in_flight(tmp_path: Path, caller: str, staging_buffers: int) -> None:
     g = torch.Generator().manual_seed(4)
-    state = {"big": torch.randn(8 << 20, generator=g), "small": torch.arange(64, dtype=torch.int32),
+    state: dict[str, Any] = {"big": torch.randn(8 << 20, generator=g), "small": torch.arange(64, dtype=torch.int32),
              "meta": {"step": 0}}
     manager = CheckpointManager(tmp_path / "root", persistent=caller == "persistent",
                                 staging_buffers=staging_buffers)
@@ -497,7 +497,7 @@ def test_save_handle(tmp_path: Path, calls_queue: AsyncCallsQueue) -> None:
 @pytest.mark.timeout(60)
 def test_manager_steps_latest_and_retention(tmp_path: Path, calls_queue: AsyncCallsQueue) -> None:
     root = tmp_path / "root"
-    state = {"w": torch.zeros(1000), "step": 0}
+    state: dict[str, Any] = {"w": torch.zeros(1000), "step": 0}
     expected: dict[int, Any] = {}
     manager = CheckpointManager(root, keep_last=2, calls_queue=calls_queue)
     try:
@@ -752,7 +752,7 @@ def test_concurrent_saves_to_one_target_commit_once(tmp_path: Path, calls_queue:
     second = {"w": torch.full((1000,), 2.0)}
     h1 = asyncckpt.save(first, target, async_op=True, calls_queue=calls_queue)
     # Pending: refused as being saved; committed already (a fast first save): it exists.
-    with pytest.raises(CheckpointError, match="already being saved|exists") as info:
+    with pytest.raises(CheckpointError, match=r"already being saved|exists") as info:
         asyncckpt.save(second, target, async_op=True, calls_queue=calls_queue)
     assert str(target) in str(info.value)
     h1.wait(timeout=30)
@@ -768,7 +768,7 @@ def test_concurrent_saves_to_one_target_commit_once(tmp_path: Path, calls_queue:
 def test_manager_close_commits_pending_and_abort_drops(tmp_path: Path, caller: str) -> None:
     root = tmp_path / "root"
     persistent = caller == "persistent"
-    state = {"big": torch.randn(4 << 20), "n": 1}
+    state: dict[str, Any] = {"big": torch.randn(4 << 20), "n": 1}
     manager = CheckpointManager(root, persistent=persistent)
     try:
         manager.save(1, state, async_op=True)
@@ -797,7 +797,7 @@ def test_manager_close_commits_pending_and_abort_drops(tmp_path: Path, caller: s
             manager.save(4, state, async_op=True)
             raise KeyboardInterrupt
     assert manager.steps() == [1, 2] and manager.latest_step() == 2
-    out = {"big": torch.zeros(4 << 20), "n": 0}
+    out: dict[str, Any] = {"big": torch.zeros(4 << 20), "n": 0}
     reader = CheckpointManager(root, persistent=False)
     try:
         assert reader.load(out) == 2
@@ -828,7 +828,7 @@ def test_plan_is_cached_while_the_structure_is_unchanged(tmp_path):
     queue = asyncckpt.AsyncCallsQueue(persistent=False)
     try:
         saver = asyncckpt.saving.api._saver_for(queue)
-        states = [
+        states: list[dict[str, Any]] = [
             {"a": torch.ones(3), "b": [torch.zeros(2, 2)], "step": 1},
             {"a": torch.full((3,), 2.0), "b": [torch.ones(2, 2)], "step": 2},      # same structure: hit
             {"a": torch.ones(4), "b": [torch.zeros(2, 2)], "step": 3},            # shape changed
@@ -842,7 +842,7 @@ def test_plan_is_cached_while_the_structure_is_unchanged(tmp_path):
             hits.append(saver.plan_cache.hits)
         assert hits == [0, 1, 1, 1, 1, 2]
         for i, state in enumerate(states):
-            out = {k: (torch.empty_like(v) if torch.is_tensor(v) else
+            out: dict[str, Any] = {k: (torch.empty_like(v) if torch.is_tensor(v) else
                        [torch.empty_like(t) for t in v] if isinstance(v, list) else None)
                    for k, v in state.items()}
             asyncckpt.load(out, tmp_path / f"c{i}")

@@ -263,7 +263,7 @@ def _rank_manager(rank: int, world_size: int, root: str, persistent: bool, block
     out: dict[str, Any] = {"diffs": [], "committed": []}
     manager = CheckpointManager(root, keep_last=2, persistent=persistent)
     try:
-        state = {f"rank{rank}": torch.zeros(1 << 16), "shared": torch.zeros(10, dtype=torch.float64),
+        state: dict[str, Any] = {f"rank{rank}": torch.zeros(1 << 16), "shared": torch.zeros(10, dtype=torch.float64),
                  "meta": {"step": 0}}
         expected: dict[int, Any] = {}
 

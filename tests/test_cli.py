@@ -208,7 +208,7 @@ def test_inspect_entries_dtypes_shapes_totals(tmp_path: Path, capsys: pytest.Cap
     rc, stdout, stderr = main_here(capsys, "inspect", ckpt)  # the table (--json runs in a subprocess below)
     assert rc == 0, stderr
     rows = {line.split()[0]: line for line in stdout.splitlines() if line.split()}
-    for fqn, (dtype, shape) in TENSORS.items():
+    for fqn, (dtype, _shape) in TENSORS.items():
         assert fqn in rows, stdout
         assert re.search(rf"\btensor\s+{dtype}\b", rows[fqn]), rows[fqn]
         assert DATA in rows[fqn]
@@ -226,7 +226,7 @@ def test_inspect_entries_dtypes_shapes_totals(tmp_path: Path, capsys: pytest.Cap
     for fqn, (dtype, shape) in TENSORS.items():
         e = entries[fqn]
         assert (e["kind"], e["dtype"], e["shape"]) == ("tensor", dtype, shape)
-        tensor = state
+        tensor: Any = state
         for key in e["path"]:
             tensor = tensor[key]
         assert e["bytes"] == tensor.numel() * tensor.element_size()
@@ -361,7 +361,7 @@ def test_convert_refuses_pickled_objects_without_allow_pickle(tmp_path: Path, te
     out = tmp_path / "out.pt"
     assert_clean_error(run("convert", ckpt, out), "'when'", "--allow-pickle")
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
-    rc, stdout, stderr = main_here(capsys, "convert", "--allow-pickle", ckpt, out)
+    rc, _stdout, stderr = main_here(capsys, "convert", "--allow-pickle", ckpt, out)
     assert rc == 0, stderr
     assert_same(state, torch.load(out, weights_only=False))
 

@@ -17,6 +17,7 @@ is printed; run with ``-s`` to see them.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -77,7 +78,7 @@ def test_sigkill_during_saves_and_commits(tmp_path: Path) -> None:
         observed = {r.observed for r in kills}
         assert {"write", "commit, before rename"} <= observed, observed
     # each run resumed from the newest committed checkpoint and saved more
-    for before, r in zip(records, records[1:]):
+    for before, r in itertools.pairwise(records):
         assert r.resumed_from == (before.newest_after or 0)
     assert records[-1].exit_code == 0
 

@@ -18,8 +18,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing import resource_tracker
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -116,7 +118,7 @@ def record_result(queue, call_idx, into):
 
 def live_children():
     """This process's live, non-zombie descendants, except multiprocessing's resource tracker."""
-    tracker = resource_tracker._resource_tracker._pid
+    tracker = resource_tracker._resource_tracker._pid  # type: ignore[attr-defined]
     found = []
     for p in psutil.Process().children(recursive=True):
         try:
@@ -165,7 +167,7 @@ def _stop_mp_resource_tracker():
     after this fixture) would report it as a leaked child. It restarts on demand.
     """
     yield
-    rt = resource_tracker._resource_tracker
+    rt: Any = resource_tracker._resource_tracker  # its private fields: not in typeshed
     with rt._lock:
         fd, pid = rt._fd, rt._pid
         if fd is None:
@@ -219,14 +221,14 @@ def test_async_request_is_a_namedtuple_with_megatron_fields_and_defaults():
 
     fin = lambda: None  # noqa: E731
     full = AsyncRequest(echo, (1, 2), [fin], {"k": 3}, preload_staged, False, 7)
-    assert full == (echo, (1, 2), [fin], {"k": 3}, preload_staged, False, 7)
+    assert tuple(full) == (echo, (1, 2), [fin], {"k": 3}, preload_staged, False, 7)
     assert full._replace(call_idx=8).call_idx == 8
     assert type(full._replace(call_idx=8)) is AsyncRequest
 
 
 @pytest.mark.timeout(10)
 def test_async_request_add_finalize_fn_and_freeze():
-    calls = []
+    calls: list[Any] = []
     first = functools.partial(calls.append, "first")
     second = functools.partial(calls.append, "second")
     req = AsyncRequest(echo, finalize_fns=(first,))
@@ -248,7 +250,7 @@ def test_async_request_add_finalize_fn_and_freeze():
 
 @pytest.mark.timeout(10)
 def test_async_request_execute_sync_passes_preload_result_first():
-    order = []
+    order: list[Any] = []
     req = AsyncRequest(echo, (1, 2), [functools.partial(order.append, "fin1")], {"k": 3}, preload_staged)
     req.add_finalize_fn(functools.partial(order.append, "fin2"))
     assert req.execute_sync() == (("staged", 1, 2), {"k": 3})
@@ -266,7 +268,7 @@ def test_schedule_passes_preload_result_args_and_kwargs(make_queue):
     q = make_queue()
     assert not dist.is_initialized()
     assert (q.sync.rank, q.sync.world_size, q.sync.active) == (0, 1, False)
-    got = []
+    got: list[Any] = []
     req = AsyncRequest(echo, (1, 2), async_fn_kwargs={"k": 3}, preload_fn=preload_staged)
     req.add_finalize_fn(functools.partial(record_result, q, 0, got))
     assert q.schedule_async_request(req) == 0
@@ -283,7 +285,7 @@ def test_schedule_passes_preload_result_args_and_kwargs(make_queue):
 @pytest.mark.timeout(30)
 def test_results_are_keyed_by_call_idx_and_finalized_in_order(make_queue, persistent):
     q = make_queue()
-    got = []
+    got: list[Any] = []
     durations = [0.8, 0.05, 1.0]
     for i, seconds in enumerate(durations):
         req = AsyncRequest(sleep_then_return, (seconds, f"value-{i}"),
@@ -306,7 +308,7 @@ def test_results_are_keyed_by_call_idx_and_finalized_in_order(make_queue, persis
 @pytest.mark.timeout(30)
 def test_nonblocking_finalize_returns_nothing_while_a_call_runs(make_queue):
     q = make_queue()
-    ran = []
+    ran: list[Any] = []
     q.schedule_async_request(AsyncRequest(sleep_then_return, (1.5, "late"),
                                           finalize_fns=[functools.partial(ran.append, 0)]))
     t0 = time.monotonic()
@@ -324,7 +326,7 @@ def test_nonblocking_finalize_returns_nothing_while_a_call_runs(make_queue):
 @pytest.mark.timeout(30)
 def test_until_limits_finalization_and_num_unfinalized_calls(make_queue):
     q = make_queue()
-    got = []
+    got: list[Any] = []
     for i in range(3):
         q.schedule_async_request(AsyncRequest(sleep_then_return, (0.05, i),
                                               finalize_fns=[functools.partial(record_result, q, i, got)]))
@@ -345,7 +347,7 @@ def test_persistent_worker_never_imports_torch():
     q = asyncckpt.AsyncCallsQueue(persistent=True)
     try:
         assert "torch" in sys.modules  # the check means something only if the trainer has torch
-        got = []
+        got: list[Any] = []
         q.schedule_async_request(AsyncRequest(torch_is_imported, finalize_fns=[functools.partial(record_result, q, 0, got)]))
         assert q.maybe_finalize_async_calls(blocking=True) == [0]
         assert got == [(0, False)], "the persistent worker imported torch for a torch-free async_fn"
@@ -371,13 +373,13 @@ FAILURES = {
 def test_failed_call_raises_checkpoint_exception_and_next_call_works(make_queue, persistent, mode):
     make_request, expected, worker_dies = FAILURES[mode]
     q = make_queue()
-    got = []
+    got: list[Any] = []
     q.schedule_async_request(AsyncRequest(return_pid, finalize_fns=[functools.partial(record_result, q, 0, got)]))
     assert q.maybe_finalize_async_calls(blocking=True) == [0]
     pid_before = got[0][1]
     starts_before = q.caller.num_starts if persistent else None
 
-    failed_finalize = []
+    failed_finalize: list[Any] = []
     req = make_request()
     req.add_finalize_fn(functools.partial(failed_finalize.append, 1))
     t0 = time.monotonic()
@@ -418,7 +420,7 @@ def test_failed_call_raises_checkpoint_exception_and_next_call_works(make_queue,
 def test_failure_is_reported_by_nonblocking_polls(make_queue, mode):
     make_request, expected, _ = FAILURES[mode]
     q = make_queue()
-    ran = []
+    ran: list[Any] = []
     req = make_request()
     req.add_finalize_fn(functools.partial(ran.append, 0))
     q.schedule_async_request(req)
@@ -451,7 +453,7 @@ def test_background_blocking_poll_waits_for_finalize_fns_that_run(make_queue):
     being committed, neither pending nor reported, and the poll returned ``[]``."""
     q = make_queue(background_finalize=True)
     q.start()
-    started, done = threading.Event(), []
+    started, done = threading.Event(), list[Any]()
     idx = q.schedule_async_request(AsyncRequest(echo, ("ok",), finalize_fns=[
         functools.partial(_slow_finalize, started, done)]))
     assert started.wait(timeout=FAIL_DEADLINE_S)
@@ -470,7 +472,7 @@ def test_background_blocking_poll_raises_a_failure_behind_finalized_calls(make_q
     q = make_queue(background_finalize=True)
     q.start()
     for blocking in (True, False):
-        ran = []
+        ran: list[Any] = []
         ok = q.schedule_async_request(AsyncRequest(echo, ("ok",), finalize_fns=[functools.partial(ran.append, 1)]))
         bad = q.schedule_async_request(FAILURES["raises"][0]())
         if blocking:
@@ -493,7 +495,7 @@ def test_background_blocking_poll_raises_a_failure_behind_finalized_calls(make_q
 def test_temporal_child_exiting_nonzero_after_reporting_success_is_a_failure():
     q = asyncckpt.AsyncCallsQueue(persistent=False)
     try:
-        ran = []
+        ran: list[Any] = []
         q.schedule_async_request(AsyncRequest(succeed_then_exit_nonzero, (5, 0.3),
                                               finalize_fns=[functools.partial(ran.append, 0)]))
         t0 = time.monotonic()
@@ -503,7 +505,7 @@ def test_temporal_child_exiting_nonzero_after_reporting_success_is_a_failure():
         assert info.value.call_idx == 0 and list(info.value.failures) == [0]
         assert "exited with code 5" in info.value.failures[0]
         assert ran == [], "a forked child that exited non-zero was finalized as a success"
-        got = []
+        got: list[Any] = []
         q.schedule_async_request(AsyncRequest(echo, ("next",), finalize_fns=[functools.partial(record_result, q, 1, got)]))
         assert q.maybe_finalize_async_calls(blocking=True) == [1]
         assert got == [(1, (("next",), {}))]
@@ -516,7 +518,7 @@ def test_temporal_child_exiting_nonzero_after_reporting_success_is_a_failure():
 def test_persistent_worker_dying_between_calls_is_restarted():
     q = asyncckpt.AsyncCallsQueue(persistent=True)
     try:
-        got = []
+        got: list[Any] = []
         q.schedule_async_request(AsyncRequest(succeed_then_exit_nonzero, (5, 0.3),
                                               finalize_fns=[functools.partial(record_result, q, 0, got)]))
         assert q.maybe_finalize_async_calls(blocking=True) == [0]  # it returned before dying
@@ -537,8 +539,9 @@ def test_persistent_worker_dying_between_calls_is_restarted():
 @pytest.mark.timeout(40)
 def test_results_match_call_idx_across_a_failure(make_queue):
     q = make_queue()
-    got = []
-    plan = [(sleep_then_return, (0.3, "a")), (raise_value_error, ("middle",)), (sleep_then_return, (0.05, "c"))]
+    got: list[Any] = []
+    plan: list[tuple[Callable[..., Any], tuple]] = [
+        (sleep_then_return, (0.3, "a")), (raise_value_error, ("middle",)), (sleep_then_return, (0.05, "c"))]
     for i, (fn, args) in enumerate(plan):
         q.schedule_async_request(AsyncRequest(fn, args, finalize_fns=[functools.partial(record_result, q, i, got)]))
     with pytest.raises(CheckpointException) as info:
@@ -557,10 +560,10 @@ def test_results_match_call_idx_across_a_failure(make_queue):
 @pytest.mark.timeout(30)
 def test_unpicklable_request_or_result_fails_the_call_not_the_schedule(make_queue, persistent):
     q = make_queue()
-    ran = []
+    ran: list[Any] = []
     local = []
     # A lambda runs in a forked child but cannot be sent to the persistent worker.
-    q.schedule_async_request(AsyncRequest(lambda: local.append(1) or "lambda ran",
+    q.schedule_async_request(AsyncRequest(lambda: local.append(1) or "lambda ran",  # type: ignore[func-returns-value]
                                           finalize_fns=[functools.partial(record_result, q, 0, ran)]))
     if persistent:
         with pytest.raises(CheckpointException, match="cannot be pickled") as info:
@@ -584,7 +587,7 @@ def test_unpicklable_request_or_result_fails_the_call_not_the_schedule(make_queu
 @pytest.mark.timeout(30)
 def test_close_finalizes_pending_calls_then_stops_the_worker(make_queue, persistent):
     q = make_queue()
-    got = []
+    got: list[Any] = []
     for i in range(2):
         q.schedule_async_request(AsyncRequest(sleep_then_return, (0.3, f"v{i}"),
                                               finalize_fns=[functools.partial(record_result, q, i, got)]))
@@ -604,7 +607,7 @@ def test_close_finalizes_pending_calls_then_stops_the_worker(make_queue, persist
 @pytest.mark.timeout(30)
 def test_close_raises_the_failure_of_a_pending_call_and_still_stops(make_queue, persistent):
     q = make_queue()
-    got = []
+    got: list[Any] = []
     q.schedule_async_request(AsyncRequest(raise_value_error, ("at-close",), finalize_fns=[functools.partial(got.append, 0)]))
     q.schedule_async_request(AsyncRequest(echo, ("after",), finalize_fns=[functools.partial(record_result, q, 1, got)]))
     with pytest.raises(CheckpointException, match="at-close") as info:
@@ -626,7 +629,7 @@ def test_close_abort_kills_the_worker_and_drops_pending_calls(make_queue, persis
     ignores SIGTERM, finalizes nothing and leaves no process or /dev/shm entry."""
     shm_before = shm_entries()
     q = make_queue()
-    ran = []
+    ran: list[Any] = []
     markers = [str(tmp_path / f"started-{i}") for i in range(2)]
     fn = ignore_sigterm_and_sleep if ignore_sigterm else mark_and_sleep
     for i, marker in enumerate(markers):
@@ -655,12 +658,12 @@ def test_close_abort_kills_the_worker_and_drops_pending_calls(make_queue, persis
 
 @pytest.mark.timeout(30)
 def test_context_manager_closes_and_aborts_on_error(persistent):
-    got = []
+    got: list[Any] = []
     with asyncckpt.AsyncCallsQueue(persistent=persistent) as q:
         q.schedule_async_request(AsyncRequest(echo, ("ok",), finalize_fns=[functools.partial(record_result, q, 0, got)]))
     assert q.closed and got == [(0, (("ok",), {}))]
 
-    ran = []
+    ran: list[Any] = []
     with pytest.raises(KeyError):
         with asyncckpt.AsyncCallsQueue(persistent=persistent) as q2:
             q2.schedule_async_request(AsyncRequest(sleep_then_return, (60, "x"), finalize_fns=[functools.partial(ran.append, 0)]))
@@ -754,7 +757,7 @@ def test_result_sent_just_before_the_process_exits_is_not_lost(make_queue, persi
     reporting (the temporal child always does; here the persistent worker dies in the
     next call)."""
     q = make_queue()
-    got = []
+    got: list[Any] = []
     if persistent:  # a warm worker, so that call 0 starts at once
         q.schedule_async_request(AsyncRequest(return_pid))
         assert q.maybe_finalize_async_calls(blocking=True) == [0]
@@ -871,7 +874,7 @@ def allocate_containers(n):
     report whether it is enabled and whether this process's GC is frozen."""
     import gc
 
-    keep = None
+    keep: dict[str, Any] | None = None
     for i in range(n):
         keep = {"i": i, "prev": keep} if i % 1000 else None
     return os.getpid(), gc.isenabled(), gc.get_freeze_count() > 0
@@ -890,7 +893,7 @@ def test_temporal_child_never_runs_finalizers_of_the_parents_garbage(tmp_path):
     try:
         gc.collect()  # empty generations, so that the parent does not collect it first
         _GarbageWithFinalizer(str(marker))  # garbage in generation 0 at the fork
-        got = []
+        got: list[Any] = []
         q.schedule_async_request(AsyncRequest(allocate_containers, (200_000,),
                                               finalize_fns=[functools.partial(record_result, q, 0, got)]))
         assert gc.isenabled(), "the parent's GC must stay enabled"

@@ -16,6 +16,7 @@ import functools
 import os
 import time
 import traceback
+from typing import Any
 
 import pytest
 
@@ -70,7 +71,7 @@ def _scenario_completion_sync(rank, persistent, tmpdir):
     q = _queue(persistent)
     try:
         marker = os.path.join(tmpdir, "rank1-done")
-        seen = {}
+        seen: dict[Any, Any] = {}
 
         def on_finalize():
             seen.update(rank1_done=os.path.exists(marker), result=q.get_result(0))
@@ -99,7 +100,7 @@ def _scenario_fifo_by_call_idx(rank, persistent, tmpdir):
     q = _queue(persistent)
     try:
         durations = [0.6, 0.05, 0.3] if rank == 0 else [0.3, 0.05, 0.6]
-        got = []
+        got: list[Any] = []
         idxs = []
         for i, seconds in enumerate(durations):
             req = AsyncRequest(sleep_then_return, (seconds, f"rank{rank}-call{i}"),
@@ -115,7 +116,7 @@ def _scenario_fifo_by_call_idx(rank, persistent, tmpdir):
 def _scenario_until(rank, persistent, tmpdir):
     q = _queue(persistent)
     try:
-        got = []
+        got: list[Any] = []
         for i in range(3):
             q.schedule_async_request(AsyncRequest(sleep_then_return, (0.05 * (rank + 1), i),
                                                   finalize_fns=[functools.partial(record_result, q, i, got)]))
@@ -134,7 +135,7 @@ def _scenario_no_dist(rank, persistent, tmpdir):
     """Rank 1 finalizes with no_dist=True while rank 0 calls nothing: no collective, no hang."""
     q = _queue(persistent)
     try:
-        got = []
+        got: list[Any] = []
         fn_args = [(sleep_then_return, (0.05, f"ok-{rank}")),
                    (raise_value_error, ("rank1-no-dist",)) if rank == 1 else (sleep_then_return, (0.05, "ok-0"))]
         for i, (fn, args) in enumerate(fn_args):
@@ -173,7 +174,7 @@ def _scenario_close(rank, persistent, tmpdir):
     """close() finalizes the pending calls on every rank, stops the worker, is idempotent."""
     q = _queue(persistent)
     try:
-        got = []
+        got: list[Any] = []
         for i in range(2):
             q.schedule_async_request(AsyncRequest(sleep_then_return, (0.3 if rank == 0 else 0.1, f"c{i}"),
                                                   finalize_fns=[functools.partial(record_result, q, i, got)]))
@@ -216,7 +217,7 @@ def _scenario_failures(rank, persistent, tmpdir):
         out = {}
         for kind, _, req in _failure_plan(rank):
             starts_before = q.caller.num_starts if persistent else None
-            ran = []
+            ran: list[Any] = []
             req.add_finalize_fn(functools.partial(ran.append, kind))
             t0 = time.monotonic()
             idx = q.schedule_async_request(req)
@@ -227,7 +228,7 @@ def _scenario_failures(rank, persistent, tmpdir):
             except CheckpointException as e:
                 exc = e
             elapsed = time.monotonic() - t0
-            got = []
+            got: list[Any] = []
             nxt = q.schedule_async_request(AsyncRequest(return_pid, finalize_fns=[functools.partial(record_result, q, idx + 1, got)]))
             next_finalized = q.maybe_finalize_async_calls(blocking=True)
             out[kind] = dict(idx=idx, schedule_s=schedule_s, exc=_summary(exc), elapsed=elapsed, ran=ran,
@@ -249,7 +250,7 @@ def _scenario_stale_result(rank, persistent, tmpdir):
         if persistent:  # warm workers, so that rank 1 fails at once
             q.schedule_async_request(AsyncRequest(echo))
             q.maybe_finalize_async_calls(blocking=True)
-        ran = []
+        ran: list[Any] = []
         req = (AsyncRequest(raise_value_error, ("rank1-fast",)) if rank == 1
                else AsyncRequest(sleep_then_return, (3.0, "stale")))
         req.add_finalize_fn(functools.partial(ran.append, 0))
@@ -257,7 +258,7 @@ def _scenario_stale_result(rank, persistent, tmpdir):
         t0 = time.monotonic()
         exc = None
         polls = 0
-        for polls in range(1, 2001):  # a bounded, rank-symmetric loop (no time-based exit)
+        for polls in range(1, 2001):  # noqa: B007 - counted, read after the loop; bounded, rank-symmetric (no time-based exit)
             try:
                 q.maybe_finalize_async_calls()
             except CheckpointException as e:
@@ -266,7 +267,7 @@ def _scenario_stale_result(rank, persistent, tmpdir):
             time.sleep(0.01)
         elapsed = time.monotonic() - t0
         still_running = q.caller.is_running(idx)
-        got = []
+        got: list[Any] = []
         q.schedule_async_request(AsyncRequest(sleep_then_return, (0.05, f"fresh-{rank}"),
                                               finalize_fns=[functools.partial(record_result, q, idx + 1, got)]))
         finalized = q.maybe_finalize_async_calls(blocking=True)
@@ -291,7 +292,7 @@ SCENARIOS = [
 def _rank_main(rank, world_size, persistent, tmpdir):
     import torch.distributed as dist
 
-    results = {}
+    results: dict[str, Any] = {}
     for name, scenario in SCENARIOS:
         os.makedirs(os.path.join(tmpdir, name), exist_ok=True)
         try:
@@ -396,7 +397,7 @@ def _check_failure(rank_results, kind):
 
 @pytest.mark.timeout(60)
 def test_async_fn_raising_on_one_rank_raises_the_same_exception_on_both(rank_results):
-    cause, bad, good = _check_failure(rank_results, "raises")
+    cause, bad, _good = _check_failure(rank_results, "raises")
     assert "ValueError: rank1-boom" in cause and "Traceback" in cause and "raise_value_error" in cause
     if rank_results["persistent"]:  # an exception does not kill the worker
         assert bad["starts_after"] == bad["starts_before"] == 1
@@ -422,7 +423,7 @@ def test_worker_exiting_on_one_rank_raises_on_both_and_is_restarted(rank_results
 
 @pytest.mark.timeout(60)
 def test_preload_raising_on_one_rank_never_blocks_schedule_and_raises_on_both(rank_results):
-    cause, bad, good = _check_failure(rank_results, "preload_raises")
+    cause, _bad, _good = _check_failure(rank_results, "preload_raises")
     assert "preload_fn" in cause and "RuntimeError: preload-bad" in cause
 
 

@@ -66,6 +66,12 @@ def _nested(depth: int) -> dict:
     return d
 
 
+def _cycle() -> dict:
+    d: dict = {"sub": {"w": torch.ones(1)}}
+    d["sub"]["me"] = d
+    return d
+
+
 def _gen() -> Iterator[int]:
     yield 1
 
@@ -174,8 +180,7 @@ ROWS = [
     # Structure.
     Row("nesting_500", lambda: _nested(500), "nesting deeper than"),
     Row("nesting_50", lambda: _nested(50), modes=("sync", "persistent")),
-    Row("cycle", lambda: (lambda d: (d["sub"].__setitem__("me", d), d)[1])({"sub": {"w": torch.ones(1)}}),
-        "a cycle"),
+    Row("cycle", _cycle, "a cycle"),
     Row("tiny_tensors_many", _tiny_tensors, timed=True),
     # Targets.
     Row("unicode_path", lambda: {"w": torch.randn(3)}, target="chéckpoint_✓/步骤", modes=("sync", "persistent")),

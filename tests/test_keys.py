@@ -50,7 +50,7 @@ def trained(optimizer: str, seed: int = 0, steps: int = 2) -> tuple[torch.nn.Mod
     return model, opt
 
 
-def user_state(optimizer: str, seed: int = 0) -> dict[str, Any]:
+def user_state(optimizer: str, seed: int = 0) -> dict[Any, Any]:
     """The most common state dict, plus non-tensor values under ``int`` keys (what an
     optimizer such as LBFGS keeps in its state) and an ``int`` key at the top level."""
     model, opt = trained(optimizer, seed)

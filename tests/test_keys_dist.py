@@ -77,14 +77,14 @@ def _rank_keys(rank: int, world_size: int, root: str, persistent: bool) -> dict[
         out["read_keys"] = (sorted(got["optim"]["state"]), sorted(got["rank0"]), sorted(got["rank1"]))
         out["read_equal"] = all(torch.equal(got["optim"]["state"][k]["exp_avg"], v["exp_avg"])
                                 for k, v in state["optim"]["state"].items())
-        target = _good_state(rank)
-        for v in target["optim"]["state"].values():
+        loaded = _good_state(rank)
+        for v in loaded["optim"]["state"].values():
             v["exp_avg"].zero_()
-        target[f"rank{rank}"][rank].zero_()
-        asyncckpt.load(target, root_p / "good2")
-        out["load_equal"] = (all(torch.equal(target["optim"]["state"][k]["exp_avg"], v["exp_avg"])
+        loaded[f"rank{rank}"][rank].zero_()
+        asyncckpt.load(loaded, root_p / "good2")
+        out["load_equal"] = (all(torch.equal(loaded["optim"]["state"][k]["exp_avg"], v["exp_avg"])
                                  for k, v in state["optim"]["state"].items())
-                             and torch.equal(target[f"rank{rank}"][rank], torch.full((2,), rank)))
+                             and torch.equal(loaded[f"rank{rank}"][rank], torch.full((2,), rank)))
     finally:
         queue.close()
     return out

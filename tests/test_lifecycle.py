@@ -171,7 +171,7 @@ def test_an_exception_in_the_with_block_keeps_the_staged_saves(tmp_path: Path, c
         with CheckpointManager(root, persistent=caller == "persistent", staging_buffers=2) as manager:
             for step, state in states.items():
                 manager.save(step, state)
-            1 / 0
+            raise ZeroDivisionError
     assert manager.steps() == [1, 2] and manager.latest_step() == 2
     for step, state in states.items():
         assert torch.equal(_loaded(manager.step_dir(step), state)["w"], state["w"])
@@ -194,7 +194,7 @@ def test_an_exception_in_the_with_block_names_a_save_it_must_drop(tmp_path: Path
             finally:
                 print(json.dumps({"started": started}), flush=True)
     """, root, env={"ASYNCCKPT_EXIT_TIMEOUT_S": "1"})
-    rc, out, err = _finish(proc)
+    rc, _out, err = _finish(proc)
     assert rc == 1 and "RuntimeError: the training loop crashed" in err, err
     assert (f"the save of step 2 ({root / 'slow' / 'step_00000002'}) was still pending when the "
             f"`with CheckpointManager` block of {root / 'slow'} ended with RuntimeError and is lost") in err, err
@@ -386,7 +386,7 @@ def test_an_exit_without_close_finishes_the_retention_removal(tmp_path: Path) ->
         mgr.save(2, {"w": torch.ones(1 << 10)})
         print(json.dumps({}), flush=True)
     """, root, env={"ASYNCCKPT_EXIT_TIMEOUT_S": "60"})
-    rc, out, err = _finish(proc)
+    rc, _out, err = _finish(proc)
     assert rc == 0, err
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000002"]
     assert _hidden(root) == [] and _ls_partial(root) == []
@@ -406,7 +406,7 @@ def test_an_exception_in_the_with_block_names_an_earlier_unreported_failure(
                 deadline = time.monotonic() + 60
                 while not handle.done() and time.monotonic() < deadline:
                     time.sleep(0.05)  # failed in the background, not reported to the loop
-                1 / 0
+                raise ZeroDivisionError
     assert handle.exception() is not None
     assert f"the save of step 4 ({root / 'step_00000004'}) failed" in caplog.text, caplog.text
     assert manager.steps() == [] and _hidden(root) == []

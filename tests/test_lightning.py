@@ -29,17 +29,19 @@ from typing import Any, NamedTuple
 
 import pytest
 
-lightning = pytest.importorskip("lightning")
+pytest.importorskip("lightning")
 
-import torch  # noqa: E402
-from helpers import bits  # noqa: E402
-from lightning.fabric.utilities.data import AttributeDict  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import lightning
+import torch
+from lightning.fabric.utilities.data import AttributeDict
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
 
-import asyncckpt  # noqa: E402
-from asyncckpt import CheckpointError, CheckpointException  # noqa: E402
-from asyncckpt.lightning import STRUCTURE_KEY, AsyncckptCheckpointIO, replace_path  # noqa: E402
+import asyncckpt
+from asyncckpt import CheckpointError, CheckpointException
+from asyncckpt.lightning import STRUCTURE_KEY, AsyncckptCheckpointIO, replace_path
+
+from helpers import bits
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
                                         "ignore::FutureWarning")
@@ -61,7 +63,7 @@ class TinyModel(lightning.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"])
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -74,7 +76,7 @@ def loader() -> DataLoader:
 
 
 def make_trainer(root: Path, max_steps: int, plugin: AsyncckptCheckpointIO, **ckpt: Any) -> lightning.Trainer:
-    callbacks = [ModelCheckpoint(dirpath=root, **ckpt)] if ckpt else []
+    callbacks: list[lightning.Callback] = [ModelCheckpoint(dirpath=root, **ckpt)] if ckpt else []
     return lightning.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, enable_progress_bar=False,
                              logger=False, default_root_dir=root, enable_model_summary=False,
                              enable_checkpointing=bool(ckpt), callbacks=callbacks, plugins=[plugin],
@@ -168,7 +170,7 @@ class Pair(NamedTuple):
     second: int
 
 
-def exotic_checkpoint() -> dict[str, Any]:
+def exotic_checkpoint() -> dict[Any, Any]:
     g = torch.Generator().manual_seed(3)
     weights = collections.OrderedDict([("layer.weight", torch.randn(3, 2, generator=g)),
                                        ("layer.bias", torch.randn(3, generator=g).to(torch.bfloat16))])
@@ -297,8 +299,9 @@ def test_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path: Path)
 
 # ----------------------------------------------------------------------------- DDP, two gloo ranks
 def test_ddp_two_ranks_rank0_saves_alone(tmp_path: Path) -> None:
-    from dist_utils import TORCH_PRELOAD, preload_forkserver
     from lightning.pytorch.strategies import DDPStrategy
+
+    from dist_utils import TORCH_PRELOAD, preload_forkserver
 
     # Ranks fork from multiprocessing's forkserver, which imports torch and Lightning once
     # (shared with the other distributed tests): seconds saved per rank on a small machine.

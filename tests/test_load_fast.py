@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import io
+import itertools
 import json
 import zlib
 import warnings
@@ -20,6 +21,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import asyncckpt
 from asyncckpt import CheckpointError, CorruptCheckpointError
@@ -121,7 +123,7 @@ def test_corrupt_byte_refused_before_any_target_is_written(ckpt: Path) -> None:
     out = fresh(make_state())
     with pytest.raises(CorruptCheckpointError) as info:
         asyncckpt.load(out, ckpt, verify=True)  # checked first: a refused load changes nothing
-    assert DATA in str(info.value) and info.value.path.endswith(DATA)
+    assert DATA in str(info.value) and info.value.path is not None and info.value.path.endswith(DATA)
     assert not out["model"]["big"].any() and not out["many"]["t0"].any() and out["step"] == -1
     # The default checks in the same pass ("inline"): refused all the same, and says that
     # tensors may hold bytes of the checkpoint; non-tensor values are never placed.
@@ -141,7 +143,7 @@ def test_inline_verification_refuses_a_corrupt_byte(ckpt: Path) -> None:
     with pytest.raises(CorruptCheckpointError) as info:
         counted_load(out, ckpt, verify="inline")
     assert "checksum mismatch" in str(info.value) and "'model.big'" in str(info.value)
-    assert info.value.path.endswith(DATA) and out["step"] == -1  # values are placed last
+    assert info.value.path is not None and info.value.path.endswith(DATA) and out["step"] == -1  # values are placed last
     # Also when DCP's path is taken (a partial load): checked first, as verify=True.
     part = {"model": fresh(make_state()["model"])}
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
@@ -182,7 +184,7 @@ def test_inline_verification_covers_the_bytes_between_records(ckpt: Path) -> Non
     (re-signed in the manifest) load; a flipped gap byte is refused."""
     md = read_metadata(ckpt)
     spans = sorted((i.offset, i.offset + i.length) for i in md.storage_data.values())
-    gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(spans, spans[1:]) if b_start > a_end]
+    gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in itertools.pairwise(spans) if b_start > a_end]
     assert len(gaps) > 10
     content = bytearray((ckpt / DATA).read_bytes())
     for lo, hi in gaps:
@@ -214,6 +216,7 @@ def test_direct_load_checks_crcs_of_what_it_reads(ckpt: Path) -> None:
     assert_same(state, out)  # the checked read of a sound checkpoint
     flip_byte(ckpt / DATA, big[0] + 1000)
     plan = plan_direct_load(fresh(state), read_metadata(ckpt))
+    assert plan is not None
     with pytest.raises(CorruptCheckpointError) as info:
         direct_load(plan, str(ckpt), manifest["files"], decode=SafeLoadPlanner().decode_value)
     assert "checksum mismatch" in str(info.value) and "'model.big'" in str(info.value) and DATA in str(info.value)
@@ -229,13 +232,13 @@ def test_unusual_states_go_dcps_way(ckpt: Path) -> None:
     # A key the checkpoint lacks: DCP's error, naming it.
     out = fresh(state)
     out["model"]["extra"] = torch.zeros(3)
-    with pytest.raises(CheckpointError, match="model.extra"):
+    with pytest.raises(CheckpointError, match=r"model\.extra"):
         counted_load(out, ckpt)
     assert loading.load_paths["dcp"] >= 2
     # Another shape: refused by DCP, naming the entry.
     out = fresh(state)
     out["model"]["emb"] = torch.zeros(301, 64)
-    with pytest.raises(CheckpointError, match="model.emb"):
+    with pytest.raises(CheckpointError, match=r"model\.emb"):
         counted_load(out, ckpt)
     # Tied targets (one tensor under two keys): DCP's order of writes decides.
     out = fresh(state)
@@ -246,9 +249,9 @@ def test_unusual_states_go_dcps_way(ckpt: Path) -> None:
 @pytest.mark.timeout(120)
 def test_a_value_needing_pickle_leaves_the_state_unchanged(tmp_path: Path, temporal_queue: Any) -> None:
     path = tmp_path / "ck"
-    state = {"w": torch.randn(1 << 18), "cfg": io.StringIO}  # a class: weights_only refuses it
+    state: dict[str, Any] = {"w": torch.randn(1 << 18), "cfg": io.StringIO}  # a class: weights_only refuses it
     asyncckpt.save(state, path, calls_queue=temporal_queue)
-    out = {"w": torch.zeros(1 << 18), "cfg": None}
+    out: dict[str, Any] = {"w": torch.zeros(1 << 18), "cfg": None}
     with pytest.raises(CheckpointError, match="'cfg'"):
         counted_load(out, path)
     assert not out["w"].any() and out["cfg"] is None
@@ -345,6 +348,7 @@ def test_framing_check_ignores_only_the_crc_fields(ckpt: Path, fqn: str) -> None
     md = read_metadata(ckpt)
     (info,) = [i for idx, i in md.storage_data.items() if idx.fqn == fqn]
     tensor_md = md.state_dict_metadata[fqn]
+    assert isinstance(tensor_md, TensorStorageMetadata)
     framing = _writer_framing(tensor_md.properties.dtype, tuple(tensor_md.size))
     assert framing is not None
     record = (ckpt / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
@@ -502,6 +506,7 @@ def test_a_checkpoint_without_records_loads_from_the_metadata(ckpt: Path) -> Non
     metadata = read_metadata(ckpt)
     assert records_from_metadata(metadata) is not None
     md = metadata.state_dict_metadata["model.emb"]
+    assert isinstance(md, TensorStorageMetadata)
     md.chunks.append(md.chunks[0])  # two chunks: a sharded save
     assert records_from_metadata(metadata) is None
     md.chunks.pop()

@@ -48,7 +48,7 @@ def _run(tmp_path: Path, scenario: str, *args: str, env: dict[int, dict[str, str
             procs.append(subprocess.Popen(
                 [sys.executable, str(WORKER), scenario, str(rank), str(world), store, str(out), *args],
                 env={**base, **((env or {}).get(rank, {}))}, stdout=log, stderr=subprocess.STDOUT))
-        codes = []
+        codes: list[int | None] = []
         for p in procs:
             try:
                 codes.append(p.wait(timeout=timeout))
@@ -68,7 +68,7 @@ def _run(tmp_path: Path, scenario: str, *args: str, env: dict[int, dict[str, str
                     pass
             psutil.wait_procs(victims, timeout=10)
         texts = []
-        for rank, log in enumerate(logs):
+        for log in logs:
             log.seek(0)
             texts.append(log.read())
             log.close()

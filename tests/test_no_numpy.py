@@ -20,7 +20,8 @@ from dist_utils import free_port
 _RANK_SCRIPT = textwrap.dedent("""
     import sys
     import torch, torch.distributed as dist
-    assert not torch.serialization._is_numpy_available() if hasattr(torch.serialization, "_is_numpy_available") else True
+    if hasattr(torch.serialization, "_is_numpy_available"):
+        assert not torch.serialization._is_numpy_available()
     import asyncckpt
     dist.init_process_group("gloo")
     rank = dist.get_rank()

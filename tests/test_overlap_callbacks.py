@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -84,7 +85,7 @@ def test_overlap_staging_with_save_function(tmp_path, temporal_queue):
 def test_overlap_staging_abort_drops_the_save(tmp_path):
     """close(abort=True) with a staging in flight: nothing is committed, nothing leaks;
     the handle fails at once and the callback is called once, with that failure."""
-    results = []
+    results: list[Any] = []
     mgr = asyncckpt.CheckpointManager(tmp_path, overlap_staging=True, callback=results.append)
     handle = mgr.save(5, _state(5))
     mgr.close(abort=True)
@@ -97,14 +98,14 @@ def test_overlap_staging_abort_drops_the_save(tmp_path):
 def test_callback_called_once_with_result_in_the_finalizer_thread(tmp_path):
     """In this process, after the commit, in the queue's finalizer thread (documented:
     a callback must be thread-safe), so it runs without any call by the training loop."""
-    calls = []
+    calls: list[Any] = []
 
     def callback(result):
         calls.append((result, os.getpid(), threading.current_thread().name == "asyncckpt-finalizer"))
 
     with asyncckpt.CheckpointManager(tmp_path, callback=callback) as mgr:
         h1 = mgr.save(1, _state(1))
-        h2 = mgr.save(2, _state(2), callback=lambda r: calls.append(("own", r.step)))
+        h2 = mgr.save(2, _state(2), callback=lambda r: calls.append(("own", getattr(r, "step", r))))
         assert mgr.maybe_finalize(blocking=True) == [1, 2]
         h1.wait()
         h2.wait()
@@ -119,7 +120,7 @@ def test_callback_called_once_with_result_in_the_finalizer_thread(tmp_path):
 
 
 def test_callback_with_save_function_sync_and_async(tmp_path, temporal_queue):
-    got = []
+    got: list[Any] = []
     asyncckpt.save(_state(1), tmp_path / "a", callback=got.append, calls_queue=temporal_queue)
     handle = asyncckpt.save(_state(2), tmp_path / "b", async_op=True, callback=got.append, calls_queue=temporal_queue)
     handle.wait()
@@ -128,7 +129,7 @@ def test_callback_with_save_function_sync_and_async(tmp_path, temporal_queue):
 
 
 def test_callback_gets_the_exception_of_a_failed_save(tmp_path, monkeypatch):
-    got = []
+    got: list[Any] = []
     with asyncckpt.CheckpointManager(tmp_path, persistent=False, callback=got.append) as mgr:
         monkeypatch.setenv("ASYNCCKPT_FAULT", "after_write:raise")
         mgr.save(1, _state(1))

@@ -8,6 +8,7 @@ real memfd descriptors.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import gc
 import os
@@ -112,14 +113,14 @@ def _scenarios(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             raise OverflowError("injected layout failure")
         return real_get(self, r, planned)
 
-    saving._LayoutCache.get = failing_get
+    saving._LayoutCache.get = failing_get  # type: ignore[method-assign, assignment]
     mgr = CheckpointManager(Path(tmp) / "funnel")
     try:
         mgr.save(1, state)
     except CheckpointError as exc:
         out["funnel"] = (type(exc).__name__, sorted(exc.failures), exc.failures[1].exc_type, str(exc))
     finally:
-        saving._LayoutCache.get = real_get
+        saving._LayoutCache.get = real_get  # type: ignore[method-assign]
     out["funnel_then"] = mgr.save(2, state).wait(timeout=60).bytes > 0
     mgr.close()
     out["funnel_steps"] = mgr.steps()
@@ -252,6 +253,7 @@ def test_dropped_queue_and_caller_stop_their_worker() -> None:
     caller = asyncckpt.PersistentAsyncCaller(import_main=False)
     caller.start()
     pid = caller.worker_pid
+    assert pid is not None
     del caller
     gc.collect()
     _assert_gone(pid, "the dropped caller's worker")
@@ -340,8 +342,9 @@ def test_errors_share_one_base_class_and_pickle() -> None:
 
 def test_options_are_data_and_contradictions_raise(tmp_path: Path) -> None:
     opts = SaveOptions(staging_buffers=2, overlap_staging=True)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         opts.staging_buffers = 3  # type: ignore[misc]
+    bad: dict[str, Any]
     for bad in ({"staging_buffers": 0}, {"copy_threads": 1.5}, {"plan_cache": 1}, {"drop_page_cache": "yes"}):
         with pytest.raises(ValueError):
             SaveOptions(**bad)

@@ -74,7 +74,7 @@ def _lines(out: str) -> list[dict[str, Any]]:
 
 
 def _saved_w(root: Path, step: int) -> float:
-    state = {"w": torch.zeros(1 << 16), "step": 0}
+    state: dict[str, Any] = {"w": torch.zeros(1 << 16), "step": 0}
     asyncckpt.load(state, root / f"step_{step:08d}")
     assert state["step"] == step
     return float(state["w"][0])
@@ -200,6 +200,6 @@ def test_sigterm_to_the_group_with_fork_started_dataloader_workers(tmp_path: Pat
         assert process_group_gone(proc.pid, 10), "a DataLoader worker or the checkpoint worker outlived the run"
     stop = _lines(out)[0]["stop"]
     assert f"step {stop} committed" in err and "killed by signal" not in err, err
-    state = {"w": torch.zeros(1000), "step": 0}
+    state: dict[str, Any] = {"w": torch.zeros(1000), "step": 0}
     asyncckpt.load(state, root / f"step_{stop:08d}")
     assert state["step"] == stop and float(state["w"][0]) == stop

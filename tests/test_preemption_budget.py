@@ -103,7 +103,7 @@ def _committed(root: Path) -> list[int]:
 
 
 def _saved_w(root: Path, step: int) -> float:
-    state = {"w": torch.zeros(1 << 16), "step": 0}
+    state: dict[str, Any] = {"w": torch.zeros(1 << 16), "step": 0}
     asyncckpt.load(state, root / f"step_{step:08d}")
     assert state["step"] == step
     return float(state["w"][0])

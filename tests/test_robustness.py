@@ -318,7 +318,7 @@ def test_fork_started_dataloader_workers_do_not_keep_staging_memory(tmp_path: Pa
     batches = iter(loader)
     try:
         next(batches)  # the workers are forked now
-        pids = [w.pid for w in batches._workers]
+        pids = [w.pid for w in batches._workers]  # type: ignore[attr-defined]
         ids = mgr._saver.pool.live_slab_ids
         assert all(_staging_bytes_held(pid, ids) >= 16 << 20 for pid in pids)  # they did inherit it
         mgr.close()
@@ -327,7 +327,7 @@ def test_fork_started_dataloader_workers_do_not_keep_staging_memory(tmp_path: Pa
         assert len(list(batches)) == 7  # the loader itself is unaffected
     finally:
         mgr.close(abort=True)
-        batches._shutdown_workers()
+        batches._shutdown_workers()  # type: ignore[attr-defined]
 
 
 @pytest.mark.timeout(90)

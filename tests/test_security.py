@@ -195,8 +195,11 @@ def test_metadata_record_past_end_or_unlisted_file_refused(tmp_path: Path, ckpt:
 
     # A data file inside the directory, but not covered by the manifest (not checksummed).
     (ckpt / "extra.distcp").write_bytes((ckpt / DATA).read_bytes())
-    edit_metadata(ckpt, lambda md: (setattr(storage_info(md, "w"), "offset", 0),
-                                    setattr(storage_info(md, "w"), "relative_path", "extra.distcp")))
+    def point_w_at_extra(md: Any) -> None:
+        storage_info(md, "w").offset = 0
+        storage_info(md, "w").relative_path = "extra.distcp"
+
+    edit_metadata(ckpt, point_w_at_extra)
     for error in load_both_ways(ckpt, out):
         assert isinstance(error, CorruptCheckpointError) and "does not list" in str(error), str(error)
     assert_untouched(out)
@@ -231,10 +234,10 @@ def test_metadata_unpickler_allows_only_dcp_classes(tmp_path: Path, ckpt: Path, 
 @pytest.mark.timeout(60)
 def test_user_object_needs_allow_pickle(tmp_path: Path, temporal_queue: AsyncCallsQueue) -> None:
     path = tmp_path / "ck"
-    state = {"w": torch.randn(8), "cfg": UserConfig(0.25), "n": 3}
+    state: dict[str, Any] = {"w": torch.randn(8), "cfg": UserConfig(0.25), "n": 3}
     asyncckpt.save(state, path, calls_queue=temporal_queue)
 
-    out = {"w": torch.zeros(8), "cfg": None, "n": 0}
+    out: dict[str, Any] = {"w": torch.zeros(8), "cfg": None, "n": 0}
     with pytest.raises(CheckpointError) as info:
         asyncckpt.load(out, path)
     message = str(info.value)
@@ -308,7 +311,7 @@ def test_crafted_reduce_in_a_value_runs_only_with_allow_pickle(tmp_path: Path, c
 
 @pytest.mark.timeout(60)
 def test_plain_values_load_by_default(tmp_path: Path, temporal_queue: AsyncCallsQueue) -> None:
-    state = {"i": 3, "big": -2**80, "f": 0.5, "s": "str", "none": None, "b": True, "list": [1, "a", None],
+    state: dict[str, Any] = {"i": 3, "big": -2**80, "f": 0.5, "s": "str", "none": None, "b": True, "list": [1, "a", None],
              "tuple": (1, 2.0), "dict": {"x": 1}, "t": torch.arange(3), "bytes": b"\x00", "c": 1j}
     asyncckpt.save(state, tmp_path / "ck", calls_queue=temporal_queue)
     out: dict[str, Any] = {k: torch.zeros(3, dtype=torch.int64) if k == "t" else None for k in state}
@@ -415,7 +418,9 @@ def test_temporary_names_are_random_and_not_world_writable(tmp_path: Path, monke
                 seen = next((p for p in tmp_path.iterdir() if pattern.match(p.name)), None)
                 time.sleep(0.01)
             assert seen is not None, "the temporary directory was never seen"
-            token = pattern.match(seen.name).group(1)
+            match = pattern.match(seen.name)
+            assert match is not None
+            token = match.group(1)
             assert len(token) * 4 >= 64, token  # >= 64 random bits (uuid4: 122)
             assert not _mode(seen) & 0o022, oct(_mode(seen))  # neither group- nor world-writable
             for f in seen.iterdir():

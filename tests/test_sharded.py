@@ -51,7 +51,7 @@ def _fsdp(rank: int, train_steps: int) -> tuple[nn.Module, torch.optim.Optimizer
     from torch.distributed.fsdp import fully_shard
 
     model = _model()
-    for layer in model:
+    for layer in model.children():
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
     fully_shard(model)
@@ -164,7 +164,9 @@ def _rank_save_fsdp(rank: int, world_size: int, root: str) -> dict[str, Any]:
         out["nonempty"] = sum(v.numel() > 0 for v in _leaves(snapshot).values() if isinstance(v, torch.Tensor))
         out["bytes_save"] = handle.wait(timeout=30).bytes
         out["committed"] = manager.maybe_finalize(blocking=True)
-        out["bytes_mgr"] = manager.last_committed_timings.bytes
+        timings = manager.last_committed_timings
+        assert timings is not None
+        out["bytes_mgr"] = timings.bytes
         dist.barrier()
         # Stock DCP reads both back, into DTensors of the same sharding.
         out["diffs"] = {}
@@ -241,7 +243,7 @@ def _rank_reshard(rank: int, world_size: int, root: str, loads: list[tuple[str, 
     for how, ckpt, ref in loads:
         model, optim = _fsdp(rank, train_steps=0)
         msd, osd = get_state_dict(model, optim)  # the template (initialises Adam's state)
-        state = {"model": msd, "optim": osd, "step": -1}
+        state: dict[str, Any] = {"model": msd, "optim": osd, "step": -1}
         if how == "manager":
             with CheckpointManager(root_p / ckpt, persistent=False) as manager:
                 out_step = manager.load(state)

@@ -104,7 +104,7 @@ class Probe:
 
     def line(self) -> str:
         w = (f"worker pid {self.worker_pid} RSS {self.worker_rss / MiB:.1f} MiB fds {self.worker_fds}"
-             if self.worker_pid else "no worker")
+             if self.worker_rss is not None else "no worker")
         return (f"{self.label:>9s} (save {self.save:3d}): RSS {self.rss / MiB:7.1f} MiB, fds {self.fds:3d} | {w} | "
                 f"children {len(self.children)}, /dev/shm entries {len(self.shm)}")
 
@@ -129,11 +129,11 @@ class SoakResult:
     max_dirs: int = 0  # most checkpoint directories seen on disk at once
 
     def report(self, title: str) -> str:
-        lines = [f"{title}: {SAVES} saves of {STATE_BYTES / MiB:.0f} MiB in {self.wall_s:.1f} s "
+        lines = [(f"{title}: {SAVES} saves of {STATE_BYTES / MiB:.0f} MiB in {self.wall_s:.1f} s "
                  f"({self.wall_s / SAVES:.3f} s per save); stall median {statistics.median(self.stalls) * 1e3:.1f} ms "
                  f"(max {max(self.stalls) * 1e3:.1f}); write median {statistics.median(self.writes) * 1e3:.1f} ms; "
                  f"save-to-commit median {statistics.median(self.totals) * 1e3:.1f} ms; "
-                 f"at most {self.max_dirs} checkpoint directories on disk"]
+                 f"at most {self.max_dirs} checkpoint directories on disk")]
         lines += ["  " + p.line() for p in self.probes]
         return "\n".join(lines)
 
@@ -144,8 +144,9 @@ def assert_flat(res: SoakResult, warm: Probe, end: Probe) -> None:
     assert abs(end.fds - warm.fds) <= FD_TOLERANCE, f"fds {warm.fds} -> {end.fds}{msg}"
     assert end.children == warm.children, f"child processes changed: {warm.children} -> {end.children}{msg}"
     assert end.shm == warm.shm, f"/dev/shm changed: {sorted(warm.shm ^ end.shm)}{msg}"
-    if warm.worker_pid is not None:
+    if warm.worker_rss is not None and warm.worker_fds is not None:
         assert end.worker_pid == warm.worker_pid, f"the worker was restarted{msg}"
+        assert end.worker_rss is not None and end.worker_fds is not None
         assert end.worker_rss - warm.worker_rss < RSS_TOLERANCE, (
             f"worker RSS grew by {(end.worker_rss - warm.worker_rss) / MiB:.1f} MiB{msg}")
         assert abs(end.worker_fds - warm.worker_fds) <= FD_TOLERANCE, (

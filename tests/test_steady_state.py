@@ -307,7 +307,7 @@ def test_metadata_bytes_are_reused_and_exact(tmp_path: Path) -> None:
 
     from asyncckpt.saving import phases as saving
 
-    state = {"layers": [{"w": torch.full((64,), float(i)), "b": torch.zeros(3)} for i in range(200)], "step": 0}
+    state: dict[str, Any] = {"layers": [{"w": torch.full((64,), float(i)), "b": torch.zeros(3)} for i in range(200)], "step": 0}
     hits = saving._METADATA_PICKLE.hits
     with asyncckpt.CheckpointManager(tmp_path) as mgr:
         for step in range(1, 4):
@@ -326,7 +326,7 @@ def test_metadata_bytes_are_reused_and_exact(tmp_path: Path) -> None:
         assert metadata.storage_meta.checkpoint_id == str(ckpt)
         save_ids.add(metadata.storage_meta.save_id)
         asyncckpt.verify(ckpt)
-        got = {"layers": [{"w": torch.zeros(64), "b": torch.ones(3)} for _ in range(200)], "step": 0}
+        got: dict[str, Any] = {"layers": [{"w": torch.zeros(64), "b": torch.ones(3)} for _ in range(200)], "step": 0}
         dcp.load(got, checkpoint_id=str(ckpt))
         assert got["step"] == step and float(got["layers"][0]["w"][0]) == step
         # The records file, reused with the cache, stands for this step's own .metadata.
@@ -354,8 +354,9 @@ def _rank_collectives(rank: int, world_size: int, root: str) -> dict[str, Any]:
     calls: list[str] = []
     main = threading.current_thread()
     for name in ("all_gather_ints", "all_gather_object", "gather_failures", "broadcast_object"):
-        def spy(self: Any, *args: Any, _orig: Any = getattr(SyncGroup, name), _name: str = name,
-                **kwargs: Any) -> Any:
+        orig = getattr(SyncGroup, name)
+
+        def spy(self: Any, *args: Any, _orig: Any = orig, _name: str = name, **kwargs: Any) -> Any:
             if threading.current_thread() is main:
                 calls.append(_name)
             return _orig(self, *args, **kwargs)
@@ -467,7 +468,7 @@ def test_a_commit_sends_an_unchanged_layout_once(tmp_path: Path) -> None:
     not hold a layout fails that commit on every rank, naming the rank, commits
     nothing, and the next save sends the layouts again."""
     results = run_ranks(_rank_layout_exchange, 2, str(tmp_path), timeout=150)
-    for rank, res in enumerate(results):
+    for res in results:
         # Full sends at steps 1, 5 (after the failure) and 7 (new layout); tokens else.
         assert res["token_only"] == {1: 0, 2: 1, 3: 2, 5: 3, 6: 4, 7: 4, 8: 5}, res["token_only"]
         step, failed_ranks, message = res["failure"]

@@ -372,7 +372,7 @@ def losses(out: str) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """On 2 ranks with --fsdp: a straight run of 12 steps, and a run stopped at step 6."""
     straight_dir, stopped_dir = tmp_path_factory.mktemp("fsdp_straight"), tmp_path_factory.mktemp("fsdp_stopped")
     straight_out = run([*FSDP, "--batch-size", "3", "--temporal", "--save-final", "final.pt"], straight_dir,
@@ -383,19 +383,19 @@ def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             "at6": stopped_dir / "at6.pt", "ckpts": stopped_dir / "checkpoints", "stopped_out": stopped_out}
 
 
-def _resume_dir(fsdp_runs: dict[str, object], tmp_path: Path) -> Path:
-    shutil.copytree(fsdp_runs["ckpts"], tmp_path / "checkpoints")  # type: ignore[arg-type]
+def _resume_dir(fsdp_runs: dict[str, Any], tmp_path: Path) -> Path:
+    shutil.copytree(fsdp_runs["ckpts"], tmp_path / "checkpoints")
     return tmp_path
 
 
-def assert_close_continuation(fsdp_runs: dict[str, object], out: str, final: Path) -> None:
+def assert_close_continuation(fsdp_runs: dict[str, Any], out: str, final: Path) -> None:
     """A run resumed at step 6 on another number of ranks continues the straight run:
     the same losses (printed: the mean over ranks) and, up to rounding, parameters."""
-    straight = losses(fsdp_runs["straight_out"])  # type: ignore[arg-type]
+    straight = losses(fsdp_runs["straight_out"])
     resumed = losses(out)
     assert sorted(resumed) == list(range(7, 13)), out
     assert all(abs(resumed[s] - straight[s]) <= 2e-4 for s in resumed), (resumed, straight)
-    sa, sb = torch.load(fsdp_runs["final"]), torch.load(final)  # type: ignore[arg-type]
+    sa, sb = torch.load(fsdp_runs["final"]), torch.load(final)
     assert sa.keys() == sb.keys()
     # Restoring the wrong AdamW state (or none) moves parameters by ~lr = 1e-3 per step.
     worst = max((sa[k] - sb[k]).abs().max().item() for k in sa)
@@ -403,14 +403,14 @@ def assert_close_continuation(fsdp_runs: dict[str, object], out: str, final: Pat
 
 
 @pytest.mark.timeout(120)
-def test_fsdp_torchrun_resume_is_bitwise_identical(fsdp_runs: dict[str, object], tmp_path: Path) -> None:
+def test_fsdp_torchrun_resume_is_bitwise_identical(fsdp_runs: dict[str, Any], tmp_path: Path) -> None:
     out = fsdp_runs["straight_out"]
     assert "world size 2 | FSDP" in out and "summary: 12 steps" in out, out
-    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [4, 8, 12], out  # type: ignore[arg-type]
-    assert sorted(losses(out)) == list(range(1, 13)), out  # type: ignore[arg-type]
+    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [4, 8, 12], out
+    assert sorted(losses(out)) == list(range(1, 13)), out
     # Each rank wrote its own shards (DCP gives the small replicated entries, RNG states,
     # Adam's step counts, to the rank with fewer bytes so far): two data files of similar size.
-    ckpt = fsdp_runs["straight_dir"] / "checkpoints" / "step_00000012"  # type: ignore[operator]
+    ckpt = fsdp_runs["straight_dir"] / "checkpoints" / "step_00000012"
     sizes = [(ckpt / f"__{r}_0.distcp").stat().st_size for r in range(2)]
     assert all(0.3 < size / sum(sizes) < 0.7 for size in sizes), sizes
 
@@ -418,17 +418,17 @@ def test_fsdp_torchrun_resume_is_bitwise_identical(fsdp_runs: dict[str, object],
     out = run([*FSDP, "--batch-size", "3", "--resume", "--save-final", "final.pt"], d, launcher=torchrun(2))
     assert "resumed from step 6 in ./checkpoints/step_00000006" in out and "resharded" not in out, out
     assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [8, 12], out
-    assert_same_params(fsdp_runs["final"], d / "final.pt")  # type: ignore[arg-type]
+    assert_same_params(fsdp_runs["final"], d / "final.pt")
 
 
 @pytest.mark.timeout(90)
-def test_fsdp_resume_two_ranks_on_one(fsdp_runs: dict[str, object], tmp_path: Path) -> None:
+def test_fsdp_resume_two_ranks_on_one(fsdp_runs: dict[str, Any], tmp_path: Path) -> None:
     d = _resume_dir(fsdp_runs, tmp_path)
     # Resumed and stopped at once: the parameters are exactly those saved at step 6.
     out = run([*FSDP, "--batch-size", "6", "--resume", "--stop-at", "6", "--save-final", "at6.pt"], d)
     assert "resumed from step 6 in ./checkpoints/step_00000006" in out, out
     assert "saved by 2 ranks, resharded to 1" in out, out
-    assert_same_params(fsdp_runs["at6"], d / "at6.pt")  # type: ignore[arg-type]
+    assert_same_params(fsdp_runs["at6"], d / "at6.pt")
     # Resumed to the end on one rank (a single-process group, no torchrun).
     out = run([*FSDP, "--batch-size", "6", "--resume", "--save-final", "final.pt"], d)
     assert "world size 1 | FSDP" in out and "resharded to 1" in out, out
@@ -438,7 +438,7 @@ def test_fsdp_resume_two_ranks_on_one(fsdp_runs: dict[str, object], tmp_path: Pa
 
 
 @pytest.mark.timeout(90)
-def test_fsdp_resume_two_ranks_on_three(fsdp_runs: dict[str, object], tmp_path: Path) -> None:
+def test_fsdp_resume_two_ranks_on_three(fsdp_runs: dict[str, Any], tmp_path: Path) -> None:
     d = _resume_dir(fsdp_runs, tmp_path)
     out = run([*FSDP, "--batch-size", "2", "--resume", "--save-final", "final.pt"], d, launcher=torchrun(3))
     assert "world size 3 | FSDP" in out and "saved by 2 ranks, resharded to 3" in out, out

@@ -46,7 +46,7 @@ def run_two_agents(args: list[str], cwd: Path, timeout: float = 60) -> str:
     """Run ``scripts/train.py args`` on two agents of 2 ranks each, in ``cwd``; check that
     both exit with 0 and return their output (agent A's, then agent B's)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for attempt in range(3):  # the rendezvous port is chosen free, then bound: another process may take it first
+    for _attempt in range(3):  # the rendezvous port is chosen free, then bound: another process may take it first
         port = free_port()
         logs = [cwd / f"agent{i}.log" for i in range(2)]
         with contextlib.ExitStack() as stack:

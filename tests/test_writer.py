@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import zipfile
 import zlib
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from asyncckpt.format.layout import build_layout
 def test_overlapped_checksums_give_valid_records_and_segments(tmp_path, monkeypatch, chunk):
     monkeypatch.setattr(writer, "WRITE_CHUNK_BYTES", chunk)
     gen = torch.Generator().manual_seed(0)
-    state = {
+    state: dict[str, Any] = {
         "big": torch.randn(3 << 18, generator=gen),        # 3 MiB: a segment of its own
         "empty": torch.zeros(0),
         "small": torch.randint(0, 100, (17,), generator=gen),
@@ -43,8 +44,8 @@ def test_overlapped_checksums_give_valid_records_and_segments(tmp_path, monkeypa
             if slot.nbytes:
                 slab.u8[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(
                     planned.data[slot.item])
-        for slot in layout.blobs:
-            slab.write_bytes(slot.offset, planned.data[slot.item])
+        for blob in layout.blobs:
+            slab.write_bytes(blob.offset, planned.data[blob.item])
         task = writer.WriteTask(str(tmp_path / "out"), slab.ref, layout.files, (slab.slab_id,))
         result = writer.write_rank_files(task)
     finally:

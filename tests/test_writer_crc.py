@@ -10,6 +10,7 @@ import os
 import random
 import struct
 import zlib
+from typing import Any
 
 import pytest
 
@@ -79,7 +80,7 @@ def test_many_record_sizes_checksum_each_byte_once(monkeypatch: pytest.MonkeyPat
     checksummed = [0]
     real_crc32 = writer.crc32
 
-    def counting_crc32(data, start=0):  # type: ignore[no-untyped-def]
+    def counting_crc32(data, start=0):
         checksummed[0] += memoryview(data).nbytes
         return real_crc32(data, start)
 
@@ -121,7 +122,7 @@ def test_crc_chain_equals_zlib_over_ranges() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_checkpoints_check_the_same_without_isal(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_checkpoints_check_the_same_without_isal(tmp_path) -> None:
     """A checkpoint written with isal's CRC verifies and loads where only zlib's is
     available (a platform without an isal wheel), and the other way round."""
     import subprocess
@@ -131,7 +132,7 @@ def test_checkpoints_check_the_same_without_isal(tmp_path) -> None:  # type: ign
 
     import asyncckpt
 
-    state = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(7), "step": 3}
+    state: dict[str, Any] = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(7), "step": 3}
     asyncckpt.save(state, tmp_path / "isal", async_op=False)
     script = (
         "import sys, torch\n"
@@ -148,6 +149,6 @@ def test_checkpoints_check_the_same_without_isal(tmp_path) -> None:  # type: ign
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stderr
     asyncckpt.verify(tmp_path / "zlib")
-    out = {"w": torch.zeros(300_000), "b": torch.zeros(7), "step": 0}
+    out: dict[str, Any] = {"w": torch.zeros(300_000), "b": torch.zeros(7), "step": 0}
     asyncckpt.load(out, tmp_path / "zlib")
     assert torch.equal(out["w"], state["w"]) and out["step"] == 3

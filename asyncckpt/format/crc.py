@@ -15,8 +15,9 @@ busy) while the checksum keeps up beside it.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 try:
     from isal.isal_zlib import crc32
@@ -97,7 +98,7 @@ class CrcChain:
             raise self._error
         return self.take()
 
-    def __enter__(self) -> "CrcChain":
+    def __enter__(self) -> CrcChain:
         return self
 
     def __exit__(self, *exc: Any) -> None:

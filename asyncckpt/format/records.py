@@ -26,7 +26,8 @@ beside the array data.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import metadata as _md
@@ -42,7 +43,7 @@ RECORDS_VERSION = 1
 
 #: One entry's record: (file name, offset, length, dtype, shape) in bytes; dtype and
 #: shape are ``None`` for a non-tensor (``BYTE_IO``) value.
-Record = Tuple[str, int, int, Optional[torch.dtype], Optional[Tuple[int, ...]]]
+Record = tuple[str, int, int, torch.dtype | None, tuple[int, ...] | None]
 
 #: ``str(dtype)`` -> dtype, for every dtype of this torch.
 _DTYPES: dict[str, torch.dtype] = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}

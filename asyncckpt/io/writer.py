@@ -24,8 +24,8 @@ from typing import NamedTuple
 from asyncckpt import _faults
 from asyncckpt.format.crc import crc32
 
-__all__ = ["SlabRef", "CrcPatch", "pack_patches", "unpack_patches", "FileSpec", "WriteTask", "FileResult", "RankWriteResult", "write_rank_files",
-           "drop_cached_pages"]
+__all__ = ["SlabRef", "CrcPatch", "pack_patches", "unpack_patches", "FileSpec", "WriteTask", "FileResult",
+           "RankWriteResult", "write_rank_files", "drop_cached_pages"]
 
 #: Bytes per ``os.write`` call.
 WRITE_CHUNK_BYTES = 64 << 20
@@ -454,7 +454,7 @@ def write_rank_files(task: WriteTask) -> RankWriteResult:
         os.umask(task.umask)
     os.makedirs(task.directory, exist_ok=True)
     mapped = _map_slab(task.slab, task.live_slab_ids)
-    results = []
+    results: list[FileResult] = []
     created: list[str] = []
     total = 0
     try:

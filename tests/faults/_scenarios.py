@@ -160,7 +160,7 @@ def writer_pid(manager: CheckpointManager) -> int | None:
     if manager.queue.persistent:
         return caller.worker_pid
     children = forked_children()
-    return max(children, key=children.get) if children else None
+    return max(children, key=lambda pid: children[pid]) if children else None
 
 
 def run_in_worker(manager: CheckpointManager, fn: Callable[..., Any], *args: Any) -> None:
@@ -330,9 +330,20 @@ class Ctx:
         self.root, self.workdir = root, workdir
         self.faulty = faulty
         self.mechanism = mechanism
-        self.manager: CheckpointManager | None = None
+        self._manager: CheckpointManager | None = None
         self.closed = False  # the scenario closed the manager: step 4 uses a new one
         self.info: dict[str, Any] = {}
+
+    @property
+    def manager(self) -> CheckpointManager:
+        """This rank's manager (the runner sets it before a scenario runs)."""
+        if self._manager is None:
+            raise RuntimeError("no manager yet")
+        return self._manager
+
+    @manager.setter
+    def manager(self, manager: CheckpointManager) -> None:
+        self._manager = manager
 
     def marker(self, what: str) -> str:
         return str(self.workdir / f"{self.root.parent.name}.{what}.rank{self.rank}")
@@ -391,7 +402,7 @@ def sc_kill_handoff(ctx: Ctx) -> None:
                 os.kill(pid, signal.SIGKILL)
             ctx.info["killed_pid"] = pid
 
-    caller.schedule = schedule  # type: ignore[method-assign]
+    caller.schedule = schedule  # type: ignore[method-assign, assignment]
     try:
         ctx.save2(nbytes=BIG)  # a write that takes a while: the kill lands before it ends
     finally:
@@ -434,7 +445,7 @@ def sc_kill_during_staging(ctx: Ctx) -> None:
 
         return real(request._replace(preload_fn=preload) if ctx.faulty and staging else request)
 
-    queue.schedule_async_request = schedule  # type: ignore[method-assign]
+    queue.schedule_async_request = schedule  # type: ignore[method-assign, assignment]
     try:
         ctx.save2(nbytes=BIG)
     finally:
@@ -505,7 +516,7 @@ def sc_preload(ctx: Ctx) -> None:
 
         return real(request._replace(preload_fn=preload) if ctx.faulty and staging else request)
 
-    queue.schedule_async_request = schedule  # type: ignore[method-assign]
+    queue.schedule_async_request = schedule  # type: ignore[method-assign, assignment]
     try:
         ctx.save2(nbytes=4 * SMALL)  # larger than step 1: a new host buffer is needed
     finally:

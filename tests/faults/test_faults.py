@@ -192,7 +192,7 @@ def test_interpreter_exit_with_save_in_flight(tmp_path: Path, caller: str) -> No
     persistent = caller == "persistent"
     root = tmp_path / "root"
     proc = start_exit_script(tmp_path, root, persistent, "plain", 0, 1, 0)
-    [(lines, t_end, err)] = finish_exit_scripts([proc])
+    [(lines, t_end, _err)] = finish_exit_scripts([proc])
     exit_s = t_end - lines["t"]
     assert exit_s < EXIT_BOUND_S, f"the script took {exit_s:.1f} s to exit with a save in flight"
     check_after_exit(root, 1, persistent, [lines])
@@ -207,7 +207,7 @@ def test_multiprocessing_child_rank_exit_with_save_in_flight(tmp_path: Path, cal
     persistent = caller == "persistent"
     root = tmp_path / "root"
     proc = start_exit_script(tmp_path, root, persistent, "mp", 0, 1, 0)
-    [(lines, t_end, err)] = finish_exit_scripts([proc])
+    [(lines, _t_end, err)] = finish_exit_scripts([proc])
     assert "t" in lines, f"the child rank never reported:\n{err}"
     assert lines["parent_child_exited"], (
         f"the rank process did not exit within {CHILD_WAIT_S} s of returning with a save in flight "
