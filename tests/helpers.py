@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: bitwise comparison of state structures, snapshots."""
+"""Helpers shared by the tests: bitwise comparison of state structures, snapshots,
+processes started for a test (and killed on failure), call counters."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import copy
 import json
 import zlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -95,6 +96,110 @@ def kill_process_tree(proc: Any) -> None:
     for p in descendants:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
+
+
+def kill_session(proc: Any) -> None:
+    """SIGKILL the session of ``proc`` (a ``Popen`` started with ``start_new_session=True``:
+    its process group and every descendant left), then reap it and read its pipes."""
+    kill_process_tree(proc)
+    proc.communicate()
+
+
+def finish_session(proc: Any, timeout: float = 90) -> tuple[int, Any, Any]:
+    """Wait up to ``timeout`` s for ``proc`` (a ``Popen`` started with
+    ``start_new_session=True``) and return ``(returncode, stdout, stderr)``. If it does not
+    end in time, or the wait is interrupted, its whole session is killed (:func:`kill_session`)
+    and the error goes on."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        kill_session(proc)
+        raise
+    return proc.returncode, out, err
+
+
+class CallCounter:
+    """The calls :func:`count_calls` saw: ``calls`` (their arguments), ``n`` (how many)."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.calls: list[tuple[tuple, dict]] = []
+        self._owner, self._name, self._real = owner, name, getattr(owner, name)
+
+    @property
+    def n(self) -> int:
+        return len(self.calls)
+
+    def restore(self) -> None:
+        """Put the original function back."""
+        setattr(self._owner, self._name, self._real)
+
+
+def count_calls(owner: Any, name: str, when: Callable[..., bool] | None = None,
+                this_thread: bool = False) -> CallCounter:
+    """Count the calls of ``owner.name`` (a function or method of a module or class, run
+    unchanged) from now until :meth:`CallCounter.restore`: those for which
+    ``when(*args, **kwargs)`` is true (all without ``when``), made from any thread or,
+    with ``this_thread``, from the calling one. An observation of code (e.g. how often
+    DCP's planner planned), not a replacement of it."""
+    import threading
+
+    counter = CallCounter(owner, name)
+    real = counter._real
+    thread = threading.current_thread()
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        if (not this_thread or threading.current_thread() is thread) and (when is None or when(*args, **kwargs)):
+            counter.calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    setattr(owner, name, spy)
+    return counter
+
+
+@contextlib.contextmanager
+def counting_calls(owner: Any, name: str, when: Callable[..., bool] | None = None,
+                   this_thread: bool = False) -> Iterator[CallCounter]:
+    """:func:`count_calls` while the block runs (restored on the way out)."""
+    counter = count_calls(owner, name, when, this_thread)
+    try:
+        yield counter
+    finally:
+        counter.restore()
+
+
+def count_plans() -> CallCounter:
+    """:func:`count_calls` of DCP's ``DefaultSavePlanner.create_local_plan``: the saves
+    (of this process) that DCP planned, not reusing a cached plan."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    return count_calls(DefaultSavePlanner, "create_local_plan")
+
+
+@contextlib.contextmanager
+def counting_plans() -> Iterator[CallCounter]:
+    """:func:`count_plans` while the block runs."""
+    counter = count_plans()
+    try:
+        yield counter
+    finally:
+        counter.restore()
+
+
+def staging_memfds(pid: int) -> dict[str, int]:
+    """The asyncckpt staging buffers process ``pid`` holds open (its memfds named
+    ``asyncckpt-*``, as ``/proc/PID/fd`` shows them): name -> size in bytes."""
+    import os
+
+    sizes: dict[str, int] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            target = os.readlink(path)
+            if target.startswith("/memfd:asyncckpt-"):
+                sizes[target] = os.stat(path).st_size
+        except OSError:
+            pass
+    return sizes
 
 
 def process_group_gone(pgid: int, timeout: float) -> bool:

@@ -36,7 +36,7 @@ import torch
 from asyncckpt.io import writer as _writer
 from asyncckpt.io.writer import SlabRef
 
-__all__ = ["StagingBuffer", "StagingPool", "StagingCopier", "HostSlab", "Stager", "watch_copy", "unwatch_copy",
+__all__ = ["StagingBuffer", "StagingPool", "StagingCopier", "watch_copy", "unwatch_copy",
            "wait_pending_copies"]
 
 _PAGE = mmap.PAGESIZE
@@ -267,9 +267,9 @@ class StagingPool:
         return tuple(e.slab.slab_id for e in self._entries)
 
     @property
-    def nbytes(self) -> int:
-        """Host memory held, in bytes."""
-        return sum(e.slab.nbytes for e in self._entries)
+    def buffers(self) -> tuple[StagingBuffer, ...]:
+        """The buffers the pool holds now, oldest first."""
+        return tuple(e.slab for e in self._entries)
 
     def acquire(
         self,
@@ -346,11 +346,6 @@ class StagingPool:
             busy = e.call_idx is not None and is_running is not None and is_running(e.call_idx)
             e.slab.release(free_memory=not busy)
         self._entries.clear()
-
-
-#: Former names (kept as aliases).
-HostSlab = StagingBuffer
-Stager = StagingPool
 
 
 class StagingCopier:
