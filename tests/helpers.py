@@ -119,10 +119,11 @@ def finish_session(proc: Any, timeout: float = 90) -> tuple[int, Any, Any]:
 
 
 class CallCounter:
-    """The calls :func:`count_calls` saw: ``calls`` (their arguments), ``n`` (how many)."""
+    """The calls :func:`count_calls` saw: ``n`` (how many), ``calls`` (what ``keep`` made
+    of each one's arguments)."""
 
     def __init__(self, owner: Any, name: str) -> None:
-        self.calls: list[tuple[tuple, dict]] = []
+        self.calls: list[Any] = []
         self._owner, self._name, self._real = owner, name, getattr(owner, name)
 
     @property
@@ -135,12 +136,13 @@ class CallCounter:
 
 
 def count_calls(owner: Any, name: str, when: Callable[..., bool] | None = None,
-                this_thread: bool = False) -> CallCounter:
+                this_thread: bool = False, keep: Callable[..., Any] | None = None) -> CallCounter:
     """Count the calls of ``owner.name`` (a function or method of a module or class, run
     unchanged) from now until :meth:`CallCounter.restore`: those for which
     ``when(*args, **kwargs)`` is true (all without ``when``), made from any thread or,
-    with ``this_thread``, from the calling one. An observation of code (e.g. how often
-    DCP's planner planned), not a replacement of it."""
+    with ``this_thread``, from the calling one; ``keep(*args, **kwargs)`` of each is kept
+    in ``calls`` (the arguments themselves are not: they may pin buffers). An observation
+    of code (e.g. how often DCP's planner planned), not a replacement of it."""
     import threading
 
     counter = CallCounter(owner, name)
@@ -149,7 +151,7 @@ def count_calls(owner: Any, name: str, when: Callable[..., bool] | None = None,
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         if (not this_thread or threading.current_thread() is thread) and (when is None or when(*args, **kwargs)):
-            counter.calls.append((args, kwargs))
+            counter.calls.append(keep(*args, **kwargs) if keep is not None else None)
         return real(*args, **kwargs)
 
     setattr(owner, name, spy)
@@ -158,9 +160,9 @@ def count_calls(owner: Any, name: str, when: Callable[..., bool] | None = None,
 
 @contextlib.contextmanager
 def counting_calls(owner: Any, name: str, when: Callable[..., bool] | None = None,
-                   this_thread: bool = False) -> Iterator[CallCounter]:
+                   this_thread: bool = False, keep: Callable[..., Any] | None = None) -> Iterator[CallCounter]:
     """:func:`count_calls` while the block runs (restored on the way out)."""
-    counter = count_calls(owner, name, when, this_thread)
+    counter = count_calls(owner, name, when, this_thread, keep)
     try:
         yield counter
     finally:
