@@ -28,6 +28,7 @@ import asyncckpt
 from asyncckpt.async_utils.callers import TERMINATE_GRACE_S, PersistentAsyncCaller, TemporalAsyncCaller
 from asyncckpt.errors import CheckpointException
 from asyncckpt.async_utils.request import AsyncRequest
+from helpers import kill_session
 
 TESTS_DIR = Path(__file__).resolve().parent
 #: A failed call must be reported within this many seconds (anchor failure 1: hang forever).
@@ -728,26 +729,28 @@ def test_interpreter_exit_without_close_stops_the_worker(persistent, tmp_path):
         assert process_gone(worker_pid, timeout=5.0), f"worker {worker_pid} outlived the script"
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            kill_session(proc)
         if worker_pid is not None and not process_gone(worker_pid, timeout=0):
             os.kill(worker_pid, signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------- races
-def _slow_is_alive(proc, delay=1.0):
-    """Make ``proc.is_alive()`` answer ``delay`` s late, as if the trainer were descheduled."""
-    original = proc.is_alive
+def _slow_is_alive(monkeypatch, delay=1.0):
+    """Make every ``multiprocessing`` process's ``is_alive()`` answer ``delay`` s late, as
+    if the trainer were descheduled between its checks (the fault; undone by ``monkeypatch``)."""
+    from multiprocessing.process import BaseProcess
 
-    def is_alive():
+    original = BaseProcess.is_alive
+
+    def is_alive(self):
         time.sleep(delay)
-        return original()
+        return original(self)
 
-    proc.is_alive = is_alive
+    monkeypatch.setattr(BaseProcess, "is_alive", is_alive)
 
 
 @pytest.mark.timeout(30)
-def test_result_sent_just_before_the_process_exits_is_not_lost(make_queue, persistent):
+def test_result_sent_just_before_the_process_exits_is_not_lost(make_queue, persistent, monkeypatch):
     """A result that arrives between the check of the result pipe and the liveness check
     (the trainer was descheduled there, simulated by a slow ``is_alive``) must still
     count: a call that succeeded is never failed because its process exited right after
@@ -763,14 +766,13 @@ def test_result_sent_just_before_the_process_exits_is_not_lost(make_queue, persi
                                                  finalize_fns=[functools.partial(record_result, q, idx, got)])) == idx
     if persistent:
         q.schedule_async_request(AsyncRequest(kill_self_with_sigkill))  # the worker dies after call 1
-        _slow_is_alive(q.caller._worker.proc)
-    else:
-        _slow_is_alive(q.caller._children[idx][0])
+    _slow_is_alive(monkeypatch)
     try:
         finalized = q.maybe_finalize_async_calls(blocking=True, until=idx)
     except CheckpointException as exc:
         pytest.fail(f"a call that succeeded was reported as failed: {exc}")
     assert finalized == [idx] and got == [(idx, "ok")]
+    monkeypatch.undo()
     if persistent:
         with pytest.raises(CheckpointException) as info:
             q.maybe_finalize_async_calls(blocking=True)

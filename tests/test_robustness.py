@@ -8,10 +8,10 @@ path), which prints one JSON line of what it saw; the assertions run here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -23,6 +23,8 @@ import torch
 
 import asyncckpt
 from asyncckpt import CheckpointError, CheckpointManager
+from asyncckpt.testing import staging_buffers
+from helpers import finish_session
 
 _PRELUDE = textwrap.dedent("""
     import json, os, signal, sys, threading, time
@@ -56,13 +58,8 @@ def run_script(body: str, root: Path, timeout: float = 90) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
+    rc, out, err = finish_session(proc, timeout)
+    assert rc == 0, f"exit {rc}\n{out}\n{err}"
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -311,15 +308,21 @@ def test_fork_started_dataloader_workers_do_not_keep_staging_memory(tmp_path: Pa
     save inherits the staging buffer; manager.close() still frees its memory."""
     from torch.utils.data import DataLoader, TensorDataset
 
+    import psutil
+
     mgr = CheckpointManager(tmp_path / "root")
     mgr.save(1, {"w": torch.ones(4 << 20)}).wait(timeout=30)  # a 16 MiB staging buffer
     loader = DataLoader(TensorDataset(torch.arange(64)), batch_size=8, num_workers=2, persistent_workers=True,
                         multiprocessing_context="fork")
+    me = psutil.Process()
+    children = {p.pid for p in me.children()}
     batches = iter(loader)
+    pids: list[int] = []
     try:
         next(batches)  # the workers are forked now
-        pids = [w.pid for w in batches._workers]
-        ids = mgr._saver.pool.live_slab_ids
+        pids = sorted(p.pid for p in me.children() if p.pid not in children)
+        ids = tuple(b.slab_id for b in staging_buffers(mgr))
+        assert len(pids) == 2 and len(ids) == 1
         assert all(_staging_bytes_held(pid, ids) >= 16 << 20 for pid in pids)  # they did inherit it
         mgr.close()
         assert [_staging_bytes_held(pid, ids) for pid in pids] == [0, 0]
@@ -327,7 +330,10 @@ def test_fork_started_dataloader_workers_do_not_keep_staging_memory(tmp_path: Pa
         assert len(list(batches)) == 7  # the loader itself is unaffected
     finally:
         mgr.close(abort=True)
-        batches._shutdown_workers()
+        del batches  # stops the loader's workers
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
 
 
 @pytest.mark.timeout(90)
