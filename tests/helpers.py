@@ -124,7 +124,7 @@ class CallCounter:
 
     def __init__(self, owner: Any, name: str) -> None:
         self.calls: list[Any] = []
-        self._owner, self._name, self._real = owner, name, getattr(owner, name)
+        self.owner, self.name, self.original = owner, name, getattr(owner, name)
 
     @property
     def n(self) -> int:
@@ -132,7 +132,7 @@ class CallCounter:
 
     def restore(self) -> None:
         """Put the original function back."""
-        setattr(self._owner, self._name, self._real)
+        setattr(self.owner, self.name, self.original)
 
 
 def count_calls(owner: Any, name: str, when: Callable[..., bool] | None = None,
@@ -146,7 +146,7 @@ def count_calls(owner: Any, name: str, when: Callable[..., bool] | None = None,
     import threading
 
     counter = CallCounter(owner, name)
-    real = counter._real
+    real = counter.original
     thread = threading.current_thread()
 
     def spy(*args: Any, **kwargs: Any) -> Any:
@@ -185,23 +185,6 @@ def counting_plans() -> Iterator[CallCounter]:
         yield counter
     finally:
         counter.restore()
-
-
-def staging_memfds(pid: int) -> dict[str, int]:
-    """The asyncckpt staging buffers process ``pid`` holds open (its memfds named
-    ``asyncckpt-*``, as ``/proc/PID/fd`` shows them): name -> size in bytes."""
-    import os
-
-    sizes: dict[str, int] = {}
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        path = f"/proc/{pid}/fd/{fd}"
-        try:
-            target = os.readlink(path)
-            if target.startswith("/memfd:asyncckpt-"):
-                sizes[target] = os.stat(path).st_size
-        except OSError:
-            pass
-    return sizes
 
 
 def process_group_gone(pgid: int, timeout: float) -> bool:

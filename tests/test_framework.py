@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-from multiprocessing import resource_tracker
 from pathlib import Path
 
 import psutil
@@ -28,7 +27,7 @@ import asyncckpt
 from asyncckpt.async_utils.callers import TERMINATE_GRACE_S, PersistentAsyncCaller, TemporalAsyncCaller
 from asyncckpt.errors import CheckpointException
 from asyncckpt.async_utils.request import AsyncRequest
-from helpers import kill_session
+from conftest import live_children
 
 TESTS_DIR = Path(__file__).resolve().parent
 #: A failed call must be reported within this many seconds (anchor failure 1: hang forever).
@@ -115,19 +114,6 @@ def record_result(queue, call_idx, into):
     into.append((call_idx, queue.get_result(call_idx)))
 
 
-def live_children():
-    """This process's live, non-zombie descendants, except multiprocessing's resource tracker."""
-    tracker = resource_tracker._resource_tracker._pid
-    found = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.pid != tracker and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return found
-
-
 def process_gone(pid, timeout=5.0):
     """True once ``pid`` does not exist (or is a zombie), waiting up to ``timeout`` s."""
     deadline = time.monotonic() + timeout
@@ -151,36 +137,12 @@ def wait_for_file(path, timeout=30.0):
 
 
 def shm_entries():
+    """The /dev/shm entries but multiprocessing's named semaphores (``sem.*``: unlinked
+    right after creation, and made by any process of the machine, as conftest says)."""
     try:
-        return set(os.listdir("/dev/shm"))
+        return {e for e in os.listdir("/dev/shm") if not e.startswith("sem.")}
     except FileNotFoundError:
         return set()
-
-
-@pytest.fixture(autouse=True)
-def _stop_mp_resource_tracker():
-    """Stop multiprocessing's resource tracker after each test.
-
-    Any ``spawn`` start (the persistent worker, ``run_ranks``) starts this helper child,
-    which otherwise lives until the interpreter exits; conftest's ``no_leaks`` (torn down
-    after this fixture) would report it as a leaked child. It restarts on demand.
-    """
-    yield
-    rt = resource_tracker._resource_tracker
-    with rt._lock:
-        fd, pid = rt._fd, rt._pid
-        if fd is None:
-            return
-        rt._fd = rt._pid = None
-    os.close(fd)  # the tracker exits at EOF once no child holds the pipe
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0]:
-                return
-        except ChildProcessError:
-            return
-        time.sleep(0.02)
 
 
 @pytest.fixture(params=[False, True], ids=["temporal", "persistent"])
@@ -729,6 +691,8 @@ def test_interpreter_exit_without_close_stops_the_worker(persistent, tmp_path):
         assert process_gone(worker_pid, timeout=5.0), f"worker {worker_pid} outlived the script"
     finally:
         if proc.poll() is None:
+            from helpers import kill_session  # here: this module is imported by the torch-free worker
+
             kill_session(proc)
         if worker_pid is not None and not process_gone(worker_pid, timeout=0):
             os.kill(worker_pid, signal.SIGKILL)

@@ -340,13 +340,13 @@ def test_framing_check_ignores_only_the_crc_fields(ckpt: Path, fqn: str) -> None
     """A record read straight into its target is ours only if its framing is our
     writer's byte for byte, but for the CRC-32 fields (the data's checksum): every
     other byte changed sends it the general way (``torch.load``)."""
-    from asyncckpt.loading.reader import _suffix_matches, _writer_framing
+    from asyncckpt.format.layout import record_framing
+    from asyncckpt.loading.reader import _suffix_matches
 
     md = read_metadata(ckpt)
     (info,) = [i for idx, i in md.storage_data.items() if idx.fqn == fqn]
     tensor_md = md.state_dict_metadata[fqn]
-    framing = _writer_framing(tensor_md.properties.dtype, tuple(tensor_md.size))
-    assert framing is not None
+    framing = record_framing(tensor_md.properties.dtype, tuple(tensor_md.size))  # what our writer writes
     record = (ckpt / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
     head, tail = record[:len(framing.prefix)], record[len(framing.prefix) + framing.nbytes:]
     assert head == framing.prefix and _suffix_matches(memoryview(tail), framing)

@@ -9,6 +9,7 @@ path), which prints one JSON line of what it saw; the assertions run here.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -330,10 +331,15 @@ def test_fork_started_dataloader_workers_do_not_keep_staging_memory(tmp_path: Pa
         assert len(list(batches)) == 7  # the loader itself is unaffected
     finally:
         mgr.close(abort=True)
-        del batches  # stops the loader's workers
+        workers = []
         for pid in pids:
             with contextlib.suppress(psutil.NoSuchProcess):
-                psutil.Process(pid).kill()
+                workers.append(psutil.Process(pid))
+        del batches, loader  # the last references to the iterator (persistent workers): it stops them
+        gc.collect()
+        for p in psutil.wait_procs(workers, timeout=10)[1]:  # still alive: killed
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
 
 
 @pytest.mark.timeout(90)
