@@ -187,6 +187,56 @@ def counting_plans() -> Iterator[CallCounter]:
         counter.restore()
 
 
+class LoadCounts:
+    """What the ``asyncckpt.load`` calls inside :func:`observing_loads` did: how many took
+    the direct path (``direct``) or DCP's (``dcp``, stock ``dcp.load`` with our reader and
+    planner), and where the direct path's plans found the records: the records file
+    (``records``) or the unpickled ``.metadata`` (``metadata``)."""
+
+    def __init__(self, direct: CallCounter, dcp: CallCounter, plans: CallCounter) -> None:
+        self._counters = (direct, dcp, plans)
+
+    @property
+    def direct(self) -> int:
+        return self._counters[0].n
+
+    @property
+    def dcp(self) -> int:
+        return self._counters[1].n
+
+    @property
+    def records(self) -> int:
+        return self._counters[2].calls.count("records")
+
+    @property
+    def metadata(self) -> int:
+        return self._counters[2].calls.count("metadata")
+
+    def paths(self) -> dict[str, int]:
+        """``{"direct": ..., "dcp": ...}``."""
+        return {"direct": self.direct, "dcp": self.dcp}
+
+
+@contextlib.contextmanager
+def observing_loads() -> Iterator[LoadCounts]:
+    """Observe the loads of this process while the block runs (:class:`LoadCounts`): the
+    calls of the direct path's reader (``asyncckpt.loading.api.direct_load``), of stock
+    ``torch.distributed.checkpoint.load``, and of the direct path's planner with records
+    (a dict) or ``.metadata``; all run unchanged."""
+    import torch.distributed.checkpoint as dcp
+
+    from asyncckpt.loading import api
+
+    counters = [count_calls(api, "direct_load"), count_calls(dcp, "load"),
+                count_calls(api, "plan_direct_load",
+                            keep=lambda _sd, source, *a, **k: "records" if isinstance(source, dict) else "metadata")]
+    try:
+        yield LoadCounts(*counters)
+    finally:
+        for counter in counters:
+            counter.restore()
+
+
 def process_group_gone(pgid: int, timeout: float) -> bool:
     """Wait up to ``timeout`` s for every process of group ``pgid`` to exit."""
     import os

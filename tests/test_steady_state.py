@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 import asyncckpt
 from dist_utils import preload_forkserver, run_ranks
-from helpers import count_calls, count_plans, counting_calls, counting_plans
+from helpers import count_calls, count_plans, counting_calls, counting_plans, observing_loads
 from test_sharded import _compare, _fsdp, _local, _map_tensors, _train
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -305,8 +305,6 @@ def test_metadata_bytes_are_reused_and_exact(tmp_path: Path) -> None:
 
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from asyncckpt.loading import api as loading
-
     state = {"layers": [{"w": torch.full((64,), float(i)), "b": torch.zeros(3)} for i in range(200)], "step": 0}
     with (asyncckpt.CheckpointManager(tmp_path) as mgr,
           counting_calls(pickle, "dumps", when=lambda obj, *a, **k: isinstance(obj, Metadata)) as pickled):
@@ -333,10 +331,10 @@ def test_metadata_bytes_are_reused_and_exact(tmp_path: Path) -> None:
         records = json.loads((ckpt / ".records.json").read_bytes())
         assert records["metadata_crc32"] == zlib.crc32(data)
         files_part.add(json.dumps(records["files"]))
-        before = loading.records_sources["records"]
         got = {"layers": [{"w": torch.zeros(64), "b": torch.ones(3)} for _ in range(200)], "step": 0}
-        asyncckpt.load(got, ckpt)
-        assert loading.records_sources["records"] == before + 1
+        with observing_loads() as loads:
+            asyncckpt.load(got, ckpt)
+        assert (loads.direct, loads.records) == (1, 1)
         assert got["step"] == step and float(got["layers"][0]["w"][0]) == step
     assert len(save_ids) == 3
     assert len(files_part) == 1  # the same layout every step
