@@ -237,6 +237,34 @@ def observing_loads() -> Iterator[LoadCounts]:
             counter.restore()
 
 
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str, nr_inodes: int | None = None) -> Iterator[bool]:
+    """Mount a tmpfs of ``size`` (and at most ``nr_inodes`` inodes) at ``path`` for the
+    block; yields False (and mounts nothing) where mounting is not possible. Unmounted
+    on the way out, also on failure.
+
+    ``ASYNCCKPT_FAULTS_NO_MOUNT=1`` forces the fallbacks.
+    """
+    import os
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = False
+    if os.environ.get("ASYNCCKPT_FAULTS_NO_MOUNT") != "1" and hasattr(os, "geteuid") and os.geteuid() == 0:
+        try:
+            options = f"size={size},mode=0755" + (f",nr_inodes={nr_inodes}" if nr_inodes else "")
+            mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                                     capture_output=True, timeout=30).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            mounted = False
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            if subprocess.run(["umount", str(path)], capture_output=True, timeout=30).returncode != 0:
+                subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+
+
 def process_group_gone(pgid: int, timeout: float) -> bool:
     """Wait up to ``timeout`` s for every process of group ``pgid`` to exit."""
     import os

@@ -245,7 +245,7 @@ def test_inodes_running_out_after_the_commit_point_is_a_warning_on_a_committed_s
     """Row 6: a real tmpfs without a free inode for the new ``latest`` file, after the
     checkpoint's rename: the save is committed, reported so with a RuntimeWarning,
     and resumed from; never a failed save that is committed anyway."""
-    from faults._scenarios import small_tmpfs
+    from helpers import small_tmpfs
 
     root = tmp_path / "mnt"
     with small_tmpfs(root, size="64m", nr_inodes=64) as mounted:
