@@ -194,23 +194,23 @@ class LoadCounts:
     (``records``) or the unpickled ``.metadata`` (``metadata``)."""
 
     def __init__(self, direct: CallCounter, dcp: CallCounter, plans: CallCounter) -> None:
-        self._counters = (direct, dcp, plans)
+        self.direct_calls, self.dcp_calls, self.plan_calls = direct, dcp, plans
 
     @property
     def direct(self) -> int:
-        return self._counters[0].n
+        return self.direct_calls.n
 
     @property
     def dcp(self) -> int:
-        return self._counters[1].n
+        return self.dcp_calls.n
 
     @property
     def records(self) -> int:
-        return self._counters[2].calls.count("records")
+        return self.plan_calls.calls.count("records")
 
     @property
     def metadata(self) -> int:
-        return self._counters[2].calls.count("metadata")
+        return self.plan_calls.calls.count("metadata")
 
     def paths(self) -> dict[str, int]:
         """``{"direct": ..., "dcp": ...}``."""
