@@ -45,7 +45,10 @@ def _is_mp_infrastructure(p: psutil.Process) -> bool:
     return "multiprocessing.resource_tracker" in cmd or "multiprocessing.forkserver" in cmd
 
 
-def _children() -> list[psutil.Process]:
+def live_children() -> list[psutil.Process]:
+    """This process's live, non-zombie descendants, except multiprocessing's resource
+    tracker and forkserver (per-interpreter singletons: the first spawn or forkserver
+    start of the session starts them, whichever test module that was)."""
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
@@ -63,7 +66,7 @@ def no_leaks():
     yield
     # Processes this test started must be gone; give reaping a moment.
     leftover = []
-    for p in _children():
+    for p in live_children():
         try:
             p.wait(timeout=5)
         except psutil.TimeoutExpired:

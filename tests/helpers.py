@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: bitwise comparison of state structures, snapshots."""
+"""Helpers shared by the tests: bitwise comparison of state structures, snapshots,
+processes started for a test (and killed on failure), call counters."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import copy
 import json
 import zlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -95,6 +96,173 @@ def kill_process_tree(proc: Any) -> None:
     for p in descendants:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
+
+
+def kill_session(proc: Any) -> None:
+    """SIGKILL the session of ``proc`` (a ``Popen`` started with ``start_new_session=True``:
+    its process group and every descendant left), then reap it and read its pipes."""
+    kill_process_tree(proc)
+    proc.communicate()
+
+
+def finish_session(proc: Any, timeout: float = 90) -> tuple[int, Any, Any]:
+    """Wait up to ``timeout`` s for ``proc`` (a ``Popen`` started with
+    ``start_new_session=True``) and return ``(returncode, stdout, stderr)``. If it does not
+    end in time, or the wait is interrupted, its whole session is killed (:func:`kill_session`)
+    and the error goes on."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        kill_session(proc)
+        raise
+    return proc.returncode, out, err
+
+
+class CallCounter:
+    """The calls :func:`count_calls` saw: ``n`` (how many), ``calls`` (what ``keep`` made
+    of each one's arguments)."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.calls: list[Any] = []
+        self.owner, self.name, self.original = owner, name, getattr(owner, name)
+
+    @property
+    def n(self) -> int:
+        return len(self.calls)
+
+    def restore(self) -> None:
+        """Put the original function back."""
+        setattr(self.owner, self.name, self.original)
+
+
+def count_calls(owner: Any, name: str, when: Callable[..., bool] | None = None,
+                this_thread: bool = False, keep: Callable[..., Any] | None = None) -> CallCounter:
+    """Count the calls of ``owner.name`` (a function or method of a module or class, run
+    unchanged) from now until :meth:`CallCounter.restore`: those for which
+    ``when(*args, **kwargs)`` is true (all without ``when``), made from any thread or,
+    with ``this_thread``, from the calling one; ``keep(*args, **kwargs)`` of each is kept
+    in ``calls`` (the arguments themselves are not: they may pin buffers). An observation
+    of code (e.g. how often DCP's planner planned), not a replacement of it."""
+    import threading
+
+    counter = CallCounter(owner, name)
+    real = counter.original
+    thread = threading.current_thread()
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        if (not this_thread or threading.current_thread() is thread) and (when is None or when(*args, **kwargs)):
+            counter.calls.append(keep(*args, **kwargs) if keep is not None else None)
+        return real(*args, **kwargs)
+
+    setattr(owner, name, spy)
+    return counter
+
+
+@contextlib.contextmanager
+def counting_calls(owner: Any, name: str, when: Callable[..., bool] | None = None,
+                   this_thread: bool = False, keep: Callable[..., Any] | None = None) -> Iterator[CallCounter]:
+    """:func:`count_calls` while the block runs (restored on the way out)."""
+    counter = count_calls(owner, name, when, this_thread, keep)
+    try:
+        yield counter
+    finally:
+        counter.restore()
+
+
+def count_plans() -> CallCounter:
+    """:func:`count_calls` of DCP's ``DefaultSavePlanner.create_local_plan``: the saves
+    (of this process) that DCP planned, not reusing a cached plan."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    return count_calls(DefaultSavePlanner, "create_local_plan")
+
+
+@contextlib.contextmanager
+def counting_plans() -> Iterator[CallCounter]:
+    """:func:`count_plans` while the block runs."""
+    counter = count_plans()
+    try:
+        yield counter
+    finally:
+        counter.restore()
+
+
+class LoadCounts:
+    """What the ``asyncckpt.load`` calls inside :func:`observing_loads` did: how many took
+    the direct path (``direct``) or DCP's (``dcp``, stock ``dcp.load`` with our reader and
+    planner), and where the direct path's plans found the records: the records file
+    (``records``) or the unpickled ``.metadata`` (``metadata``)."""
+
+    def __init__(self, direct: CallCounter, dcp: CallCounter, plans: CallCounter) -> None:
+        self.direct_calls, self.dcp_calls, self.plan_calls = direct, dcp, plans
+
+    @property
+    def direct(self) -> int:
+        return self.direct_calls.n
+
+    @property
+    def dcp(self) -> int:
+        return self.dcp_calls.n
+
+    @property
+    def records(self) -> int:
+        return self.plan_calls.calls.count("records")
+
+    @property
+    def metadata(self) -> int:
+        return self.plan_calls.calls.count("metadata")
+
+    def paths(self) -> dict[str, int]:
+        """``{"direct": ..., "dcp": ...}``."""
+        return {"direct": self.direct, "dcp": self.dcp}
+
+
+@contextlib.contextmanager
+def observing_loads() -> Iterator[LoadCounts]:
+    """Observe the loads of this process while the block runs (:class:`LoadCounts`): the
+    calls of the direct path's reader (``asyncckpt.loading.api.direct_load``), of stock
+    ``torch.distributed.checkpoint.load``, and of the direct path's planner with records
+    (a dict) or ``.metadata``; all run unchanged."""
+    import torch.distributed.checkpoint as dcp
+
+    from asyncckpt.loading import api
+
+    counters = [count_calls(api, "direct_load"), count_calls(dcp, "load"),
+                count_calls(api, "plan_direct_load",
+                            keep=lambda _sd, source, *a, **k: "records" if isinstance(source, dict) else "metadata")]
+    try:
+        yield LoadCounts(*counters)
+    finally:
+        for counter in counters:
+            counter.restore()
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str, nr_inodes: int | None = None) -> Iterator[bool]:
+    """Mount a tmpfs of ``size`` (and at most ``nr_inodes`` inodes) at ``path`` for the
+    block; yields False (and mounts nothing) where mounting is not possible. Unmounted
+    on the way out, also on failure.
+
+    ``ASYNCCKPT_FAULTS_NO_MOUNT=1`` forces the fallbacks.
+    """
+    import os
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = False
+    if os.environ.get("ASYNCCKPT_FAULTS_NO_MOUNT") != "1" and hasattr(os, "geteuid") and os.geteuid() == 0:
+        try:
+            options = f"size={size},mode=0755" + (f",nr_inodes={nr_inodes}" if nr_inodes else "")
+            mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                                     capture_output=True, timeout=30).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            mounted = False
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            if subprocess.run(["umount", str(path)], capture_output=True, timeout=30).returncode != 0:
+                subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
 
 
 def process_group_gone(pgid: int, timeout: float) -> bool:

@@ -22,9 +22,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
-import asyncckpt.saving.api as ckpt_mod
-from helpers import assert_same, clone_state, closing_queue
 import asyncckpt.format.manifest as commit_mod
+from asyncckpt import testing
+from helpers import assert_same, clone_state, closing_queue, counting_plans
 from asyncckpt import (
     AsyncCallsQueue,
     CheckpointError,
@@ -107,11 +107,10 @@ def default_queues_closed() -> Iterator[None]:
     try:
         yield
     finally:
-        for _, queue in list(ckpt_mod._default_queues.values()):
-            try:
-                queue.close()
-            except CheckpointException:
-                pass
+        try:
+            asyncckpt.default_calls_queue().close()  # as README says: commits what it has, stops the worker
+        except CheckpointException:
+            pass
 
 
 def _save_and_commit(state: dict, path: Path, mode: str, queue: AsyncCallsQueue | None) -> SaveHandle:
@@ -339,7 +338,7 @@ def test_back_to_back_saves_in_flight(tmp_path: Path, caller: str, staging_buffe
             state["big"].add_(1.5)
             state["small"].mul_(3)
             state["grow"].zero_()
-            assert len(manager._saver.pool.live_slab_ids) <= staging_buffers
+            assert len(testing.staging_buffers(manager)) <= staging_buffers
         assert manager.maybe_finalize(blocking=True) == [1, 2, 3]
         assert manager.steps() == [1, 2, 3]
         for step in (1, 2, 3):
@@ -639,7 +638,7 @@ def test_manager_last_committed_timings_after_handle_wait(tmp_path: Path, tempor
         assert manager.steps() == [1]
         assert manager.last_committed_timings == timings
         assert manager.maybe_finalize(blocking=True) == []  # reported through wait()
-        assert handle.call_idx not in manager._saver.pending_steps() and not manager._saver.pending_steps()
+        assert testing.pending_steps(manager) == []
     finally:
         manager.close()
 
@@ -827,7 +826,6 @@ def test_manager_starts_a_light_worker_before_the_first_save(tmp_path):
 def test_plan_is_cached_while_the_structure_is_unchanged(tmp_path):
     queue = asyncckpt.AsyncCallsQueue(persistent=False)
     try:
-        saver = asyncckpt.saving.api._saver_for(queue)
         states: list[dict[str, Any]] = [
             {"a": torch.ones(3), "b": [torch.zeros(2, 2)], "step": 1},
             {"a": torch.full((3,), 2.0), "b": [torch.ones(2, 2)], "step": 2},      # same structure: hit
@@ -836,11 +834,12 @@ def test_plan_is_cached_while_the_structure_is_unchanged(tmp_path):
             {"a": torch.ones(4, dtype=torch.float64), "b": [torch.zeros(2, 2)], "c": 1, "step": 5},  # new key
             {"a": torch.ones(4, dtype=torch.float64), "b": [torch.zeros(2, 2)], "c": "x" * 1000, "step": 6},
         ]
-        hits = []
-        for i, state in enumerate(states):
-            asyncckpt.save(state, tmp_path / f"c{i}", async_op=True, calls_queue=queue).wait()
-            hits.append(saver.plan_cache.hits)
-        assert hits == [0, 1, 1, 1, 1, 2]
+        plans = []
+        with counting_plans() as planned:
+            for i, state in enumerate(states):
+                asyncckpt.save(state, tmp_path / f"c{i}", async_op=True, calls_queue=queue).wait()
+                plans.append(planned.n)
+        assert plans == [1, 1, 2, 3, 4, 4]
         for i, state in enumerate(states):
             out: dict[str, Any] = {k: (torch.empty_like(v) if torch.is_tensor(v) else
                        [torch.empty_like(t) for t in v] if isinstance(v, list) else None)

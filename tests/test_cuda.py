@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import asyncckpt
+from asyncckpt.testing import staging_buffers
 from helpers import assert_same
 
 pytestmark = [
@@ -43,7 +44,8 @@ def test_cuda_save_copies_after_pending_compute(tmp_path):
         expected = _reference(sd)  # synchronizes: the kernel's result
         sd["w"].zero_()
         handle.wait()
-        assert all(e.slab.pinned for e in mgr._saver.pool._entries)  # D2H into page-locked memory
+        buffers = staging_buffers(mgr)
+        assert buffers and all(b.pinned for b in buffers)  # D2H into page-locked memory
     out = {"w": torch.empty(4096, 1024), "h": torch.empty(1000, dtype=torch.half), "cpu": torch.empty(10, dtype=torch.long),
            "step": 0}
     asyncckpt.load(out, tmp_path / "step_00000001")

@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ import asyncckpt
 from asyncckpt.async_utils.callers import TERMINATE_GRACE_S, PersistentAsyncCaller, TemporalAsyncCaller
 from asyncckpt.errors import CheckpointException
 from asyncckpt.async_utils.request import AsyncRequest
+from conftest import live_children
 
 TESTS_DIR = Path(__file__).resolve().parent
 #: A failed call must be reported within this many seconds (anchor failure 1: hang forever).
@@ -116,19 +116,6 @@ def record_result(queue, call_idx, into):
     into.append((call_idx, queue.get_result(call_idx)))
 
 
-def live_children():
-    """This process's live, non-zombie descendants, except multiprocessing's resource tracker."""
-    tracker = resource_tracker._resource_tracker._pid  # type: ignore[attr-defined]
-    found = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.pid != tracker and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return found
-
-
 def process_gone(pid, timeout=5.0):
     """True once ``pid`` does not exist (or is a zombie), waiting up to ``timeout`` s."""
     deadline = time.monotonic() + timeout
@@ -152,36 +139,12 @@ def wait_for_file(path, timeout=30.0):
 
 
 def shm_entries():
+    """The /dev/shm entries but multiprocessing's named semaphores (``sem.*``: unlinked
+    right after creation, and made by any process of the machine, as conftest says)."""
     try:
-        return set(os.listdir("/dev/shm"))
+        return {e for e in os.listdir("/dev/shm") if not e.startswith("sem.")}
     except FileNotFoundError:
         return set()
-
-
-@pytest.fixture(autouse=True)
-def _stop_mp_resource_tracker():
-    """Stop multiprocessing's resource tracker after each test.
-
-    Any ``spawn`` start (the persistent worker, ``run_ranks``) starts this helper child,
-    which otherwise lives until the interpreter exits; conftest's ``no_leaks`` (torn down
-    after this fixture) would report it as a leaked child. It restarts on demand.
-    """
-    yield
-    rt: Any = resource_tracker._resource_tracker  # its private fields: not in typeshed
-    with rt._lock:
-        fd, pid = rt._fd, rt._pid
-        if fd is None:
-            return
-        rt._fd = rt._pid = None
-    os.close(fd)  # the tracker exits at EOF once no child holds the pipe
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0]:
-                return
-        except ChildProcessError:
-            return
-        time.sleep(0.02)
 
 
 @pytest.fixture(params=[False, True], ids=["temporal", "persistent"])
@@ -731,26 +694,30 @@ def test_interpreter_exit_without_close_stops_the_worker(persistent, tmp_path):
         assert process_gone(worker_pid, timeout=5.0), f"worker {worker_pid} outlived the script"
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            from helpers import kill_session  # here: this module is imported by the torch-free worker
+
+            kill_session(proc)
         if worker_pid is not None and not process_gone(worker_pid, timeout=0):
             os.kill(worker_pid, signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------- races
-def _slow_is_alive(proc, delay=1.0):
-    """Make ``proc.is_alive()`` answer ``delay`` s late, as if the trainer were descheduled."""
-    original = proc.is_alive
+def _slow_is_alive(monkeypatch, delay=1.0):
+    """Make every ``multiprocessing`` process's ``is_alive()`` answer ``delay`` s late, as
+    if the trainer were descheduled between its checks (the fault; undone by ``monkeypatch``)."""
+    from multiprocessing.process import BaseProcess
 
-    def is_alive():
+    original = BaseProcess.is_alive
+
+    def is_alive(self):
         time.sleep(delay)
-        return original()
+        return original(self)
 
-    proc.is_alive = is_alive
+    monkeypatch.setattr(BaseProcess, "is_alive", is_alive)
 
 
 @pytest.mark.timeout(30)
-def test_result_sent_just_before_the_process_exits_is_not_lost(make_queue, persistent):
+def test_result_sent_just_before_the_process_exits_is_not_lost(make_queue, persistent, monkeypatch):
     """A result that arrives between the check of the result pipe and the liveness check
     (the trainer was descheduled there, simulated by a slow ``is_alive``) must still
     count: a call that succeeded is never failed because its process exited right after
@@ -766,14 +733,13 @@ def test_result_sent_just_before_the_process_exits_is_not_lost(make_queue, persi
                                                  finalize_fns=[functools.partial(record_result, q, idx, got)])) == idx
     if persistent:
         q.schedule_async_request(AsyncRequest(kill_self_with_sigkill))  # the worker dies after call 1
-        _slow_is_alive(q.caller._worker.proc)
-    else:
-        _slow_is_alive(q.caller._children[idx][0])
+    _slow_is_alive(monkeypatch)
     try:
         finalized = q.maybe_finalize_async_calls(blocking=True, until=idx)
     except CheckpointException as exc:
         pytest.fail(f"a call that succeeded was reported as failed: {exc}")
     assert finalized == [idx] and got == [(idx, "ok")]
+    monkeypatch.undo()
     if persistent:
         with pytest.raises(CheckpointException) as info:
             q.maybe_finalize_async_calls(blocking=True)

@@ -21,12 +21,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_same, clone_state
+from helpers import assert_same, clone_state, counting_plans, observing_loads
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
 from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointManager, CorruptCheckpointError
-from asyncckpt.loading import api as loading
 from asyncckpt.format import manifest as commit
 from asyncckpt.loading.reader import read_metadata
 from asyncckpt.format.records import RECORDS_NAME
@@ -112,15 +111,17 @@ def test_optimizer_state_dict_saves_and_loads_with_int_keys(tmp_path: Path, temp
 
     # In place, on the direct path and on DCP's (a Stateful value), values under the
     # int keys they have in the target (no "3" beside 3).
-    before = dict(loading.load_paths)
     target = fresh(expected)
-    asyncckpt.load(target, ckpt)
+    with observing_loads() as loads:
+        asyncckpt.load(target, ckpt)
     assert_same(expected, target)
+    assert loads.paths() == {"direct": 1, "dcp": 0}
     holder = Holder(fresh(expected))
-    asyncckpt.load({"all": holder}, ckpt_with_top_key(tmp_path, expected, temporal_queue))
+    top_key = ckpt_with_top_key(tmp_path, expected, temporal_queue)
+    with observing_loads() as loads:
+        asyncckpt.load({"all": holder}, top_key)
     assert_same(expected, holder.state)
-    assert loading.load_paths["direct"] == before.get("direct", 0) + 1
-    assert loading.load_paths["dcp"] == before.get("dcp", 0) + 1
+    assert loads.paths() == {"direct": 0, "dcp": 1}
 
     # The optimizer takes what was loaded, and continues exactly as the original.
     model, opt = trained(optimizer, seed=1)
@@ -172,15 +173,15 @@ def test_manager_saves_steady_optimizer_state_and_resumes(tmp_path: Path) -> Non
     model, opt = trained("adamw")
     saved: dict[int, dict[str, Any]] = {}
     with CheckpointManager(tmp_path / "ckpts", persistent=False) as manager:
-        for step in (1, 2, 3):
-            opt.zero_grad()
-            model(torch.randn(8, 6)).pow(2).mean().backward()
-            opt.step()
-            state = {"model": model.state_dict(), "optim": opt.state_dict()}
-            saved[step] = clone_state(state)
-            manager.save(step, state, async_op=False)
-        hits = manager._saver.plan_cache.hits
-        assert hits >= 2, hits
+        with counting_plans() as plans:
+            for step in (1, 2, 3):
+                opt.zero_grad()
+                model(torch.randn(8, 6)).pow(2).mean().backward()
+                opt.step()
+                state = {"model": model.state_dict(), "optim": opt.state_dict()}
+                saved[step] = clone_state(state)
+                manager.save(step, state, async_op=False)
+        assert plans.n == 1, plans.n  # saves 2 and 3 reused the plan
         for step, expected in saved.items():
             got = asyncckpt.read_state_dict(manager.step_dir(step))
             assert_same(expected, got)
@@ -260,10 +261,10 @@ def test_records_swapped_without_the_metadata_are_not_used(tmp_path: Path, tempo
     ``dcp.load`` and ``read_state_dict`` do, not what the records say."""
     state = {"a": torch.full((64,), 1.0), "b": torch.full((64,), 2.0), "n": 5}
     ckpt = ckpt_of(tmp_path / "ckpt", state, temporal_queue)
-    before = dict(loading.records_sources)
     target = fresh(state)
-    asyncckpt.load(target, ckpt, verify=False)  # the records file as committed: used
-    assert loading.records_sources["records"] == before.get("records", 0) + 1
+    with observing_loads() as loads:
+        asyncckpt.load(target, ckpt, verify=False)  # the records file as committed: used
+    assert (loads.records, loads.metadata) == (1, 0)
     assert_same(state, target)
 
     records_path = ckpt / RECORDS_NAME
@@ -277,14 +278,13 @@ def test_records_swapped_without_the_metadata_are_not_used(tmp_path: Path, tempo
     stock_load(stock, ckpt)
     assert_same(state, stock)
     assert_same(state, asyncckpt.read_state_dict(ckpt, verify=False))
-    before = dict(loading.records_sources)
     target = fresh(state)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, observing_loads() as loads:
         warnings.simplefilter("always")
         asyncckpt.load(target, ckpt, verify=False)
     assert_same(state, target)
     assert any(".records.json or .metadata does not match the manifest" in str(w.message) for w in caught)
-    assert loading.records_sources["metadata"] == before.get("metadata", 0) + 1
+    assert (loads.records, loads.metadata) == (0, 1)
     # With verification the swapped file is corruption, named.
     for verify in (True, "inline"):
         with pytest.raises(CorruptCheckpointError, match=r"\.records\.json"):

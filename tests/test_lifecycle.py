@@ -25,6 +25,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import CheckpointError, CheckpointException, CheckpointManager
+from helpers import finish_session
 
 CALLERS = ["persistent", "temporal"]
 
@@ -44,16 +45,6 @@ def _start(tmp_path: Path, body: str, root: Path, env: dict[str, str] | None = N
     return subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True,
                             env={**{k: v for k, v in os.environ.items() if k != "ASYNCCKPT_FAULT"}, **(env or {})})
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 90) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, out, err
 
 
 def _hidden(root: Path) -> list[str]:
@@ -194,7 +185,7 @@ def test_an_exception_in_the_with_block_names_a_save_it_must_drop(tmp_path: Path
             finally:
                 print(json.dumps({"started": started}), flush=True)
     """, root, env={"ASYNCCKPT_EXIT_TIMEOUT_S": "1"})
-    rc, _out, err = _finish(proc)
+    rc, out, err = finish_session(proc)
     assert rc == 1 and "RuntimeError: the training loop crashed" in err, err
     assert (f"the save of step 2 ({root / 'slow' / 'step_00000002'}) was still pending when the "
             f"`with CheckpointManager` block of {root / 'slow'} ended with RuntimeError and is lost") in err, err
@@ -328,7 +319,7 @@ def test_ctrl_c_during_a_synchronous_save_leaves_no_temporary_directory(tmp_path
         time.sleep(0.05)
     assert reached.exists(), "the synchronous save never reached its write"
     proc.send_signal(signal.SIGINT)
-    rc, out, err = _finish(proc)
+    rc, out, err = finish_session(proc)
     assert rc != 0 and "KeyboardInterrupt" in err, err
     assert json.loads(out.strip().splitlines()[-1]) == {"interrupted": True, "steps": [1]}
     assert _hidden(root) == [] and _ls_partial(root) == []
@@ -362,7 +353,7 @@ def test_ctrl_c_after_the_commit_point_of_a_synchronous_save_reports_it_committe
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGINT)
     finally:
-        rc, out, err = _finish(proc)
+        rc, out, err = finish_session(proc)
     assert rc == 0, err
     seen = json.loads(out.strip().splitlines()[-1])
     assert seen == {"interrupted": True, "steps": [1], "callback": ["SaveResult"]}, (seen, err)
@@ -386,7 +377,7 @@ def test_an_exit_without_close_finishes_the_retention_removal(tmp_path: Path) ->
         mgr.save(2, {"w": torch.ones(1 << 10)})
         print(json.dumps({}), flush=True)
     """, root, env={"ASYNCCKPT_EXIT_TIMEOUT_S": "60"})
-    rc, _out, err = _finish(proc)
+    rc, out, err = finish_session(proc)
     assert rc == 0, err
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000002"]
     assert _hidden(root) == [] and _ls_partial(root) == []

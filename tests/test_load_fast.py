@@ -1,6 +1,6 @@
 """The direct load path (``asyncckpt.load`` without DCP's load planner, issue #11 item 5).
 
-Each test checks which path a load took (``asyncckpt.loading.api.load_paths``) and compares
+Each test checks which path a load took (``helpers.observing_loads``) and compares
 the result bitwise with stock ``dcp.load`` of the same checkpoint: nested dicts, many
 small tensors, mixed dtypes, non-tensor values, non-contiguous targets; a corrupt byte
 is refused before any target is written; anything unusual (a partial load, a missing
@@ -25,12 +25,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import asyncckpt
 from asyncckpt import CheckpointError, CorruptCheckpointError
-from asyncckpt.loading import api as loading
 from asyncckpt.format import manifest as _commit
 from asyncckpt.loading.reader import SafeLoadPlanner, direct_load, plan_direct_load, read_metadata
 from asyncckpt.format.records import RECORDS_NAME, parse_records, records_from_metadata
 from dist_utils import run_ranks
-from helpers import assert_same, flip_byte, resign
+from helpers import assert_same, flip_byte, observing_loads, resign
 
 DATA = "__0_0.distcp"
 
@@ -83,10 +82,10 @@ def ckpt(tmp_path: Path, temporal_queue: Any) -> Path:
 
 def counted_load(out: Any, ckpt: Path, **kwargs: Any) -> str:
     """Load and return the path it took."""
-    before = dict(loading.load_paths)
-    asyncckpt.load(out, ckpt, **kwargs)
-    taken = [k for k, v in loading.load_paths.items() if v != before.get(k, 0)]
-    assert len(taken) == 1, taken
+    with observing_loads() as loads:
+        asyncckpt.load(out, ckpt, **kwargs)
+    taken = [k for k, v in loads.paths().items() if v]
+    assert len(taken) == 1 and loads.paths()[taken[0]] == 1, loads.paths()
     return taken[0]
 
 
@@ -232,14 +231,15 @@ def test_unusual_states_go_dcps_way(ckpt: Path) -> None:
     # A key the checkpoint lacks: DCP's error, naming it.
     out = fresh(state)
     out["model"]["extra"] = torch.zeros(3)
-    with pytest.raises(CheckpointError, match=r"model\.extra"):
-        counted_load(out, ckpt)
-    assert loading.load_paths["dcp"] >= 2
+    with observing_loads() as loads, pytest.raises(CheckpointError, match="model.extra"):
+        asyncckpt.load(out, ckpt)
+    assert loads.paths() == {"direct": 0, "dcp": 1}
     # Another shape: refused by DCP, naming the entry.
     out = fresh(state)
     out["model"]["emb"] = torch.zeros(301, 64)
-    with pytest.raises(CheckpointError, match=r"model\.emb"):
-        counted_load(out, ckpt)
+    with observing_loads() as loads, pytest.raises(CheckpointError, match="model.emb"):
+        asyncckpt.load(out, ckpt)
+    assert loads.paths() == {"direct": 0, "dcp": 1}
     # Tied targets (one tensor under two keys): DCP's order of writes decides.
     out = fresh(state)
     out["optim"]["state"]["emb"]["exp_avg"] = out["model"]["emb"]
@@ -264,11 +264,12 @@ def _rank_load(rank: int, world_size: int, ckpt: str, odd_rank: int) -> dict[str
     out = fresh(state)
     if rank == odd_rank:
         out = {"model": out["model"]}  # a partial load on this rank: every rank must go DCP's way
-    asyncckpt.load(out, ckpt)
+    with observing_loads() as loads:
+        asyncckpt.load(out, ckpt)
     assert_same(state["model"], out["model"])
     if rank != odd_rank:
         assert_same(state, out)
-    return dict(loading.load_paths)
+    return loads.paths()
 
 
 @pytest.mark.timeout(180)
@@ -310,14 +311,14 @@ def test_the_direct_path_runs_without_cyclic_collections(ckpt: Path, gc_watch: l
     state = make_state()
     out = fresh(state)
     gc.enable()
-    before = loading.load_paths["direct"]
-    gc_watch.clear()
-    asyncckpt.load(out, ckpt)
-    collections = len(gc_watch)
+    with observing_loads() as loads:
+        gc_watch.clear()
+        asyncckpt.load(out, ckpt)
+        collections = len(gc_watch)
     # Only the few that the allocations before and after the paused span start (6
     # here; before: one per allocation, 6055).
     assert collections <= 12
-    assert loading.load_paths["direct"] == before + 1
+    assert loads.direct == 1
     assert gc.isenabled()
     assert_same(state, out)
     # Off before the load: still off after it, and no collection at all.
@@ -343,14 +344,14 @@ def test_framing_check_ignores_only_the_crc_fields(ckpt: Path, fqn: str) -> None
     """A record read straight into its target is ours only if its framing is our
     writer's byte for byte, but for the CRC-32 fields (the data's checksum): every
     other byte changed sends it the general way (``torch.load``)."""
-    from asyncckpt.loading.reader import _suffix_matches, _writer_framing
+    from asyncckpt.format.layout import record_framing
+    from asyncckpt.loading.reader import _suffix_matches
 
     md = read_metadata(ckpt)
     (info,) = [i for idx, i in md.storage_data.items() if idx.fqn == fqn]
     tensor_md = md.state_dict_metadata[fqn]
     assert isinstance(tensor_md, TensorStorageMetadata)
-    framing = _writer_framing(tensor_md.properties.dtype, tuple(tensor_md.size))
-    assert framing is not None
+    framing = record_framing(tensor_md.properties.dtype, tuple(tensor_md.size))  # what our writer writes
     record = (ckpt / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
     head, tail = record[:len(framing.prefix)], record[len(framing.prefix) + framing.nbytes:]
     assert head == framing.prefix and _suffix_matches(memoryview(tail), framing)
@@ -375,11 +376,12 @@ def _load_from(ckpt: Path, **kwargs: Any) -> str:
     where its records came from (``"records"`` or ``"metadata"``)."""
     state = make_state()
     out = fresh(state)
-    before = dict(loading.records_sources)
-    assert counted_load(out, ckpt, **kwargs) == "direct"
+    with observing_loads() as loads:
+        asyncckpt.load(out, ckpt, **kwargs)
+    assert loads.paths() == {"direct": 1, "dcp": 0}
     assert_same(state, out)
-    (source,) = [k for k, v in loading.records_sources.items() if v != before.get(k, 0)]
-    return source
+    assert loads.records + loads.metadata == 1
+    return "records" if loads.records else "metadata"
 
 
 @pytest.mark.timeout(60)

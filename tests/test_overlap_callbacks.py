@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from typing import Any
@@ -12,8 +13,9 @@ import torch.distributed.checkpoint as dcp
 
 import asyncckpt
 from asyncckpt.errors import CallbackError, CheckpointException
-from asyncckpt.io import writer as _writer
-from helpers import assert_same, clone_state
+from asyncckpt.io import writer
+from asyncckpt.testing import staging_buffers
+from helpers import assert_same, clone_state, count_calls, counting_calls, counting_plans
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -184,32 +186,23 @@ def test_threads_write_the_same_bytes(tmp_path, monkeypatch, copy_threads, write
     """Copies spread across threads and files written by several threads give the
     same files, byte for byte, as one thread each (small chunks force the paths)."""
     from asyncckpt.saving import staging
-    monkeypatch.setattr(_writer, "WRITE_CHUNK_BYTES", 64 << 10)  # sync saves write in this process
+    monkeypatch.setattr(writer, "WRITE_CHUNK_BYTES", 64 << 10)  # sync saves write in this process
     monkeypatch.setattr(staging.StagingCopier, "CHUNK_BYTES", 48 << 10)
     monkeypatch.setattr(staging.StagingCopier, "PIECE_BYTES", 40 << 10)
-    used = {"pwrite": 0, "split": 0}
-    real_pwrite, real_split = _writer._pwrite_all, staging._split
-
-    def pwrite_all(*args):
-        used["pwrite"] += 1
-        return real_pwrite(*args)
-
-    def split(*args):
-        used["split"] += 1
-        return real_split(*args)
-
-    monkeypatch.setattr(_writer, "_pwrite_all", pwrite_all)
-    monkeypatch.setattr(staging, "_split", split)
     sd = _state(7, n=5, numel=300_000)
-    files = {}
+    files, used = {}, {}
     for name, kw in (("one", dict(copy_threads=1, write_threads=1)),
                      ("many", dict(copy_threads=copy_threads, write_threads=write_threads))):
-        with asyncckpt.CheckpointManager(tmp_path / name, **kw) as mgr:
+        # Observed: the writer's threads write with pwrite (one thread: write), and the
+        # copy threads' work is split by split_copies.
+        with (asyncckpt.CheckpointManager(tmp_path / name, **kw) as mgr, counting_calls(os, "pwrite") as pwrite,
+              counting_calls(staging, "split_copies") as split):
             mgr.save(1, sd, async_op=False)
+        used[name] = (pwrite.n > 0, split.n > 0)
         files[name] = (tmp_path / name / "step_00000001" / "__0_0.distcp").read_bytes()
         asyncckpt.verify(tmp_path / name / "step_00000001")
     assert len(files["one"]) > 5 << 20
-    assert (used["pwrite"] > 0) == (write_threads > 1) and (used["split"] > 0) == (copy_threads > 1)
+    assert used == {"one": (False, False), "many": (write_threads > 1, copy_threads > 1)}
     assert files["one"] == files["many"]
     assert_same(sd, _load(tmp_path / "many" / "step_00000001", sd))
 
@@ -221,14 +214,7 @@ def test_copier_memmoves_what_it_may_and_copies_the_rest_exactly(threads, monkey
     destination ends bitwise equal to what ``copy_`` gives."""
     from asyncckpt.saving import staging
     monkeypatch.setattr(staging.StagingCopier, "PIECE_BYTES", 40 << 10)
-    moved = []
-    real = staging._memmove
-
-    def memmove(dst, src, n):
-        moved.append(n)
-        return real(dst, src, n)
-
-    monkeypatch.setattr(staging, "_memmove", memmove)
+    memmoves = count_calls(ctypes, "memmove", keep=lambda dst, src, n: n)  # observed, not replaced
     g = torch.Generator().manual_seed(0)
     big = staging.MEMMOVE_MIN_NUMEL
     srcs = [
@@ -249,6 +235,8 @@ def test_copier_memmoves_what_it_may_and_copies_the_rest_exactly(threads, monkey
         copier.copy(dsts, srcs)
     finally:
         copier.close()
+        memmoves.restore()
+    moved = memmoves.calls
     for i, (d, e) in enumerate(zip(dsts, expected)):
         assert torch.equal(d.view(torch.uint8) if d.is_complex() else d, e.view(torch.uint8) if e.is_complex()
                            else e), i
@@ -257,7 +245,7 @@ def test_copier_memmoves_what_it_may_and_copies_the_rest_exactly(threads, monkey
 
 
 def test_write_threads_failure_removes_the_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(_writer, "WRITE_CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(writer, "WRITE_CHUNK_BYTES", 64 << 10)
     monkeypatch.setenv("ASYNCCKPT_FAULT", "mid_write:enospc")
     with asyncckpt.CheckpointManager(tmp_path, write_threads=4) as mgr:
         with pytest.raises(CheckpointException, match="No space left"):
@@ -267,10 +255,10 @@ def test_write_threads_failure_removes_the_file(tmp_path, monkeypatch):
 
 
 def test_staging_copier_splits_by_bytes():
-    from asyncckpt.saving.staging import StagingCopier, _split
+    from asyncckpt.saving.staging import StagingCopier, split_copies
     srcs = [torch.randn(1000), torch.randn(10), torch.randn(5000).view(50, 100).t()]
     dsts = [torch.empty(1000), torch.empty(10), torch.empty(100, 50)]
-    groups = _split(dsts, srcs, 3, 400)
+    groups = split_copies(dsts, srcs, 3, 400)
     assert sum(len(d) for d, _ in groups) > 3  # the contiguous 1000 was cut
     copier = StagingCopier(threads=3)
     copier.CHUNK_BYTES = 400
@@ -292,9 +280,10 @@ def test_prepare_formats_the_buffer_without_writing(tmp_path):
         assert nbytes >= sum(t.numel() * t.element_size() for t in sd["model"].values())
         # nothing written (but the manager's lock of its root)
         assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".asyncckpt.manager.")] == []
-        slab_ids = mgr._saver.pool.live_slab_ids
-        plans = mgr._saver.plan_cache.hits
-        mgr.save(1, sd).wait()
-        assert mgr._saver.pool.live_slab_ids == slab_ids  # the prepared buffer was used
-        assert mgr._saver.plan_cache.hits == plans + 1      # and the prepared plan
+        buffers = staging_buffers(mgr)
+        assert len(buffers) == 1 and buffers[0].nbytes >= nbytes
+        with counting_plans() as plans:
+            mgr.save(1, sd).wait()
+        assert staging_buffers(mgr) == buffers  # the prepared buffer was used
+        assert plans.n == 0                     # and the prepared plan
     assert_same(sd, _load(tmp_path / "step_00000001", sd))

@@ -96,27 +96,50 @@ def slow_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_faults.ENV, "stage:sleep=1.5")
 
 
-@pytest.mark.parametrize("kind", ["adamw_fused", "adamw_foreach", "sgd_data"])
-def test_an_optimizer_step_before_synchronize_staging_never_tears_the_checkpoint(
-        tmp_path: Path, slow_copy: None, kind: str) -> None:
-    """AdamW(fused=True) (no version bump), foreach AdamW (bumps: used to fail the save)
-    and an SGD that updates through ``.data``: the step right after ``save()`` waits
-    for the copy; the checkpoint holds every value as of ``save()``, the step took effect."""
-    model = _model(0)
+def _step_before_synchronize(rank: int, world_size: int, root: str, kind: str) -> bool:
+    """(each rank; one without a process group) An overlapped save of this rank's own
+    keys, an optimizer step right after it (the copy held back by the failpoint): the
+    step waits for the copy; the checkpoint holds this rank's values as of ``save()``,
+    and the step took effect."""
+    import os
+
+    model = _model(10 + rank)
     opt = _optimizer(kind, model.parameters())
     _backward(model)
     opt.step()  # the optimizer state exists
     _backward(model)
-    with asyncckpt.CheckpointManager(tmp_path / "root", overlap_staging=True) as mgr:
-        state = _state(model, opt)
-        expected = clone_state(state)
-        mgr.save(1, state)
-        opt.step()  # before synchronize_staging(), while the copy is still held back
-        after = clone_state(_state(model, opt))
-        assert mgr.maybe_finalize(blocking=True) == [1]
-        got = _loaded(mgr, 1, expected)
+    os.environ[_faults.ENV] = "stage:sleep=1.5"  # the staging thread of this process
+    try:
+        with asyncckpt.CheckpointManager(root, overlap_staging=True) as mgr:
+            state = {f"rank{rank}": _state(model, opt)}
+            expected = clone_state(state)
+            mgr.save(1, state)
+            opt.step()  # before synchronize_staging(), while the copy is still held back
+            after = clone_state(_state(model, opt))
+            assert mgr.maybe_finalize(blocking=True) == [1]
+            got = _loaded(mgr, 1, expected)
+    finally:
+        os.environ.pop(_faults.ENV, None)
     assert_same(expected, got)
-    assert not torch.equal(after["model"]["0.weight"], expected["model"]["0.weight"]), "the step did nothing"
+    assert not torch.equal(after["model"]["0.weight"], expected[f"rank{rank}"]["model"]["0.weight"]), \
+        "the step did nothing"
+    return True
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world_size,kind", [(1, "adamw_fused"), (1, "adamw_foreach"), (1, "sgd_data"),
+                                             (2, "adamw_fused")])
+def test_an_optimizer_step_before_synchronize_staging_never_tears_the_checkpoint(
+        tmp_path: Path, world_size: int, kind: str) -> None:
+    """AdamW(fused=True) (no version bump), foreach AdamW (bumps: used to fail the save)
+    and an SGD that updates through ``.data``, in one process, and a fused AdamW on two
+    gloo ranks: the step right after ``save()`` waits for the copy; the committed
+    checkpoint holds every rank's values as of ``save()``, and the step took effect."""
+    root = str(tmp_path / "root")
+    if world_size == 1:
+        assert _step_before_synchronize(0, 1, root, kind)
+    else:
+        assert run_ranks(_step_before_synchronize, world_size, root, kind, timeout=120) == [True] * world_size
 
 
 def test_flat_buffer_parameters_stepped_through_the_flat_parameter(tmp_path: Path, slow_copy: None) -> None:
@@ -192,35 +215,3 @@ def test_a_step_on_another_thread_waits_and_nothing_deadlocks(tmp_path: Path, sl
         assert mgr.maybe_finalize(blocking=True) == [1]
         got = _loaded(mgr, 1, expected)
     assert_same(expected, got)
-
-
-
-def _rank_fused_step(rank: int, world_size: int, root: str) -> bool:
-    """(each rank) A sharded state (its own keys), an overlapped save, a fused AdamW
-    step right after it (the copy held back by the failpoint), the checkpoint compared
-    with the values at save() on this rank."""
-    import os
-
-    os.environ[_faults.ENV] = "stage:sleep=1.5"  # this process only (the worker is already started)
-    model = _model(10 + rank)
-    opt = _optimizer("adamw_fused", model.parameters())
-    _backward(model)
-    opt.step()
-    _backward(model)
-    with asyncckpt.CheckpointManager(root, overlap_staging=True) as mgr:
-        state = {f"rank{rank}": _state(model, opt)}
-        expected = clone_state(state)
-        mgr.save(1, state)
-        opt.step()
-        assert mgr.maybe_finalize(blocking=True) == [1]
-        got = _loaded(mgr, 1, expected)
-    assert_same(expected, got)
-    assert not torch.equal(model.state_dict()["0.weight"], expected[f"rank{rank}"]["model"]["0.weight"])
-    return True
-
-
-@pytest.mark.timeout(150)
-def test_two_ranks_a_fused_step_before_synchronize_staging(tmp_path: Path) -> None:
-    """Two gloo ranks, each steps AdamW(fused=True) right after an overlapped save: the
-    committed checkpoint holds every rank's values as of save()."""
-    assert run_ranks(_rank_fused_step, 2, str(tmp_path / "root"), timeout=120) == [True, True]

@@ -24,6 +24,7 @@ import torch
 import asyncckpt
 from asyncckpt import (AsyncCallsQueue, AsyncckptError, CallbackError, CheckpointError, CheckpointException,
                        CheckpointManager, CorruptCheckpointError, RankFailure, SaveOptions)
+from asyncckpt.testing import pending_steps, staging_buffers
 from dist_utils import run_ranks
 
 
@@ -48,7 +49,7 @@ def _memfds() -> int:
 def _scenarios(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    import asyncckpt.saving.exchange as saving
+    import asyncckpt.saving.exchange as exchange
 
     out: dict[str, Any] = {}
     state = {"w": torch.full((4096,), float(rank)), "meta": {"rank": rank}}
@@ -97,7 +98,7 @@ def _scenarios(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         out["failed_ranks"] = sorted(exc.failures)
         out["failed_errno"] = exc.failures[1].errno
         out["failed_type"] = exc.failures[1].exc_type
-    out["failed_pending"] = mgr._saver.pending_steps()
+    out["failed_pending"] = pending_steps(mgr)
     mgr.close()
     dist.barrier()
     out["failed_leftovers"] = _leftovers(root)
@@ -106,21 +107,21 @@ def _scenarios(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
     # 4. One error funnel: a failure laying out rank 1's file (after the last planning
     # collective) raises the same CheckpointError on both ranks; nothing is written.
-    real_get = saving._LayoutCache.get
+    real_build = exchange.build_layout
 
-    def failing_get(self: Any, r: int, planned: Any) -> Any:
+    def failing_build(r: int, *args: Any) -> Any:
         if r == 1:
             raise OverflowError("injected layout failure")
-        return real_get(self, r, planned)
+        return real_build(r, *args)
 
-    saving._LayoutCache.get = failing_get  # type: ignore[method-assign, assignment]
+    exchange.build_layout = failing_build  # what the saver lays its files out with
     mgr = CheckpointManager(Path(tmp) / "funnel")
     try:
         mgr.save(1, state)
     except CheckpointError as exc:
         out["funnel"] = (type(exc).__name__, sorted(exc.failures), exc.failures[1].exc_type, str(exc))
     finally:
-        saving._LayoutCache.get = real_get  # type: ignore[method-assign]
+        exchange.build_layout = real_build
     out["funnel_then"] = mgr.save(2, state).wait(timeout=60).bytes > 0
     mgr.close()
     out["funnel_steps"] = mgr.steps()
@@ -149,7 +150,7 @@ def _scenarios(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         mgr.save(1, state)
     except CheckpointError as exc:
         out["guard"] = (sorted(exc.failures), "bytes of memory available" in str(exc))
-    out["guard_buffers"] = mgr._saver.pool.nbytes
+    out["guard_buffers"] = len(staging_buffers(mgr))
     mgr.close()
     out["guard_steps"] = mgr.steps()
     return out
@@ -206,7 +207,7 @@ def test_memory_guard_names_both_sizes_and_can_be_turned_off(tmp_path: Path) -> 
             mgr.save(1, state)
         with pytest.raises(CheckpointError, match="staging_memory_limit=None"):
             mgr.prepare(state)
-        assert mgr._saver.pool.nbytes == 0 and mgr.steps() == []
+        assert staging_buffers(mgr) == () and mgr.steps() == []
     with CheckpointManager(tmp_path / "b", options=SaveOptions(staging_memory_limit=None)) as mgr:
         mgr.save(1, state).wait(timeout=30)
         assert mgr.steps() == [1]
@@ -318,7 +319,7 @@ def test_failed_save_leaves_nothing_however_observed(tmp_path: Path) -> None:
         assert info.value.failures[0].errno == errno.ENOSPC
         assert isinstance(info.value.failures[0].exception, OSError)
         assert len(seen) == 1 and seen[0] is info.value
-        assert _leftovers(tmp_path / "root") == [] and mgr._saver.pending_steps() == []
+        assert _leftovers(tmp_path / "root") == [] and pending_steps(mgr) == []
         mgr.save(2, {"w": torch.ones(1 << 20)})
     finally:
         with pytest.raises(CheckpointException):
@@ -358,11 +359,20 @@ def test_options_are_data_and_contradictions_raise(tmp_path: Path) -> None:
         CheckpointManager(tmp_path / "c", keep_last=1.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         asyncckpt.save({"w": torch.ones(1)}, tmp_path / "d", async_op=True, options=opts, overlap_staging=False)
-    with CheckpointManager(tmp_path / "e", options=opts) as mgr:
-        assert mgr.overlap_staging and mgr._saver.pool.num_buffers == 2
-        handle = mgr.save(1, {"w": torch.ones(10)})
+    os.environ["ASYNCCKPT_FAULT"] = "mid_write:sleep=1"  # the worker inherits it: each write takes > 1 s
+    try:
+        mgr = CheckpointManager(tmp_path / "e", options=opts)
+    finally:
+        os.environ.pop("ASYNCCKPT_FAULT")
+    with mgr:
+        assert mgr.overlap_staging
+        first = mgr.save(1, {"w": torch.ones(10)})
         mgr.synchronize_staging()
-        handle.wait(timeout=30)
+        second = mgr.save(2, {"w": torch.ones(10)})  # the first write still reads its buffer
+        mgr.synchronize_staging()
+        assert not first.done() and len(staging_buffers(mgr)) == 2  # staging_buffers=2: a second one
+        first.wait(timeout=30)
+        second.wait(timeout=30)
 
 
 @pytest.mark.timeout(60)
@@ -416,8 +426,13 @@ def test_copier_close_never_joins_its_threads() -> None:
 
 
 def _allocated(buffer: Any) -> int:
-    """Bytes of memory the staging buffer's memfd holds (tmpfs counts allocated pages)."""
-    return os.fstat(buffer._fd).st_blocks * 512
+    """Bytes of memory the staging buffer's memfd holds (tmpfs counts allocated pages),
+    through the path the writer opens it by."""
+    return os.stat(buffer.ref.path).st_blocks * 512
+
+
+def _bytes_at(buffer: Any, lo: int, hi: int) -> bytes:
+    return bytes(buffer.u8[lo:hi].tolist())
 
 
 @pytest.mark.parametrize("madvise", [True, False], ids=["madv_populate_write", "older_kernel"])
@@ -431,7 +446,7 @@ def test_a_new_buffer_is_allocated_by_its_first_copy_or_populate(
     from asyncckpt.saving import staging
 
     if not madvise:
-        monkeypatch.setattr(staging, "_populate_write", False)
+        monkeypatch.setattr(staging, "populate_write", False)
     copier = staging.StagingCopier(threads=threads)
     srcs = [torch.randn(3 << 20), torch.arange(1 << 16, dtype=torch.int64), torch.randn(5)]
     sizes = [s.numel() * s.element_size() for s in srcs]
@@ -447,12 +462,12 @@ def test_a_new_buffer_is_allocated_by_its_first_copy_or_populate(
         copier.copy(views, srcs, populate=True)
         assert all(torch.equal(v, s) for v, s in zip(views, srcs))
         assert _allocated(buf) >= sizes[0]  # the large tensor's pages, at least
-        assert bytes(buf._mm[buf.nbytes - 4:]) == b"tail"
+        assert _bytes_at(buf, buf.nbytes - 4, buf.nbytes) == b"tail"
 
         other.write_bytes(4096 * 3 + 1, b"framing")
         other.populate(copier)
         assert other.populated and _allocated(other) == other.nbytes
-        assert bytes(other._mm[4096 * 3 + 1:4096 * 3 + 8]) == b"framing"  # populate keeps the bytes
+        assert _bytes_at(other, 4096 * 3 + 1, 4096 * 3 + 8) == b"framing"  # populate keeps the bytes
         other.populate(copier)  # once
     finally:
         buf.release()

@@ -8,10 +8,11 @@ path), which prints one JSON line of what it saw; the assertions run here.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,8 @@ import torch
 
 import asyncckpt
 from asyncckpt import CheckpointError, CheckpointManager
+from asyncckpt.testing import staging_buffers
+from helpers import finish_session
 
 _PRELUDE = textwrap.dedent("""
     import json, os, signal, sys, threading, time
@@ -56,13 +59,8 @@ def run_script(body: str, root: Path, timeout: float = 90) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
+    rc, out, err = finish_session(proc, timeout)
+    assert rc == 0, f"exit {rc}\n{out}\n{err}"
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -247,7 +245,7 @@ def test_inodes_running_out_after_the_commit_point_is_a_warning_on_a_committed_s
     """Row 6: a real tmpfs without a free inode for the new ``latest`` file, after the
     checkpoint's rename: the save is committed, reported so with a RuntimeWarning,
     and resumed from; never a failed save that is committed anyway."""
-    from faults._scenarios import small_tmpfs
+    from helpers import small_tmpfs
 
     root = tmp_path / "mnt"
     with small_tmpfs(root, size="64m", nr_inodes=64) as mounted:
@@ -311,15 +309,21 @@ def test_fork_started_dataloader_workers_do_not_keep_staging_memory(tmp_path: Pa
     save inherits the staging buffer; manager.close() still frees its memory."""
     from torch.utils.data import DataLoader, TensorDataset
 
+    import psutil
+
     mgr = CheckpointManager(tmp_path / "root")
     mgr.save(1, {"w": torch.ones(4 << 20)}).wait(timeout=30)  # a 16 MiB staging buffer
     loader = DataLoader(TensorDataset(torch.arange(64)), batch_size=8, num_workers=2, persistent_workers=True,
                         multiprocessing_context="fork")
+    me = psutil.Process()
+    children = {p.pid for p in me.children()}
     batches = iter(loader)
+    pids: list[int] = []
     try:
         next(batches)  # the workers are forked now
-        pids = [w.pid for w in batches._workers]  # type: ignore[attr-defined]
-        ids = mgr._saver.pool.live_slab_ids
+        pids = sorted(p.pid for p in me.children() if p.pid not in children)
+        ids = tuple(b.slab_id for b in staging_buffers(mgr))
+        assert len(pids) == 2 and len(ids) == 1
         assert all(_staging_bytes_held(pid, ids) >= 16 << 20 for pid in pids)  # they did inherit it
         mgr.close()
         assert [_staging_bytes_held(pid, ids) for pid in pids] == [0, 0]
@@ -327,7 +331,15 @@ def test_fork_started_dataloader_workers_do_not_keep_staging_memory(tmp_path: Pa
         assert len(list(batches)) == 7  # the loader itself is unaffected
     finally:
         mgr.close(abort=True)
-        batches._shutdown_workers()  # type: ignore[attr-defined]
+        workers = []
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                workers.append(psutil.Process(pid))
+        del batches, loader  # the last references to the iterator (persistent workers): it stops them
+        gc.collect()
+        for p in psutil.wait_procs(workers, timeout=10)[1]:  # still alive: killed
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
 
 
 @pytest.mark.timeout(90)

@@ -4,7 +4,9 @@ Issue #11, items 1-2. :class:`asyncckpt.saving.planning.PlanCache` keys the plan
 state's structure (:func:`asyncckpt.saving.planning.structure_signature`); every kind of
 change must re-plan, and every checkpoint, planned or cached, must load back equal.
 Each case saves for real (a persistent worker, real files) and loads with asyncckpt
-and with stock ``dcp.load``. The cache's ``hits`` counter is the observable.
+and with stock ``dcp.load``. The observable: how many saves DCP's planner planned
+(``DefaultSavePlanner.create_local_plan`` calls, counted, not replaced); a save that
+reuses the cached plan does not call it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 import asyncckpt
 from dist_utils import preload_forkserver, run_ranks
+from helpers import count_calls, count_plans, counting_calls, counting_plans, observing_loads
 from test_sharded import _compare, _fsdp, _local, _map_tensors, _train
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -91,18 +94,16 @@ CHANGES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 def test_every_kind_of_change_replans_and_loads_back(tmp_path: Path, change: str) -> None:
     base = _base()
     changed = CHANGES[change](_base())
-    with asyncckpt.CheckpointManager(tmp_path / "root") as mgr:
-        cache = mgr._saver.plan_cache
-        assert cache is not None
+    with asyncckpt.CheckpointManager(tmp_path / "root") as mgr, counting_plans() as plans:
         mgr.save(1, base).wait()
         mgr.save(2, base).wait()
-        assert cache.hits == 1  # unchanged: the plan is reused
+        assert plans.n == 1  # unchanged: the plan is reused
         mgr.save(3, changed).wait()
-        assert cache.hits == 1, f"{change}: the changed state reused the old plan"
+        assert plans.n == 2, f"{change}: the changed state reused the old plan"
         mgr.save(4, changed).wait()
-        assert cache.hits == 2  # and the new structure is cached in turn
+        assert plans.n == 2  # and the new structure is cached in turn
         mgr.save(5, base).wait()
-        assert cache.hits == 2
+        assert plans.n == 3
     for step, state in ((1, base), (2, base), (3, changed), (4, changed), (5, base)):
         _assert_loads_equal(tmp_path / "root" / f"step_{step:08d}", state)
 
@@ -110,14 +111,13 @@ def test_every_kind_of_change_replans_and_loads_back(tmp_path: Path, change: str
 @pytest.mark.timeout(120)
 def test_stateful_structure_change_replans(tmp_path: Path) -> None:
     counter = _Counter(2)
-    with asyncckpt.CheckpointManager(tmp_path / "root") as mgr:
-        cache = mgr._saver.plan_cache
+    with asyncckpt.CheckpointManager(tmp_path / "root") as mgr, counting_plans() as plans:
         mgr.save(1, {"c": counter, "x": torch.ones(2)}).wait()
         mgr.save(2, {"c": counter, "x": torch.ones(2)}).wait()
-        assert cache.hits == 1
+        assert plans.n == 1
         counter.n = 3
         mgr.save(3, {"c": counter, "x": torch.ones(2)}).wait()
-        assert cache.hits == 1
+        assert plans.n == 2
     target = _Counter(3)
     asyncckpt.load({"c": target, "x": torch.zeros(2)}, tmp_path / "root" / "step_00000003")
     assert target.loaded is not None and sorted(target.loaded) == ["t0", "t1", "t2"]
@@ -129,8 +129,7 @@ def test_cached_plan_repickles_values_and_keeps_snapshot_semantics(tmp_path: Pat
     """On a hit, non-tensor values are pickled afresh (their sizes may change), and the
     checkpoint holds the values as of save(), however the state changes afterwards."""
     state = _base()
-    with asyncckpt.CheckpointManager(tmp_path / "root") as mgr:
-        cache = mgr._saver.plan_cache
+    with asyncckpt.CheckpointManager(tmp_path / "root") as mgr, counting_plans() as plans:
         mgr.save(1, state).wait()
         expected = {}
         for step, value in ((2, 8), (3, "a much longer value " * 100), (4, ("a", "tuple", 3))):
@@ -142,7 +141,7 @@ def test_cached_plan_repickles_values_and_keeps_snapshot_semantics(tmp_path: Pat
             state["model"]["w"].mul_(-3.0)  # after save() returned: not in the checkpoint
             state["list"][0].fill_(float(step))
             handle.wait()
-        assert cache.hits == 3
+        assert plans.n == 1  # saves 2-4 reused the plan
     for step, snap in expected.items():
         path = tmp_path / "root" / f"step_{step:08d}"
         out = _empty_like(snap)
@@ -156,7 +155,8 @@ def test_cached_plan_repickles_values_and_keeps_snapshot_semantics(tmp_path: Pat
 def test_unchanged_plain_values_reuse_their_bytes_and_every_change_is_saved(tmp_path: Path) -> None:
     """A cached plan's plain non-tensor values equal to the last save's reuse its bytes
     (``PlanCache.pickled``); every change is saved, also one that ``==`` misses (``1``
-    to ``1.0``, ``True`` to ``1``, ``0.0`` to ``-0.0``) or made in place."""
+    to ``1.0``, ``True`` to ``1``, ``0.0`` to ``-0.0``) or made in place. Observed: the
+    ``torch.save`` calls of the training thread (one per non-tensor value pickled afresh)."""
     from asyncckpt.saving.planning import plain_key
 
     state = _base()
@@ -169,25 +169,25 @@ def test_unchanged_plain_values_reuse_their_bytes_and_every_change_is_saved(tmp_
         ("betas by one ulp", lambda: group.update(betas=(0.9, math.nextafter(0.95, 1.0)))),
         ("params entry replaced in place", lambda: group["params"].__setitem__(0, "renamed")),
     ]
-    with asyncckpt.CheckpointManager(tmp_path / "root") as mgr:
-        cache = mgr._saver.plan_cache
+    def saved(step: int) -> int:  # how many values the save pickled afresh
+        with counting_calls(torch, "save", this_thread=True) as pickled:
+            mgr.save(step, state).wait()
+        return pickled.n
+
+    with asyncckpt.CheckpointManager(tmp_path / "root") as mgr, counting_plans() as plans:
         mgr.save(1, state).wait()  # planned
-        mgr.save(2, state).wait()  # cached plan: the values' bytes remembered
-        assert cache.hits == 1 and cache.pickled_reused == 0
-        mgr.save(3, state).wait()  # nothing changed: every plain value reused
-        n_items = reused = cache.pickled_reused
-        assert n_items >= 6  # step and the group's values
+        n_items = saved(2)  # cached plan: the values' bytes remembered
+        assert plans.n == 1 and n_items >= 6  # step and the group's values
+        assert saved(3) == 0  # nothing changed: every plain value reused
         for step, (name, change) in enumerate(changes, start=4):
             before = plain_key(group)
             change()
             assert plain_key(group) != before, name
-            mgr.save(step, state).wait()
-            assert cache.pickled_reused == reused + n_items - 1, name  # the others reused
-            reused = cache.pickled_reused
+            assert saved(step) == 1, name  # the others reused
             got = asyncckpt.read_state_dict(tmp_path / "root" / f"step_{step:08d}")["optim"]["groups"][0]
             for key, value in group.items():
                 assert type(got[key]) is type(value) and plain_key(got[key]) == plain_key(value), (name, key)
-        assert cache.hits == 2 + len(changes)
+        assert plans.n == 1
     out = _empty_like(state)
     out["optim"]["groups"][0] = {k: None for k in group}
     dcp.load(out, checkpoint_id=str(tmp_path / "root" / f"step_{3 + len(changes):08d}"))
@@ -245,43 +245,43 @@ def _rank_fsdp_cached(rank: int, world_size: int, root: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     root_p = Path(root)
     model, optim = _fsdp(rank, 1)
-    out: dict[str, Any] = {"hits": [], "diffs": {}}
+    out: dict[str, Any] = {"plans": [], "diffs": {}}
     mgr = asyncckpt.CheckpointManager(root_p / "fsdp")
     ok = False
-    try:
-        cache = mgr._saver.plan_cache
-        for step in (1, 2, 3):
-            msd, osd = get_state_dict(model, optim)
-            state = {"model": msd, "optim": osd, "step": step}
-            snapshot = _map_tensors(state, lambda t: _local(t).detach().clone())
-            handle = mgr.save(step, state)
-            _train(model, optim, 1, rank)  # mutate while the write is in flight
-            handle.wait(timeout=60)
-            out["hits"].append(cache.hits)
-            dist.barrier()
-            got = _map_tensors(state, torch.zeros_like)
-            dcp.load(got, checkpoint_id=str(mgr.step_dir(step)))
-            out["diffs"][("dcp", step)] = _compare(snapshot, _map_tensors(got, _local))
-            got = _map_tensors(state, torch.zeros_like)
-            asyncckpt.load(got, mgr.step_dir(step))
-            out["diffs"][("ours", step)] = _compare(snapshot, _map_tensors(got, _local))
-        # A changed sharding of the same global tensor: re-planned.
-        mesh = init_device_mesh("cpu", (world_size,))
-        full = torch.arange(24.0).view(4, 6)
-        for step, placement in ((4, Shard(0)), (5, Shard(0)), (6, Shard(1)), (7, Replicate())):
-            state = {"w": distribute_tensor(full, mesh, [placement])}
-            mgr.save(step, state).wait(timeout=60)
-            out["hits"].append(cache.hits)
-            dist.barrier()
-            got = {"w": distribute_tensor(torch.zeros(4, 6), mesh, [Shard(0)])}
-            dcp.load(got, checkpoint_id=str(mgr.step_dir(step)))
-            out["diffs"][("reshard", step)] = _compare({"w": full}, {"w": got["w"].full_tensor()})
-        mgr.close()
-        ok = True
-    finally:
-        if not ok:
-            mgr.close(abort=True)
-    return out
+    with counting_plans() as plans:
+        try:
+            for step in (1, 2, 3):
+                msd, osd = get_state_dict(model, optim)
+                state = {"model": msd, "optim": osd, "step": step}
+                snapshot = _map_tensors(state, lambda t: _local(t).detach().clone())
+                handle = mgr.save(step, state)
+                _train(model, optim, 1, rank)  # mutate while the write is in flight
+                handle.wait(timeout=60)
+                out["plans"].append(plans.n)
+                dist.barrier()
+                got = _map_tensors(state, torch.zeros_like)
+                dcp.load(got, checkpoint_id=str(mgr.step_dir(step)))
+                out["diffs"][("dcp", step)] = _compare(snapshot, _map_tensors(got, _local))
+                got = _map_tensors(state, torch.zeros_like)
+                asyncckpt.load(got, mgr.step_dir(step))
+                out["diffs"][("ours", step)] = _compare(snapshot, _map_tensors(got, _local))
+            # A changed sharding of the same global tensor: re-planned.
+            mesh = init_device_mesh("cpu", (world_size,))
+            full = torch.arange(24.0).view(4, 6)
+            for step, placement in ((4, Shard(0)), (5, Shard(0)), (6, Shard(1)), (7, Replicate())):
+                state = {"w": distribute_tensor(full, mesh, [placement])}
+                mgr.save(step, state).wait(timeout=60)
+                out["plans"].append(plans.n)
+                dist.barrier()
+                got = {"w": distribute_tensor(torch.zeros(4, 6), mesh, [Shard(0)])}
+                dcp.load(got, checkpoint_id=str(mgr.step_dir(step)))
+                out["diffs"][("reshard", step)] = _compare({"w": full}, {"w": got["w"].full_tensor()})
+            mgr.close()
+            ok = True
+        finally:
+            if not ok:
+                mgr.close(abort=True)
+        return out
 
 
 @pytest.mark.timeout(180)
@@ -291,7 +291,7 @@ def test_fsdp2_second_save_hits_the_cache_on_every_rank(tmp_path: Path) -> None:
     for res in results:
         # FSDP2 saves 1-3: planned once, then cached; sharding: Shard(0) planned, then
         # cached, Shard(1) and Replicate planned afresh.
-        assert res["hits"] == [0, 1, 2, 2, 3, 3, 3], res["hits"]
+        assert res["plans"] == [1, 1, 1, 2, 2, 3, 4], res["plans"]
         for key, cmp in res["diffs"].items():
             assert cmp["tensors"] > 0 and cmp["mismatch"] == [], (key, cmp)
 
@@ -303,19 +303,17 @@ def test_metadata_bytes_are_reused_and_exact(tmp_path: Path) -> None:
     well, names the CRC-32 of each step's own ``.metadata`` and is what ``load`` plans from."""
     import pickle
 
-    from asyncckpt.loading import api as loading
-
-    from asyncckpt.saving import phases as saving
+    from torch.distributed.checkpoint.metadata import Metadata
 
     state: dict[str, Any] = {"layers": [{"w": torch.full((64,), float(i)), "b": torch.zeros(3)} for i in range(200)], "step": 0}
-    hits = saving._METADATA_PICKLE.hits
-    with asyncckpt.CheckpointManager(tmp_path) as mgr:
+    with (asyncckpt.CheckpointManager(tmp_path) as mgr,
+          counting_calls(pickle, "dumps", when=lambda obj, *a, **k: isinstance(obj, Metadata)) as pickled):
         for step in range(1, 4):
             state["step"] = step
             state["layers"][0]["w"].fill_(step)
             mgr.save(step, state)
         mgr.maybe_finalize(blocking=True)
-    assert saving._METADATA_PICKLE.hits >= hits + 2
+    assert pickled.n == 1  # the first commit's .metadata; the next two reuse its bytes
     save_ids = set()
     files_part: set[str] = set()
     for step in range(1, 4):
@@ -333,10 +331,10 @@ def test_metadata_bytes_are_reused_and_exact(tmp_path: Path) -> None:
         records = json.loads((ckpt / ".records.json").read_bytes())
         assert records["metadata_crc32"] == zlib.crc32(data)
         files_part.add(json.dumps(records["files"]))
-        before = loading.records_sources["records"]
         got = {"layers": [{"w": torch.zeros(64), "b": torch.ones(3)} for _ in range(200)], "step": 0}
-        asyncckpt.load(got, ckpt)
-        assert loading.records_sources["records"] == before + 1
+        with observing_loads() as loads:
+            asyncckpt.load(got, ckpt)
+        assert (loads.direct, loads.records) == (1, 1)
         assert got["step"] == step and float(got["layers"][0]["w"][0]) == step
     assert len(save_ids) == 3
     assert len(files_part) == 1  # the same layout every step
@@ -361,9 +359,9 @@ def _rank_collectives(rank: int, world_size: int, root: str) -> dict[str, Any]:
                 calls.append(_name)
             return _orig(self, *args, **kwargs)
         setattr(SyncGroup, name, spy)
-    out: dict[str, Any] = {"calls": {}, "hits": {}, "error": None, "mismatch": {}}
+    out: dict[str, Any] = {"calls": {}, "plans": {}, "error": None, "mismatch": {}}
     mgr = asyncckpt.CheckpointManager(Path(root) / "m")
-    cache = mgr._saver.plan_cache
+    plans = count_plans()  # in this rank's process, left on
 
     def save(step: int, state: dict[str, Any]) -> None:
         calls.clear()
@@ -372,7 +370,7 @@ def _rank_collectives(rank: int, world_size: int, root: str) -> dict[str, Any]:
         finally:
             out["calls"][step] = list(calls)
         handle.wait(timeout=60)
-        out["hits"][step] = cache.hits
+        out["plans"][step] = plans.n
         _assert_loads_equal(mgr.step_dir(step), state)
 
     def base(own: Any = 1) -> dict[str, Any]:  # a value only this rank has: this rank writes it
@@ -407,7 +405,7 @@ def test_a_steady_save_plans_with_one_collective_and_keeps_the_error_funnel(tmp_
         assert res["calls"][2] == ["all_gather_ints"], res["calls"]
         assert res["calls"][4] == ["all_gather_ints"] and res["calls"][6] == ["all_gather_ints"], res["calls"]
         assert "all_gather_object" in res["calls"][1] and "all_gather_object" in res["calls"][5], res["calls"]
-        assert res["hits"] == {1: 0, 2: 1, 4: 2, 5: 2, 6: 3}, res["hits"]
+        assert res["plans"] == {1: 1, 2: 1, 4: 1, 5: 2, 6: 2}, res["plans"]
         assert res["error"] is not None and "cannot be pickled" in res["error"] and "rank 1" in res["error"], res
 
 
@@ -421,9 +419,17 @@ def _rank_layout_exchange(rank: int, world_size: int, root: str) -> dict[str, An
     import torch.distributed as dist
 
     from asyncckpt import CheckpointException
+    from asyncckpt.dist import SyncGroup
+    from asyncckpt.testing import lose_held_layouts
 
+    def token_only(_group: Any, obj: Any, *args: Any, **kwargs: Any) -> bool:
+        """A commit's gather of this rank's ``((layout token, layout or None), result)``
+        that carries the token only."""
+        return (isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], tuple) and len(obj[0]) == 2
+                and isinstance(obj[0][0], int) and obj[0][1] is None)
+
+    sent = count_calls(SyncGroup, "all_gather_object", when=token_only)  # in this rank's process, left on
     mgr = asyncckpt.CheckpointManager(Path(root) / "x")
-    exchange = mgr._saver.layout_exchange
     out: dict[str, Any] = {"token_only": {}, "failure": None, "storage_data": {}, "step4": None}
 
     def save(step: int, state: dict[str, Any]) -> None:
@@ -433,7 +439,7 @@ def _rank_layout_exchange(rank: int, world_size: int, root: str) -> dict[str, An
         except CheckpointException as exc:
             out["failure"] = (step, sorted(exc.failures), str(exc))
             return
-        out["token_only"][step] = exchange.token_only
+        out["token_only"][step] = sent.n
         _assert_loads_equal(mgr.step_dir(step), state)
         metadata = pickle.loads((mgr.step_dir(step) / ".metadata").read_bytes())
         out["storage_data"][step] = {(i.fqn, i.offset and tuple(i.offset)): (s.relative_path, s.offset, s.length)
@@ -445,8 +451,7 @@ def _rank_layout_exchange(rank: int, world_size: int, root: str) -> dict[str, An
             state[f"own{rank}"].add_(1)
             save(step, state)
         if rank == 0:
-            exchange._held.clear()  # the fault: the coordinator no longer holds any layout
-            exchange._merged = None
+            lose_held_layouts(mgr)  # the fault: the coordinator no longer holds any layout
         save(4, state)
         dist.barrier()
         out["step4"] = mgr.step_dir(4).exists()

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 import asyncckpt
 from asyncckpt.saving.planning import plan_save
 from asyncckpt.dist import SyncGroup
-from asyncckpt.saving.staging import HostSlab
+from asyncckpt.saving.staging import StagingBuffer
 from asyncckpt.io import writer
 from asyncckpt.format.layout import build_layout
 
@@ -36,7 +36,7 @@ def test_overlapped_checksums_give_valid_records_and_segments(tmp_path, monkeypa
     items = list(planned.plan.items)
     blobs = {i: len(d) for i, d in enumerate(planned.data) if isinstance(d, bytes)}
     layout = build_layout(0, items, blobs)
-    slab = HostSlab(layout.slab_nbytes)
+    slab = StagingBuffer(layout.slab_nbytes)
     try:
         for offset, framing in layout.static:
             slab.write_bytes(offset, framing)

@@ -1,8 +1,7 @@
-"""The writer's checksums: ``crc32_combine`` against zlib, and ``_checksum_and_patch``
-(segments cover the image and match zlib over their bytes; each record's CRC-32 is
-patched into its zip fields) for records below, at and above the sizes where the
-writer merges CRCs instead of checksumming twice, and where a record gets its own
-segment."""
+"""The writer's checksums: ``crc32_combine`` against zlib, and ``write_rank_files`` (the
+segments cover the file and match zlib over its bytes; each record's CRC-32 is patched
+into its zip fields) for records below, at and above the sizes where the writer merges
+CRCs instead of checksumming twice, and where a record gets its own segment."""
 
 from __future__ import annotations
 
@@ -11,12 +10,29 @@ import random
 import struct
 import zlib
 from typing import Any
+from pathlib import Path
 
 import pytest
 
 from asyncckpt.format import crc as crc_mod
 from asyncckpt.io import writer
-from asyncckpt.io.writer import BIG_SEGMENT_BYTES, COMBINE_MIN_BYTES, CrcPatch, crc32_combine
+from asyncckpt.io.writer import (BIG_SEGMENT_BYTES, COMBINE_MIN_BYTES, CrcPatch, FileSpec, WriteTask, crc32_combine,
+                                 pack_patches, write_rank_files)
+from asyncckpt.saving.staging import StagingBuffer
+
+
+def _write(image: bytes, patches: list[CrcPatch], out: Path) -> tuple[tuple[tuple[int, int, int], ...], bytes]:
+    """Write ``image`` (its ``patches`` CRC-32 fields patched) as one data file in
+    ``out``, as a rank's writer does from its staging buffer, in this process; returns
+    the file's checksummed segments and its bytes."""
+    buffer = StagingBuffer(len(image))
+    try:
+        buffer.write_bytes(0, image)
+        spec = FileSpec("__0_0.distcp", 0, len(image), pack_patches(patches))
+        result = write_rank_files(WriteTask(str(out), buffer.ref, (spec,), (buffer.slab_id,), fsync=False))
+    finally:
+        buffer.release()
+    return result.files[0].segments, (out / spec.name).read_bytes()
 
 
 @pytest.mark.timeout(60)
@@ -31,7 +47,7 @@ def test_crc32_combine_matches_zlib() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_segments_and_patched_crcs_match_zlib() -> None:
+def test_segments_and_patched_crcs_match_zlib(tmp_path: Path) -> None:
     rng = random.Random(5)
     # 70 KiB and 300 KiB repeat often enough to get tables (merged CRCs); the others not.
     sizes = [10, COMBINE_MIN_BYTES - 64, COMBINE_MIN_BYTES, 200 << 10, BIG_SEGMENT_BYTES - 64, BIG_SEGMENT_BYTES,
@@ -46,22 +62,22 @@ def test_segments_and_patched_crcs_match_zlib() -> None:
         image += bytes(40)  # "framing" after, with two CRC fields
         patches.append(CrcPatch(data_offset, n, fields))
     image += rng.randbytes(77)
-    view = memoryview(image)
-    progress = writer._Progress(tuple(patches), len(image))
-    segments = writer._checksum_and_patch(view, tuple(patches), progress)
+    segments, data = _write(bytes(image), patches, tmp_path)
+    assert len(data) == len(image)
     pos = 0
     for offset, length, crc in segments:
-        assert offset == pos and zlib.crc32(image[offset:offset + length]) == crc, (offset, length)
+        assert offset == pos and zlib.crc32(data[offset:offset + length]) == crc, (offset, length)
         pos = offset + length
     assert pos == len(image) and len(segments) > 3
     for p in patches:
         expected = zlib.crc32(image[p.data_offset:p.data_offset + p.data_nbytes])
+        assert data[p.data_offset:p.data_offset + p.data_nbytes] == image[p.data_offset:p.data_offset + p.data_nbytes]
         for f in p.patch_offsets:
-            assert struct.unpack_from("<I", image, f)[0] == expected
+            assert struct.unpack_from("<I", data, f)[0] == expected
 
 
 @pytest.mark.timeout(120)
-def test_many_record_sizes_checksum_each_byte_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_many_record_sizes_checksum_each_byte_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With more distinct record sizes than any small cache holds (20 here, each seen
     often enough to be merged), a steady file image is checksummed once per byte: the
     merge tables are built once per size and then read, never rebuilt per record."""
@@ -76,7 +92,6 @@ def test_many_record_sizes_checksum_each_byte_once(monkeypatch: pytest.MonkeyPat
         image += rng.randbytes(n)
         patches.append(CrcPatch(data_offset, n, (len(image) + 4,)))
         image += bytes(16)
-    view = memoryview(image)
     checksummed = [0]
     real_crc32 = writer.crc32
 
@@ -84,13 +99,13 @@ def test_many_record_sizes_checksum_each_byte_once(monkeypatch: pytest.MonkeyPat
         checksummed[0] += memoryview(data).nbytes
         return real_crc32(data, start)
 
-    writer._checksum_and_patch(view, tuple(patches))  # the first image builds the tables
+    _write(bytes(image), patches, tmp_path / "first")  # the first image builds the tables
     monkeypatch.setattr(writer, "crc32", counting_crc32)
-    segments = writer._checksum_and_patch(view, tuple(patches))
+    segments, data = _write(bytes(image), patches, tmp_path / "steady")
     assert checksummed[0] == len(image), f"{checksummed[0] / len(image):.2f} checksums per byte"
     pos = 0
     for offset, length, crc in segments:
-        assert offset == pos and zlib.crc32(image[offset:offset + length]) == crc
+        assert offset == pos and zlib.crc32(data[offset:offset + length]) == crc
         pos = offset + length
     assert pos == len(image)
 

@@ -267,7 +267,6 @@ class PlanCache:
             in the (``Stateful``-resolved) state_dict, as DCP's ``flatten_state_dict``
             maps it but with each dict key of its own type (:func:`typed_path`).
         int_keys: the plan's ``SavePlanResult.int_keys``.
-        hits: how many saves reused the plan (observable in tests).
         pickled: for the plan's non-tensor items made of plain Python values
             (:func:`plain_key`), by the item's position in ``plan.items``: the value's
             ``pickle.dumps`` as of the last save, and the bytes ``torch.save`` made of
@@ -275,7 +274,6 @@ class PlanCache:
             optimizer's hyperparameters stay the same across saves, and each
             ``torch.save`` of one costs 60-100 µs (its zip container) against 2-3 µs
             for the comparison. Emptied whenever the plan changes.
-        pickled_reused: how many items reused their bytes (observable in tests).
     """
 
     def __init__(self) -> None:
@@ -283,9 +281,7 @@ class PlanCache:
         self.plan: SavePlan | None = None
         self.metadata: Metadata | None = None
         self.paths: list[tuple] | None = None
-        self.hits = 0
         self.pickled: dict[int, tuple[bytes, bytes]] = {}
-        self.pickled_reused = 0
         self.int_keys: Mapping[str, tuple[int, ...]] = {}
 
 
@@ -509,7 +505,6 @@ def _pickled_reusing(cache: PlanCache, i: int, item: Any, obj: Any) -> bytes:
         return _pickled(item, obj)
     last = memo.get(i)
     if last is not None and last[0] == key:
-        cache.pickled_reused += 1
         return last[1]
     data = _pickled(item, obj)
     memo[i] = (key, data)
@@ -625,7 +620,6 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
     token = "".join(f"{v:016x}" for v in gathered[coordinator_rank][2:4])
     if all(g[1] for g in gathered):
         assert cache is not None and hit is not None
-        cache.hits += 1
         return hit[0]._replace(token=token), hit[1]
     # Not every rank hit: DCP's planner, one all_gather of the local plans (with the
     # int dict keys of each rank's entries, which DCP's plans record as str).

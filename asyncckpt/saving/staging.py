@@ -36,13 +36,10 @@ import torch
 from asyncckpt.io import writer as _writer
 from asyncckpt.io.writer import SlabRef
 
-__all__ = ["StagingBuffer", "StagingPool", "StagingCopier", "HostSlab", "Stager", "watch_copy", "unwatch_copy",
+__all__ = ["StagingBuffer", "StagingPool", "StagingCopier", "watch_copy", "unwatch_copy",
            "wait_pending_copies"]
 
 _PAGE = mmap.PAGESIZE
-
-#: libc ``memmove`` through ctypes: a foreign call that releases the GIL.
-_memmove = ctypes.memmove
 
 #: Tensors of at least this many elements are copied with ``memmove`` instead of
 #: torch: torch's own copy splits such a tensor across its intra-op (OpenMP) threads,
@@ -63,8 +60,9 @@ try:
     _madvise.restype = ctypes.c_int
 except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
     _madvise = None
-#: Cleared when the kernel refuses ``MADV_POPULATE_WRITE`` (EINVAL: before 5.14).
-_populate_write = _madvise is not None
+#: Whether :func:`prefault` uses ``MADV_POPULATE_WRITE``; cleared when the kernel refuses
+#: it (EINVAL: before 5.14). Set to ``False``, the buffers take the older kernels' path.
+populate_write = _madvise is not None
 
 
 def prefault(address: int, nbytes: int) -> bool:
@@ -84,8 +82,8 @@ def prefault(address: int, nbytes: int) -> bool:
         OSError: the kernel refuses the memory (``ENOMEM``), where a write into the
             unallocated page would fault (``SIGBUS``, or the OOM killer).
     """
-    global _populate_write
-    if not _populate_write or nbytes <= 0:
+    global populate_write
+    if not populate_write or nbytes <= 0:
         return False
     lo = address - address % _PAGE
     hi = -(-(address + nbytes) // _PAGE) * _PAGE
@@ -94,7 +92,7 @@ def prefault(address: int, nbytes: int) -> bool:
             return True
         err = ctypes.get_errno()
         if err == errno.EINVAL:  # an older kernel: fault the pages in by writing
-            _populate_write = False
+            populate_write = False
             return False
         if err not in (errno.EINTR, errno.EAGAIN):
             raise OSError(err, f"cannot allocate {hi - lo} bytes of staging memory: {os.strerror(err)}")
@@ -267,9 +265,9 @@ class StagingPool:
         return tuple(e.slab.slab_id for e in self._entries)
 
     @property
-    def nbytes(self) -> int:
-        """Host memory held, in bytes."""
-        return sum(e.slab.nbytes for e in self._entries)
+    def buffers(self) -> tuple[StagingBuffer, ...]:
+        """The buffers the pool holds now, oldest first."""
+        return tuple(e.slab for e in self._entries)
 
     def acquire(
         self,
@@ -346,11 +344,6 @@ class StagingPool:
             busy = e.call_idx is not None and is_running is not None and is_running(e.call_idx)
             e.slab.release(free_memory=not busy)
         self._entries.clear()
-
-
-#: Former names (kept as aliases).
-HostSlab = StagingBuffer
-Stager = StagingPool
 
 
 class StagingCopier:
@@ -494,14 +487,15 @@ class StagingCopier:
             else:
                 small_d.append(d)
                 small_s.append(s)
-        move: Callable[[int, int, int], Any] = _memmove_populating if populate else _memmove
+        # libc memmove through ctypes: a foreign call that releases the GIL.
+        move: Callable[[int, int, int], Any] = _memmove_populating if populate else ctypes.memmove
         if self.threads == 1 or len(srcs) == 0:
             if small_s:
                 torch._foreach_copy_(small_d, small_s)
             for piece in _pieces(moves, self.PIECE_BYTES) if populate else moves:
                 move(*piece)
             return
-        groups = _split(small_d, small_s, self.threads, self.CHUNK_BYTES)
+        groups = split_copies(small_d, small_s, self.threads, self.CHUNK_BYTES)
         copies = [functools.partial(_copy_no_grad, d, s) if s else None for d, s in groups]
         self.run(_pieces(moves, self.PIECE_BYTES), move, copies[0], copies[1:])
 
@@ -517,7 +511,7 @@ class StagingCopier:
 
 def _memmove_populating(dst: int, src: int, nbytes: int) -> None:
     prefault(dst, nbytes)
-    _memmove(dst, src, nbytes)
+    ctypes.memmove(dst, src, nbytes)
 
 
 def _pieces(moves: list[tuple[int, int, int]], piece: int) -> list[tuple[int, int, int]]:
@@ -534,10 +528,11 @@ def _copy_no_grad(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         torch._foreach_copy_(dsts, srcs)
 
 
-def _split(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], n: int,
-           chunk: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """``n`` groups of copies with about equal bytes, in order (large contiguous
-    tensors cut into flat chunks)."""
+def split_copies(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], n: int,
+                 chunk: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """The copies ``dsts[i] <- srcs[i]`` as ``n`` groups ``(dsts, srcs)`` of about equal
+    bytes, one per copy thread, in order; contiguous pairs of more than ``chunk`` bytes
+    are cut into flat chunks of ``chunk`` bytes (views of the same memory)."""
     pieces: list[tuple[torch.Tensor, torch.Tensor, int]] = []
     for d, s in zip(dsts, srcs):
         nbytes = s.numel() * s.element_size()

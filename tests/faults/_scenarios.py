@@ -49,6 +49,8 @@ import asyncckpt
 from asyncckpt import AsyncRequest, CheckpointError, CheckpointException, CheckpointManager
 from asyncckpt._faults import ENV as FAULT_ENV
 
+import helpers
+
 from . import _worker_side
 
 #: Seconds a failpoint sleeps to hold a writer at a known point. Longer than
@@ -266,29 +268,9 @@ def fsize_limited_trainer(nbytes: int, active: bool) -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------- mounts (parent side)
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size: str = TMPFS_SIZE, nr_inodes: int | None = None) -> Iterator[bool]:
-    """Mount a tmpfs of ``size`` (and at most ``nr_inodes`` inodes) at ``path`` for the
-    block; yields False (and mounts nothing) where mounting is not possible. Unmounted
-    on the way out, also on failure.
-
-    ``ASYNCCKPT_FAULTS_NO_MOUNT=1`` forces the fallbacks.
-    """
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = False
-    if os.environ.get("ASYNCCKPT_FAULTS_NO_MOUNT") != "1" and hasattr(os, "geteuid") and os.geteuid() == 0:
-        try:
-            options = f"size={size},mode=0755" + (f",nr_inodes={nr_inodes}" if nr_inodes else "")
-            mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                                     capture_output=True, timeout=30).returncode == 0
-        except (OSError, subprocess.SubprocessError):
-            mounted = False
-    try:
-        yield mounted
-    finally:
-        if mounted:
-            if subprocess.run(["umount", str(path)], capture_output=True, timeout=30).returncode != 0:
-                subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+def small_tmpfs(path: Path, size: str = TMPFS_SIZE, nr_inodes: int | None = None) -> Any:
+    """:func:`helpers.small_tmpfs`, by default of :data:`TMPFS_SIZE`."""
+    return helpers.small_tmpfs(path, size, nr_inodes)
 
 
 def remount(path: str | Path, mode: str) -> bool:

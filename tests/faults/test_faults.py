@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import kill_process_tree
+from helpers import kill_session
 
 import asyncckpt
 from asyncckpt import CheckpointManager
@@ -130,12 +130,6 @@ def start_exit_script(tmp_path: Path, root: Path, persistent: bool, mode: str, r
     return subprocess.Popen([sys.executable, str(script), mode, str(rank), str(world), str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
-
-
-def kill_session(proc: subprocess.Popen) -> None:
-    """SIGKILL the script's process group and every descendant left (on failure)."""
-    kill_process_tree(proc)
-    proc.communicate()
 
 
 def finish_exit_scripts(procs: list[subprocess.Popen], timeout: float = 60.0) -> list[tuple[dict, float, str]]:
