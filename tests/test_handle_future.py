@@ -75,7 +75,7 @@ def test_the_handle_is_a_future_completed_by_the_saver(tmp_path: Path) -> None:
     seen: list[tuple[bool, bool]] = []
     with CheckpointManager(tmp_path / "root", persistent=False) as mgr:
         handle = mgr.save(1, STATE)
-        assert isinstance(handle, concurrent.futures.Future)
+        assert isinstance(handle, asyncckpt.SaveHandle) and issubclass(asyncckpt.SaveHandle, concurrent.futures.Future)
         assert handle.cancel() is False and not handle.cancelled()
         handle.add_done_callback(lambda f: seen.append((f.done(), (tmp_path / "root" / "step_00000001").is_dir())))
         result = handle.result(timeout=30)

@@ -105,7 +105,7 @@ class SaveDriver(Protocol):
         """
 
 
-class SaveHandle(concurrent.futures.Future):  # type: ignore[type-arg]
+class SaveHandle(concurrent.futures.Future[SaveResult]):
     """The future of one save: a :class:`concurrent.futures.Future` of its :class:`SaveResult`.
 
     ``result(timeout)``, ``exception(timeout)``, ``done()`` and

@@ -236,7 +236,7 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
             metadata.storage_data = exchange.merged([layout for layout, _ in gathered])
             metadata.version = CURRENT_DCP_VERSION
             files = [f for _, r in gathered for f in r.files]
-            info = {"world_size": sync.world_size, "step": save.step, "save_token": save.planned.token}
+            info: dict[str, Any] = {"world_size": sync.world_size, "step": save.step, "save_token": save.planned.token}
             if save.planned.int_keys:  # dict keys that were int (DCP's metadata has str(key))
                 info["int_keys"] = {fqn: list(ints) for fqn, ints in save.planned.int_keys.items()}
             if save.root is not None:
@@ -354,10 +354,10 @@ class MetadataPickle:
                     and key[2] == metadata.storage_data and key[3] == metadata.version
                     and key[4] == (meta.load_id, list(meta.modules)) and len(cid) == self._at[1]
                     and len(sid) == self._at[3]):
-                data = bytearray(self._data)
-                data[self._at[0]:self._at[0] + len(cid)] = cid
-                data[self._at[2]:self._at[2] + len(sid)] = sid
-                return bytes(data), self._records_file(self._records, data)
+                patched = bytearray(self._data)
+                patched[self._at[0]:self._at[0] + len(cid)] = cid
+                patched[self._at[2]:self._at[2] + len(sid)] = sid
+                return bytes(patched), self._records_file(self._records, patched)
         data = pickle.dumps(metadata)
         found = _records.records_from_metadata(metadata)
         records = None if found is None else _records.records_json(found)

@@ -416,10 +416,11 @@ class Saver:
             outcome.__cause__ = error
         finally:
             record.planned = record.planned._replace(data=[])
-            if isinstance(outcome, BaseException):
-                handle.set_exception(outcome)
-            else:
+            if isinstance(outcome, SaveResult):
                 handle.set_result(outcome)
+            else:  # never None here: every path above set it
+                handle.set_exception(outcome or CheckpointError(f"the save of {_describe_save(record)} "
+                                                                "was settled without an outcome"))
         if interrupt is not None:
             raise interrupt
 
@@ -491,16 +492,16 @@ class Saver:
                 record = self._records[0]
                 if not record.handle.done():
                     break
-                exc = record.handle.exception(timeout=0)
-                if exc is not None and not record.reported:
+                error = record.handle.exception(timeout=0)
+                if error is not None and not record.reported:
                     if committed and not blocking:
                         break  # raised by the next harvest, in order
                     # blocking (the end of training): raised now, whatever committed before
                     self._records.popleft()
-                    failure = exc
+                    failure = error
                     break
                 self._records.popleft()
-                if exc is None and not record.reported:
+                if error is None and not record.reported:
                     committed.append(record)
         if failure is not None:
             if committed:

@@ -572,7 +572,8 @@ def sc_target_becomes_file(ctx: Ctx) -> None:
 
 
 def _handle_state(handle: asyncckpt.SaveHandle) -> dict[str, Any]:
-    state: dict[str, Any] = {"done": handle.done(), "exception": type(handle.exception()).__name__,
+    state: dict[str, Any] = {"done": handle.done(),
+                             "exception": type(handle.exception(timeout=0) if handle.done() else None).__name__,
                              "repr": repr(handle)}
     try:
         handle.wait(timeout=5)
