@@ -422,7 +422,7 @@ def sc_kill_during_staging(ctx: Ctx) -> None:
     queue = ctx.manager.queue
     real = queue.schedule_async_request
 
-    def schedule(request: AsyncRequest) -> int:
+    def schedule(request: AsyncRequest, **kwargs: Any) -> int:
         staging = request.preload_fn
 
         def preload() -> Any:
@@ -432,7 +432,7 @@ def sc_kill_during_staging(ctx: Ctx) -> None:
                 os.kill(pid, signal.SIGKILL)
             return staging()
 
-        return real(request._replace(preload_fn=preload) if ctx.faulty and staging else request)
+        return real(request._replace(preload_fn=preload) if ctx.faulty and staging else request, **kwargs)
 
     queue.schedule_async_request = schedule  # type: ignore[method-assign]
     try:
@@ -496,14 +496,14 @@ def sc_preload(ctx: Ctx) -> None:
     queue = ctx.manager.queue
     real = queue.schedule_async_request
 
-    def schedule(request: AsyncRequest) -> int:
+    def schedule(request: AsyncRequest, **kwargs: Any) -> int:
         staging = request.preload_fn
 
         def preload() -> Any:
             with no_new_file_descriptors():
                 return staging()
 
-        return real(request._replace(preload_fn=preload) if ctx.faulty and staging else request)
+        return real(request._replace(preload_fn=preload) if ctx.faulty and staging else request, **kwargs)
 
     queue.schedule_async_request = schedule  # type: ignore[method-assign]
     try:
