@@ -10,7 +10,11 @@ inherits the training process's environment when it is started). Points:
 - ``commit``: in the coordinator's commit, before the directory is renamed;
 - ``after_rename``: in the coordinator's commit, after the directory is renamed (the
   commit point) and its parent fsynced, before ``latest`` and retention;
-- ``stage``: in the training process, when a save starts its staging copy.
+- ``stage``: in the training process, when a save starts its staging copy;
+- ``settle``: in the training process (the thread that settles the save: the
+  finalizer thread in the background), when the saver starts settling a save, before
+  its temporary directory is removed and its callback runs (its handle must complete
+  all the same).
 
 Actions: ``sleep=SECONDS``, ``raise`` (``OSError(EIO)``), ``enospc``
 (``OSError(ENOSPC)``), ``exit=CODE`` (``os._exit``), ``kill`` (SIGKILL to itself),

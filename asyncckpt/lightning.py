@@ -450,10 +450,12 @@ class AsyncckptCheckpointIO(CheckpointIO):
         """Commit the saves whose write finished (no waiting); raise the first failure."""
         while self._pending:
             _, handle = self._pending[0]
-            if not handle.done():
-                break
+            if not handle.done():  # done() only reads: the commit is run by wait() below
+                queue = self._queue
+                if queue is None or handle.call_idx is None or not queue.wait_local(handle.call_idx, 0):
+                    break  # still writing
             self._pending.pop(0)
-            handle.wait()  # committed: returns; failed: raises (also a callback's error)
+            handle.wait()  # commits (this rank's queue alone); failed: raises (also a callback's error)
         self._removals = [t for t in self._removals if t.is_alive()]
 
     def _wait_for(self, path: str) -> None:

@@ -381,8 +381,8 @@ class CheckpointManager:
             if self._owns_queue:
                 try:
                     self.queue.close(abort=abort)
-                except CheckpointException:
-                    pass  # this manager's saves: reported by the harvest above
+                except CheckpointException as exc:  # not a save of this manager (those are harvested above):
+                    first_error = first_error or exc  # a call scheduled on its queue by the user
             self._root.join_deletion()
             if self._release.detach() is not None:
                 # The staging buffers, whoever owns the queue; a queue passed in may still

@@ -31,6 +31,7 @@ Usage, on every rank::
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import signal
@@ -416,7 +417,8 @@ def _commit_written(manager: Any, timeout: float) -> list[int]:
         idx = record.handle.call_idx
         if idx is None or not _fully_written(queue, idx):
             continue  # still staging or writing: aborted
-        if record.handle._wait_settled(max(0.0, deadline - time.monotonic())) and record.handle.exception() is None:
+        concurrent.futures.wait([record.handle], max(0.0, deadline - time.monotonic()))
+        if record.handle.done() and record.handle.exception(timeout=0) is None:
             kept.append(record.step)
     return kept
 

@@ -11,6 +11,7 @@ never through a test harness's cleanup.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import sys
@@ -93,7 +94,7 @@ def destroy_unhooked(rank: int, world: int, store: str, out_dir: Path, root: str
         EARLY_DESTROY()
     else:
         dist.destroy_process_group()
-    handle._wait_settled(90)  # the background commit settles it, whatever the groups
+    concurrent.futures.wait([handle], 90)  # the background commit settles it, whatever the groups
     _report(out_dir, rank, {"outcomes": [_outcome(handle)]})
 
 

@@ -476,13 +476,17 @@ def test_save_handle(tmp_path: Path, calls_queue: AsyncCallsQueue) -> None:
     assert timings.gbps == pytest.approx(timings.bytes / timings.write_s / 1e9)
     assert handle.wait() == timings  # idempotent
 
-    # done() alone makes progress with one process: poll until committed.
+    # done() only reads the state: on a queue finalized in the training loop nothing
+    # commits until the loop finalizes (here: wait(); result(timeout=0) reads too).
     second = asyncckpt.save(state, tmp_path / "b", async_op=True, calls_queue=calls_queue)
-    deadline = time.monotonic() + 30
-    while not second.done():
-        assert time.monotonic() < deadline, "done() never became True"
-        time.sleep(0.01)
-    assert second.exception() is None and second.timings is not None
+    assert calls_queue.wait_local(second.call_idx, timeout=30)  # this rank's write is over
+    for _ in range(3):
+        assert not second.done()
+        with pytest.raises(TimeoutError):
+            second.result(timeout=0)
+    assert not (tmp_path / "b").exists() and calls_queue.is_pending(second.call_idx)
+    second.wait(timeout=30)
+    assert second.done() and second.exception() is None and second.timings is not None
     asyncckpt.verify(tmp_path / "b")
 
     # A synchronous save returns an already committed handle.
@@ -653,17 +657,17 @@ def test_an_outcome_seen_through_wait_is_not_reported_again(tmp_path: Path, call
     reported again by ``maybe_finalize``: before the fix it was, and as a committed save
     ahead of a failure it made ``maybe_finalize(blocking=True)`` return instead of
     raising (seen in the fault suite's ``preload`` scenario)."""
-    real_settle = asyncckpt.SaveHandle._settle
+    def stall(_: Any) -> None:
+        time.sleep(0.3)  # the finalizer thread, descheduled right after completing the handle
 
-    def settle_then_stall(self: Any, *args: Any) -> None:
-        real_settle(self, *args)
-        time.sleep(0.3)  # the finalizer thread, descheduled here
-
-    monkeypatch.setattr(asyncckpt.SaveHandle, "_settle", settle_then_stall)
     with CheckpointManager(tmp_path / "root", persistent=caller == "persistent") as manager:
-        manager.save(1, {"w": torch.ones(10)}).wait(timeout=30)
+        first = manager.save(1, {"w": torch.ones(10)})
+        first.add_done_callback(stall)
+        first.wait(timeout=30)
         assert manager.maybe_finalize(blocking=True) == []
-        manager.save(2, {"w": torch.ones(10)}).wait(timeout=30)
+        second = manager.save(2, {"w": torch.ones(10)})
+        second.add_done_callback(stall)
+        second.wait(timeout=30)
         assert manager.maybe_finalize(blocking=True) == []
         manager.save(3, {"w": torch.ones(10)})
         assert manager.maybe_finalize(blocking=True) == [3]

@@ -385,7 +385,7 @@ def test_the_queue_keeps_nothing_per_save_for_a_manager(tmp_path: Path) -> None:
         assert mgr.maybe_finalize(blocking=True) == list(range(30))
         book = mgr.queue._book
         assert not book.unharvested and not book.pending and not book.failures
-        assert mgr._saver.pending_steps() == [] and not mgr._saver._unharvested
+        assert mgr._saver.pending_steps() == []
 
 
 def test_default_copy_threads_is_this_ranks_share_of_the_node(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -270,14 +270,14 @@ class AsyncCaller(abc.ABC):
 
     def outcome(self, call_idx: int) -> CallOutcome | None:
         """The outcome of ``call_idx`` if it finished on this rank, else ``None``."""
+        self.poll()  # not under the lock: it may reap a dead worker (seconds)
         with self._lock:
-            self.poll()
             return self._outcomes.get(call_idx)
 
     def pop_outcome(self, call_idx: int) -> CallOutcome | None:
         """Remove and return the outcome of ``call_idx`` (``None`` if not finished)."""
+        self.poll()
         with self._lock:
-            self.poll()
             return self._outcomes.pop(call_idx, None)
 
     def abandon(self, call_idx: int) -> None:
@@ -289,8 +289,8 @@ class AsyncCaller(abc.ABC):
 
     def is_running(self, call_idx: int) -> bool:
         """True while this rank's ``async_fn`` for ``call_idx`` may still be running."""
+        self.poll()
         with self._lock:
-            self.poll()
             return call_idx in self.running()
 
     def wait(self, call_idx: int, timeout: float | None = None) -> bool:
@@ -607,6 +607,8 @@ class PersistentAsyncCaller(AsyncCaller):
         self.import_main = import_main or start_method != "spawn"
         self._ctx = mp.get_context(start_method)
         self._worker: _Worker | None = None
+        #: Workers found dead, being reaped (outside the lock): their calls still run.
+        self._dying: list[_Worker] = []
         #: Set once a worker failed to start because the main script has no
         #: ``__main__`` guard: every later call fails at once with it (no restarts).
         self._start_failure: RankFailure | None = None
@@ -620,8 +622,8 @@ class PersistentAsyncCaller(AsyncCaller):
         return worker.proc.pid if worker is not None and worker.proc.is_alive() else None
 
     def _ensure_worker(self) -> _Worker:
+        """(after a :meth:`poll`) The running worker, started if none runs."""
         with self._lock:
-            self.poll()
             if self._start_failure is not None:  # restarting would fail the same way
                 raise RuntimeError(self._start_failure)
             if self._worker is None:
@@ -632,6 +634,7 @@ class PersistentAsyncCaller(AsyncCaller):
 
     def start(self) -> None:
         """Start the worker now instead of at the first call (optional)."""
+        self.poll()
         self._ensure_worker()
 
     def schedule(self, call_idx: int, async_fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
@@ -641,6 +644,7 @@ class PersistentAsyncCaller(AsyncCaller):
             self._record(CallOutcome(call_idx, False, _format_exception(
                 exc, "the request cannot be pickled for the persistent worker: ")))
             return
+        self.poll()  # reaps a dead worker (not under the lock)
         with self._lock:
             try:
                 worker = self._ensure_worker()
@@ -651,12 +655,15 @@ class PersistentAsyncCaller(AsyncCaller):
             worker.inflight.append(call_idx)
             try:
                 worker.task_w.send_bytes(_HEADER.pack(call_idx) + payload)
+                return
             except (BrokenPipeError, OSError):
-                self._worker_died(worker)  # fails call_idx with the worker's exit status
+                self._detach(worker)
+        self._reap(worker)  # fails call_idx with the worker's exit status
 
     def running(self) -> list[int]:
         with self._lock:
-            return list(self._worker.inflight) if self._worker is not None else []
+            workers = self._dying + ([self._worker] if self._worker is not None else [])
+            return [call_idx for worker in workers for call_idx in worker.inflight]
 
     def _drain(self, worker: _Worker) -> bool:
         """Record every result waiting in the pipe; False if the pipe is closed."""
@@ -671,32 +678,50 @@ class PersistentAsyncCaller(AsyncCaller):
         return True
 
     def poll(self) -> None:
+        """Read the results waiting in the pipe; reap a worker found dead.
+
+        The lock is held only to read and to record: a dead worker is joined (up to
+        :data:`TERMINATE_GRACE_S` s) and terminated outside it, so a thread that
+        schedules or asks :meth:`is_running` meanwhile is not held up by the one that
+        reaps. Its calls count as running until they are recorded as failed; the next
+        call starts a new worker at once. Do not call it holding the lock.
+        """
         with self._lock:
             worker = self._worker
-            if worker is None:
+            if worker is None or (self._drain(worker) and worker.proc.is_alive()):
                 return
-            if not self._drain(worker) or not worker.proc.is_alive():
-                self._worker_died(worker)
+            self._detach(worker)
+        self._reap(worker)
 
-    def _worker_died(self, worker: _Worker) -> None:
-        # A result sent just before the worker exited may have arrived after the last
-        # read: read everything left first; what is still in flight failed with it.
-        worker.proc.join(TERMINATE_GRACE_S)
-        self._drain(worker)
-        if worker.proc.is_alive():  # the pipe broke but the process lingers
-            _terminate(worker.proc)
-        _untrack(worker.proc)
-        text = _describe_exit(worker.proc.pid, worker.proc.exitcode)
-        if worker.proc.exitcode == _NO_MAIN_GUARD_EXIT and self.import_main:
-            self._start_failure = _no_main_guard_failure()
-        for call_idx in worker.inflight:
-            self._record(CallOutcome(call_idx, False, self._start_failure or RankFailure(
-                f"the persistent worker {text} while call {call_idx} was in flight (it is restarted for "
-                "the next call)")))
-        worker.inflight.clear()
-        worker.close_pipes()
+    def _detach(self, worker: _Worker) -> None:
+        """(holding the lock) ``worker`` is dead: the next call starts a new one."""
         if self._worker is worker:
             self._worker = None
+        if worker not in self._dying:
+            self._dying.append(worker)
+
+    def _reap(self, worker: _Worker) -> None:
+        """(not holding the lock) Join or terminate a detached worker, then fail its calls."""
+        worker.proc.join(TERMINATE_GRACE_S)
+        if worker.proc.is_alive():  # the pipe broke but the process lingers
+            _terminate(worker.proc)
+        with self._lock:
+            if worker not in self._dying:
+                return  # reaped by another thread
+            # A result sent just before the worker exited may have arrived after the last
+            # read: read everything left first; what is still in flight failed with it.
+            self._drain(worker)
+            _untrack(worker.proc)
+            text = _describe_exit(worker.proc.pid, worker.proc.exitcode)
+            if worker.proc.exitcode == _NO_MAIN_GUARD_EXIT and self.import_main:
+                self._start_failure = _no_main_guard_failure()
+            for call_idx in worker.inflight:
+                self._record(CallOutcome(call_idx, False, self._start_failure or RankFailure(
+                    f"the persistent worker {text} while call {call_idx} was in flight (it is restarted for "
+                    "the next call)")))
+            worker.inflight.clear()
+            worker.close_pipes()
+            self._dying.remove(worker)
 
     def wait_any(self, timeout: float | None) -> None:
         with self._lock:

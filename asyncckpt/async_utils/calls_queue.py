@@ -42,35 +42,43 @@ from asyncckpt.async_utils.request import AsyncRequest
 from asyncckpt.dist import SyncGroup
 from asyncckpt.errors import CheckpointException, RankFailure
 
-__all__ = ["AsyncCallsQueue", "SettleListener"]
+__all__ = ["AsyncCallsQueue", "SettleCallback"]
 
 _log = logging.getLogger("asyncckpt")
 
 _RUNNING, _OK, _FAILED = 0, 1, 2
 
-#: Called once per call when it is settled, with its ``call_idx`` and ``None``
-#: (finalized: its ``finalize_fns`` ran) or the :class:`CheckpointException` it failed
-#: with (also when dropped by ``close(abort=True)``). Runs in the thread that settled
-#: the call: the finalizer thread (``background_finalize=True``) or the thread that
-#: called ``maybe_finalize_async_calls`` / ``close``. Returns ``True`` when it reports
-#: that call's outcome itself (the checkpoint layer does, through its handles): with
-#: ``background_finalize``, ``maybe_finalize_async_calls`` then does not report it
-#: again (and keeps nothing of it).
-SettleListener = Callable[[int, "CheckpointException | None"], "bool | None"]
+#: The ``on_settled`` of :meth:`AsyncCallsQueue.schedule_async_request`: called once,
+#: when the call is settled, with its ``call_idx`` and ``None`` (finalized: its
+#: ``finalize_fns`` ran) or the :class:`CheckpointException` it failed with (also when
+#: dropped by ``close(abort=True)``). Runs in the thread that settled the call: the
+#: finalizer thread (``background_finalize=True``) or the thread that called
+#: ``maybe_finalize_async_calls`` / ``close``, before the call stops counting as
+#: pending. One that raises is logged and ignored: the call is settled all the same.
+SettleCallback = Callable[[int, "CheckpointException | None"], None]
 
 
 class _Book:
-    """A queue's calls and their outcomes, shared by the training and finalizer threads.
+    """A queue's calls and their outcomes, shared by the training and finalizer threads:
+    the one state machine of a call's life (docs/DESIGN.md, "the save's life").
+
+    A call is *pending* (in ``pending``: scheduled, its ``async_fn`` running or done,
+    not finalized), then *settling* (claimed by the one thread that finalizes or drops
+    it: its ``finalize_fns`` and its ``on_settled`` run), then *settled* (failed:
+    in ``failures``; in the background, with no ``on_settled``, queued in
+    ``unharvested`` until ``maybe_finalize_async_calls`` reports it). A call scheduled
+    with ``on_settled`` is *owned*: its owner reports its outcome, the queue's harvest
+    never does.
 
     Everything here is guarded by ``cond``'s lock; no lock is held while a call
-    runs, a finalize function runs, or a collective is in flight.
+    runs, a finalize function runs, an ``on_settled`` runs, or a collective is in flight.
     """
 
     def __init__(self, caller: AsyncCaller, failures_kept: int) -> None:
         self.caller = caller
         self.cond = threading.Condition(threading.RLock())
         self.pending: dict[int, AsyncRequest] = {}  # insertion order is call_idx order
-        #: Claimed, not settled yet: their finalize_fns (the commit) or listeners run.
+        #: Claimed, not settled yet: their finalize_fns (the commit) and on_settled run.
         self.settling: set[int] = set()
         self.preload_failures: dict[int, RankFailure] = {}
         self.results: dict[int, Any] = {}
@@ -78,7 +86,10 @@ class _Book:
         self.failures_kept = failures_kept
         #: Settled in the background, not yet reported by maybe_finalize_async_calls.
         self.unharvested: collections.deque[tuple[int, CheckpointException | None]] = collections.deque()
-        self.listeners: list[SettleListener] = []
+        #: The ``on_settled`` of owned calls not settled yet (popped once, when settled).
+        self.on_settled: dict[int, SettleCallback] = {}
+        #: Owned calls not settled yet (their outcome is their owner's to report).
+        self.owned: set[int] = set()
         self.background = False
 
     def local_status(self, call_idx: int, request: AsyncRequest, blocking: bool,
@@ -141,22 +152,28 @@ class _Book:
         return None
 
     def settle(self, call_idx: int, exc: CheckpointException | None) -> None:
-        """Record a claimed call's end, tell the listeners, then publish it."""
+        """Settling to settled: record a claimed call's end, run its ``on_settled``
+        (once, whoever settles), then publish it. A call settled already is left alone."""
         if exc is not None:
             self.caller.abandon(call_idx)
-        reported = False
-        for listener in list(self.listeners):
+        with self.cond:
+            if call_idx not in self.settling:
+                return  # settled already (a stuck call dropped after its settler ended)
+            on_settled = self.on_settled.pop(call_idx, None)
+            owned = call_idx in self.owned
+        if on_settled is not None:
             try:
-                reported = bool(listener(call_idx, exc)) or reported
-            except Exception:  # noqa: BLE001 - a listener must not break the queue
-                _log.exception("a settle listener of call %d raised", call_idx)
+                on_settled(call_idx, exc)
+            except Exception:  # noqa: BLE001 - the owner's failure must not break the queue
+                _log.exception("the on_settled of call %d raised", call_idx)
         with self.cond:
             if exc is not None:
                 self.failures[call_idx] = exc
                 while len(self.failures) > self.failures_kept:
                     self.failures.popitem(last=False)
             self.settling.discard(call_idx)
-            if self.background and not reported:
+            self.owned.discard(call_idx)
+            if self.background and not owned:
                 self.unharvested.append((call_idx, exc))
             self.cond.notify_all()
 
@@ -315,22 +332,6 @@ class AsyncCallsQueue:
         may register it first; scheduling is not thread-safe: one thread schedules)."""
         return self._next_call_idx
 
-    def add_settle_listener(self, listener: SettleListener) -> None:
-        """Call ``listener(call_idx, exc_or_None)`` once for every call settled from now on.
-
-        The checkpoint layer uses it to settle save handles, run completion callbacks
-        and (on the coordinator) remove a failed save's files, whichever way the
-        failure is observed. A listener that raises is logged and ignored.
-        """
-        self._book.listeners.append(listener)
-
-    def remove_settle_listener(self, listener: SettleListener) -> None:
-        """Stop calling ``listener`` (no error if it was not added)."""
-        try:
-            self._book.listeners.remove(listener)
-        except ValueError:
-            pass
-
     def start(self) -> None:
         """Start the persistent worker and, with ``background_finalize``, the finalizer.
 
@@ -349,11 +350,17 @@ class AsyncCallsQueue:
             self._finalizer = _Finalizer(self._book, SyncGroup.private(self._process_group))
 
     # ------------------------------------------------------------------ scheduling
-    def schedule_async_request(self, async_request: AsyncRequest) -> int:
+    def schedule_async_request(self, async_request: AsyncRequest, *,
+                               on_settled: SettleCallback | None = None) -> int:
         """Run ``preload_fn`` here, then start ``async_fn`` in the background.
 
         Args:
             async_request: the request; it is frozen and given its ``call_idx``.
+            on_settled: makes the call *owned*: ``on_settled(call_idx, exc_or_None)``
+                runs once when it is settled (see :data:`SettleCallback`), however
+                soon, and its outcome is the owner's to report: with
+                ``background_finalize`` :meth:`maybe_finalize_async_calls` does not
+                report it (the checkpoint layer completes its save handles this way).
 
         Returns:
             The ``call_idx`` of the call (0, 1, 2, ... per queue, equal on all ranks).
@@ -377,6 +384,9 @@ class AsyncCallsQueue:
         book = self._book
         with book.cond:
             book.pending[call_idx] = request
+            if on_settled is not None:
+                book.on_settled[call_idx] = on_settled
+                book.owned.add(call_idx)
         started = False
         try:
             args = request.async_fn_args

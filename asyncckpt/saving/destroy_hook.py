@@ -11,6 +11,7 @@ the commit runs as usual), then the groups are destroyed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from typing import Any
@@ -58,10 +59,10 @@ def settle_pending_before_destroy(group: Any) -> None:
     started = time.monotonic()
     for background, record, timeout_s in pending:
         if background:
-            record.handle._wait_settled(max(0.0, started + timeout_s - time.monotonic()))
+            concurrent.futures.wait([record.handle], max(0.0, started + timeout_s - time.monotonic()))
     for background, record, _ in pending:
         handle = record.handle
-        if not handle._wait_settled(0):
+        if not handle.done():
             why = ("its queue is finalized in the training loop" if not background
                    else f"not committed after {time.monotonic() - started:.0f} s")
             _log.warning("asyncckpt: the save of %s was still pending at destroy_process_group() and is lost "

@@ -1,24 +1,23 @@
 """SaveHandle: the future of one save, and what a save reports (timings, result).
 
-A handle changes state only through its own methods: scheduled (``call_idx``), then
-settled once, committed (:class:`SaveTimings`) or failed (the exception). With a queue
-that finalizes in the background (``CheckpointManager``, ``asyncckpt.save``) it settles
-by itself; :meth:`SaveHandle.wait` on one rank works while the others keep training.
+A :class:`SaveHandle` is a :class:`concurrent.futures.Future` whose result is the
+save's :class:`SaveResult`. Whoever runs the save (the saver, ``asyncckpt.saving.saver``)
+completes it once, with ``set_result`` or ``set_exception``, when the queue settles the
+save's call (docs/DESIGN.md, "the save's life"). Reading its state (:meth:`done`,
+``result(timeout=0)``) never runs a commit nor any file I/O; only the blocking calls
+(:meth:`SaveHandle.wait`, :meth:`result`, :meth:`exception` with a timeout other than
+0) may drive a queue finalized in the training loop, through the handle's
+:class:`SaveDriver`. This module imports nothing of the saver: the driver is the
+whole interface between the two.
 """
 
 from __future__ import annotations
 
-import threading
-import time
+import concurrent.futures
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol
 
-from asyncckpt.errors import CheckpointError, CheckpointException
-
-if TYPE_CHECKING:
-    from asyncckpt.saving.saver import Saver
-
-__all__ = ["SaveTimings", "SaveResult", "SaveCallback", "SaveHandle"]
+__all__ = ["SaveTimings", "SaveResult", "SaveCallback", "SaveDriver", "SaveHandle"]
 
 
 class SaveTimings(NamedTuple):
@@ -45,7 +44,8 @@ class SaveTimings(NamedTuple):
 
 
 class SaveResult(NamedTuple):
-    """What a completion callback receives for a committed save.
+    """What a committed save produced: the result of its :class:`SaveHandle`, and what a
+    completion callback receives.
 
     Attributes:
         path: the committed checkpoint directory.
@@ -65,72 +65,134 @@ class SaveResult(NamedTuple):
 #: runs in the thread that settled the save: the queue's finalizer thread for
 #: ``CheckpointManager`` and ``asyncckpt.save`` (so it must be thread-safe), the
 #: calling thread for a synchronous save or a queue finalized in the training loop.
+#: It runs before the handle is completed: a ``wait()`` that returns has seen it run.
 SaveCallback = Callable[["SaveResult | BaseException"], None]
 
 
-class SaveHandle:
-    """A future-like handle of one save (``torch.futures.Future``-like: ``done``, ``wait``).
+class SaveDriver(Protocol):
+    """What a :class:`SaveHandle` asks of whoever runs its save (one driver per save).
+
+    The saver gives each handle one; a handle without a driver (``None``) is completed
+    by its creator alone. No method runs a commit unless named so.
+    """
+
+    @property
+    def call_idx(self) -> int | None:
+        """The save's call in its queue; ``None`` until scheduled, and for a synchronous save."""
+
+    def synchronize_staging(self) -> None:
+        """Finish this save's overlapped staging copy and hand it to the writer (no-op
+        once handed, and for a save that is not overlapped)."""
+
+    def drive(self, timeout: float | None) -> None:
+        """(blocking path only) With a queue finalized in the training loop, finalize
+        the queue's calls up to this save (collective; may commit); else nothing.
+
+        Raises:
+            TimeoutError: this rank's write did not finish within ``timeout`` seconds.
+        """
+
+    def reported(self) -> None:
+        """The user saw this save's outcome: its owner's harvest (``maybe_finalize``)
+        does not report it again."""
+
+    def check_callbacks(self, error: BaseException | None) -> None:
+        """Report the completion-callback errors pending on the owner: as notes of
+        ``error`` (the save's failure, raised by the caller), or raised.
+
+        Raises:
+            CallbackError: (``error`` is ``None``) a completion callback raised.
+        """
+
+
+class SaveHandle(concurrent.futures.Future[SaveResult]):
+    """The future of one save: a :class:`concurrent.futures.Future` of its :class:`SaveResult`.
+
+    ``result(timeout)``, ``exception(timeout)``, ``done()`` and
+    ``add_done_callback(fn)`` behave as for any future; ``fn`` runs in the thread
+    that completed the save (the queue's finalizer thread in the background). A save
+    cannot be cancelled: it is running from its creation, ``cancel()`` returns False.
+
+    With a queue finalized in the training loop nothing completes a save until the
+    loop finalizes (``maybe_finalize``): :meth:`wait`, and :meth:`result` /
+    :meth:`exception` with a timeout other than 0, do that (collective across the
+    ranks); :meth:`done` and ``result(timeout=0)`` only read the state.
 
     Attributes:
         checkpoint_dir: the final (committed) path.
-        call_idx: the call in the queue (``None`` for a synchronous save, and for an
-            overlapped save until its staging is synchronized).
         step: the step (``CheckpointManager`` saves), else ``None``.
-        timings: :class:`SaveTimings` once committed, else ``None``.
     """
 
-    def __init__(self, checkpoint_dir: Path, step: int | None, started: float,
-                 callback: SaveCallback | None, saver: "Saver | None") -> None:
+    def __init__(self, checkpoint_dir: Path, step: int | None, driver: SaveDriver | None = None) -> None:
+        super().__init__()
         self.checkpoint_dir = checkpoint_dir
         self.step = step
-        self.call_idx: int | None = None
-        self.timings: SaveTimings | None = None
-        self._started = started
-        self._stall_s = 0.0
-        self._settled = threading.Event()
-        self._exception: BaseException | None = None
-        self._callback = callback
-        self._saver = saver
-        self._staging = False  # an overlapped staging copy is in flight
+        self._driver = driver
+        self.set_running_or_notify_cancel()  # a save runs from its creation: never cancelled
 
-    # ------------------------------------------------------------------ state changes
-    def _add_stall(self, seconds: float) -> None:
-        self._stall_s += seconds
+    # ------------------------------------------------------------------ the future
+    @property
+    def call_idx(self) -> int | None:
+        """The save's call in its queue (``None`` for a synchronous save, and for an
+        overlapped save until its staging is synchronized)."""
+        return self._driver.call_idx if self._driver is not None else None
 
-    def _set_staging(self, in_flight: bool) -> None:
-        self._staging = in_flight
+    @property
+    def path(self) -> Path:
+        """The final (committed) path (``checkpoint_dir``)."""
+        return self.checkpoint_dir
 
-    def _set_scheduled(self, call_idx: int) -> None:
-        self.call_idx = call_idx
+    @property
+    def timings(self) -> SaveTimings | None:
+        """The :class:`SaveTimings` once committed, else ``None`` (pending, or failed)."""
+        if not self.done() or super().exception(timeout=0) is not None:
+            return None
+        result: SaveResult = super().result(timeout=0)
+        return result.timings
 
-    def _commit_timings(self, write_s: float, finalize_s: float, nbytes: int) -> SaveTimings:
-        """The timings of this save, committed now."""
-        total = time.monotonic() - self._started
-        return SaveTimings(stall_s=self._stall_s, write_s=write_s, finalize_s=finalize_s, total_s=total,
-                           bytes=nbytes, gbps=nbytes / write_s / 1e9 if write_s > 0 else 0.0)
+    def cancel(self) -> bool:
+        """A save cannot be cancelled once created: always False (nothing changes)."""
+        return False
 
-    def _settle(self, timings: SaveTimings | None = None, exception: BaseException | None = None) -> bool:
-        """Mark committed (``timings``) or failed (``exception``), once.
+    def _drive(self, timeout: float | None) -> None:
+        if timeout == 0 or self.done() or self._driver is None:
+            return
+        self._driver.synchronize_staging()
+        if not self.done():
+            self._driver.drive(timeout)
 
-        Returns:
-            False if the handle was settled already (nothing changed).
+    def result(self, timeout: float | None = None) -> SaveResult:
+        """The save's :class:`SaveResult`, once committed on all ranks.
+
+        Unlike :meth:`wait`, the outcome does not count as reported: a failure is also
+        raised by ``CheckpointManager.maybe_finalize``, and completion-callback errors
+        are left to :meth:`wait`, ``maybe_finalize`` and ``close``.
+
+        Args:
+            timeout: seconds to wait (``None``: no limit; 0: only read the state).
+
+        Raises:
+            CheckpointException: this save failed (on any rank).
+            TimeoutError: not completed within ``timeout`` seconds (the save goes on).
         """
-        if self._settled.is_set():
-            return False
-        self.timings, self._exception = timings, exception
-        self._settled.set()
-        return True
+        self._drive(timeout)
+        result: SaveResult = super().result(timeout)  # raises the save's failure
+        return result
 
-    def _wait_settled(self, timeout: float | None = None) -> bool:
-        """Wait until committed or failed, raising nothing; False on timeout."""
-        return self._settled.wait(timeout)
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The save's failure, or ``None`` once committed (``Future.exception``); as for
+        :meth:`result`, the outcome does not count as reported.
 
-    def _take_callback(self) -> SaveCallback | None:
-        """The completion callback, handed out once."""
-        callback, self._callback = self._callback, None
-        return callback
+        Args:
+            timeout: seconds to wait (``None``: no limit; 0: only read the state).
 
-    # ------------------------------------------------------------------ public
+        Raises:
+            TimeoutError: not completed within ``timeout`` seconds.
+        """
+        self._drive(timeout)
+        return super().exception(timeout)
+
+    # ------------------------------------------------------------------ the save's API
     def synchronize_staging(self) -> None:
         """Wait until the state is staged, then start the write (overlapped saves).
 
@@ -141,25 +203,8 @@ class SaveHandle:
         same order as its saves. The time spent here counts as stall. No-op for other
         saves.
         """
-        if self._staging and self._saver is not None:
-            self._saver.synchronize_staging()
-
-    def done(self) -> bool:
-        """True once the save was committed or failed.
-
-        With a queue that finalizes in the background (the default) this turns true
-        by itself. With a queue finalized in the training loop, finalization happens
-        in :meth:`wait`, ``CheckpointManager.maybe_finalize`` or
-        ``AsyncCallsQueue.maybe_finalize_async_calls``; in a single process this
-        call also makes progress, without blocking.
-        """
-        if not self._settled.is_set() and self._saver is not None:
-            self._saver.poll_foreground(self)
-        return self._settled.is_set()
-
-    def exception(self) -> BaseException | None:
-        """The save's exception if it failed (``None`` if committed or pending)."""
-        return self._exception if self._settled.is_set() else None
+        if self._driver is not None:
+            self._driver.synchronize_staging()
 
     def wait(self, timeout: float | None = None) -> SaveTimings:
         """Block until the checkpoint is committed on all ranks.
@@ -180,29 +225,24 @@ class SaveHandle:
                 (the checkpoint itself is committed).
             TimeoutError: not settled within ``timeout`` seconds (the save goes on).
         """
-        self.synchronize_staging()
-        saver = self._saver
-        if not self._settled.is_set() and saver is not None:
-            saver.drive_foreground(self, timeout)
-        if not self._settled.wait(timeout):
-            raise TimeoutError(f"the save of {self.checkpoint_dir} was not committed within {timeout} s")
-        if self._exception is not None:
-            if saver is not None:
-                saver.mark_reported(self)
-                if isinstance(self._exception, CheckpointException):
-                    saver.attach_callback_errors(self._exception)
-            raise self._exception
-        if saver is not None:
-            saver.mark_reported(self)
-            saver.raise_callback_errors()
-        if self.timings is None:
-            raise CheckpointError(f"the save of {self.checkpoint_dir} was dropped before it was finalized")
-        return self.timings
+        try:
+            self._drive(timeout)
+            error = super().exception(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the save of {self.checkpoint_dir} was not committed within {timeout} s") from None
+        if self._driver is not None:
+            self._driver.reported()
+            self._driver.check_callbacks(error)
+        if error is not None:
+            raise error
+        result: SaveResult = super().result(timeout=0)
+        return result.timings
 
     def __repr__(self) -> str:
-        state = ("pending" if not self._settled.is_set()
-                 else "failed" if self._exception is not None else "committed")
+        state = ("pending" if not self.done()
+                 else "failed" if super().exception(timeout=0) is not None else "committed")
         return f"SaveHandle({str(self.checkpoint_dir)!r}, {state})"
 
     def __reduce__(self) -> Any:
         raise TypeError("a SaveHandle belongs to the process that saved; it cannot be pickled")
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import logging
 import multiprocessing.util as mp_util
 import os
@@ -42,11 +43,11 @@ def _settle_or_name(pending: list[tuple[bool, SaveInFlight]], timeout: float, wh
     deadline = time.monotonic() + timeout
     for background, record in pending:
         if background:
-            record.handle._wait_settled(max(0.0, deadline - time.monotonic()))
+            concurrent.futures.wait([record.handle], max(0.0, deadline - time.monotonic()))
     lost = []
     for _, record in pending:
         handle = record.handle
-        if not handle._wait_settled(0):
+        if not handle.done():
             lost.append(record)
             _log.warning("asyncckpt: the save of %s was still pending %s and is lost (not committed; waited "
                          "%.0f s, %s)%s", _describe_save(record), when, timeout, EXIT_TIMEOUT_ENV, hint)
@@ -145,7 +146,7 @@ def _settle_dropped(saver: Saver, queue: AsyncCallsQueue | None) -> None:
             pass
     records = saver.pending_records()
     for record in records:
-        record.handle._wait_settled()  # committed by the queue's finalizer (or failed, or aborted)
+        concurrent.futures.wait([record.handle])  # committed by the queue's finalizer (or failed, or aborted)
     if os.getpid() in _exit_done:
         return  # the interpreter exits: its hook named what is lost, its exit path stops the worker
     for record in records:

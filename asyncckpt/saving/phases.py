@@ -185,7 +185,8 @@ def write_task(save: SaveInFlight, pool: StagingPool, options: SaveOptions) -> W
 
 
 def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
-           pending_steps: Iterable[int] = (), exchange: _LayoutExchange | None = None) -> SaveTimings:
+           pending_steps: Iterable[int] = (), exchange: _LayoutExchange | None = None,
+           metadata_pickle: MetadataPickle | None = None) -> SaveTimings:
     """Phase 4, commit: make the checkpoint visible, atomically (all ranks, collective).
 
     Call sequence (``sync`` is the finalizer's group in the background):
@@ -207,8 +208,11 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
     ``Saver._settle``), and reports committed only if the final directory's manifest
     carries this save's token.
 
+    ``metadata_pickle``: the saver's cache of the last ``.metadata`` it pickled (one
+    per saver: two managers must not evict each other's entry); ``None``: pickled afresh.
+
     Returns:
-        The save's timings.
+        The save's timings (also set on ``save``).
 
     Raises:
         CheckpointException: the commit failed (on every rank, with the
@@ -216,6 +220,7 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
     """
     started = time.monotonic()
     exchange = exchange if exchange is not None else _LayoutExchange()
+    metadata_pickle = metadata_pickle if metadata_pickle is not None else MetadataPickle()
     coordinator = sync.rank == save.coordinator_rank
     try:
         gathered = sync.all_gather_object((exchange.outgoing(save), result))
@@ -231,12 +236,12 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
             metadata.storage_data = exchange.merged([layout for layout, _ in gathered])
             metadata.version = CURRENT_DCP_VERSION
             files = [f for _, r in gathered for f in r.files]
-            info = {"world_size": sync.world_size, "step": save.step, "save_token": save.planned.token}
+            info: dict[str, Any] = {"world_size": sync.world_size, "step": save.step, "save_token": save.planned.token}
             if save.planned.int_keys:  # dict keys that were int (DCP's metadata has str(key))
                 info["int_keys"] = {fqn: list(ints) for fqn, ints in save.planned.int_keys.items()}
             if save.root is not None:
                 info["commit_seq"] = save.root.next_commit_seq()  # the rollback order (root.py)
-            metadata_bytes, records = _METADATA_PICKLE.encode(metadata)
+            metadata_bytes, records = metadata_pickle.encode(metadata)
             _commit.commit_directory(save.tmp_dir, save.final_dir, metadata_bytes, files, info, records)
         except Exception as exc:  # noqa: BLE001 - funnelled to every rank below
             failure = RankFailure.from_exception(exc, "commit failed: ")
@@ -256,12 +261,11 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
                          str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
     if failure is not None:
         exchange.forget_sent()
-        raise CheckpointException(save.handle.call_idx if save.handle.call_idx is not None else -1,
+        raise CheckpointException(save.call_idx if save.call_idx is not None else -1,
                                   {save.coordinator_rank: failure}, save.step, save.final_dir)
     write_s = max(r.write_s for _, r in gathered)
     nbytes = sum(r.nbytes for _, r in gathered)
-    save.timings = save.handle._commit_timings(write_s, time.monotonic() - started, nbytes)
-    return save.timings
+    return save.finish_timings(write_s, time.monotonic() - started, nbytes)
 
 
 #: Seconds a rank whose commit collective broke waits for the coordinator's decision.
@@ -279,8 +283,7 @@ def _committed_on_disk(save: SaveInFlight, result: RankWriteResult, started: flo
         return None
     small = (_commit.METADATA_NAME, _commit.RECORDS_NAME)
     nbytes = sum(e["size"] for n, e in manifest["files"].items() if n not in small)
-    save.timings = save.handle._commit_timings(result.write_s, time.monotonic() - started, nbytes)
-    return save.timings
+    return save.finish_timings(result.write_s, time.monotonic() - started, nbytes)
 
 
 def _outcome_from_disk(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup, started: float,
@@ -311,11 +314,11 @@ def _outcome_from_disk(save: SaveInFlight, result: RankWriteResult, sync: SyncGr
     else:
         text = (f"the commit of {name} broke on this rank ({why}); the coordinator (rank "
                 f"{save.coordinator_rank}) did not commit it")
-    raise CheckpointException(save.handle.call_idx if save.handle.call_idx is not None else -1,
+    raise CheckpointException(save.call_idx if save.call_idx is not None else -1,
                               {sync.rank: RankFailure(text)}) from cause
 
 
-class _MetadataPickle:
+class MetadataPickle:
     """The pickled DCP ``.metadata`` of the last commit, reused while only its
     ``storage_meta`` changes (issue #11: 50-220 ms of ``pickle.dumps`` per save at
     4096 tensors, in the finalizer thread, holding the GIL the training thread needs).
@@ -326,7 +329,8 @@ class _MetadataPickle:
     stores a string as its length and bytes, so when the new strings have the old
     lengths (the same root, ``step_%08d`` names, 32 hex digits) they are written over
     the old ones in place, and the result is byte for byte what ``pickle.dumps`` gives.
-    Otherwise the metadata is pickled afresh (and cached).
+    Otherwise the metadata is pickled afresh (and cached). One per saver (it holds one
+    entry: savers sharing one would evict each other's).
     """
 
     def __init__(self) -> None:
@@ -335,8 +339,6 @@ class _MetadataPickle:
         self._data: bytes = b""
         self._at: tuple[int, int, int, int] = (0, 0, 0, 0)  # checkpoint_id, save_id: offset, length
         self._records: str | None = None  # the cached metadata's records (records_json), None: none
-        #: how many commits reused the cached bytes (observable in tests).
-        self.hits = 0
 
     def encode(self, metadata: Any) -> tuple[bytes, bytes | None]:
         """``pickle.dumps(metadata)`` and the records file for it (``None`` when an entry
@@ -352,11 +354,10 @@ class _MetadataPickle:
                     and key[2] == metadata.storage_data and key[3] == metadata.version
                     and key[4] == (meta.load_id, list(meta.modules)) and len(cid) == self._at[1]
                     and len(sid) == self._at[3]):
-                data = bytearray(self._data)
-                data[self._at[0]:self._at[0] + len(cid)] = cid
-                data[self._at[2]:self._at[2] + len(sid)] = sid
-                self.hits += 1
-                return bytes(data), self._records_file(self._records, data)
+                patched = bytearray(self._data)
+                patched[self._at[0]:self._at[0] + len(cid)] = cid
+                patched[self._at[2]:self._at[2] + len(sid)] = sid
+                return bytes(patched), self._records_file(self._records, patched)
         data = pickle.dumps(metadata)
         found = _records.records_from_metadata(metadata)
         records = None if found is None else _records.records_json(found)
@@ -374,7 +375,5 @@ class _MetadataPickle:
     def _records_file(records: str | None, data: bytes | bytearray) -> bytes | None:
         return None if records is None else _records.records_file(records, crc32(data))
 
-
-_METADATA_PICKLE = _MetadataPickle()
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 from asyncckpt.dist import SyncGroup
 from asyncckpt.format.layout import RankLayout
 from asyncckpt.root import CheckpointRoot
 from asyncckpt.saving import destroy_hook as _destroy_hook  # noqa: F401 - pending saves commit before destroy_process_group()
-from asyncckpt.saving.handle import SaveHandle, SaveTimings
+from asyncckpt.saving.handle import SaveCallback, SaveHandle, SaveTimings
 from asyncckpt.saving.planning import SavePlanResult
 from asyncckpt.saving.staging import StagingBuffer
 
@@ -32,6 +33,13 @@ class SaveInFlight:
             (``CheckpointManager``), else ``None``.
         buffer: the staging buffer (after :func:`stage`).
         timings: set by :func:`commit`.
+        started: ``time.monotonic()`` at the ``save()`` call (for ``total_s``).
+        stall_s: seconds the training thread has been blocked by this save so far.
+        call_idx: the save's call in its queue, once scheduled (``None``: not yet,
+            or a synchronous save).
+        callback: the completion callback, run once when the save is settled.
+        reported: the user saw the outcome (``wait``/``result``/``exception``): the
+            owner's harvest does not report it again.
     """
 
     final_dir: Path
@@ -45,5 +53,17 @@ class SaveInFlight:
     root: CheckpointRoot | None = None
     buffer: StagingBuffer | None = None
     timings: SaveTimings | None = None
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    stall_s: float = 0.0
+    call_idx: int | None = None
+    callback: SaveCallback | None = None
+    reported: bool = False
+
+    def finish_timings(self, write_s: float, finalize_s: float, nbytes: int) -> SaveTimings:
+        """Set and return :attr:`timings`, the save being committed now."""
+        total = time.monotonic() - self.started
+        self.timings = SaveTimings(stall_s=self.stall_s, write_s=write_s, finalize_s=finalize_s, total_s=total,
+                                   bytes=nbytes, gbps=nbytes / write_s / 1e9 if write_s > 0 else 0.0)
+        return self.timings
 
 

@@ -1,8 +1,20 @@
-"""Saver: runs the phases of each save on an AsyncCallsQueue and settles its handles."""
+"""Saver: runs the phases of each save on an AsyncCallsQueue and completes its handle.
+
+The life of a save's call is the queue's state machine (``_Book`` in
+:mod:`asyncckpt.async_utils.calls_queue`: pending, settling, settled); the saver keeps
+no state of its own about it. It schedules each save's call as *owned*, with an
+``on_settled`` that runs once, in the settling-to-settled transition, and completes
+the save's :class:`SaveHandle` (a ``concurrent.futures.Future``): a save is pending
+exactly while its handle is not done. The saver keeps only the records of its saves
+in call order until its owner's harvest (``CheckpointManager.maybe_finalize``) reported
+them. docs/DESIGN.md, "the save's life".
+"""
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import functools
 import logging
 import os
 import threading
@@ -14,6 +26,7 @@ from typing import Any
 import psutil
 import torch
 
+from asyncckpt import _faults
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 from asyncckpt.async_utils.request import AsyncRequest
 from asyncckpt.dist import SyncGroup
@@ -33,22 +46,63 @@ from asyncckpt.saving.exchange import _LayoutCache, _LayoutExchange
 from asyncckpt.saving.handle import SaveCallback, SaveHandle, SaveResult, SaveTimings
 from asyncckpt.saving.overlap import _Overlapped, _small
 from asyncckpt.saving.pending import _describe_save, _live_savers, _settle_or_name
-from asyncckpt.saving.phases import _committed_on_disk, commit, plan, stage, write_task
+from asyncckpt.saving.phases import (
+    MetadataPickle,
+    _committed_on_disk,
+    commit,
+    plan,
+    stage,
+    write_task,
+)
 from asyncckpt.saving.planning import PlanCache
 from asyncckpt.saving.record import SaveInFlight
 from asyncckpt.saving.staging import StagingBuffer, StagingCopier, StagingPool
 
 _log = logging.getLogger("asyncckpt")
 
+
+class _SaveLink:
+    """The :class:`~asyncckpt.saving.handle.SaveDriver` of one save: what its handle
+    asks of the saver (the handle imports nothing of this module)."""
+
+    def __init__(self, saver: "Saver") -> None:
+        self._saver = saver
+        self.record: SaveInFlight | None = None  # set once planned
+
+    @property
+    def call_idx(self) -> int | None:
+        return self.record.call_idx if self.record is not None else None
+
+    def synchronize_staging(self) -> None:
+        overlapped = self._saver._overlapped
+        if overlapped is not None and self.record is not None and overlapped.save is self.record:
+            self._saver.synchronize_staging()
+
+    def drive(self, timeout: float | None) -> None:
+        if self.record is not None:
+            self._saver.drive_foreground(self.record, timeout)
+
+    def reported(self) -> None:
+        if self.record is not None:
+            self.record.reported = True
+
+    def check_callbacks(self, error: BaseException | None) -> None:
+        if error is None:
+            self._saver.raise_callback_errors()
+        elif isinstance(error, CheckpointException):
+            self._saver.attach_callback_errors(error)
+
+
 class Saver:
     """Runs the save phases on one queue for one owner (a manager, or ``asyncckpt.save``).
 
-    Owns: a :class:`StagingPool` (freed by :meth:`release`), a copier, the plan and
-    layout caches, the saves in flight and their handles. It learns how each save
-    ended from the queue's settle listener, on every rank, whichever thread settled
-    it: it then settles the handle, runs the completion callback, and for a failed
-    save the coordinator removes its temporary directory (so a failed save leaves
-    nothing behind; another rank never removes what the coordinator may commit).
+    Owns: a :class:`StagingPool` (freed by :meth:`release`), a copier, the plan,
+    layout and ``.metadata`` caches, and the records of its saves until harvested.
+    Each save's call is owned (``on_settled``): when the queue settles it, on every
+    rank, whichever thread settled it, the saver runs the completion callback, for
+    a failed save the coordinator removes its temporary directory (so a failed save
+    leaves nothing behind; another rank never removes what the coordinator may
+    commit), then completes the handle (also when one of those steps raised).
 
     Args:
         queue: the queue that runs the writes (held weakly: the saver goes with it).
@@ -66,17 +120,16 @@ class Saver:
         self.plan_cache: PlanCache | None = PlanCache() if self.options.plan_cache else None
         self.layouts = _LayoutCache()
         self.layout_exchange = _LayoutExchange()  # used by the finalizer thread's commits only
+        self.metadata_pickle = MetadataPickle()  # this saver's: another saver's commits never evict it
         self.lock = threading.RLock()  # one save() / synchronize_staging() at a time
-        self._state = threading.RLock()  # guards the maps below (training and finalizer threads)
+        self._state = threading.RLock()  # guards the two below (training and finalizer threads)
         self._overlapped: _Overlapped | None = None
-        self._inflight: dict[int, SaveInFlight] = {}  # call_idx -> scheduled, not settled
-        self._settling: set[int] = set()  # in _inflight, being settled by _on_settled
-        self._unharvested: collections.deque[tuple[int, SaveInFlight, BaseException | None]] = collections.deque()
-        self._reported: set[int] = set()  # outcomes already seen through handle.wait()
+        #: This saver's scheduled saves, in call order, until harvested (pending while
+        #: their handle is not done: the queue's state, not a copy of it).
+        self._records: collections.deque[SaveInFlight] = collections.deque()
         self._callback_errors: list[tuple[SaveHandle, BaseException]] = []
         #: Timings of the most recently committed save (``None`` before the first).
         self.last_committed_timings: SaveTimings | None = None
-        queue.add_settle_listener(self._on_settled)
         _live_savers.add(self)
 
     @property
@@ -101,17 +154,20 @@ class Saver:
     def pending_records(self) -> list[SaveInFlight]:
         """This saver's saves scheduled and not settled yet, in call order."""
         with self._state:
-            return list(self._inflight.values())
+            return [record for record in self._records if not record.handle.done()]
 
     def _in_flight(self, final_dir: Path) -> bool:
         """True while a save of this saver into ``final_dir`` is scheduled and not settled."""
-        with self._state:
-            return any(record.final_dir == final_dir for record in self._inflight.values())
+        return any(record.final_dir == final_dir for record in self.pending_records())
 
     def pending_steps(self) -> list[int]:
         """Steps of this saver's saves scheduled and not settled yet."""
+        return [s.step for s in self.pending_records() if s.step is not None]
+
+    def _owns(self, call_idx: int) -> bool:
+        """True if ``call_idx`` of the queue is a save of this saver not harvested yet."""
         with self._state:
-            return [s.step for s in self._inflight.values() if s.step is not None]
+            return any(record.call_idx == call_idx for record in self._records)
 
     # ------------------------------------------------------------------ phases, driven
     def _check_memory(self, layout: RankLayout) -> None:
@@ -150,10 +206,13 @@ class Saver:
         if async_op:
             queue.start()  # collective the first time: the finalizer's group
         sync = SyncGroup(process_group)
-        handle = SaveHandle(final_dir, step, started, callback, self)
+        link = _SaveLink(self)
+        handle = SaveHandle(final_dir, step, link)
         record = plan(state_dict, final_dir, handle, sync=sync, coordinator_rank=coordinator_rank, step=step,
                       root=self.root, cache=self.plan_cache, layouts=self.layouts,
                       check_layout=self._check_memory, in_flight=self._in_flight)
+        record.started, record.callback = started, callback
+        link.record = record
         if not async_op:
             self._save_sync(record, started)
             return handle
@@ -167,11 +226,10 @@ class Saver:
             self._overlapped = _Overlapped(
                 record, lambda: stage(record, buffer, self.copier, cuda=False, synchronize=False,
                                       select=lambda t: not _small(t)), self.copier.event)
-            handle._set_staging(True)
-            handle._add_stall(time.monotonic() - started)
+            record.stall_s += time.monotonic() - started
             return handle
         self._schedule(record, lambda: self._stage_now(record))
-        handle._add_stall(time.monotonic() - started)
+        record.stall_s += time.monotonic() - started
         return handle
 
     def _stage_now(self, record: SaveInFlight) -> WriteTask:
@@ -183,27 +241,47 @@ class Saver:
         return write_task(record, self.pool, self.options)
 
     def _schedule(self, record: SaveInFlight, preload: Any) -> None:
+        """Schedule ``record``'s call, owned: :meth:`_settle` completes its handle.
+
+        Raises:
+            CheckpointError: another thread scheduled on the queue at the same time
+                (the save's commit would read another call's result: it fails).
+            RuntimeError: the queue is closed (the handle fails with it).
+        """
         queue = self.queue
         request = AsyncRequest(write_rank_files, (), [lambda: self._commit_call(record)], preload_fn=preload)
-        # Registered before it is scheduled: the listener must know the call however
-        # soon it settles (an interrupted or failed preload settles it at once).
+        # Known before it is scheduled: the commit may run before schedule_async_request
+        # returns (it hands the call to the finalizer thread first).
         call_idx = queue.next_call_idx
-        record.handle._set_scheduled(call_idx)
+        record.call_idx = call_idx
         with self._state:
-            self._inflight[call_idx] = record
-        scheduled = queue.schedule_async_request(request)
-        assert scheduled == call_idx, "schedule_async_request was called concurrently on one queue"
+            self._records.append(record)
+        try:
+            scheduled = queue.schedule_async_request(request, on_settled=functools.partial(self._on_settled, record))
+        except BaseException as exc:
+            if queue.next_call_idx == call_idx:  # never scheduled: nothing will settle it
+                with self._state:
+                    self._records.remove(record)
+                record.call_idx = None
+                self._settle(record, CheckpointError(f"the save of {_describe_save(record)} was not scheduled: "
+                                                     f"{type(exc).__name__}: {exc}"))
+            raise
+        if scheduled != call_idx:
+            raise CheckpointError(
+                f"the save of {_describe_save(record)} was scheduled as call {scheduled} of its queue, not "
+                f"{call_idx}: another thread scheduled on the same AsyncCallsQueue at the same time. Schedule "
+                "on one queue from one thread (this save fails at its commit)")
         if record.buffer is not None:
             self.pool.lease(record.buffer, call_idx)
 
     def _commit_call(self, record: SaveInFlight) -> None:
         """The finalize function of a save's call: phase 4 on the finalizer's group."""
         queue = self.queue
-        call_idx = record.handle.call_idx
-        assert call_idx is not None
-        result: RankWriteResult = queue.get_result(call_idx)
+        if record.call_idx is None:
+            raise CheckpointError(f"the save of {_describe_save(record)} was committed before it was scheduled")
+        result: RankWriteResult = queue.get_result(record.call_idx)
         commit(record, result, queue.finalize_sync, [s for s in self.pending_steps() if s != record.step],
-               self.layout_exchange)
+               self.layout_exchange, self.metadata_pickle)
 
     def _save_sync(self, record: SaveInFlight, started: float) -> None:
         """A synchronous save: the same phases in this thread, after the pending saves.
@@ -223,7 +301,7 @@ class Saver:
                 result = write_rank_files(self._stage_now(record))
             except Exception as exc:  # noqa: BLE001 - funnelled to every rank
                 failure = RankFailure.from_exception(exc)
-            record.handle._add_stall(time.monotonic() - started)
+            record.stall_s += time.monotonic() - started
             error: CheckpointException | None = None
             failures = sync.gather_failures(failure)
             if failures:
@@ -231,7 +309,7 @@ class Saver:
             else:
                 assert result is not None
                 try:
-                    commit(record, result, sync, self.pending_steps())
+                    commit(record, result, sync, self.pending_steps(), metadata_pickle=self.metadata_pickle)
                 except CheckpointException as exc:
                     error = exc
         except BaseException as exc:
@@ -244,7 +322,7 @@ class Saver:
             raise
         self._settle(record, error)
         if error is not None:
-            self.mark_reported(record.handle)
+            record.reported = True
             self.attach_callback_errors(error)
             raise error
         self.raise_callback_errors()
@@ -258,7 +336,7 @@ class Saver:
         with self.lock:
             self.synchronize_staging()
             sync = SyncGroup(process_group)
-            handle = SaveHandle(Path(""), None, time.monotonic(), None, None)
+            handle = SaveHandle(Path(""), None)
             record = plan(state_dict, Path(""), handle, sync=sync, coordinator_rank=coordinator_rank,
                           cache=self.plan_cache, layouts=self.layouts, check_target=False,
                           check_layout=self._check_memory)
@@ -292,89 +370,101 @@ class Saver:
             try:
                 self._schedule(record, preload)
             finally:
-                record.handle._set_staging(False)
-                record.handle._add_stall(time.monotonic() - started)
+                record.stall_s += time.monotonic() - started
 
     # ------------------------------------------------------------------ outcomes
-    def _on_settled(self, call_idx: int, exc: CheckpointException | None) -> bool:
-        """The queue's settle listener (any thread, every rank). True for this saver's
-        calls: their outcomes are reported through their handles and :meth:`harvest`."""
-        with self._state:
-            record = self._inflight.get(call_idx)
-            if record is None or call_idx in self._settling:
-                return record is not None
-            self._settling.add(call_idx)  # stays in _inflight until queued for harvest
+    def _on_settled(self, record: SaveInFlight, call_idx: int, exc: CheckpointException | None) -> None:
+        """The ``on_settled`` of a save's call: the queue runs it once (any thread, every rank)."""
         self._settle(record, exc)
-        return True
 
     def _settle(self, record: SaveInFlight, exc: BaseException | None) -> None:
-        handle = record.handle
-        if isinstance(exc, CheckpointException):  # named by the step and path, not the queue's call
-            exc = exc.for_save(record.step, record.final_dir)
-        if exc is not None:
-            if record.sync.rank == record.coordinator_rank:
-                # The coordinator alone, once it decided not to commit: another rank
-                # must never remove what the coordinator may still be committing.
-                _commit.discard_temporary(record.tmp_dir)
-            outcome: Any = exc
-        else:
-            assert record.timings is not None
-            outcome = SaveResult(record.final_dir, record.step, record.timings, record.timings.bytes)
-            self.last_committed_timings = record.timings
-        callback = handle._take_callback()
-        if callback is not None:
-            try:
-                callback(outcome)
-            except Exception as error:  # reported by raise_callback_errors, never swallowed
-                _log.error("the completion callback of the save of %s raised", handle.checkpoint_dir,
-                           exc_info=error)
-                with self._state:
-                    self._callback_errors.append((handle, error))
-        record.planned = record.planned._replace(data=[])
-        # Out of _inflight and queued for harvest at once (a save is always in one of
-        # them, else wait_all() misses it while it settles, and a blocking harvest
-        # returns without its failure), and before the handle is settled (a wait() that
-        # returns marks the outcome reported, and must find it queued, else harvest
-        # reports it again).
-        if handle.call_idx is not None:
-            with self._state:
-                self._inflight.pop(handle.call_idx, None)
-                self._settling.discard(handle.call_idx)
-                self._unharvested.append((handle.call_idx, record, exc))
-        handle._settle(record.timings if exc is None else None, exc)
+        """Run what a save's end needs, then complete its handle, whatever raised.
 
-    def poll_foreground(self, handle: SaveHandle) -> None:
-        """Make progress on a queue finalized in the training loop, single process only."""
-        queue = self._queue_ref()
-        if (queue is None or queue.background_finalize or queue.closed or handle.call_idx is None
-                or queue.sync.active or not queue.is_pending(handle.call_idx)):
+        A failed save's temporary directory is removed by the coordinator; the
+        completion callback runs (its error is kept for :meth:`raise_callback_errors`);
+        then the handle is completed: with the save's result or failure, or, if one of
+        these steps raised, with a :class:`CheckpointException` caused by that error
+        (failpoint ``settle``). Never leaves the handle pending.
+        """
+        handle = record.handle
+        outcome: SaveResult | BaseException | None = None
+        interrupt: BaseException | None = None
+        try:
+            _faults.hit("settle")
+            if isinstance(exc, CheckpointException):  # named by the step and path, not the queue's call
+                exc = exc.for_save(record.step, record.final_dir)
+            if exc is not None:
+                outcome = exc
+                if record.sync.rank == record.coordinator_rank:
+                    # The coordinator alone, once it decided not to commit: another rank
+                    # must never remove what the coordinator may still be committing.
+                    _commit.discard_temporary(record.tmp_dir)
+            else:
+                if record.timings is None:
+                    raise CheckpointError(f"the save of {_describe_save(record)} was settled without its timings")
+                outcome = SaveResult(record.final_dir, record.step, record.timings, record.timings.bytes)
+                self.last_committed_timings = record.timings
+            self._run_callback(record, outcome)
+        except BaseException as error:  # noqa: BLE001 - the handle is completed with it below
+            if not isinstance(error, Exception):
+                interrupt = error
+            done = "failed" if exc is not None else "was written"
+            outcome = CheckpointException(
+                record.call_idx if record.call_idx is not None else -1,
+                {record.sync.rank: RankFailure.from_exception(error, f"settling the save ({done}) raised ")},
+                record.step, record.final_dir)
+            outcome.__cause__ = error
+        finally:
+            record.planned = record.planned._replace(data=[])
+            if isinstance(outcome, SaveResult):
+                handle.set_result(outcome)
+            else:  # never None here: every path above set it
+                handle.set_exception(outcome or CheckpointError(f"the save of {_describe_save(record)} "
+                                                                "was settled without an outcome"))
+        if interrupt is not None:
+            raise interrupt
+
+    def _run_callback(self, record: SaveInFlight, outcome: SaveResult | BaseException) -> None:
+        callback, record.callback = record.callback, None
+        if callback is None:
             return
         try:
-            queue.maybe_finalize_async_calls(blocking=False)
-        except CheckpointException:
-            pass  # settles its handle
+            callback(outcome)
+        except Exception as error:  # reported by raise_callback_errors, never swallowed
+            _log.error("the completion callback of the save of %s raised", record.final_dir, exc_info=error)
+            with self._state:
+                self._callback_errors.append((record.handle, error))
 
-    def drive_foreground(self, handle: SaveHandle, timeout: float | None) -> None:
-        """Finalize up to ``handle`` on a queue finalized in the training loop (collective)."""
+    def drive_foreground(self, record: SaveInFlight, timeout: float | None) -> None:
+        """Finalize up to ``record``'s call on a queue finalized in the training loop
+        (collective; commits); no-op in the background. A failure of an earlier save
+        of this saver is left to its handle; one of another call of the queue (not a
+        save of this saver) is raised.
+
+        Raises:
+            TimeoutError: this rank's write did not finish within ``timeout`` seconds.
+            CheckpointException: an earlier call of the queue, not a save of this
+                saver, failed.
+        """
         queue = self._queue_ref()
-        if queue is None or queue.background_finalize or handle.call_idx is None:
+        call_idx = record.call_idx
+        if queue is None or queue.background_finalize or call_idx is None:
             return
-        if timeout is not None and not queue.wait_local(handle.call_idx, timeout):
-            raise TimeoutError(f"the write of {handle.checkpoint_dir} did not finish within {timeout} s")
-        while queue.is_pending(handle.call_idx):
+        if timeout is not None and not queue.wait_local(call_idx, timeout):
+            raise TimeoutError(f"the write of {record.final_dir} did not finish within {timeout} s")
+        while queue.is_pending(call_idx):
             try:
-                queue.maybe_finalize_async_calls(blocking=True, until=handle.call_idx)
-            except CheckpointException:
-                pass  # an earlier call's failure settles that call's handle
+                queue.maybe_finalize_async_calls(blocking=True, until=call_idx)
+            except CheckpointException as exc:
+                if not self._owns(exc.call_idx):
+                    raise
 
     def wait_all(self) -> None:
-        """Wait until every save of this saver is settled (no error raised here)."""
+        """Wait until every save of this saver is settled (no error of a save raised here)."""
         self.synchronize_staging()
-        with self._state:
-            records = list(self._inflight.values())
-        for record in records:
-            self.drive_foreground(record.handle, None)
-            record.handle._wait_settled()
+        for record in self.pending_records():
+            self.drive_foreground(record, None)
+            concurrent.futures.wait([record.handle])
 
     def harvest(self, blocking: bool) -> list[SaveInFlight]:
         """The saves committed since the last harvest, in order; raises the first failure
@@ -383,32 +473,35 @@ class Saver:
         (a note names the committed steps). Callback errors are left for
         :meth:`raise_callback_errors`.
 
-        With a queue finalized in the training loop this first finalizes (collective).
+        With a queue finalized in the training loop this first finalizes (collective);
+        a failure of a call of that queue that is not a save of this saver is raised.
         """
         queue = self._queue_ref()
         if queue is not None and not queue.background_finalize and not queue.closed:
             try:
                 queue.maybe_finalize_async_calls(blocking=blocking)
-            except CheckpointException:
-                pass  # settled its handle; raised below, in order
+            except CheckpointException as exc:
+                if not self._owns(exc.call_idx):
+                    raise  # not a save of this saver: nobody else would report it
         if blocking:
             self.wait_all()
         committed: list[SaveInFlight] = []
         failure: BaseException | None = None
         with self._state:
-            while self._unharvested:
-                call_idx, record, exc = self._unharvested[0]
-                reported = call_idx in self._reported
-                if exc is not None and not reported:
+            while self._records:
+                record = self._records[0]
+                if not record.handle.done():
+                    break
+                error = record.handle.exception(timeout=0)
+                if error is not None and not record.reported:
                     if committed and not blocking:
                         break  # raised by the next harvest, in order
                     # blocking (the end of training): raised now, whatever committed before
-                    self._unharvested.popleft()
-                    failure = exc
+                    self._records.popleft()
+                    failure = error
                     break
-                self._unharvested.popleft()
-                self._reported.discard(call_idx)
-                if exc is None and not reported:
+                self._records.popleft()
+                if error is None and not record.reported:
                     committed.append(record)
         if failure is not None:
             if committed:
@@ -417,13 +510,6 @@ class Saver:
             self.attach_callback_errors(failure)
             raise failure
         return committed
-
-    def mark_reported(self, handle: SaveHandle) -> None:
-        """An outcome the user saw already (through ``wait``): harvest does not report it again."""
-        if handle.call_idx is not None:
-            with self._state:
-                if any(entry[0] == handle.call_idx for entry in self._unharvested):
-                    self._reported.add(handle.call_idx)
 
     def attach_callback_errors(self, exc: BaseException) -> None:
         """Report the pending callback errors as notes of ``exc`` (which is raised instead)."""
@@ -445,8 +531,7 @@ class Saver:
 
     def busy(self) -> bool:
         """True while a save of this saver is being staged (overlapped) or is pending."""
-        with self._state:
-            return self._overlapped is not None or bool(self._inflight)
+        return self._overlapped is not None or bool(self.pending_records())
 
     def settle_within(self, timeout: float, when: str) -> list[SaveInFlight]:
         """Let the pending saves settle for up to ``timeout`` seconds, then name on
@@ -473,8 +558,8 @@ class Saver:
         lost = _settle_or_name([(background, record) for record in pending], timeout, when)
         named = {id(record) for record in pending}
         with self._state:  # failed before, never reported (no maybe_finalize since): named too
-            earlier = [(record, exc) for idx, record, exc in self._unharvested
-                       if exc is not None and idx not in self._reported and id(record) not in named]
+            earlier = [(record, exc) for record in self._records if id(record) not in named and record.handle.done() and not record.reported
+                       and (exc := record.handle.exception(timeout=0)) is not None]
         for record, exc in earlier:
             _log.warning("asyncckpt: the save of %s failed (not reported before %s): %s", _describe_save(record),
                          when.removeprefix("when "), str(exc).splitlines()[0])
@@ -490,7 +575,6 @@ class Saver:
             pending.wait_copied()  # optimizers stop waiting for it
             record = pending.save
             record.planned.data.clear()
-            record.handle._set_staging(False)
             self._settle(record, CheckpointError(
                 f"the save of {_describe_save(record)} was dropped before it was handed to the writer (its "
                 "manager was closed with abort=True or released before synchronize_staging()); it is not saved"))
@@ -498,8 +582,5 @@ class Saver:
         queue = self._queue_ref()
         self.pool.release_all(queue.caller.is_running if queue is not None else None)
         self.layouts.clear()
-        queue = self._queue_ref()
-        if queue is not None:
-            queue.remove_settle_listener(self._on_settled)
 
 

@@ -415,7 +415,7 @@ def sc_kill_during_staging(ctx: Ctx) -> None:
     queue = ctx.manager.queue
     real = queue.schedule_async_request
 
-    def schedule(request: AsyncRequest) -> int:
+    def schedule(request: AsyncRequest, **kwargs: Any) -> int:
         staging = request.preload_fn
 
         def preload() -> Any:
@@ -425,7 +425,7 @@ def sc_kill_during_staging(ctx: Ctx) -> None:
                 os.kill(pid, signal.SIGKILL)
             return staging()
 
-        return real(request._replace(preload_fn=preload) if ctx.faulty and staging else request)
+        return real(request._replace(preload_fn=preload) if ctx.faulty and staging else request, **kwargs)
 
     queue.schedule_async_request = schedule  # type: ignore[method-assign, assignment]
     try:
@@ -489,14 +489,14 @@ def sc_preload(ctx: Ctx) -> None:
     queue = ctx.manager.queue
     real = queue.schedule_async_request
 
-    def schedule(request: AsyncRequest) -> int:
+    def schedule(request: AsyncRequest, **kwargs: Any) -> int:
         staging = request.preload_fn
 
         def preload() -> Any:
             with no_new_file_descriptors():
                 return staging()
 
-        return real(request._replace(preload_fn=preload) if ctx.faulty and staging else request)
+        return real(request._replace(preload_fn=preload) if ctx.faulty and staging else request, **kwargs)
 
     queue.schedule_async_request = schedule  # type: ignore[method-assign, assignment]
     try:
@@ -565,7 +565,8 @@ def sc_target_becomes_file(ctx: Ctx) -> None:
 
 
 def _handle_state(handle: asyncckpt.SaveHandle) -> dict[str, Any]:
-    state: dict[str, Any] = {"done": handle.done(), "exception": type(handle.exception()).__name__,
+    state: dict[str, Any] = {"done": handle.done(),
+                             "exception": type(handle.exception(timeout=0) if handle.done() else None).__name__,
                              "repr": repr(handle)}
     try:
         handle.wait(timeout=5)
