@@ -63,14 +63,11 @@ class _LayoutExchange:
         self._sent: tuple[int, RankLayout, int] | None = None  # (coordinator, layout, token)
         self._held: dict[int, tuple[int, dict]] = {}  # coordinator: rank -> (token, storage_data)
         self._merged: tuple[tuple[int, ...], dict] | None = None  # (tokens by rank, merged)
-        #: how many commits this rank sent only a token (observable in tests).
-        self.token_only = 0
 
     def outgoing(self, save: SaveInFlight) -> tuple[int, dict | None]:
         """What this rank contributes: ``(token, storage_data or None)``."""
         sent = self._sent
         if sent is not None and sent[0] == save.coordinator_rank and sent[1] is save.layout:
-            self.token_only += 1
             return sent[2], None
         token = secrets.randbits(63)
         self._sent = (save.coordinator_rank, save.layout, token)
