@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import asyncckpt
 import asyncckpt.saving.api as ckpt_mod
 from helpers import assert_same, clone_state, closing_queue
-import asyncckpt.format.manifest as commit_mod
+import asyncckpt.io.commit as commit_mod
 from asyncckpt import (
     AsyncCallsQueue,
     CheckpointError,

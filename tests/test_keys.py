@@ -28,7 +28,7 @@ import asyncckpt
 from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointManager, CorruptCheckpointError
 from asyncckpt.loading import api as loading
 from asyncckpt.format import manifest as commit
-from asyncckpt.loading.reader import read_metadata
+from asyncckpt.loading.metadata import read_metadata
 from asyncckpt.format.records import RECORDS_NAME
 
 REPO = Path(__file__).resolve().parent.parent

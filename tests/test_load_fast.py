@@ -25,7 +25,9 @@ import asyncckpt
 from asyncckpt import CheckpointError, CorruptCheckpointError
 from asyncckpt.loading import api as loading
 from asyncckpt.format import manifest as _commit
-from asyncckpt.loading.reader import SafeLoadPlanner, direct_load, plan_direct_load, read_metadata
+from asyncckpt.loading.dcp import SafeLoadPlanner
+from asyncckpt.loading.direct import direct_load, plan_direct_load
+from asyncckpt.loading.metadata import read_metadata
 from asyncckpt.format.records import RECORDS_NAME, parse_records, records_from_metadata
 from dist_utils import run_ranks
 from helpers import assert_same, flip_byte, resign
@@ -159,7 +161,7 @@ def test_reads_gathered_across_records_and_segments(ckpt: Path, monkeypatch: pyt
     """A file's reads are gathered into ``preadv`` calls across records and manifest
     segments: calls that end inside a segment, or a buffer, and calls cut by the buffer
     limit load bitwise, and a flipped byte is still found in its segment."""
-    from asyncckpt.loading import reader
+    from asyncckpt.loading import direct as reader
 
     monkeypatch.setattr(reader, "_READ_BYTES", read_bytes)
     monkeypatch.setattr(reader, "_IOV_MAX", iov_max)
@@ -340,7 +342,7 @@ def test_framing_check_ignores_only_the_crc_fields(ckpt: Path, fqn: str) -> None
     """A record read straight into its target is ours only if its framing is our
     writer's byte for byte, but for the CRC-32 fields (the data's checksum): every
     other byte changed sends it the general way (``torch.load``)."""
-    from asyncckpt.loading.reader import _suffix_matches, _writer_framing
+    from asyncckpt.loading.framing import _suffix_matches, _writer_framing
 
     md = read_metadata(ckpt)
     (info,) = [i for idx, i in md.storage_data.items() if idx.fqn == fqn]

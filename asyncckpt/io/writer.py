@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 from asyncckpt import _faults
 from asyncckpt.format.crc import crc32
+from asyncckpt.io.fs import fsync_directory
 
 __all__ = ["SlabRef", "CrcPatch", "pack_patches", "unpack_patches", "FileSpec", "WriteTask", "FileResult", "RankWriteResult", "write_rank_files",
            "drop_cached_pages"]
@@ -416,30 +417,6 @@ def drop_cached_pages(fd: int) -> bool:
     return True
 
 
-def fsync_directory(path: str) -> None:
-    """fsync a directory so that the names created or renamed in it are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def current_umask() -> int:
-    """This process's umask, read without changing it (Linux ``/proc``; else set and
-    restore, briefly)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def write_rank_files(task: WriteTask) -> RankWriteResult:
     """Write one rank's staged data files into ``task.directory``.
 
@@ -454,7 +431,7 @@ def write_rank_files(task: WriteTask) -> RankWriteResult:
         os.umask(task.umask)
     os.makedirs(task.directory, exist_ok=True)
     mapped = _map_slab(task.slab, task.live_slab_ids)
-    results = []
+    results: list[FileResult] = []
     created: list[str] = []
     total = 0
     try:
