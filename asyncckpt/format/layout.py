@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from asyncckpt.errors import CheckpointError
+from asyncckpt.format.filespec import CrcPatch, FileSpec, pack_patches
 from asyncckpt.format.torchsave import TensorFraming, tensor_framing
-from asyncckpt.io.writer import CrcPatch, FileSpec, pack_patches
 
 __all__ = ["RankLayout", "build_layout", "layout_key"]
 
