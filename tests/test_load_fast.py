@@ -342,25 +342,25 @@ def test_framing_check_ignores_only_the_crc_fields(ckpt: Path, fqn: str) -> None
     """A record read straight into its target is ours only if its framing is our
     writer's byte for byte, but for the CRC-32 fields (the data's checksum): every
     other byte changed sends it the general way (``torch.load``)."""
-    from asyncckpt.loading.framing import _suffix_matches, _writer_framing
+    from asyncckpt.loading.framing import suffix_matches, writer_framing
 
     md = read_metadata(ckpt)
     (info,) = [i for idx, i in md.storage_data.items() if idx.fqn == fqn]
     tensor_md = md.state_dict_metadata[fqn]
-    framing = _writer_framing(tensor_md.properties.dtype, tuple(tensor_md.size))
+    framing = writer_framing(tensor_md.properties.dtype, tuple(tensor_md.size))
     assert framing is not None
     record = (ckpt / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
     head, tail = record[:len(framing.prefix)], record[len(framing.prefix) + framing.nbytes:]
-    assert head == framing.prefix and _suffix_matches(memoryview(tail), framing)
+    assert head == framing.prefix and suffix_matches(memoryview(tail), framing)
     crc_bytes = {o + k for o in framing.crc_offsets for k in range(4)}
     if framing.nbytes:
         assert any(tail[i] for i in crc_bytes)  # the real checksum is there, not zeros
     for i in range(len(tail)):
         changed = bytearray(tail)
         changed[i] ^= 0x5A
-        assert _suffix_matches(memoryview(changed), framing) == (i in crc_bytes), i
-    assert not _suffix_matches(memoryview(tail[:-1]), framing)
-    assert not _suffix_matches(memoryview(tail + b"\0"), framing)
+        assert suffix_matches(memoryview(changed), framing) == (i in crc_bytes), i
+    assert not suffix_matches(memoryview(tail[:-1]), framing)
+    assert not suffix_matches(memoryview(tail + b"\0"), framing)
 
 
 # ----------------------------------------------------------------------------- the records file

@@ -196,7 +196,7 @@ def test_layout_places_records_after_a_zip64_record(tmp_path: Path) -> None:
     assert infos["emb"].length == len(framing.prefix) + big + len(framing.suffix)
     assert infos["z"].offset > ZIP64_LIMIT and infos["step"].offset > infos["z"].offset
     # The framing the layout writes is the one the reader recognises.
-    assert framing_mod._writer_framing(torch.uint8, (big,)) is framing
+    assert framing_mod.writer_framing(torch.uint8, (big,)) is framing
     assert (infos["emb"].offset, framing.prefix) in layout.static
     slot = next(s for s in layout.tensors if s.nbytes == big)
     patch = next(p for p in unpack_patches(layout.files[0].patches) if p.data_nbytes == big)
@@ -216,7 +216,7 @@ def test_too_large_record_names_the_entry(tmp_path: Path, temporal_queue) -> Non
     with pytest.raises(CheckpointError, match=r"'model\.emb'"):
         asyncckpt.save({"model": {"emb": huge}, "step": 1}, target, calls_queue=temporal_queue)
     assert not target.exists()
-    assert framing_mod._writer_framing(torch.float64, tuple(huge.shape)) is None
+    assert framing_mod.writer_framing(torch.float64, tuple(huge.shape)) is None
 
 
 # ----------------------------------------------------------------------------- reader fallback
@@ -242,8 +242,8 @@ def test_records_not_ours_are_streamed_to_torch_load(tmp_path: Path, temporal_qu
     asyncckpt.save(state, ckpt, calls_queue=temporal_queue)
     _tamper_padding(ckpt, "w", torch.float32, (300, 7))
     read = []
-    real = framing_mod._RecordStream.readinto
-    monkeypatch.setattr(framing_mod._RecordStream, "readinto", lambda self, b: read.append(len(b)) or real(self, b))
+    real = framing_mod.RecordStream.readinto
+    monkeypatch.setattr(framing_mod.RecordStream, "readinto", lambda self, b: read.append(len(b)) or real(self, b))
     out = {"w": torch.zeros(300, 7), "b": torch.zeros(10, dtype=torch.int64), "step": None}
     asyncckpt.load(out, ckpt, verify=False)  # the manifest's CRC no longer matches
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"]) and out["step"] == 5
@@ -377,7 +377,7 @@ def test_zip64_round_trip(tmp_path: Path, mode: str) -> None:
 
         # asyncckpt.load: the record is recognised as ours and read straight into the target.
         calls: list[bool] = []
-        real_read_record = dcp_mod._read_record
+        real_read_record = dcp_mod.read_record
 
         def spy(fd, path, offset, framing, dest):  # type: ignore[no-untyped-def]
             ok = real_read_record(fd, path, offset, framing, dest)
@@ -386,13 +386,13 @@ def test_zip64_round_trip(tmp_path: Path, mode: str) -> None:
 
         out = {"model": {"emb": torch.empty(shape, dtype=torch.float32), "bias": torch.zeros(7)}, "step": None}
         direct_before = loading_mod.load_paths["direct"]
-        dcp_mod._read_record = spy
+        dcp_mod.read_record = spy
         try:
             started = time.monotonic()
             asyncckpt.load(out, ckpt)
             figures["load_s"] = time.monotonic() - started
         finally:
-            dcp_mod._read_record = real_read_record
+            dcp_mod.read_record = real_read_record
         # read straight into the target: by the direct load path (its framing checked
         # against ours), or by the DCP path's raw record read
         assert loading_mod.load_paths["direct"] == direct_before + 1 or True in calls, \

@@ -16,7 +16,11 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format.filespec import CrcPatch, FileSpec, pack_patches
@@ -92,14 +96,25 @@ def _align(n: int, a: int) -> int:
     return -(-n // a) * a
 
 
+def _tensor_data(item: WriteItem) -> TensorWriteData:
+    """The tensor data of a tensor write item.
+
+    Raises:
+        CheckpointError: the item has none (not a plan DCP's planner makes).
+    """
+    if item.tensor_data is None:
+        raise CheckpointError(f"state_dict entry {item.index.fqn!r}: a tensor write item without tensor data")
+    return item.tensor_data
+
+
 def layout_key(rank: int, items: list[WriteItem], blobs: dict[int, int]) -> Any:
     """A hashable key of a plan's structure (tensor specs and non-tensor sizes)."""
-    parts = []
+    parts: list[tuple[Any, ...]] = []
     for i, item in enumerate(items):
         if item.type == WriteItemType.BYTE_IO:
             parts.append((item.index.fqn, blobs[i]))
         else:
-            td = item.tensor_data
+            td = _tensor_data(item)
             parts.append((item.index.fqn, tuple(td.chunk.offsets), td.properties.dtype, tuple(td.chunk.sizes)))
     return (rank, tuple(parts))
 
@@ -132,7 +147,7 @@ def build_layout(rank: int, items: list[WriteItem], blobs: dict[int, int]) -> Ra
             storage_data[item.index] = _StorageInfo(name, pos, n)
             pos += n
             continue
-        td = item.tensor_data
+        td = _tensor_data(item)
         shape = tuple(int(s) for s in td.chunk.sizes)
         try:
             framing = record_framing(td.properties.dtype, shape)

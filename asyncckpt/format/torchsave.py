@@ -39,7 +39,7 @@ import collections
 import io
 import pickle
 import struct
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, SupportsIndex
 
 import torch
 
@@ -98,7 +98,7 @@ class _Rebuild:
     def __init__(self, fn: Any, args: tuple) -> None:
         self.fn, self.args = fn, args
 
-    def __reduce_ex__(self, protocol: int) -> tuple:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple:
         return self.fn, self.args
 
 

@@ -44,13 +44,13 @@ from asyncckpt.format.manifest import METADATA_NAME
 from asyncckpt.format.records import RECORDS_NAME, Record, parse_records
 from asyncckpt.io.storage import LOCAL, Storage
 from asyncckpt.loading.framing import (
-    _pread,
-    _read_record,
-    _RecordStream,
-    _suffix_matches,
-    _tensor_from,
-    _torch_load_tensor,
-    _writer_framing,
+    RecordStream,
+    pread,
+    read_record,
+    suffix_matches,
+    tensor_from,
+    torch_load_tensor,
+    writer_framing,
 )
 from asyncckpt.loading.metadata import check_file_name, read_metadata, validate_metadata
 
@@ -307,28 +307,28 @@ class SafeFileSystemReader(FileSystemReader):
         that), else ``torch.load`` on a stream over the record."""
         info: _StorageInfo = self.storage_data[req.storage_index]
         spec = None if info.transform_descriptors or not raw else self._chunk_spec(req.storage_index)
-        framing = _writer_framing(*spec) if spec is not None else None
+        framing = writer_framing(*spec) if spec is not None else None
         if framing is not None and spec is not None:
             head_n, data_n = len(framing.prefix), framing.nbytes
             if info.length == head_n + data_n + len(framing.suffix):
                 if info.length <= _SMALL_RECORD_BYTES:
-                    buf = _pread(fd, info.length, info.offset, path)
+                    buf = pread(fd, info.length, info.offset, path)
                     view = memoryview(buf)
-                    ok = view[:head_n] == framing.prefix and _suffix_matches(view[head_n + data_n:], framing)
+                    ok = view[:head_n] == framing.prefix and suffix_matches(view[head_n + data_n:], framing)
                     if ok:
-                        return _tensor_from(buf, head_n, data_n, spec[0], spec[1])
+                        return tensor_from(buf, head_n, data_n, spec[0], spec[1])
                     view.release()
                 else:
                     buf = bytearray(data_n)
-                    if _read_record(fd, path, info.offset, framing, memoryview(buf)):
-                        return _tensor_from(buf, 0, data_n, spec[0], spec[1])
+                    if read_record(fd, path, info.offset, framing, memoryview(buf)):
+                        return tensor_from(buf, 0, data_n, spec[0], spec[1])
                 del buf  # not ours: free it before torch.load allocates the tensor
         # Not our framing: what DCP's FileSystemReader does, weights_only.
-        stream: Any = _RecordStream(fd, info.offset, info.length)
+        stream: Any = RecordStream(fd, info.offset, info.length)
         if info.transform_descriptors:
             transformed = self.transforms.transform_load_stream(req, info.transform_descriptors, stream)
             stream = io.BytesIO(transformed.read())  # torch.load needs a seekable stream
-        return _torch_load_tensor(stream, path, req.storage_index.fqn)
+        return torch_load_tensor(stream, path, req.storage_index.fqn)
 
     def _read_into(self, fd: int, path: str, req: ReadItem, target: torch.Tensor) -> bool | None:
         """Read a whole record of our writer straight into ``target``'s memory.
@@ -350,7 +350,7 @@ class SafeFileSystemReader(FileSystemReader):
             return False
         if any(req.storage_offsets) or tuple(req.lengths) != spec[1]:
             return False
-        framing = _writer_framing(*spec)
+        framing = writer_framing(*spec)
         if framing is None or target.numel() * target.element_size() != framing.nbytes:
             return False
         data_n = framing.nbytes
@@ -359,7 +359,7 @@ class SafeFileSystemReader(FileSystemReader):
         # The target is written before the framing is checked; a record that turns
         # out not to be ours is then read again the general way, overwriting it.
         dest = memoryview((ctypes.c_char * data_n).from_address(target.data_ptr())).cast("B")
-        return True if _read_record(fd, path, info.offset, framing, dest) else None
+        return True if read_record(fd, path, info.offset, framing, dest) else None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         root = os.fspath(self.path)
@@ -380,7 +380,7 @@ class SafeFileSystemReader(FileSystemReader):
                     if req.type != LoadItemType.BYTE_IO:
                         continue
                     info = self.storage_data[req.storage_index]
-                    data = _pread(fds[name], info.length, info.offset, os.path.join(root, name))
+                    data = pread(fds[name], info.length, info.offset, os.path.join(root, name))
                     stream = self.transforms.transform_load_stream(
                         req, info.transform_descriptors or (), io.BytesIO(data))
                     value = io.BytesIO(stream.read())

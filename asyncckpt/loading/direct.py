@@ -29,11 +29,11 @@ from asyncckpt.format.torchsave import TensorFraming
 from asyncckpt.io.storage import LOCAL, Storage
 from asyncckpt.loading.dcp import set_value
 from asyncckpt.loading.framing import (
-    _pread_into,
-    _RecordStream,
-    _suffix_matches,
-    _torch_load_tensor,
-    _writer_framing,
+    RecordStream,
+    pread_into,
+    suffix_matches,
+    torch_load_tensor,
+    writer_framing,
 )
 from asyncckpt.loading.metadata import check_file_name, gc_paused
 
@@ -140,7 +140,7 @@ def _plan_direct(state_dict: dict[str, Any], records: Mapping[str, Record]) -> D
         else:
             if not _plain_tensor(obj) or obj.dtype != dtype or tuple(obj.shape) != shape:
                 return None
-            framing = _writer_framing(dtype, shape)
+            framing = writer_framing(dtype, shape)
             if framing is None or length != len(framing.prefix) + framing.nbytes + len(framing.suffix):
                 return None
             if framing.nbytes and obj.is_cpu:
@@ -179,7 +179,7 @@ def _preadv_all(fd: int, views: list[memoryview], offset: int, path: str) -> Non
             for v in batch:
                 if done + len(v) > got:
                     lo = max(0, got - done)
-                    _pread_into(fd, v[lo:], pos + done + lo, path)
+                    pread_into(fd, v[lo:], pos + done + lo, path)
                 done += len(v)
         pos += want
         i += _IOV_MAX
@@ -483,7 +483,7 @@ def direct_load(plan: DirectPlan, root: str, manifest_files: dict[str, Any] | No
             if f is None:
                 continue
             assert e.target is not None
-            if la.head.tobytes() == f.prefix and _suffix_matches(la.tail, f):
+            if la.head.tobytes() == f.prefix and suffix_matches(la.tail, f):
                 if la.temp is not None:
                     e.target.detach().copy_(la.temp)
             else:
@@ -503,7 +503,7 @@ def _load_foreign(fd: int, path: str, entry: _Entry) -> torch.Tensor:
     Raises:
         CorruptCheckpointError: not a tensor archive, or not the target's dtype and shape.
     """
-    tensor = _torch_load_tensor(_RecordStream(fd, entry.offset, entry.length), path, entry.fqn)
+    tensor = torch_load_tensor(RecordStream(fd, entry.offset, entry.length), path, entry.fqn)
     assert entry.target is not None
     if tensor.size() != entry.target.size():
         raise CorruptCheckpointError(f"{path}: entry {entry.fqn!r} has size {tuple(tensor.size())}, "

@@ -22,8 +22,16 @@ from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import record_framing
 from asyncckpt.format.torchsave import TensorFraming
 
+__all__ = ["pread_into", "pread", "RecordStream", "writer_framing", "suffix_matches", "tensor_from", "read_record",
+           "torch_load_tensor"]
 
-def _pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
+
+def pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    """Fill ``buf`` from ``fd`` at ``offset`` (short reads finished).
+
+    Raises:
+        CorruptCheckpointError: the file ``path`` ends first.
+    """
     done = 0
     while done < len(buf):
         n = os.preadv(fd, [buf[done:]], offset + done)
@@ -32,7 +40,7 @@ def _pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
         done += n
 
 
-class _RecordStream(io.RawIOBase):
+class RecordStream(io.RawIOBase):
     """``length`` bytes of ``fd`` from ``offset``, as a seekable binary stream.
 
     ``torch.load`` reads a record that is not ours from it, as DCP's reader does from
@@ -75,13 +83,14 @@ class _RecordStream(io.RawIOBase):
         return done
 
 
-def _pread(fd: int, length: int, offset: int, path: str) -> bytearray:
+def pread(fd: int, length: int, offset: int, path: str) -> bytearray:
+    """``length`` bytes of ``fd`` at ``offset`` (see :func:`pread_into`)."""
     buf = bytearray(length)
-    _pread_into(fd, memoryview(buf), offset, path)
+    pread_into(fd, memoryview(buf), offset, path)
     return buf
 
 
-def _writer_framing(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorFraming | None:
+def writer_framing(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorFraming | None:
     """The framing our writer puts around a record of ``dtype`` and ``shape``, or ``None``
     (no framing of ours for it)."""
     try:
@@ -90,7 +99,7 @@ def _writer_framing(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorFraming
         return None
 
 
-def _suffix_matches(tail: memoryview, framing: TensorFraming) -> bool:
+def suffix_matches(tail: memoryview, framing: TensorFraming) -> bool:
     """``tail`` is ``framing.suffix`` but for the CRC-32 fields (at ``crc_offsets``)."""
     got, want = tail.tobytes(), framing.suffix  # (bytes compare with memcmp; a memoryview byte by byte)
     if len(got) != len(want):
@@ -103,14 +112,15 @@ def _suffix_matches(tail: memoryview, framing: TensorFraming) -> bool:
     return got[pos:] == want[pos:]
 
 
-def _tensor_from(buf: bytearray, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def tensor_from(buf: bytearray, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` over ``buf[offset:offset + nbytes]`` (no copy)."""
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
     return raw.view(dtype).view(shape)
 
 
-def _read_record(fd: int, path: str, offset: int, framing: TensorFraming, dest: memoryview) -> bool:
+def read_record(fd: int, path: str, offset: int, framing: TensorFraming, dest: memoryview) -> bool:
     """Read one record of our writer at ``offset``: its data into ``dest`` and its
     framing, in one ``preadv``. Returns whether the framing is ours.
 
@@ -124,12 +134,12 @@ def _read_record(fd: int, path: str, offset: int, framing: TensorFraming, dest: 
         for b in (memoryview(head), dest, memoryview(tail)):
             lo = max(0, got - pos)
             if lo < len(b):
-                _pread_into(fd, b[lo:], offset + pos + lo, path)
+                pread_into(fd, b[lo:], offset + pos + lo, path)
             pos += len(b)
-    return bytes(head) == framing.prefix and _suffix_matches(memoryview(tail), framing)
+    return bytes(head) == framing.prefix and suffix_matches(memoryview(tail), framing)
 
 
-def _torch_load_tensor(stream: Any, path: str, fqn: str) -> torch.Tensor:
+def torch_load_tensor(stream: Any, path: str, fqn: str) -> torch.Tensor:
     """``torch.load(stream, weights_only=True)`` of one tensor record.
 
     Raises:
