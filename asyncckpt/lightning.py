@@ -74,7 +74,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from asyncckpt import AsyncCallsQueue, SaveHandle, SaveResult, read_state_dict, save
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format import manifest as _commit
-from asyncckpt.io.writer import fsync_directory
+from asyncckpt.io.fs import fsync_directory, remove_checkpoint
 
 __all__ = ["AsyncckptCheckpointIO", "STRUCTURE_KEY"]
 
@@ -581,7 +581,7 @@ class AsyncckptCheckpointIO(CheckpointIO):
         if not os.path.lexists(final):
             return
         if final.is_dir() and not final.is_symlink():
-            thread = _commit.remove_checkpoint(final, background=True)
+            thread = remove_checkpoint(final, background=True)
             if thread is not None:
                 self._removals.append(thread)
         else:

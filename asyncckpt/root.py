@@ -31,14 +31,16 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from asyncckpt._check import check_path
 from asyncckpt.errors import CheckpointPathError, InvalidArgumentError, RootInUseError
 from asyncckpt.format import manifest as _commit
+from asyncckpt.io.commit import write_latest
+from asyncckpt.io.fs import remove_checkpoint
 
 __all__ = ["STEP_DIR_RE", "LEFTOVER_RE", "OWNER_LOCK_NAME", "OWNER_INFO_NAME", "step_dir_name",
-           "is_in_root", "is_stock_dcp", "CheckpointRoot"]
+           "is_in_root", "is_stock_dcp", "RootEntry", "CheckpointRoot"]
 
 _log = logging.getLogger("asyncckpt")
 
@@ -166,6 +168,26 @@ def is_stock_dcp(checkpoint_dir: str | os.PathLike) -> bool:
     path = Path(checkpoint_dir)
     return (not os.path.lexists(path / _commit.MANIFEST_NAME) and os.path.isfile(path / _commit.METADATA_NAME)
             and not os.path.islink(path / _commit.METADATA_NAME) and not is_in_root(path))
+
+
+class RootEntry(NamedTuple):
+    """A directory of a checkpoint root (:meth:`CheckpointRoot.scan`).
+
+    Attributes:
+        name: the directory name.
+        path: its path.
+        step: the step its name carries; ``None`` for a committed directory of another
+            name (a Lightning ``dirpath``'s ``epoch=0-step=16.ckpt``).
+        kind: ``"committed"`` (a manifest and ``.metadata``), ``"uncommitted"``
+            (``step_N`` without them: a stock DCP directory, or not a checkpoint),
+            ``"temporary"`` (``.step_N.tmp-*``: a save in flight, or the leftover of a
+            failed one) or ``"deleting"`` (``.step_N.deleting-*``: a removal).
+    """
+
+    name: str
+    path: Path
+    step: int | None
+    kind: str
 
 
 class CheckpointRoot:
@@ -308,6 +330,33 @@ class CheckpointRoot:
                 found.append(int(m.group(1)))
         return sorted(found)
 
+    def scan(self) -> list[RootEntry]:
+        """Every step directory, leftover and other committed directory of the root, by
+        name; symlinks are never followed, hidden names other than leftovers skipped.
+
+        Raises:
+            OSError: the root cannot be listed.
+        """
+        found = []
+        with os.scandir(self.path) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            path = Path(entry.path)
+            m = STEP_DIR_RE.match(entry.name)
+            if m:
+                kind = "committed" if _commit.is_committed(path) else "uncommitted"
+                found.append(RootEntry(entry.name, path, int(m.group(1)), kind))
+                continue
+            m = LEFTOVER_RE.match(entry.name)
+            if m:
+                kind = "temporary" if ".tmp-" in entry.name else "deleting"
+                found.append(RootEntry(entry.name, path, int(m.group(1)), kind))
+            elif not entry.name.startswith(".") and _commit.is_committed(path):
+                found.append(RootEntry(entry.name, path, None, "committed"))
+        return found
+
     def commit_order(self) -> list[int]:
         """Committed steps, the oldest save first, the newest save last.
 
@@ -373,7 +422,7 @@ class CheckpointRoot:
                 directories are kept).
         """
         try:
-            _commit.write_latest(self.path, final_dir.name)
+            write_latest(self.path, final_dir.name)
         except Exception as exc:  # noqa: BLE001 - after the commit point: a warning
             self._warn(f"{final_dir} is committed, but `latest` could not be updated: {type(exc).__name__}: {exc}")
         if self.keep_last is not None:
@@ -384,7 +433,7 @@ class CheckpointRoot:
                 self.join_deletion()  # at most one removal in flight: bounded disk use
                 try:
                     with self._lock:
-                        self._deletion = _commit.remove_checkpoint(path, background=True)
+                        self._deletion = remove_checkpoint(path, background=True)
                         if self._deletion is not None:
                             with _deletions_lock:
                                 _deletions.difference_update([t for t in _deletions if not t.is_alive()])

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
-import asyncckpt.format.manifest as commit_mod
+import asyncckpt.io.commit as commit_mod
 from asyncckpt import testing
 from helpers import assert_same, clone_state, closing_queue, counting_plans
 from asyncckpt import (

@@ -95,7 +95,7 @@ def _rank_state(rank: int) -> dict[str, Any]:
 def _patch_tmp_dir_into(blocker: Path) -> Any:
     """Fault injection on this rank only: its data directory lands under a regular
     file, so its write fails with NotADirectoryError. Returns the undo function."""
-    import asyncckpt.format.manifest as commit_mod
+    import asyncckpt.io.commit as commit_mod
 
     real = commit_mod.temporary_dir_for
     commit_mod.temporary_dir_for = lambda final_dir, token: blocker / real(final_dir, token).name

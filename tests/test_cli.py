@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import asyncckpt
 from asyncckpt import cli
 from asyncckpt.format import manifest as commit
+from asyncckpt.io.commit import write_latest
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -186,7 +187,7 @@ def test_ls_lists_steps_latest_and_partial(tmp_path: Path) -> None:
     assert {p["name"]: p["bytes"] for p in doc["partial"]}[".step_00000030.tmp-0123abcd"] == 100
 
     # latest lagging behind the newest committed step (a crash between rename and latest).
-    commit.write_latest(root, "step_00000010")
+    write_latest(root, "step_00000010")
     doc = run_json("ls", root)
     assert doc["latest"] == "step_00000010" and doc["newest_step"] == 20
 

@@ -21,9 +21,8 @@ from typing import Any
 import pytest
 
 from dist_utils import run_ranks
-from test_framework import (  # noqa: F401 - the autouse fixture is used by being imported
+from test_framework import (
     FAIL_DEADLINE_S,
-    _stop_mp_resource_tracker,
     echo,
     exit_with_code_3,
     kill_self_with_sigkill,

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import asyncckpt
 from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointManager, CorruptCheckpointError
 from asyncckpt.format import manifest as commit
-from asyncckpt.loading.reader import read_metadata
+from asyncckpt.loading.metadata import read_metadata
 from asyncckpt.format.records import RECORDS_NAME
 
 REPO = Path(__file__).resolve().parent.parent

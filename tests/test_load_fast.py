@@ -26,7 +26,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import asyncckpt
 from asyncckpt import CheckpointError, CorruptCheckpointError
 from asyncckpt.format import manifest as _commit
-from asyncckpt.loading.reader import SafeLoadPlanner, direct_load, plan_direct_load, read_metadata
+from asyncckpt.loading.dcp import SafeLoadPlanner
+from asyncckpt.loading.direct import direct_load, plan_direct_load
+from asyncckpt.loading.metadata import read_metadata
 from asyncckpt.format.records import RECORDS_NAME, parse_records, records_from_metadata
 from dist_utils import run_ranks
 from helpers import assert_same, flip_byte, observing_loads, resign
@@ -160,7 +162,7 @@ def test_reads_gathered_across_records_and_segments(ckpt: Path, monkeypatch: pyt
     """A file's reads are gathered into ``preadv`` calls across records and manifest
     segments: calls that end inside a segment, or a buffer, and calls cut by the buffer
     limit load bitwise, and a flipped byte is still found in its segment."""
-    from asyncckpt.loading import reader
+    from asyncckpt.loading import direct as reader
 
     monkeypatch.setattr(reader, "_READ_BYTES", read_bytes)
     monkeypatch.setattr(reader, "_IOV_MAX", iov_max)
@@ -345,7 +347,7 @@ def test_framing_check_ignores_only_the_crc_fields(ckpt: Path, fqn: str) -> None
     writer's byte for byte, but for the CRC-32 fields (the data's checksum): every
     other byte changed sends it the general way (``torch.load``)."""
     from asyncckpt.format.layout import record_framing
-    from asyncckpt.loading.reader import _suffix_matches
+    from asyncckpt.loading.framing import suffix_matches
 
     md = read_metadata(ckpt)
     (info,) = [i for idx, i in md.storage_data.items() if idx.fqn == fqn]
@@ -354,16 +356,16 @@ def test_framing_check_ignores_only_the_crc_fields(ckpt: Path, fqn: str) -> None
     framing = record_framing(tensor_md.properties.dtype, tuple(tensor_md.size))  # what our writer writes
     record = (ckpt / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
     head, tail = record[:len(framing.prefix)], record[len(framing.prefix) + framing.nbytes:]
-    assert head == framing.prefix and _suffix_matches(memoryview(tail), framing)
+    assert head == framing.prefix and suffix_matches(memoryview(tail), framing)
     crc_bytes = {o + k for o in framing.crc_offsets for k in range(4)}
     if framing.nbytes:
         assert any(tail[i] for i in crc_bytes)  # the real checksum is there, not zeros
     for i in range(len(tail)):
         changed = bytearray(tail)
         changed[i] ^= 0x5A
-        assert _suffix_matches(memoryview(changed), framing) == (i in crc_bytes), i
-    assert not _suffix_matches(memoryview(tail[:-1]), framing)
-    assert not _suffix_matches(memoryview(tail + b"\0"), framing)
+        assert suffix_matches(memoryview(changed), framing) == (i in crc_bytes), i
+    assert not suffix_matches(memoryview(tail[:-1]), framing)
+    assert not suffix_matches(memoryview(tail + b"\0"), framing)
 
 
 # ----------------------------------------------------------------------------- the records file

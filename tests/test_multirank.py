@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 import asyncckpt
-from asyncckpt.format import manifest as _commit
+from asyncckpt.io import commit as _commit
 
 WORKER = Path(__file__).with_name("_multirank_worker.py")
 REPO = Path(__file__).resolve().parent.parent

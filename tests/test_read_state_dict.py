@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import asyncckpt
 from asyncckpt import AsyncCallsQueue, CheckpointError, CorruptCheckpointError, read_state_dict
 from asyncckpt.format import manifest as commit
-from asyncckpt.loading.reader import read_metadata
+from asyncckpt.loading.metadata import read_metadata
 
 DATA = "__0_0.distcp"
 

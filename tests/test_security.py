@@ -34,9 +34,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import asyncckpt
-import asyncckpt.format.manifest as commit_mod
+import asyncckpt.io.commit as commit_mod
 from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointManager, CorruptCheckpointError
-from asyncckpt.loading.reader import read_metadata
+from asyncckpt.loading.metadata import read_metadata
 from helpers import resign
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -16,8 +16,8 @@ import pytest
 
 from asyncckpt.format import crc as crc_mod
 from asyncckpt.io import writer
-from asyncckpt.io.writer import (BIG_SEGMENT_BYTES, COMBINE_MIN_BYTES, CrcPatch, FileSpec, WriteTask, crc32_combine,
-                                 pack_patches, write_rank_files)
+from asyncckpt.format.filespec import CrcPatch, FileSpec, pack_patches
+from asyncckpt.io.writer import BIG_SEGMENT_BYTES, COMBINE_MIN_BYTES, WriteTask, crc32_combine, write_rank_files
 from asyncckpt.saving.staging import StagingBuffer
 
 

@@ -28,14 +28,15 @@ import torch.distributed.checkpoint as dcp
 
 import asyncckpt
 from asyncckpt import CheckpointError, CorruptCheckpointError
-from asyncckpt.loading import api as loading_mod
 from asyncckpt.dist import SyncGroup
 from asyncckpt.saving.planning import plan_save
-from asyncckpt.loading import reader as reader_mod
+from asyncckpt.loading import dcp as dcp_mod
+from asyncckpt.loading import framing as framing_mod
+from asyncckpt.loading.metadata import read_metadata
 from asyncckpt.format.layout import build_layout, record_framing
 from asyncckpt.format.torchsave import MAX_RECORD_BYTES, ZIP64_LIMIT, TensorFraming, tensor_framing
 from asyncckpt.io.writer import unpack_patches
-from helpers import closing_queue
+from helpers import closing_queue, observing_loads
 
 LONG = os.environ.get("ASYNCCKPT_LONG") == "1"
 needs_long = pytest.mark.skipif(not LONG, reason="set ASYNCCKPT_LONG=1 (writes ~4.3 GB per case, ~9 GB of memory)")
@@ -194,7 +195,7 @@ def test_layout_places_records_after_a_zip64_record(tmp_path: Path) -> None:
     assert infos["emb"].length == len(framing.prefix) + big + len(framing.suffix)
     assert infos["z"].offset > ZIP64_LIMIT and infos["step"].offset > infos["z"].offset
     # The framing the layout writes is the one the reader recognises.
-    assert reader_mod._writer_framing(torch.uint8, (big,)) is framing
+    assert framing_mod.writer_framing(torch.uint8, (big,)) is framing
     assert (infos["emb"].offset, framing.prefix) in layout.static
     slot = next(s for s in layout.tensors if s.nbytes == big)
     patch = next(p for p in unpack_patches(layout.files[0].patches) if p.data_nbytes == big)
@@ -214,14 +215,14 @@ def test_too_large_record_names_the_entry(tmp_path: Path, temporal_queue) -> Non
     with pytest.raises(CheckpointError, match=r"'model\.emb'"):
         asyncckpt.save({"model": {"emb": huge}, "step": 1}, target, calls_queue=temporal_queue)
     assert not target.exists()
-    assert reader_mod._writer_framing(torch.float64, tuple(huge.shape)) is None
+    assert framing_mod.writer_framing(torch.float64, tuple(huge.shape)) is None
 
 
 # ----------------------------------------------------------------------------- reader fallback
 def _tamper_padding(ckpt: Path, fqn: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     """Change one ``Z`` of the FB padding before ``fqn``'s data: torch.load ignores it,
     our reader no longer recognises the record as its own."""
-    metadata = reader_mod.read_metadata(ckpt)
+    metadata = read_metadata(ckpt)
     info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
     prefix = record_framing(dtype, shape).prefix
     at = prefix.rindex(b"FB") + 4
@@ -240,14 +241,14 @@ def test_records_not_ours_are_streamed_to_torch_load(tmp_path: Path, temporal_qu
     asyncckpt.save(state, ckpt, calls_queue=temporal_queue)
     _tamper_padding(ckpt, "w", torch.float32, (300, 7))
     read = []
-    real = reader_mod._RecordStream.readinto
-    monkeypatch.setattr(reader_mod._RecordStream, "readinto", lambda self, b: read.append(len(b)) or real(self, b))
+    real = framing_mod.RecordStream.readinto
+    monkeypatch.setattr(framing_mod.RecordStream, "readinto", lambda self, b: read.append(len(b)) or real(self, b))
     out = {"w": torch.zeros(300, 7), "b": torch.zeros(10, dtype=torch.int64), "step": None}
     asyncckpt.load(out, ckpt, verify=False)  # the manifest's CRC no longer matches
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"]) and out["step"] == 5
     assert read, "the tampered record was not read through the fallback"
     # A record that is no archive at all: CorruptCheckpointError naming the entry.
-    info = next(v for k, v in reader_mod.read_metadata(ckpt).storage_data.items() if k.fqn == "b")
+    info = next(v for k, v in read_metadata(ckpt).storage_data.items() if k.fqn == "b")
     with open(ckpt / info.relative_path, "r+b") as f:
         f.seek(info.offset)
         f.write(b"JUNK" * 16)
@@ -257,7 +258,7 @@ def test_records_not_ours_are_streamed_to_torch_load(tmp_path: Path, temporal_qu
     stock = tmp_path / "stock"
     dcp.save(state, checkpoint_id=str(stock))
     out = {"w": torch.zeros(300, 7), "b": torch.zeros(10, dtype=torch.int64), "step": None}
-    dcp.load(out, storage_reader=reader_mod.SafeFileSystemReader(stock), planner=reader_mod.SafeLoadPlanner())
+    dcp.load(out, storage_reader=dcp_mod.SafeFileSystemReader(stock), planner=dcp_mod.SafeLoadPlanner())
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"]) and out["step"] == 5
 
 
@@ -375,7 +376,7 @@ def test_zip64_round_trip(tmp_path: Path, mode: str) -> None:
 
         # asyncckpt.load: the record is recognised as ours and read straight into the target.
         calls: list[bool] = []
-        real_read_record = reader_mod._read_record
+        real_read_record = dcp_mod.read_record
 
         def spy(fd, path, offset, framing, dest):  # type: ignore[no-untyped-def]
             ok = real_read_record(fd, path, offset, framing, dest)
@@ -383,21 +384,20 @@ def test_zip64_round_trip(tmp_path: Path, mode: str) -> None:
             return ok
 
         out = {"model": {"emb": torch.empty(shape, dtype=torch.float32), "bias": torch.zeros(7)}, "step": None}
-        paths_before = dict(loading_mod.load_paths)
-        reader_mod._read_record = spy
+        dcp_mod.read_record = spy
         try:
             started = time.monotonic()
-            asyncckpt.load(out, ckpt)
+            with observing_loads() as loads:
+                asyncckpt.load(out, ckpt)
             figures["load_s"] = time.monotonic() - started
         finally:
-            reader_mod._read_record = real_read_record
+            dcp_mod.read_record = real_read_record
         # The state is the checkpoint's, key for key, dtype and shape, in our writer's
         # zip64 framing: the direct load path reads it straight into the target (its
         # framing checked against ours), never DCP's path (whose raw record read the
         # spy sees).
-        taken = [k for k, v in loading_mod.load_paths.items() if v != paths_before.get(k, 0)]
-        assert taken == ["direct"] and loading_mod.load_paths["direct"] == paths_before.get("direct", 0) + 1, \
-            f"the zip64 checkpoint was loaded by {taken}, not the direct path alone"
+        assert loads.paths() == {"direct": 1, "dcp": 0}, \
+            f"the zip64 checkpoint was loaded by {loads.paths()}, not the direct path alone"
         assert not calls, "DCP's path read records of the zip64 checkpoint"
         assert out["step"] == 3 and torch.equal(out["model"]["bias"], torch.arange(7, dtype=torch.float32))
         _assert_filled(out["model"]["emb"].view(-1).view(torch.uint8))

@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from asyncckpt.errors import CheckpointError
+from asyncckpt.format.filespec import CrcPatch, FileSpec, pack_patches
 from asyncckpt.format.torchsave import TensorFraming, tensor_framing
-from asyncckpt.io.writer import CrcPatch, FileSpec, pack_patches
 
 __all__ = ["RankLayout", "build_layout", "layout_key"]
 
@@ -93,7 +93,11 @@ def _align(n: int, a: int) -> int:
 
 
 def _tensor_data(item: WriteItem) -> TensorWriteData:
-    """A tensor item's chunk and properties (DCP sets them on every item but BYTE_IO ones)."""
+    """The tensor data of a tensor write item.
+
+    Raises:
+        CheckpointError: the item has none (not a plan DCP's planner makes).
+    """
     if item.tensor_data is None:
         raise CheckpointError(f"state_dict entry {item.index.fqn!r}: a tensor write item without tensor data")
     return item.tensor_data

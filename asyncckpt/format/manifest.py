@@ -1,48 +1,40 @@
-"""Commit, manifest, ``latest`` pointer, retention and verification.
+"""The manifest: file names of a checkpoint, the manifest's format, and verification.
 
-A checkpoint is written into a hidden temporary directory beside its final name. The
-commit (run by the coordinator in finalize, after every rank's files are durable)
-writes ``.metadata`` (the DCP metadata) and ``.manifest.json`` (per-file sizes and
-CRC-32 checksummed segments), fsyncs them and the directory, renames the directory to
-its final name, and fsyncs the parent. A reader therefore sees either no checkpoint or
-a complete one. ``latest`` is replaced atomically (temporary file, fsync, rename,
-fsync) under a file lock (:mod:`filelock`).
+A committed checkpoint directory holds the data files, ``.metadata`` (the DCP
+metadata), optionally ``.records.json`` (:mod:`asyncckpt.format.records`) and
+``.manifest.json``: per-file sizes and CRC-32 checksummed segments, plus what the save
+recorded (world size, step, save token, commit sequence number). The commit that
+writes it is :mod:`asyncckpt.io.commit`; :func:`verify_checkpoint` checks a checkpoint
+against it.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import secrets
-import shutil
-import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
-from filelock import FileLock
-
-from asyncckpt import _faults
-from asyncckpt.errors import CheckpointError, CorruptCheckpointError
+from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.crc import CrcChain, crc32
-from asyncckpt.io.writer import FileResult, fsync_directory
+from asyncckpt.io.fs import open_no_follow
 
 __all__ = [
     "METADATA_NAME",
     "MANIFEST_NAME",
+    "RECORDS_NAME",
     "LATEST_NAME",
-    "temporary_dir_for",
-    "commit_directory",
-    "discard_temporary",
+    "LOCK_NAME",
+    "is_plain_name",
+    "build_manifest",
+    "manifest_bytes",
     "read_manifest",
     "verify_checkpoint",
     "is_committed",
-    "write_latest",
-    "read_latest",
-    "remove_checkpoint",
+    "run_in_order",
 ]
 
 METADATA_NAME = ".metadata"
@@ -58,60 +50,23 @@ _READ_CHUNK = 8 << 20
 _RING = 3
 
 
-def temporary_dir_for(final_dir: Path, token: str) -> Path:
-    """The hidden temporary directory a checkpoint is written into before commit."""
-    return final_dir.parent / f".{final_dir.name}.tmp-{token}"
-
-
-def _write_new_file(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def commit_directory(
-    tmp_dir: Path,
-    final_dir: Path,
-    metadata_bytes: bytes,
-    files: Iterable[FileResult],
-    info: dict[str, Any],
-    records: bytes | None = None,
-) -> dict[str, Any]:
-    """Write metadata, records and manifest into ``tmp_dir`` and rename it to ``final_dir``.
+def build_manifest(files: Iterable[Any], small: Mapping[str, bytes], info: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest of a checkpoint being committed.
 
     Args:
-        tmp_dir: the temporary directory holding every rank's data files (durable).
-        final_dir: the committed name; must not exist, or be an empty directory.
-        metadata_bytes: the pickled ``torch.distributed.checkpoint.metadata.Metadata``.
-        files: every rank's written files.
-        info: extra fields for the manifest (world_size, step, ...).
-        records: the records file's bytes (:func:`asyncckpt.format.records.records_file`
-            of ``metadata_bytes``), written as :data:`RECORDS_NAME`; ``None``: none.
+        files: every rank's data files, each with ``name``, ``nbytes`` and ``segments``
+            (``(offset, length, crc32)`` triples: ``asyncckpt.io.writer.FileResult``).
+        small: the files the commit writes itself (``.metadata``, ``.records.json``) by
+            name: their bytes, one segment each.
+        info: extra fields (``world_size``, ``step``, ``save_token``, ...).
 
     Returns:
-        The manifest.
-
-    Raises:
-        FileExistsError: ``final_dir`` exists and is not empty.
-        CorruptCheckpointError: a file of ``files`` is missing from ``tmp_dir`` or has
-            another size (checked just before the rename): nothing is committed.
-        OSError: any I/O failure; ``final_dir`` is then not created.
+        The manifest (a JSON-able dict, files sorted by name).
     """
-    files = list(files)
     entries = {f.name: {"size": f.nbytes, "segments": [list(s) for s in f.segments]} for f in files}
-    small = {METADATA_NAME: metadata_bytes}
-    if records is not None:
-        small[RECORDS_NAME] = records
     for name, data in small.items():
-        _write_new_file(tmp_dir / name, data)
         entries[name] = {"size": len(data), "segments": [[0, len(data), crc32(data)]]}
-    manifest = {
+    return {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
         "checksum": "crc32",
@@ -120,74 +75,11 @@ def commit_directory(
         **info,
         "files": dict(sorted(entries.items())),
     }
-    _write_new_file(tmp_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
-    fsync_directory(str(tmp_dir))
-    _faults.hit("commit")
-    _check_present(tmp_dir, final_dir, files)
-    if final_dir.exists() and any(final_dir.iterdir()):
-        raise FileExistsError(f"{final_dir} exists and is not empty; it is never overwritten")
-    os.rename(tmp_dir, final_dir)  # atomic; replaces an empty directory
-    fsync_directory(str(final_dir.parent))
-    _faults.hit("after_rename")
-    return manifest
 
 
-def _check_present(tmp_dir: Path, final_dir: Path, files: list[FileResult]) -> None:
-    """Every rank's data file is in ``tmp_dir``, with the size its writer reported (one
-    ``lstat`` per file), so that a rename never commits a checkpoint missing a rank's data.
-
-    Raises:
-        CorruptCheckpointError: naming the first file missing or of another size.
-    """
-    for f in files:
-        path = tmp_dir / f.name
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"{f.name} is missing from the temporary directory {tmp_dir} although the manifest lists it "
-                f"(did every rank write into the same directory?); {final_dir} is not committed",
-                str(path)) from None
-        if not stat.S_ISREG(st.st_mode) or st.st_size != f.nbytes:
-            raise CorruptCheckpointError(
-                f"{f.name} in {tmp_dir} has {st.st_size} bytes, its writer wrote {f.nbytes}; "
-                f"{final_dir} is not committed", str(path))
-
-
-def discard_temporary(tmp_dir: Path) -> None:
-    """Remove a save's temporary directory that will never be committed: first renamed
-    to a hidden ``.deleting-`` name (so whoever waits for the coordinator's decision sees
-    the temporary name go at once), then removed. No error if it is gone already."""
-    base = tmp_dir.name.rsplit(".tmp-", 1)[0]
-    doomed = tmp_dir.parent / f"{base}.deleting-{secrets.token_hex(6)}"
-    try:
-        os.rename(tmp_dir, doomed)
-    except FileNotFoundError:
-        return
-    except OSError:
-        doomed = tmp_dir
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def _open_no_follow(path: Path) -> int:
-    """Open the regular file ``path`` for reading, never through a symlink.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        CorruptCheckpointError: ``path`` is a symlink or not a regular file.
-        OSError: any other failure.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise CorruptCheckpointError(f"{path} is a symlink; checkpoint files must be regular files",
-                                         str(path)) from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CorruptCheckpointError(f"{path} is not a regular file", str(path))
-    return fd
+def manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
+    """The bytes of ``.manifest.json`` for ``manifest``."""
+    return json.dumps(manifest, indent=1).encode()
 
 
 def is_plain_name(name: Any) -> bool:
@@ -215,7 +107,7 @@ def read_manifest(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     """
     path = Path(checkpoint_dir) / MANIFEST_NAME
     try:
-        fd = _open_no_follow(path)
+        fd = open_no_follow(path)
         with open(fd, "rb") as f:
             manifest = json.loads(f.read())
     except FileNotFoundError:
@@ -280,7 +172,7 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike, names: Iterable[str] | 
             if entry is None:
                 raise CorruptCheckpointError(f"{path} is not listed in the manifest", str(path))
             try:
-                fd = _open_no_follow(path)
+                fd = open_no_follow(path)
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{path} is missing (listed in the manifest)", str(path)) from None
             except OSError as exc:
@@ -345,7 +237,7 @@ def _check_segments(work: list, on_bytes: Callable[[int], None] | None, threads:
     chunk's CRC-32 is computed on a helper thread while the next is read
     (:class:`~asyncckpt.format.crc.CrcChain`): on the disk measured here one reader
     per file is faster than several at different offsets (see
-    ``reader._read_file``)."""
+    :func:`asyncckpt.loading.direct._read_file`)."""
     lock = threading.Lock()
     by_file: dict[int, list] = {}
     for item in work:
@@ -390,106 +282,22 @@ def _check_segments(work: list, on_bytes: Callable[[int], None] | None, threads:
                  min(4, os.cpu_count() or 1) if threads is None else threads, "asyncckpt-verify")
 
 
-def _lock_path(root: Path) -> str:
-    """``root/.asyncckpt.lock``, with any symlink at that name removed, never followed.
-
-    Recent filelock releases (4.x) open the lock file with ``O_NOFOLLOW`` and then fail
-    on a symlink (``ELOOP``), which would fail the save after its directory was
-    renamed; older ones opened it with ``O_TRUNC`` through the symlink, truncating its
-    target. A symlink is never our lock file, so it is unlinked.
-
-    Raises:
-        CheckpointError: the lock path exists and is neither a regular file nor a symlink.
-    """
-    lock = root / LOCK_NAME
-    try:
-        mode = os.lstat(lock).st_mode
-    except FileNotFoundError:
-        return str(lock)
-    if stat.S_ISLNK(mode):
-        try:
-            os.unlink(lock)  # removes the link itself, not its target
-        except FileNotFoundError:
-            pass
-    elif not stat.S_ISREG(mode):
-        raise CheckpointError(f"{lock} exists and is not a regular file; it cannot be used as the lock file")
-    return str(lock)
+# Until the save path calls asyncckpt.io.storage (saving/phases.py, saving/saver.py):
+# the commit I/O under its old names here. Looked up at call time, so that a test that
+# replaces asyncckpt.io.commit.temporary_dir_for reaches the save path either way.
+_MOVED = {"temporary_dir_for": "asyncckpt.io.commit", "commit_directory": "asyncckpt.io.commit",
+          "discard_temporary": "asyncckpt.io.commit", "write_latest": "asyncckpt.io.commit",
+          "read_latest": "asyncckpt.io.commit", "remove_checkpoint": "asyncckpt.io.fs"}
 
 
-def write_latest(root: Path, name: str) -> None:
-    """Point ``root/latest`` at checkpoint directory ``name``, atomically and durably.
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        import importlib
 
-    Under the file lock ``root/.asyncckpt.lock`` (:mod:`filelock`; a symlink there is
-    removed, never followed), writes ``name`` to a new temporary file with a 64-bit
-    random name (``O_EXCL``: never through an existing file or symlink), fsyncs it,
-    renames it over ``latest`` (a symlink named ``latest`` is replaced, its target
-    untouched) and fsyncs ``root``.
+        module = importlib.import_module(_MOVED[name])
 
-    Args:
-        root: the directory holding ``latest``.
-        name: a checkpoint directory name in ``root`` (a plain name, no separator).
+        def moved(*args: Any, **kwargs: Any) -> Any:
+            return getattr(module, name)(*args, **kwargs)
 
-    Raises:
-        ValueError: ``name`` is not a plain file name.
-        CheckpointError: the lock path is neither a regular file nor a symlink.
-        OSError: any I/O failure (``latest`` is then unchanged).
-    """
-    if not is_plain_name(name) or "\n" in name:
-        raise ValueError(f"latest must name a directory in {root}, not {name!r}")
-    with FileLock(_lock_path(root)):
-        tmp = root / f".{LATEST_NAME}.tmp-{secrets.token_hex(8)}"
-        try:
-            _write_new_file(tmp, (name + "\n").encode())
-            os.replace(tmp, root / LATEST_NAME)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_directory(str(root))
-
-
-#: ``latest`` holds one directory name; a larger file is not ours.
-_LATEST_MAX_BYTES = 4096
-
-
-def read_latest(root: Path) -> str | None:
-    """The checkpoint directory name ``root/latest`` points at, or ``None``.
-
-    ``None`` also when ``latest`` is a symlink (never followed), not a regular file,
-    larger than 4096 bytes, not UTF-8, or not a plain file name.
-    """
-    try:
-        fd = _open_no_follow(root / LATEST_NAME)
-    except (OSError, CorruptCheckpointError):
-        return None
-    try:
-        with open(fd, "rb") as f:
-            data = f.read(_LATEST_MAX_BYTES + 1)
-        name = data.decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    if len(data) > _LATEST_MAX_BYTES or not is_plain_name(name):
-        return None
-    return name
-
-
-def remove_checkpoint(path: Path, background: bool = False) -> threading.Thread | None:
-    """Delete a checkpoint directory: first renamed to a hidden name (so a crash
-    mid-delete never leaves a partial directory under a committed name), then removed.
-
-    Args:
-        path: the checkpoint directory.
-        background: remove the renamed directory in a daemon thread (returned) so
-            that the caller (the training thread, in a commit) does not wait for the
-            unlinks; a removal cut short by exit leaves a hidden ``.deleting-`` name
-            that ``CheckpointManager`` and ``asyncckpt clean`` remove later.
-    """
-    doomed = path.parent / f".{path.name}.deleting-{secrets.token_hex(6)}"
-    os.rename(path, doomed)
-    fsync_directory(str(path.parent))
-    if not background:
-        shutil.rmtree(doomed, ignore_errors=True)
-        return None
-    thread = threading.Thread(target=shutil.rmtree, args=(doomed,), kwargs={"ignore_errors": True},
-                              name=f"asyncckpt-retention:{doomed.name}", daemon=True)
-    thread.start()
-    return thread
+        return moved
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,6 @@ memory, and cannot initialize CUDA.
 
 from __future__ import annotations
 
-import array
 import mmap
 import os
 import struct
@@ -23,9 +22,11 @@ from typing import NamedTuple
 
 from asyncckpt import _faults
 from asyncckpt.format.crc import crc32
+from asyncckpt.format.filespec import CrcPatch, FileSpec, unpack_patches
+from asyncckpt.io.fs import fsync_directory
 
-__all__ = ["SlabRef", "CrcPatch", "pack_patches", "unpack_patches", "FileSpec", "WriteTask", "FileResult",
-           "RankWriteResult", "write_rank_files", "drop_cached_pages"]
+__all__ = ["SlabRef", "WriteTask", "FileResult", "RankWriteResult", "write_rank_files",
+           "drop_cached_pages"]
 
 #: Bytes per ``os.write`` call.
 WRITE_CHUNK_BYTES = 64 << 20
@@ -49,55 +50,6 @@ class SlabRef(NamedTuple):
     slab_id: str
     path: str
     nbytes: int
-
-
-class CrcPatch(NamedTuple):
-    """A tensor record's raw data and where its CRC-32 goes, in file coordinates.
-
-    Attributes:
-        data_offset: first byte of the raw tensor data (bytes from the file start).
-        data_nbytes: length of the raw data in bytes.
-        patch_offsets: offsets of the little-endian uint32 CRC-32 fields to fill in.
-    """
-
-    data_offset: int
-    data_nbytes: int
-    patch_offsets: tuple[int, ...]
-
-
-def pack_patches(patches: list[CrcPatch]) -> bytes:
-    """Pack patches as native int64 quadruples ``(data_offset, data_nbytes, field0,
-    field1)``, ``-1`` for an absent field: pickled as one bytes object, thousands of
-    records cost the hand-off to the worker a memcpy, not a pickle per record."""
-    flat = array.array("q")
-    for p in patches:
-        fields = (tuple(p.patch_offsets) + (-1, -1))[:2]
-        flat.extend((p.data_offset, p.data_nbytes, *fields))
-    return flat.tobytes()
-
-
-def unpack_patches(packed: bytes) -> list[CrcPatch]:
-    """The inverse of :func:`pack_patches`."""
-    flat = array.array("q")
-    flat.frombytes(packed)
-    return [CrcPatch(flat[i], flat[i + 1], tuple(f for f in flat[i + 2:i + 4] if f >= 0))
-            for i in range(0, len(flat), 4)]
-
-
-class FileSpec(NamedTuple):
-    """One data file: ``slab[slab_offset : slab_offset + nbytes]`` once patched.
-
-    Attributes:
-        name: file name inside the checkpoint directory (e.g. ``__0_0.distcp``).
-        slab_offset: where the file image starts in the slab (bytes).
-        nbytes: file size in bytes.
-        patches: the tensor records in file order, packed by :func:`pack_patches`.
-    """
-
-    name: str
-    slab_offset: int
-    nbytes: int
-    patches: bytes
 
 
 class WriteTask(NamedTuple):
@@ -414,30 +366,6 @@ def drop_cached_pages(fd: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def fsync_directory(path: str) -> None:
-    """fsync a directory so that the names created or renamed in it are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def current_umask() -> int:
-    """This process's umask, read without changing it (Linux ``/proc``; else set and
-    restore, briefly)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def write_rank_files(task: WriteTask) -> RankWriteResult:

@@ -2,12 +2,13 @@
 
 ``load`` reads a committed checkpoint into a given state_dict, like
 ``torch.distributed.checkpoint.load`` (resharded as DCP does), without trusting the
-checkpoint: see :mod:`asyncckpt.loading.reader`.
+checkpoint: see :mod:`asyncckpt.loading.metadata`, :mod:`asyncckpt.loading.dcp` and
+:mod:`asyncckpt.loading.direct`. Files are read through the tier
+(:data:`asyncckpt.io.storage.LOCAL`).
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import warnings
 from pathlib import Path
@@ -27,15 +28,12 @@ from asyncckpt.errors import (
     RankFailure,
     UnverifiableCheckpointError,
 )
-from asyncckpt.format import manifest as _commit
+from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME
 from asyncckpt.format.records import RECORDS_NAME
-from asyncckpt.loading.reader import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    direct_load,
-    gc_paused,
-    plan_direct_load,
-)
+from asyncckpt.io.storage import LOCAL
+from asyncckpt.loading.dcp import SafeFileSystemReader, SafeLoadPlanner
+from asyncckpt.loading.direct import direct_load, plan_direct_load
+from asyncckpt.loading.metadata import gc_paused
 from asyncckpt.root import is_stock_dcp
 
 __all__ = ["load", "verify", "from_dcp_exception"]
@@ -65,7 +63,7 @@ def verify(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         raise UnverifiableCheckpointError(
             f"{path}: no manifest: not verifiable (a stock torch.distributed.checkpoint directory; "
             "its files carry no checksums)", str(path))
-    return _commit.verify_checkpoint(checkpoint_dir)
+    return LOCAL.verify(checkpoint_dir)
 
 
 def load(
@@ -83,12 +81,12 @@ def load(
 
     When ``state_dict`` has exactly the checkpoint's keys, dtypes and shapes (plain
     tensors, one record each), on every rank, the records are read directly, in few
-    large reads straight into the tensors (``reader.direct_load``), without DCP's
+    large reads straight into the tensors (``asyncckpt.loading.direct``), without DCP's
     per-entry load planning (the records' places come from ``.records.json``, written
     at commit, when it stands for the ``.metadata`` in the directory); anything else
     goes through ``dcp.load``. Both give the same values and the same errors.
 
-    The checkpoint is not trusted (:mod:`asyncckpt.loading.reader`): ``.metadata`` is
+    The checkpoint is not trusted (:mod:`asyncckpt.loading.metadata`): ``.metadata`` is
     unpickled with an allowlist of DCP metadata classes; every file it or the manifest
     names must be a plain file name of a regular file (not a symlink) inside
     ``checkpoint_dir``; non-tensor values load with ``torch.load(weights_only=True)``
@@ -145,12 +143,6 @@ def load(
                                       "loaded (e.g. by retention): load a newer step", str(path)) from exc
 
 
-#: How many loads of this process took each path: ``"direct"`` (``reader.direct_load``) or
-#: ``"dcp"`` (``dcp.load`` with our reader and planner). A debugging aid; tests read it.
-load_paths: collections.Counter = collections.Counter()
-#: Where the direct path's plans found the records: ``"records"`` (the records file),
-#: ``"metadata"`` (``.metadata``, unpickled). A debugging aid; tests read it.
-records_sources: collections.Counter = collections.Counter()
 
 
 class _Stock(Exception):
@@ -189,7 +181,7 @@ def _load_direct(state_dict: dict[str, Any], path: Path, process_group: Any, ver
     """Load on the direct path, or, when a rank cannot take it, check the files (with
     ``verify``) and return what DCP's path needs (the same on every rank)."""
     sync = SyncGroup(process_group)
-    reader = SafeFileSystemReader(str(path))
+    reader = SafeFileSystemReader(str(path), storage=LOCAL)
     planner = SafeLoadPlanner(allow_pickle=allow_pickle)
     failure: RankFailure | None = None
     plan = None
@@ -198,17 +190,16 @@ def _load_direct(state_dict: dict[str, Any], path: Path, process_group: Any, ver
     try:
         if stock:
             raise _Stock
-        manifest = _commit.read_manifest(path)  # also refuses names outside the directory
+        manifest = LOCAL.read_manifest(path)  # also refuses names outside the directory
         share = sorted(manifest["files"])[sync.rank::sync.world_size]
         if verify is True:
-            _commit.verify_checkpoint(path, share)
+            LOCAL.verify(path, share)
         elif verify == "inline":  # the data files as they are read
-            _commit.verify_checkpoint(path, [n for n in (_commit.METADATA_NAME, RECORDS_NAME)
-                                             if n in manifest["files"]])
+            LOCAL.verify(path, [n for n in (METADATA_NAME, RECORDS_NAME)
+                                if n in manifest["files"]])
         # Where each entry lies: from the records file when it stands for this
         # .metadata (JSON, no unpickling), else from .metadata.
         records = reader.read_records(manifest["files"])
-        records_sources["metadata" if records is None else "records"] += 1
         if records is None:
             reader.check_manifest(manifest["files"])  # reads and checks .metadata
         plan = plan_direct_load(state_dict, reader.read_metadata() if records is None else records)
@@ -222,15 +213,15 @@ def _load_direct(state_dict: dict[str, Any], path: Path, process_group: Any, ver
         _raise_first(sync.gather_failures(failure), path)  # the error funnel: the same error on every rank
     if any(f[2] for f in flags):
         if not all(f[2] for f in flags):
-            raise CorruptCheckpointError(f"{path}: some ranks see a {_commit.MANIFEST_NAME} and some do not",
+            raise CorruptCheckpointError(f"{path}: some ranks see a {MANIFEST_NAME} and some do not",
                                          str(path))
-        warnings.warn(f"{path} has no {_commit.MANIFEST_NAME} (a stock torch.distributed.checkpoint "
+        warnings.warn(f"{path} has no {MANIFEST_NAME} (a stock torch.distributed.checkpoint "
                       "directory): loaded without checksum verification", UserWarning, stacklevel=4)
         return reader, planner, path
     direct = all(f[1] for f in flags)
     if verify == "inline" and not direct:  # DCP's path checks first
         try:
-            _commit.verify_checkpoint(path, share)
+            LOCAL.verify(path, share)
         except CorruptCheckpointError as exc:
             failure = RankFailure.from_exception(exc)
         failures = sync.gather_failures(failure)
@@ -238,10 +229,9 @@ def _load_direct(state_dict: dict[str, Any], path: Path, process_group: Any, ver
             _raise_first(failures, path)
     if direct:
         assert plan is not None
-        load_paths["direct"] += 1
         try:
             direct_load(plan, str(path), manifest["files"] if verify == "inline" else None,
-                        decode=planner.decode_value)
+                        decode=planner.decode_value, storage=LOCAL)
         except (CheckpointError, OSError) as exc:
             failure = RankFailure.from_exception(exc)
         failures = sync.gather_failures(failure)
@@ -253,7 +243,6 @@ def _load_direct(state_dict: dict[str, Any], path: Path, process_group: Any, ver
 
 def _load_dcp(state_dict: dict[str, Any], process_group: Any, reader: SafeFileSystemReader,
               planner: SafeLoadPlanner, path: Path) -> None:
-    load_paths["dcp"] += 1
     try:
         with warnings.catch_warnings():
             # Without a process group DCP warns that it loads in a single process: intended.

@@ -27,9 +27,10 @@ from asyncckpt.errors import (
     CheckpointPathError,
     CorruptCheckpointError,
 )
-from asyncckpt.format import manifest as _commit
+from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME
+from asyncckpt.io.storage import LOCAL
 from asyncckpt.loading.api import from_dcp_exception
-from asyncckpt.loading.reader import SafeFileSystemReader, SafeLoadPlanner
+from asyncckpt.loading.dcp import SafeFileSystemReader, SafeLoadPlanner
 from asyncckpt.root import is_in_root
 
 __all__ = ["read_state_dict"]
@@ -97,7 +98,8 @@ def typed_entry_paths(metadata: Metadata, int_keys: Mapping[str, frozenset[int]]
         if ints:
             typed = list(path)
             for i in ints:
-                value = int_key(typed[i]) if i < len(typed) and type(typed[i]) is str else None
+                item = typed[i] if i < len(typed) else None
+                value = int_key(item) if isinstance(item, str) else None
                 if value is None:
                     raise CorruptCheckpointError(
                         f"{where}: the manifest's int_keys for entry {fqn!r} does not fit its path {path!r}", where)
@@ -129,7 +131,7 @@ def _place(root: dict[str, Any], path: tuple[str | int, ...], ints: frozenset[in
                 raise bad()
             current = container.get(key, _UNSET)
         else:
-            if is_key(depth):
+            if is_key(depth) or not isinstance(key, int):
                 raise bad()
             if len(container) <= key:
                 container.extend([_UNSET] * (key + 1 - len(container)))
@@ -237,20 +239,20 @@ def read_state_dict(checkpoint_dir: str | os.PathLike, *, verify: bool = True,
         raise CheckpointNotFoundError("no such checkpoint directory", str(path))
     if not path.is_dir():
         raise CheckpointPathError.of(20, "not a checkpoint directory", path)  # errno.ENOTDIR
-    reader = SafeFileSystemReader(str(path))
+    reader = SafeFileSystemReader(str(path), storage=LOCAL)
     manifest: dict[str, Any] | None = None
-    if os.path.lexists(path / _commit.MANIFEST_NAME):
-        manifest = (_commit.verify_checkpoint(path) if verify  # also refuses names outside the directory
-                    else _commit.read_manifest(path))
+    if LOCAL.exists(path, MANIFEST_NAME):
+        manifest = (LOCAL.verify(path) if verify  # also refuses names outside the directory
+                    else LOCAL.read_manifest(path))
         reader.check_manifest(manifest["files"])  # reads and checks .metadata
     elif is_in_root(path):  # a step of an asyncckpt root that lost its manifest: ours, damaged
-        _commit.read_manifest(path)  # raises CorruptCheckpointError (missing)
+        LOCAL.read_manifest(path)  # raises CorruptCheckpointError (missing)
     elif verify:
-        warnings.warn(f"{path} has no {_commit.MANIFEST_NAME} (a stock torch.distributed.checkpoint "
+        warnings.warn(f"{path} has no {MANIFEST_NAME} (a stock torch.distributed.checkpoint "
                       "directory?): its checksums were not verified", UserWarning, stacklevel=2)
     metadata = reader.read_metadata()
-    where = str(path / _commit.METADATA_NAME)
-    int_keys = manifest_int_keys(manifest, str(path / _commit.MANIFEST_NAME))
+    where = str(path / METADATA_NAME)
+    int_keys = manifest_int_keys(manifest, str(path / MANIFEST_NAME))
 
     # One destination per entry, keyed by its flat FQN (what DCP's planner matches).
     flat: dict[str, Any] = {}

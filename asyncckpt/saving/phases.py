@@ -45,7 +45,8 @@ from asyncckpt.format import manifest as _commit
 from asyncckpt.format import records as _records
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.layout import RankLayout
-from asyncckpt.io.writer import RankWriteResult, WriteTask, current_umask
+from asyncckpt.io.fs import current_umask
+from asyncckpt.io.writer import RankWriteResult, WriteTask
 from asyncckpt.options import SaveOptions
 from asyncckpt.root import CheckpointRoot
 from asyncckpt.saving import destroy_hook as _destroy_hook  # noqa: F401 - pending saves commit before destroy_process_group()

@@ -1,0 +1,191 @@
+"""The storage seam: where a checkpoint's bytes go and come from (a tier).
+
+A tier is one object that implements :class:`Storage`, in the spirit of
+``torch.distributed.checkpoint``'s ``StorageWriter`` / ``StorageReader``: the save
+path and the load path call it, and never touch files themselves, so that a new tier
+(a node-local tier replicated to peers, an object store) is a new implementation, not
+new branches in the save path. :class:`LocalStorage` is the local file system, the
+only tier today (:data:`LOCAL`).
+
+Collective contract of a save (one ``Storage`` object, the same on every rank; which
+rank calls what, in this order):
+
+0. (all ranks, training thread) :meth:`Storage.temporary_dir`: where this save's
+   files go until the commit. No I/O; every rank computes the same name.
+1. (all ranks, the background worker or a forked child)
+   :meth:`Storage.write_rank`: write this rank's staged files, durably. Runs without
+   torch: the ``Storage`` object is pickled to the worker with the call, so it must be
+   picklable and its module must not import torch.
+2. (coordinator only, after every rank's step 1 succeeded, in the finalizer thread)
+   :meth:`Storage.commit`: write ``.metadata``, ``.records.json`` and the manifest,
+   and make the checkpoint visible atomically: a reader sees all of it or nothing.
+3. (coordinator only, instead of 2, once it decided not to commit)
+   :meth:`Storage.discard`: remove what steps 0-1 left. Never called on the other ranks:
+   they must not remove what the coordinator may still be committing.
+
+Collective contract of a load: none. Every rank calls the read side
+(:meth:`Storage.read_manifest`, :meth:`Storage.verify`, :meth:`Storage.exists`,
+:meth:`Storage.open_dir`, :meth:`Storage.open_file`) on its own; the loaders
+(``asyncckpt.loading``) agree across ranks through their own collectives. The read side
+hands out POSIX descriptors for positioned reads (``os.preadv``): a tier that is not a
+local file system serves reads from a local copy.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Protocol
+
+from asyncckpt.format import manifest as _manifest
+from asyncckpt.io import commit as _commit
+from asyncckpt.io import fs as _fs
+from asyncckpt.io import writer as _writer
+from asyncckpt.io.writer import FileResult, RankWriteResult, WriteTask
+
+__all__ = ["Storage", "LocalStorage", "LOCAL"]
+
+
+class Storage(Protocol):
+    """A checkpoint tier: the write of a rank's files, the commit, the discard of a
+    failed save, and the reads of a committed checkpoint. See the module docstring for
+    which rank calls what."""
+
+    # ------------------------------------------------------------------ save side
+    def temporary_dir(self, final_dir: Path, token: str) -> Path:
+        """(all ranks) Where the files of the save ``token`` into ``final_dir`` are
+        written until the commit. Pure: no I/O, the same on every rank."""
+        ...
+
+    def write_rank(self, task: WriteTask) -> RankWriteResult:
+        """(all ranks, in the torch-free worker) Write one rank's staged files into
+        ``task.directory`` (a :meth:`temporary_dir`) and make them durable.
+
+        Returns:
+            The files' sizes and checksummed segments, for the manifest.
+
+        Raises:
+            OSError: any I/O failure (the files this call created are removed).
+        """
+        ...
+
+    def commit(self, tmp_dir: Path, final_dir: Path, metadata_bytes: bytes, files: Iterable[FileResult],
+               info: dict[str, Any], records: bytes | None = None) -> dict[str, Any]:
+        """(coordinator only) Commit the save whose files every rank wrote into
+        ``tmp_dir``: it becomes visible as ``final_dir``, atomically.
+
+        Args:
+            tmp_dir: the save's :meth:`temporary_dir`.
+            final_dir: the committed name; must not exist, or be an empty directory.
+            metadata_bytes: the pickled DCP ``Metadata`` (``.metadata``).
+            files: every rank's written files.
+            info: extra manifest fields (``world_size``, ``step``, ``save_token``, ...).
+            records: the bytes of ``.records.json``, or ``None``.
+
+        Returns:
+            The manifest.
+
+        Raises:
+            FileExistsError: ``final_dir`` exists and is not empty.
+            CorruptCheckpointError: a file of ``files`` is missing or of another size.
+            OSError: any I/O failure; nothing is then committed.
+        """
+        ...
+
+    def discard(self, tmp_dir: Path) -> None:
+        """(coordinator only) Remove a save's :meth:`temporary_dir` that will never be
+        committed. Never raises; no error if nothing is there."""
+        ...
+
+    # ------------------------------------------------------------------ read side
+    def read_manifest(self, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+        """A committed checkpoint's manifest, sanity-checked.
+
+        Raises:
+            CorruptCheckpointError: missing, unreadable or malformed.
+        """
+        ...
+
+    def verify(self, checkpoint_dir: str | os.PathLike, names: Iterable[str] | None = None,
+               on_bytes: Callable[[int], None] | None = None, threads: int | None = None) -> dict[str, Any]:
+        """Check a checkpoint's files (``names``: only those) against its manifest's
+        sizes and CRC-32s; ``on_bytes(n)`` after each ``n`` bytes checked.
+
+        Returns:
+            The manifest.
+
+        Raises:
+            CorruptCheckpointError: naming the first bad file.
+        """
+        ...
+
+    def exists(self, checkpoint_dir: str | os.PathLike, name: str) -> bool:
+        """Whether the checkpoint holds an entry ``name`` (of any type; never followed)."""
+        ...
+
+    def open_dir(self, checkpoint_dir: str) -> int:
+        """A descriptor of the checkpoint, for :meth:`open_file` (the caller closes it).
+
+        Raises:
+            CorruptCheckpointError: there is no such checkpoint.
+        """
+        ...
+
+    def open_file(self, dir_fd: int, checkpoint_dir: str, name: str) -> int:
+        """A read-only descriptor of the regular file ``name`` of the checkpoint opened
+        as ``dir_fd`` (the caller closes it); never through a symlink.
+
+        Raises:
+            CorruptCheckpointError: missing, a symlink, not a regular file, unreadable.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class LocalStorage:
+    """The local (or shared, POSIX) file system: a checkpoint is a directory.
+
+    The save's files go into a hidden ``.<name>.tmp-<token>`` directory beside the
+    final name (:func:`asyncckpt.io.commit.temporary_dir_for`), written by
+    :func:`asyncckpt.io.writer.write_rank_files`; the commit
+    (:func:`asyncckpt.io.commit.commit_directory`) writes the small files, fsyncs, and
+    renames the directory (the commit point); a discard renames it to a hidden
+    ``.deleting-`` name and removes it. Reads open files relative to a descriptor of
+    the directory with ``O_NOFOLLOW``. Stateless: picklable, equal to any other.
+    """
+
+    def temporary_dir(self, final_dir: Path, token: str) -> Path:
+        return _commit.temporary_dir_for(final_dir, token)
+
+    def write_rank(self, task: WriteTask) -> RankWriteResult:
+        return _writer.write_rank_files(task)
+
+    def commit(self, tmp_dir: Path, final_dir: Path, metadata_bytes: bytes, files: Iterable[FileResult],
+               info: dict[str, Any], records: bytes | None = None) -> dict[str, Any]:
+        return _commit.commit_directory(tmp_dir, final_dir, metadata_bytes, files, info, records)
+
+    def discard(self, tmp_dir: Path) -> None:
+        _fs.remove_checkpoint(tmp_dir, best_effort=True)
+
+    def read_manifest(self, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+        return _manifest.read_manifest(checkpoint_dir)
+
+    def verify(self, checkpoint_dir: str | os.PathLike, names: Iterable[str] | None = None,
+               on_bytes: Callable[[int], None] | None = None, threads: int | None = None) -> dict[str, Any]:
+        return _manifest.verify_checkpoint(checkpoint_dir, names, on_bytes, threads)
+
+    def exists(self, checkpoint_dir: str | os.PathLike, name: str) -> bool:
+        return os.path.lexists(os.path.join(checkpoint_dir, name))
+
+    def open_dir(self, checkpoint_dir: str) -> int:
+        return _fs.open_dir(checkpoint_dir)
+
+    def open_file(self, dir_fd: int, checkpoint_dir: str, name: str) -> int:
+        return _fs.open_member(dir_fd, checkpoint_dir, name)
+
+
+#: The local file system tier (the default everywhere).
+LOCAL: Storage = LocalStorage()

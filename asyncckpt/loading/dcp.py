@@ -1,0 +1,424 @@
+"""DCP's load path, safe: a ``LoadPlanner`` and a ``StorageReader`` for ``dcp.load``.
+
+:class:`SafeLoadPlanner` is ``DefaultLoadPlanner`` whose non-tensor values load with
+``torch.load(..., weights_only=True)`` unless the caller opts in (``allow_pickle=True``);
+stock DCP's ``DefaultLoadPlanner.load_bytes`` uses ``weights_only=False``. They are
+all decoded before any tensor of the state_dict is written, so a refused value leaves
+the state_dict unchanged.
+
+:class:`SafeFileSystemReader` is ``FileSystemReader`` reading ``.metadata`` with the
+restricted unpickler (:mod:`asyncckpt.loading.metadata`), every data file through the
+tier (:class:`asyncckpt.io.storage.Storage`: relative to the directory, never through
+a symlink), and our writer's tensor records raw (:mod:`asyncckpt.loading.framing`).
+Data integrity is the manifest's job (``verify_checkpoint``), not this module's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import pickle
+import warnings
+from typing import Any, Iterable, Mapping, cast
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import metadata as _md
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
+from torch.futures import Future
+
+from asyncckpt._check import int_key
+from asyncckpt.errors import CheckpointError, CorruptCheckpointError
+from asyncckpt.format.crc import crc32
+from asyncckpt.format.manifest import METADATA_NAME
+from asyncckpt.format.records import RECORDS_NAME, Record, parse_records
+from asyncckpt.io.storage import LOCAL, Storage
+from asyncckpt.loading.framing import (
+    RecordStream,
+    pread,
+    read_record,
+    suffix_matches,
+    tensor_from,
+    torch_load_tensor,
+    writer_framing,
+)
+from asyncckpt.loading.metadata import check_file_name, read_metadata, validate_metadata
+
+__all__ = ["SafeLoadPlanner", "SafeFileSystemReader", "set_value"]
+
+#: Records up to this size are read with one ``pread``; larger ones in three.
+_SMALL_RECORD_BYTES = 1 << 20
+#: Records with at least this many data bytes are read straight into the destination.
+_DIRECT_READ_BYTES = 64 << 10
+
+def _weights_only_reason(exc: BaseException) -> str:
+    text = str(exc)
+    for line in text.splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` whose non-tensor values load with ``weights_only=True``.
+
+    Stock ``DefaultLoadPlanner.load_bytes`` calls ``torch.load(..., weights_only=False)``,
+    which runs arbitrary code from a crafted checkpoint. Here values are restricted
+    to what ``torch.load(weights_only=True)`` accepts (tensors, ``int``, ``float``,
+    ``str``, ``bytes``, ``None``, ``complex``, ``list``, ``tuple``, ``dict``, ``set``,
+    ``OrderedDict``, ``torch.Size``, dtypes, devices, and classes allowlisted with
+    ``torch.serialization.safe_globals``), unless ``allow_pickle=True``.
+
+    Args:
+        allow_pickle: unpickle arbitrary objects (only for trusted checkpoints).
+        **kwargs: passed to ``DefaultLoadPlanner``.
+    """
+
+    def __init__(self, *, allow_pickle: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.allow_pickle = allow_pickle
+
+    def decode_bytes(self, read_item: ReadItem, value: io.BytesIO) -> Any:
+        """Unpickle one non-tensor value.
+
+        Raises:
+            CheckpointError: the value needs unpickling beyond ``weights_only`` and
+                ``allow_pickle`` is false (naming the entry).
+            CorruptCheckpointError: the bytes are not a ``torch.save`` archive.
+        """
+        return self.decode_value(read_item.dest_index.fqn, value)
+
+    def decode_value(self, fqn: str, value: io.BytesIO) -> Any:
+        """Unpickle the non-tensor value of entry ``fqn`` (see :meth:`decode_bytes`)."""
+        try:
+            return torch.load(value, map_location="cpu", weights_only=not self.allow_pickle)
+        except pickle.UnpicklingError as exc:
+            if not self.allow_pickle and "Weights only load failed" in str(exc):
+                raise CheckpointError(
+                    f"state_dict entry {fqn!r} holds a pickled object that weights_only loading refuses "
+                    f"({_weights_only_reason(exc)}); load with allow_pickle=True only if you trust where the "
+                    "checkpoint comes from (unpickling can run arbitrary code), or allowlist its classes with "
+                    "torch.serialization.safe_globals([...])") from None
+            raise CorruptCheckpointError(f"state_dict entry {fqn!r} cannot be unpickled: {exc}") from exc
+        except Exception as exc:
+            raise CorruptCheckpointError(
+                f"state_dict entry {fqn!r} cannot be read: {type(exc).__name__}: {exc}") from exc
+
+    def set_value(self, read_item: ReadItem, obj: Any) -> None:
+        """Put a decoded non-tensor value into the state_dict (as ``load_bytes`` does, but
+        under the state_dict's own key where it is an ``int``: :func:`set_value`)."""
+        if self.flatten_state_dict:
+            set_value(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.set_value(read_item, self.decode_bytes(read_item, value))
+
+
+def set_value(state_dict: dict[str, Any], path: tuple, value: Any) -> None:
+    """DCP's ``set_element(state_dict, path, value)`` for a ``path`` of DCP's flatten
+    mapping (``str(key)`` for every dict key), that follows the dicts' own keys: where
+    a dict holds the ``int`` key ``0`` and not ``"0"`` (an optimizer's ``state``), the
+    value goes under ``0``, not under a new ``"0"`` beside it (as stock DCP's load puts
+    it). A path that does not lead through ``state_dict`` is ``set_element``'s."""
+    parent: Any = state_dict
+    key: Any = None
+    for depth, k in enumerate(path):
+        if isinstance(parent, Mapping):
+            if type(k) is str and k not in parent:
+                as_int = int_key(k)
+                if as_int is not None and as_int in parent:
+                    k = as_int
+        elif not (isinstance(parent, list) and type(k) is int):
+            break
+        if depth == len(path) - 1:
+            key = k
+            break
+        try:
+            parent = parent[k]
+        except (KeyError, IndexError):
+            break
+    if key is None or not isinstance(parent, (Mapping, list)):
+        set_element(state_dict, path, value)
+        return
+    if isinstance(parent, list):
+        parent.extend([None] * (key + 1 - len(parent)))
+    cast(Any, parent)[key] = value
+
+
+def _as_listed(data: bytes, entry: Any, whole_crc: int | None) -> bool:
+    """Whether ``data`` has the size and segment CRC-32s of its manifest ``entry``
+    (``whole_crc``: ``data``'s CRC-32, when the caller has it)."""
+    try:
+        if entry["size"] != len(data):
+            return False
+        for offset, length, crc in entry["segments"]:
+            if offset == 0 and length == len(data) and whole_crc is not None:
+                actual = whole_crc
+            else:
+                actual = crc32(memoryview(data)[offset:offset + length])
+            if actual != crc:
+                return False
+    except (KeyError, TypeError, ValueError):
+        return False
+    return True
+
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` that checks every path and never follows a symlink.
+
+    ``read_metadata`` is :func:`read_metadata` (restricted unpickling, paths checked),
+    cached so that a caller may read and check it before ``dcp.load`` runs.
+    ``read_data`` opens data files relative to the directory with ``O_NOFOLLOW``,
+    decodes every non-tensor value (through the planner's ``decode_bytes`` when it
+    has one, see :class:`SafeLoadPlanner`) before writing any tensor, and copies our
+    writer's tensor records without a per-tensor ``torch.load``.
+
+    Args:
+        path: the checkpoint directory.
+        _extension_registry: as ``FileSystemReader``'s (stream transforms).
+        storage: the tier the checkpoint is read from.
+    """
+
+    def __init__(self, path: str | os.PathLike, _extension_registry: Any = None, *,
+                 storage: Storage = LOCAL) -> None:
+        super().__init__(path, _extension_registry)
+        self._metadata: Metadata | None = None
+        self.storage = storage
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id and os.fspath(checkpoint_id) != os.fspath(self.path):
+            self._metadata = None
+        super().reset(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checked metadata (see :func:`read_metadata`).
+
+        Raises:
+            CorruptCheckpointError: see :func:`read_metadata`; also when asked for
+                rank-local metadata (``rank=``), which asyncckpt never writes.
+        """
+        if kwargs.get("rank") is not None:
+            raise CorruptCheckpointError(f"{self.path}: asyncckpt checkpoints have no rank-local metadata")
+        if self._metadata is None:
+            self._metadata = read_metadata(self.path, self.storage)
+        metadata = self._metadata
+        meta = getattr(metadata, "storage_meta", None)
+        if meta is None:
+            meta = metadata.storage_meta = StorageMeta()
+        meta.load_id = self.load_id
+        return metadata
+
+    def check_manifest(self, manifest_files: Iterable[str]) -> None:
+        """Every data file named by the metadata must be listed in the manifest.
+
+        Raises:
+            CorruptCheckpointError: naming the first unlisted file.
+        """
+        listed = set(manifest_files)
+        metadata = self.read_metadata()
+        for name in sorted({info.relative_path for info in metadata.storage_data.values()}):
+            if name not in listed:
+                path = os.path.join(os.fspath(self.path), name)
+                raise CorruptCheckpointError(
+                    f"{METADATA_NAME} names {name!r}, a file the manifest does not list", path)
+
+    def read_records(self, manifest_files: Mapping[str, Any]) -> dict[str, Record] | None:
+        """The records of the records file (:mod:`asyncckpt.format.records`), when the
+        manifest lists one and it stands for this directory's ``.metadata``; else
+        ``None``: read :meth:`read_metadata`. Never raises for a bad or missing records
+        file (``.metadata`` decides).
+
+        It stands for it when it names the CRC-32 of the ``.metadata`` bytes (read
+        here), and both files' bytes have the sizes and CRC-32s the manifest lists for
+        them, whatever the load's ``verify``: the commit wrote the three together, so a
+        records file edited or swapped on its own (its entries no longer those of
+        ``.metadata``) is never used. This costs a CRC-32 of the records file (about
+        100 bytes per entry; the ``.metadata`` bytes are checksummed anyway), some
+        microseconds per thousand entries, against the tens of milliseconds that
+        unpickling ``.metadata`` to compare would cost. A records file rewritten
+        together with the manifest's checksum of it is not detected (as a data file
+        rewritten with its manifest entry is not): the manifest is the root of the
+        checksums."""
+        if RECORDS_NAME not in manifest_files or METADATA_NAME not in manifest_files:
+            return None
+        root = os.fspath(self.path)
+        try:
+            dir_fd = self.storage.open_dir(root)
+        except CorruptCheckpointError:
+            return None
+        try:
+            data = {}
+            for name in (RECORDS_NAME, METADATA_NAME):
+                fd = self.storage.open_file(dir_fd, root, name)
+                try:
+                    with open(fd, "rb", closefd=False) as f:
+                        data[name] = f.read()
+                finally:
+                    os.close(fd)
+        except (CorruptCheckpointError, OSError):
+            return None
+        finally:
+            os.close(dir_fd)
+        metadata_crc = crc32(data[METADATA_NAME])
+        if not (_as_listed(data[RECORDS_NAME], manifest_files[RECORDS_NAME], None)
+                and _as_listed(data[METADATA_NAME], manifest_files[METADATA_NAME], metadata_crc)):
+            warnings.warn(f"{self.path}: {RECORDS_NAME} or {METADATA_NAME} does not match the manifest's "
+                          f"checksum; {RECORDS_NAME} ignored, {METADATA_NAME} read instead", UserWarning,
+                          stacklevel=2)
+            return None
+        return parse_records(data[RECORDS_NAME], metadata_crc, manifest_files)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        validate_metadata(metadata, os.path.join(os.fspath(self.path), METADATA_NAME))
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._metadata = metadata
+
+    # -- data
+    def _chunk_spec(self, index: MetadataIndex) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        assert self._metadata is not None
+        md = self._metadata.state_dict_metadata.get(index.fqn)
+        if not isinstance(md, _md.TensorStorageMetadata):
+            return None
+        chunks = md.chunks
+        chunk = None
+        if index.index is not None and 0 <= index.index < len(chunks) and chunks[index.index].offsets == index.offset:
+            chunk = chunks[index.index]
+        else:
+            chunk = next((c for c in chunks if c.offsets == index.offset), None)
+        if chunk is None:
+            return None
+        return md.properties.dtype, tuple(int(s) for s in chunk.sizes)
+
+    def _read_tensor(self, fd: int, path: str, req: ReadItem, raw: bool = True) -> torch.Tensor:
+        """The tensor of ``req``'s record: raw bytes if the record is ours (``raw``: try
+        that), else ``torch.load`` on a stream over the record."""
+        info: _StorageInfo = self.storage_data[req.storage_index]
+        spec = None if info.transform_descriptors or not raw else self._chunk_spec(req.storage_index)
+        framing = writer_framing(*spec) if spec is not None else None
+        if framing is not None and spec is not None:
+            head_n, data_n = len(framing.prefix), framing.nbytes
+            if info.length == head_n + data_n + len(framing.suffix):
+                if info.length <= _SMALL_RECORD_BYTES:
+                    buf = pread(fd, info.length, info.offset, path)
+                    view = memoryview(buf)
+                    ok = view[:head_n] == framing.prefix and suffix_matches(view[head_n + data_n:], framing)
+                    if ok:
+                        return tensor_from(buf, head_n, data_n, spec[0], spec[1])
+                    view.release()
+                else:
+                    buf = bytearray(data_n)
+                    if read_record(fd, path, info.offset, framing, memoryview(buf)):
+                        return tensor_from(buf, 0, data_n, spec[0], spec[1])
+                del buf  # not ours: free it before torch.load allocates the tensor
+        # Not our framing: what DCP's FileSystemReader does, weights_only.
+        stream: Any = RecordStream(fd, info.offset, info.length)
+        if info.transform_descriptors:
+            transformed = self.transforms.transform_load_stream(req, info.transform_descriptors, stream)
+            stream = io.BytesIO(transformed.read())  # torch.load needs a seekable stream
+        return torch_load_tensor(stream, path, req.storage_index.fqn)
+
+    def _read_into(self, fd: int, path: str, req: ReadItem, target: torch.Tensor) -> bool | None:
+        """Read a whole record of our writer straight into ``target``'s memory.
+
+        One copy (page cache to the destination), no intermediate buffer: taken when
+        ``target`` is a contiguous CPU tensor of the record's dtype and shape and the
+        request covers the whole chunk.
+
+        Returns:
+            ``True``: read. ``False``: not taken (nothing read). ``None``: read, but the
+            record is not ours (``target`` holds its bytes; read it the general way,
+            without trying the raw read again).
+        """
+        if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
+            return False
+        info: _StorageInfo = self.storage_data[req.storage_index]
+        spec = None if info.transform_descriptors else self._chunk_spec(req.storage_index)
+        if spec is None or spec[0] != target.dtype or tuple(target.shape) != spec[1]:
+            return False
+        if any(req.storage_offsets) or tuple(req.lengths) != spec[1]:
+            return False
+        framing = writer_framing(*spec)
+        if framing is None or target.numel() * target.element_size() != framing.nbytes:
+            return False
+        data_n = framing.nbytes
+        if info.length != len(framing.prefix) + data_n + len(framing.suffix) or data_n < _DIRECT_READ_BYTES:
+            return False
+        # The target is written before the framing is checked; a record that turns
+        # out not to be ours is then read again the general way, overwriting it.
+        dest = memoryview((ctypes.c_char * data_n).from_address(target.data_ptr())).cast("B")
+        return True if read_record(fd, path, info.offset, framing, dest) else None
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        root = os.fspath(self.path)
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        decoded: list[tuple[ReadItem, Any]] = []
+        raw_values: list[tuple[ReadItem, bytes]] = []
+        dir_fd = self.storage.open_dir(root)
+        fds: dict[str, int] = {}
+        try:
+            for name in per_file:
+                fds[name] = self.storage.open_file(dir_fd, root, check_file_name(name, METADATA_NAME))
+            # 1. Non-tensor values, all decoded before any tensor is written.
+            decode = getattr(planner, "decode_bytes", None)
+            for name, reqs in per_file.items():
+                for req in reqs:
+                    if req.type != LoadItemType.BYTE_IO:
+                        continue
+                    info = self.storage_data[req.storage_index]
+                    data = pread(fds[name], info.length, info.offset, os.path.join(root, name))
+                    stream = self.transforms.transform_load_stream(
+                        req, info.transform_descriptors or (), io.BytesIO(data))
+                    value = io.BytesIO(stream.read())
+                    if decode is not None:
+                        decoded.append((req, decode(req, value)))
+                    else:
+                        raw_values.append((req, value.getvalue()))
+            # 2. Tensors, in file order.
+            for name, reqs in per_file.items():
+                path = os.path.join(root, name)
+                tensor_reqs = [r for r in reqs if r.type != LoadItemType.BYTE_IO]
+                tensor_reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
+                for req in tensor_reqs:
+                    target = planner.resolve_tensor(req).detach()
+                    taken = self._read_into(fds[name], path, req, target)
+                    if taken:
+                        planner.commit_tensor(req, target)
+                        continue
+                    tensor = narrow_tensor_by_index(self._read_tensor(fds[name], path, req, raw=taken is not None),
+                                                    req.storage_offsets, req.lengths)
+                    if target.size() != tensor.size():
+                        raise CorruptCheckpointError(
+                            f"{path}: entry {req.storage_index.fqn!r} has size {tuple(tensor.size())}, "
+                            f"expected {tuple(target.size())}", path)
+                    target.copy_(tensor)
+                    planner.commit_tensor(req, target)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+            os.close(dir_fd)
+        # 3. Non-tensor values into the state_dict.
+        set_value = getattr(planner, "set_value", None)
+        for req, obj in decoded:
+            assert set_value is not None
+            set_value(req, obj)
+        for req, raw in raw_values:
+            planner.load_bytes(req, io.BytesIO(raw))
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+

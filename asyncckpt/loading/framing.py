@@ -1,0 +1,158 @@
+"""Reading one record of a data file: a tensor record of our writer recognised by its
+framing and read raw, anything else with ``torch.load(..., weights_only=True)``.
+
+Tensor records written by our writer (``asyncckpt.format.layout``: one fixed
+``torch.save`` framing per dtype and shape, the zip64 one for records of 4 GiB and
+more) are recognised byte for byte and their raw bytes copied directly, without a
+``torch.load`` per tensor; any other record is read with ``torch.load(...,
+weights_only=True)`` as DCP's ``FileSystemReader`` does, streamed from the file (no
+copy of the whole record in memory). Shared by :mod:`asyncckpt.loading.dcp` and
+:mod:`asyncckpt.loading.direct`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+
+from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.format.layout import record_framing
+from asyncckpt.format.torchsave import TensorFraming
+
+__all__ = ["pread_into", "pread", "RecordStream", "writer_framing", "suffix_matches", "tensor_from", "read_record",
+           "torch_load_tensor"]
+
+
+def pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    """Fill ``buf`` from ``fd`` at ``offset`` (short reads finished).
+
+    Raises:
+        CorruptCheckpointError: the file ``path`` ends first.
+    """
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{path} is truncated (a record ends past the end of the file)", path)
+        done += n
+
+
+class RecordStream(io.RawIOBase):
+    """``length`` bytes of ``fd`` from ``offset``, as a seekable binary stream.
+
+    ``torch.load`` reads a record that is not ours from it, as DCP's reader does from
+    its file view: positioned reads (the descriptor is shared by the records of one
+    file), storages read straight into their memory by ``readinto``. ``readinto``
+    fills the whole buffer unless the record ends (one ``preadv`` moves at most
+    2 GiB).
+    """
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._offset, self._length, self._pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
+        if base + pos < 0:
+            raise ValueError(f"negative seek position {base + pos}")
+        self._pos = base + pos
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        want = max(0, min(len(view), self._length - self._pos))
+        done = 0
+        while done < want:
+            n = os.preadv(self._fd, [view[done:want]], self._offset + self._pos + done)
+            if n <= 0:
+                break  # the file ends inside the record: torch.load fails on the short read
+            done += n
+        self._pos += done
+        return done
+
+
+def pread(fd: int, length: int, offset: int, path: str) -> bytearray:
+    """``length`` bytes of ``fd`` at ``offset`` (see :func:`pread_into`)."""
+    buf = bytearray(length)
+    pread_into(fd, memoryview(buf), offset, path)
+    return buf
+
+
+def writer_framing(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorFraming | None:
+    """The framing our writer puts around a record of ``dtype`` and ``shape``, or ``None``
+    (no framing of ours for it)."""
+    try:
+        return record_framing(dtype, shape)  # what our writer puts around every record
+    except ValueError:
+        return None
+
+
+def suffix_matches(tail: memoryview, framing: TensorFraming) -> bool:
+    """``tail`` is ``framing.suffix`` but for the CRC-32 fields (at ``crc_offsets``)."""
+    got, want = tail.tobytes(), framing.suffix  # (bytes compare with memcmp; a memoryview byte by byte)
+    if len(got) != len(want):
+        return False
+    pos = 0
+    for offset in sorted(framing.crc_offsets):
+        if got[pos:offset] != want[pos:offset]:
+            return False
+        pos = offset + 4
+    return got[pos:] == want[pos:]
+
+
+def tensor_from(buf: bytearray, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` over ``buf[offset:offset + nbytes]`` (no copy)."""
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+    return raw.view(dtype).view(shape)
+
+
+def read_record(fd: int, path: str, offset: int, framing: TensorFraming, dest: memoryview) -> bool:
+    """Read one record of our writer at ``offset``: its data into ``dest`` and its
+    framing, in one ``preadv``. Returns whether the framing is ours.
+
+    Raises:
+        CorruptCheckpointError: the file ends inside the record.
+    """
+    head, tail = bytearray(len(framing.prefix)), bytearray(len(framing.suffix))
+    got = os.preadv(fd, [head, dest, tail], offset)
+    if got != len(head) + len(dest) + len(tail):  # short read (rare): finish it piece by piece
+        pos = 0
+        for b in (memoryview(head), dest, memoryview(tail)):
+            lo = max(0, got - pos)
+            if lo < len(b):
+                pread_into(fd, b[lo:], offset + pos + lo, path)
+            pos += len(b)
+    return bytes(head) == framing.prefix and suffix_matches(memoryview(tail), framing)
+
+
+def torch_load_tensor(stream: Any, path: str, fqn: str) -> torch.Tensor:
+    """``torch.load(stream, weights_only=True)`` of one tensor record.
+
+    Raises:
+        CorruptCheckpointError: not a tensor archive, or not a tensor.
+    """
+    try:
+        tensor = torch.load(stream, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CorruptCheckpointError(
+            f"{path}: the record of {fqn!r} is not a tensor archive: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", path) from exc
+    if not isinstance(tensor, torch.Tensor):
+        raise CorruptCheckpointError(f"{path}: the record of {fqn!r} holds a {type(tensor).__name__}, not a tensor",
+                                     path)
+    return tensor
+
