@@ -72,9 +72,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("asyncckpt.lightning needs Lightning: pip install 'asyncckpt[lightning]'") from exc
 
 from asyncckpt import AsyncCallsQueue, SaveHandle, SaveResult, read_state_dict, save
+from asyncckpt._fs import fsync_directory, remove_checkpoint
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format import manifest as _commit
-from asyncckpt.io.fs import fsync_directory, remove_checkpoint
 
 __all__ = ["AsyncckptCheckpointIO", "STRUCTURE_KEY"]
 

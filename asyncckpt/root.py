@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
 from asyncckpt._check import check_path
+from asyncckpt._fs import remove_checkpoint
 from asyncckpt.errors import CheckpointPathError, InvalidArgumentError, RootInUseError
 from asyncckpt.format import manifest as _commit
 from asyncckpt.io.commit import write_latest
-from asyncckpt.io.fs import remove_checkpoint
 
 __all__ = ["STEP_DIR_RE", "LEFTOVER_RE", "OWNER_LOCK_NAME", "OWNER_INFO_NAME", "step_dir_name",
            "is_in_root", "is_stock_dcp", "RootEntry", "CheckpointRoot"]

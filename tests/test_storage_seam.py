@@ -21,7 +21,7 @@ from asyncckpt.dist import SyncGroup
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import build_layout
 from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME
-from asyncckpt.io.fs import remove_checkpoint
+from asyncckpt._fs import remove_checkpoint
 from asyncckpt.io.storage import LOCAL, LocalStorage, Storage
 from asyncckpt.io.writer import WriteTask
 from asyncckpt.loading.dcp import SafeFileSystemReader, SafeLoadPlanner

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from asyncckpt import root as _root
+from asyncckpt._fs import fsync_directory
 from asyncckpt.cli.scan import (
     PARTIAL_DESCRIPTION,
     CliError,
@@ -32,7 +33,6 @@ from asyncckpt.cli.scan import (
 )
 from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, is_committed
-from asyncckpt.io.fs import fsync_directory
 from asyncckpt.io.storage import LOCAL
 
 __all__ = ["PROG", "EXIT_UNVERIFIABLE", "PROGRESS_MIN_BYTES", "inspect_checkpoint", "convert_to_torch_save",

@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from asyncckpt._fs import open_no_follow
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.crc import CrcChain, crc32
-from asyncckpt.io.fs import open_no_follow
 
 __all__ = [
     "METADATA_NAME",
@@ -280,24 +280,3 @@ def _check_segments(work: list, on_bytes: Callable[[int], None] | None, threads:
 
     run_in_order(sorted(by_file.items()), check_file,
                  min(4, os.cpu_count() or 1) if threads is None else threads, "asyncckpt-verify")
-
-
-# Until the save path calls asyncckpt.io.storage (saving/phases.py, saving/saver.py):
-# the commit I/O under its old names here. Looked up at call time, so that a test that
-# replaces asyncckpt.io.commit.temporary_dir_for reaches the save path either way.
-_MOVED = {"temporary_dir_for": "asyncckpt.io.commit", "commit_directory": "asyncckpt.io.commit",
-          "discard_temporary": "asyncckpt.io.commit", "write_latest": "asyncckpt.io.commit",
-          "read_latest": "asyncckpt.io.commit", "remove_checkpoint": "asyncckpt.io.fs"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        import importlib
-
-        module = importlib.import_module(_MOVED[name])
-
-        def moved(*args: Any, **kwargs: Any) -> Any:
-            return getattr(module, name)(*args, **kwargs)
-
-        return moved
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

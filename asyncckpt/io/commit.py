@@ -22,6 +22,11 @@ from typing import Any, Iterable
 from filelock import FileLock
 
 from asyncckpt import _faults
+from asyncckpt._fs import (
+    fsync_directory,
+    open_no_follow,
+    write_new_file,
+)
 from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.format.manifest import (
     LATEST_NAME,
@@ -33,18 +38,11 @@ from asyncckpt.format.manifest import (
     is_plain_name,
     manifest_bytes,
 )
-from asyncckpt.io.fs import (
-    fsync_directory,
-    open_no_follow,
-    remove_checkpoint,
-    write_new_file,
-)
 from asyncckpt.io.writer import FileResult
 
 __all__ = [
     "temporary_dir_for",
     "commit_directory",
-    "discard_temporary",
     "write_latest",
     "read_latest",
 ]
@@ -122,13 +120,6 @@ def _check_present(tmp_dir: Path, final_dir: Path, files: list[FileResult]) -> N
             raise CorruptCheckpointError(
                 f"{f.name} in {tmp_dir} has {st.st_size} bytes, its writer wrote {f.nbytes}; "
                 f"{final_dir} is not committed", str(path))
-
-
-def discard_temporary(tmp_dir: Path) -> None:
-    """Remove a save's temporary directory that will never be committed (renamed to a
-    hidden ``.deleting-`` name first, so whoever waits for the coordinator's decision
-    sees the temporary name go at once). Never raises; no error if it is gone already."""
-    remove_checkpoint(tmp_dir, best_effort=True)
 
 
 def _lock_path(root: Path) -> str:

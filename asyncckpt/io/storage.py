@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
+from asyncckpt import _fs
 from asyncckpt.format import manifest as _manifest
 from asyncckpt.io import commit as _commit
-from asyncckpt.io import fs as _fs
 from asyncckpt.io import writer as _writer
 from asyncckpt.io.writer import FileResult, RankWriteResult, WriteTask
 

@@ -21,9 +21,9 @@ import time
 from typing import NamedTuple
 
 from asyncckpt import _faults
+from asyncckpt._fs import fsync_directory
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.filespec import CrcPatch, FileSpec, unpack_patches
-from asyncckpt.io.fs import fsync_directory
 
 __all__ = ["SlabRef", "WriteTask", "FileResult", "RankWriteResult", "write_rank_files",
            "drop_cached_pages"]

@@ -39,13 +39,14 @@ import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
 from asyncckpt import _faults
+from asyncckpt._fs import current_umask
 from asyncckpt.dist import SyncGroup
 from asyncckpt.errors import CheckpointError, CheckpointException, RankFailure
-from asyncckpt.format import manifest as _commit
 from asyncckpt.format import records as _records
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.layout import RankLayout
-from asyncckpt.io.fs import current_umask
+from asyncckpt.format.manifest import METADATA_NAME, RECORDS_NAME
+from asyncckpt.io.storage import LOCAL, Storage
 from asyncckpt.io.writer import RankWriteResult, WriteTask
 from asyncckpt.options import SaveOptions
 from asyncckpt.root import CheckpointRoot
@@ -63,7 +64,7 @@ def plan(state_dict: dict[str, Any], final_dir: Path, handle: SaveHandle, *, syn
          coordinator_rank: int, step: int | None = None, root: CheckpointRoot | None = None,
          cache: PlanCache | None = None, layouts: _LayoutCache | None = None,
          check_target: bool = True, check_layout: Callable[[RankLayout], None] | None = None,
-         in_flight: Callable[[Path], bool] | None = None) -> SaveInFlight:
+         in_flight: Callable[[Path], bool] | None = None, storage: Storage = LOCAL) -> SaveInFlight:
     """Phase 1, plan: validate, plan and lay out one save (all ranks, collective).
 
     Call sequence:
@@ -128,9 +129,9 @@ def plan(state_dict: dict[str, Any], final_dir: Path, handle: SaveHandle, *, syn
                                     precheck if check_target else None, cache, finish=finish,
                                     agree=_target_ints(step, final_dir) if check_target else (),
                                     on_disagree=disagree)
-    return SaveInFlight(final_dir=final_dir, tmp_dir=_commit.temporary_dir_for(final_dir, planned.token),
+    return SaveInFlight(final_dir=final_dir, tmp_dir=storage.temporary_dir(final_dir, planned.token),
                         step=step, sync=sync, coordinator_rank=coordinator_rank, planned=planned,
-                        layout=layout, handle=handle, root=root)
+                        layout=layout, handle=handle, root=root, storage=storage)
 
 
 def _target_ints(step: int | None, final_dir: Path) -> tuple[int, int]:
@@ -243,7 +244,7 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
             if save.root is not None:
                 info["commit_seq"] = save.root.next_commit_seq()  # the rollback order (root.py)
             metadata_bytes, records = metadata_pickle.encode(metadata)
-            _commit.commit_directory(save.tmp_dir, save.final_dir, metadata_bytes, files, info, records)
+            save.storage.commit(save.tmp_dir, save.final_dir, metadata_bytes, files, info, records)
         except Exception as exc:  # noqa: BLE001 - funnelled to every rank below
             failure = RankFailure.from_exception(exc, "commit failed: ")
         else:
@@ -277,12 +278,12 @@ def _committed_on_disk(save: SaveInFlight, result: RankWriteResult, started: flo
     """The save's timings (set on ``save``) if ``final_dir`` holds the checkpoint this
     save committed (its manifest carries this save's token), else ``None``."""
     try:
-        manifest: dict[str, Any] | None = _commit.read_manifest(save.final_dir)
+        manifest: dict[str, Any] | None = save.storage.read_manifest(save.final_dir)
     except Exception:  # noqa: BLE001 - absent or not ours: not committed by this save
         manifest = None
     if manifest is None or manifest.get("save_token") != save.planned.token:
         return None
-    small = (_commit.METADATA_NAME, _commit.RECORDS_NAME)
+    small = (METADATA_NAME, RECORDS_NAME)
     nbytes = sum(e["size"] for n, e in manifest["files"].items() if n not in small)
     return save.finish_timings(result.write_s, time.monotonic() - started, nbytes)
 

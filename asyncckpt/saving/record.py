@@ -8,8 +8,8 @@ from pathlib import Path
 
 from asyncckpt.dist import SyncGroup
 from asyncckpt.format.layout import RankLayout
+from asyncckpt.io.storage import LOCAL, Storage
 from asyncckpt.root import CheckpointRoot
-from asyncckpt.saving import destroy_hook as _destroy_hook  # noqa: F401 - pending saves commit before destroy_process_group()
 from asyncckpt.saving.handle import SaveCallback, SaveHandle, SaveTimings
 from asyncckpt.saving.planning import SavePlanResult
 from asyncckpt.saving.staging import StagingBuffer
@@ -38,6 +38,7 @@ class SaveInFlight:
         call_idx: the save's call in its queue, once scheduled (``None``: not yet,
             or a synchronous save).
         callback: the completion callback, run once when the save is settled.
+        storage: the tier the save is written to, committed in or discarded from.
         reported: the user saw the outcome (``wait``/``result``/``exception``): the
             owner's harvest does not report it again.
     """
@@ -58,6 +59,7 @@ class SaveInFlight:
     call_idx: int | None = None
     callback: SaveCallback | None = None
     reported: bool = False
+    storage: Storage = LOCAL
 
     def finish_timings(self, write_s: float, finalize_s: float, nbytes: int) -> SaveTimings:
         """Set and return :attr:`timings`, the save being committed now."""

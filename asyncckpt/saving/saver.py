@@ -36,9 +36,8 @@ from asyncckpt.errors import (
     CheckpointException,
     RankFailure,
 )
-from asyncckpt.format import manifest as _commit
 from asyncckpt.format.layout import RankLayout
-from asyncckpt.io.writer import RankWriteResult, WriteTask, write_rank_files
+from asyncckpt.io.writer import RankWriteResult, WriteTask
 from asyncckpt.options import SaveOptions
 from asyncckpt.root import CheckpointRoot
 from asyncckpt.saving import destroy_hook as _destroy_hook  # noqa: F401 - pending saves commit before destroy_process_group()
@@ -249,7 +248,7 @@ class Saver:
             RuntimeError: the queue is closed (the handle fails with it).
         """
         queue = self.queue
-        request = AsyncRequest(write_rank_files, (), [lambda: self._commit_call(record)], preload_fn=preload)
+        request = AsyncRequest(record.storage.write_rank, (), [lambda: self._commit_call(record)], preload_fn=preload)
         # Known before it is scheduled: the commit may run before schedule_async_request
         # returns (it hands the call to the finalizer thread first).
         call_idx = queue.next_call_idx
@@ -298,7 +297,7 @@ class Saver:
         try:
             self.wait_all()  # commits stay in call order: `latest` never goes backwards
             try:
-                result = write_rank_files(self._stage_now(record))
+                result = record.storage.write_rank(self._stage_now(record))
             except Exception as exc:  # noqa: BLE001 - funnelled to every rank
                 failure = RankFailure.from_exception(exc)
             record.stall_s += time.monotonic() - started
@@ -398,7 +397,7 @@ class Saver:
                 if record.sync.rank == record.coordinator_rank:
                     # The coordinator alone, once it decided not to commit: another rank
                     # must never remove what the coordinator may still be committing.
-                    _commit.discard_temporary(record.tmp_dir)
+                    record.storage.discard(record.tmp_dir)
             else:
                 if record.timings is None:
                     raise CheckpointError(f"the save of {_describe_save(record)} was settled without its timings")
