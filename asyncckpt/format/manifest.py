@@ -235,8 +235,8 @@ def _check_segments(work: list, on_bytes: Callable[[int], None] | None, threads:
     Each file is read sequentially by one thread (files in parallel, up to ``threads``),
     into a ring of :data:`_RING` reused buffers of ``_READ_CHUNK`` bytes, and each
     chunk's CRC-32 is computed on a helper thread while the next is read
-    (:class:`~asyncckpt.format.crc.CrcChain`): on the disk measured here one reader
-    per file is faster than several at different offsets (see
+    (:class:`~asyncckpt.format.crc.CrcChain`): one reader per file keeps the kernel's
+    readahead going, where several at different offsets defeat it (see
     :func:`asyncckpt.loading.direct._read_file`)."""
     lock = threading.Lock()
     by_file: dict[int, list] = {}
@@ -252,8 +252,8 @@ def _check_segments(work: list, on_bytes: Callable[[int], None] | None, threads:
                 f"{path}: checksum mismatch in bytes [{offset}, {offset + length}) "
                 f"(crc32 {actual:08x}, manifest {expected:08x})", str(path))
 
-        # No larger than the file's bytes: a 3 x 8 MiB ring costs 13 ms to allocate,
-        # more than checking a small .metadata file.
+        # No larger than the file's bytes: allocating the full ring would cost more
+        # than checking a small .metadata file.
         chunk = min(_READ_CHUNK, max(1, sum(seg[5] for seg in segments)))
         ring = [memoryview(bytearray(chunk)) for _ in range(_RING)]
         pending: list[Any] = [None] * _RING

@@ -2,8 +2,8 @@
 
 ``load``'s direct path needs, per entry of the state_dict, one record: its file, byte
 offset and length, and (for a tensor) its dtype and shape. DCP keeps this in
-``.metadata``, a pickle of tens of objects per entry: unpickling and checking it cost
-about 45 ms per 4096 entries here, a tenth of a cold load of 1 GiB. The coordinator
+``.metadata``, a pickle of tens of objects per entry, slow to unpickle and check for
+thousands of entries. The coordinator
 therefore writes the same facts beside it at commit, when every entry is one record
 (one chunk covering the whole tensor, or one ``BYTE_IO`` value: any unsharded state;
 a sharded layout, with several chunks per tensor, gets no records file, and stock

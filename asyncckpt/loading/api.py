@@ -167,9 +167,8 @@ def _load(state_dict: dict[str, Any], path: Path, process_group: Any, verify: bo
         raise ValueError(f"verify must be True, False or 'inline', not {verify!r}")
     # The direct path runs with the cyclic garbage collector off, and every object it
     # made (the unpickled metadata: tens of objects per entry) is freed before it is
-    # back on: a full collection of the heap the metadata grew otherwise came in the
-    # middle of the reads (stalling them and the CRC thread): 40-100 ms per load of
-    # 4096 entries here.
+    # back on: otherwise a full collection of the heap the metadata grew comes in the
+    # middle of the reads, stalling them and the CRC thread.
     with gc_paused():
         fallback = _load_direct(state_dict, path, process_group, verify, allow_pickle)
     if fallback is not None:

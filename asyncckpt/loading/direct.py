@@ -46,8 +46,7 @@ _IOV_MAX = 1024
 _UNIT_BYTES = 16 << 20
 #: A file's consecutive reads are gathered into ``preadv`` calls of up to this many
 #: bytes (across records and manifest segments), each handed to the CRC helper thread
-#: once read. Large calls keep more of the disk busy: a 1 GiB file read cold in 4 MiB
-#: calls took 378-421 ms here, in 64 MiB calls 352-373 ms (medians of 7, one run).
+#: once read. Large calls keep more of the disk busy (see the benchmark's load rows).
 _READ_BYTES = 64 << 20
 #: Records further apart than this are not read together (the gap would be read for nothing).
 _MAX_GAP_BYTES = 64 << 10
@@ -298,9 +297,8 @@ def _unit_views(unit: _Unit, landings: list[_Landing]) -> list[memoryview]:
 
 def _read_file(fd: int, path: str, reads: list[tuple[_Unit, list[_Landing]]], note: str) -> None:
     """Read one file's ``reads`` in file order, on this thread: one sequential reader per
-    file keeps the kernel's readahead going (measured here: a 1 GiB file read by one
-    thread as fast as ``readinto`` of the whole, by 2 and 4 threads at different
-    offsets 1.2x and 1.6x slower). Consecutive reads are gathered into ``preadv`` calls
+    file keeps the kernel's readahead going (several threads reading one file at
+    different offsets defeat it). Consecutive reads are gathered into ``preadv`` calls
     of up to :data:`_READ_BYTES`. With verification each call's bytes are checksummed
     on a helper thread (:class:`~asyncckpt.format.crc.CrcChain`), unit by unit, while
     the next call reads; the first mismatch stops the reads.

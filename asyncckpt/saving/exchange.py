@@ -38,14 +38,14 @@ class _LayoutCache:
 
 
 class _LayoutExchange:
-    """Commit step 1 without sending an unchanged file layout again (issue #11).
+    """Commit step 1 without sending an unchanged file layout again.
 
     The coordinator needs every rank's ``storage_data`` (a ``MetadataIndex`` and a
     ``_StorageInfo`` per record) for ``.metadata``. Gathered on every save, a cached
-    layout's entries were pickled, sent and unpickled by every rank each time: at 1172
-    FSDP2 records, about 8000 objects per commit on each rank, which set the pace of
-    the cyclic GC's full collections (250-350 ms each, in whichever thread ran then,
-    and a stall on every rank when one fell inside a save's plan).
+    layout's entries would be pickled, sent and unpickled by every rank each time:
+    thousands of objects per commit on each rank, which set the pace of the cyclic GC's
+    full collections (in whichever thread runs then, a stall on every rank when one
+    falls inside a save's plan).
 
     So a rank sends a layout in full once, with a random token, and after that only
     the token while its layout is that same object and the coordinator the same rank.

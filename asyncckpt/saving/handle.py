@@ -21,7 +21,7 @@ __all__ = ["SaveTimings", "SaveResult", "SaveCallback", "SaveDriver", "SaveHandl
 
 
 class SaveTimings(NamedTuple):
-    """Timings of one save, measured at completion (DESIGN.md: known failure 9).
+    """Timings of one save, taken when it completes (not when it is scheduled: DESIGN.md, known failure 9).
 
     Attributes:
         stall_s: seconds the calling thread was blocked in ``save()`` (planning +

@@ -322,8 +322,8 @@ def _outcome_from_disk(save: SaveInFlight, result: RankWriteResult, sync: SyncGr
 
 class MetadataPickle:
     """The pickled DCP ``.metadata`` of the last commit, reused while only its
-    ``storage_meta`` changes (issue #11: 50-220 ms of ``pickle.dumps`` per save at
-    4096 tensors, in the finalizer thread, holding the GIL the training thread needs).
+    ``storage_meta`` changes: pickling the metadata of thousands of entries on every
+    commit would hold, in the finalizer thread, the GIL the training thread needs.
 
     A cached plan's metadata shares its ``state_dict_metadata`` dict across saves, and
     a cached layout gives equal ``storage_data``; then the bytes differ only in two
