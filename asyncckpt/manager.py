@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncckpt._check import check_state_dict, check_step
+from asyncckpt._exit import exit_timeout
 from asyncckpt.async_utils.callers import PersistentAsyncCaller
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 from asyncckpt.dist import SyncGroup
@@ -29,7 +30,7 @@ from asyncckpt.errors import (
 from asyncckpt.format import manifest as _commit
 from asyncckpt.loading.api import load
 from asyncckpt.options import SaveOptions
-from asyncckpt.root import CheckpointRoot, exit_timeout
+from asyncckpt.root import CheckpointRoot
 from asyncckpt.saving.handle import SaveCallback, SaveHandle, SaveTimings
 from asyncckpt.saving.pending import release_when_settled
 from asyncckpt.saving.saver import Saver
