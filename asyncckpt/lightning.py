@@ -360,7 +360,7 @@ class AsyncckptCheckpointIO(CheckpointIO):
             self.teardown()
         if self._queue is None:
             queue = AsyncCallsQueue(persistent=True, process_group=group, start_method=self.start_method,
-                                    import_main=False)
+                                    import_main=False if self.start_method == "spawn" else None)
             start = getattr(queue.caller, "start", None)
             if start is not None:
                 start()

@@ -348,10 +348,16 @@ class PersistentAsyncCaller(AsyncCaller):
     Args:
         start_method: ``"spawn"`` (default) or ``"forkserver"``. ``fork`` is refused:
             a forked long-lived worker would inherit the trainer's threads' locks.
-        import_main: (spawn) let the worker re-import the main script as
-            ``multiprocessing`` does, so that ``async_fn`` s defined there unpickle.
-            ``False`` starts a lighter worker (no training script, no torch unless
-            the calls need it) for calls defined in importable modules.
+        import_main: let the worker re-import the main script as
+            ``multiprocessing`` does, so that ``async_fn`` s defined there unpickle
+            (default ``None``: yes). ``False`` (spawn only) starts a lighter worker
+            (no training script, no torch unless the calls need it) for calls
+            defined in importable modules; a ``forkserver`` worker is forked from
+            multiprocessing's fork server, which imported the main script already.
+
+    Raises:
+        ValueError: an unknown ``start_method``, or ``import_main=False`` with
+            ``start_method="forkserver"`` (it cannot be honoured).
 
     The worker ignores SIGINT and SIGTERM sent to the process group; see
     :meth:`close` for how it is stopped.
@@ -363,12 +369,16 @@ class PersistentAsyncCaller(AsyncCaller):
     the worker maps by name.
     """
 
-    def __init__(self, start_method: str = "spawn", import_main: bool = True) -> None:
+    def __init__(self, start_method: str = "spawn", import_main: bool | None = None) -> None:
         super().__init__()
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', not {start_method!r}")
+        if import_main is False and start_method != "spawn":
+            raise ValueError(f"import_main=False cannot be honoured with start_method={start_method!r}: the "
+                             "fork server imports the main script itself; use start_method='spawn' for a "
+                             "worker without the main script, or leave import_main out")
         self.start_method = start_method
-        self.import_main = import_main or start_method != "spawn"
+        self.import_main = import_main is not False
         self._ctx = mp.get_context(start_method)
         self._worker: _Worker | None = None
         #: Set once a worker failed to start because the main script has no
