@@ -79,7 +79,8 @@ def _dump_outcome(outcome: CallOutcome) -> bytes:
         return pickle.dumps(outcome)
     except Exception as exc:  # the return value of async_fn is not picklable
         bad = CallOutcome(outcome.call_idx, False, _format_exception(
-                          exc, "the return value of async_fn cannot be pickled: "), None, outcome.started, outcome.finished)
+                          exc, "the return value of async_fn cannot be pickled: "), None, outcome.started,
+                          outcome.finished)
         return pickle.dumps(bad)
 
 
@@ -187,7 +188,8 @@ def _main_module_hidden() -> Any:
     """
     main = sys.modules.get("__main__")
     with _main_lock:
-        saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+        saved: dict[str, Any] = {k: main.__dict__[k] for k in ("__file__", "__spec__")
+                                 if main is not None and k in main.__dict__}
         try:
             if main is not None:
                 main.__dict__.pop("__file__", None)

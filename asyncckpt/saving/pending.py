@@ -71,11 +71,20 @@ def settle_pending(timeout: Callable[[AsyncCallsQueue], float], when: str, hint:
 
     An overlapped save still copying is handed to the writer first. Saves of a queue
     finalized in the training loop cannot commit without the loop: they are named at
-    once. The wait is bounded by the largest ``timeout(queue)`` of the queues involved.
-    ``announce``: log (info) which saves are waited for. ``abort_lost``: each queue holding a lost save is then aborted (``close(abort=True)``),
-    while the interpreter is whole: its finalizer thread must not be left inside a call
-    (waiting for the writer, or in a collective) when the process groups are torn
-    down (gloo then aborts the process).
+    once.
+
+    Args:
+        timeout: the bound in seconds for a queue's saves; the wait is bounded by the
+            largest of the queues involved.
+        when: the occasion, for the messages (``"at interpreter exit"``).
+        hint: appended to the message naming a lost save.
+        bound: what sets ``timeout``, for the messages (``ASYNCCKPT_EXIT_TIMEOUT_S``).
+        group: only the queues on this process group (default: all).
+        abort_lost: abort (``close(abort=True)``) each queue holding a lost save, while
+            the interpreter is whole: its finalizer thread must not be left inside a
+            call (waiting for the writer, or in a collective) when the process groups
+            are torn down (gloo then aborts the process).
+        announce: log (info) which saves are waited for.
 
     Returns:
         The saves still pending.
