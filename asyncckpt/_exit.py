@@ -33,7 +33,10 @@ order inside a phase is the order of registration. The registry's one function,
 Interrupts: a hook that raises an ``Exception`` is logged and the next one runs. Ctrl-C
 (``KeyboardInterrupt``) or a ``SystemExit`` (the preemption budget's
 ``PreemptionBudgetExpired``) while a hook waits ends the waiting: the phases left are
-skipped, except :data:`STOP_WORKERS`, which always runs.
+skipped, except ``COMMIT_SAVES``, which then waits no more (it names the pending saves
+as lost and aborts their queues, so that no finalizer thread is left inside a call
+while the interpreter finalizes), and ``STOP_WORKERS``. :func:`interrupted` tells a
+hook.
 
 Fork: a child of ``os.fork()`` forgets its parent's entries (each phase's ``forget``
 callables run in the child); its workers, savers and removals are the parent's.
@@ -49,7 +52,7 @@ import threading
 from typing import Callable
 
 __all__ = ["PHASES", "COMMIT_LIGHTNING", "COMMIT_SAVES", "FINISH_DELETIONS", "STOP_WORKERS", "EXIT_TIMEOUT_ENV",
-           "exit_timeout", "register", "arm", "run", "exiting"]
+           "exit_timeout", "register", "arm", "run", "exiting", "interrupted"]
 
 _log = logging.getLogger("asyncckpt")
 
@@ -59,8 +62,8 @@ FINISH_DELETIONS = "finish retention deletions"
 STOP_WORKERS = "stop worker processes"
 #: The phases, in the order they run at exit.
 PHASES: tuple[str, ...] = (COMMIT_LIGHTNING, COMMIT_SAVES, FINISH_DELETIONS, STOP_WORKERS)
-#: The phases that run even after an interrupt ended an earlier one.
-_ALWAYS = frozenset({STOP_WORKERS})
+#: The phases that run even after an interrupt ended an earlier one (without waiting).
+_ALWAYS = frozenset({COMMIT_SAVES, STOP_WORKERS})
 #: The priority of the ``multiprocessing.util.Finalize`` that runs :func:`run`.
 EXIT_PRIORITY = 100
 
@@ -85,6 +88,7 @@ _lock = threading.Lock()
 _finalizer: mp_util.Finalize | None = None
 _armed_pid: int | None = None
 _ran_pid: int | None = None
+_interrupted: BaseException | None = None
 
 
 def register(phase: str, hook: Callable[[], None], *, forget: Callable[[], None] | None = None) -> None:
@@ -124,17 +128,23 @@ def exiting() -> bool:
     return _ran_pid == os.getpid()
 
 
+def interrupted() -> bool:
+    """True once an interrupt (Ctrl-C, ``SystemExit``) ended a phase of this exit:
+    the hooks left must not wait."""
+    return exiting() and _interrupted is not None
+
+
 def run() -> None:
     """Run the phases in order (once per process; later calls return at once)."""
-    global _ran_pid
+    global _ran_pid, _interrupted
     with _lock:
         if _ran_pid == os.getpid():
             return
         _ran_pid = os.getpid()
+        _interrupted = None
         phases = [(phase, list(_hooks[phase].values())) for phase in PHASES]
-    interrupted: BaseException | None = None
     for phase, hooks in phases:
-        if interrupted is not None and phase not in _ALWAYS:
+        if _interrupted is not None and phase not in _ALWAYS:
             continue
         for hook in hooks:
             try:
@@ -142,17 +152,19 @@ def run() -> None:
             except Exception as exc:  # noqa: BLE001 - at exit: nobody left to raise it to
                 _log.warning("asyncckpt: at exit, %s failed: %s: %s", phase, type(exc).__name__, exc)
             except BaseException as exc:  # noqa: BLE001 - Ctrl-C, the preemption budget: stop waiting
-                interrupted = exc
-                _log.warning("asyncckpt: %s at exit while it had to %s: skipping to '%s'",
-                             type(exc).__name__, phase, STOP_WORKERS)
+                if _interrupted is None:
+                    _log.warning("asyncckpt: %s at exit while it had to %s: what is pending is dropped, the "
+                                 "workers are stopped", type(exc).__name__, phase)
+                _interrupted = exc
                 break
 
 
 def _after_fork_in_child() -> None:
     """The child of ``os.fork()``: the parent's entries are not its own."""
-    global _lock, _ran_pid
+    global _lock, _ran_pid, _interrupted
     _lock = threading.Lock()  # another thread may have held it at the fork
     _ran_pid = None
+    _interrupted = None
     for forget in list(_forgets.values()):
         forget()
 

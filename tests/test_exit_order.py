@@ -140,3 +140,51 @@ def test_a_process_started_by_multiprocessing_exits_in_the_same_order(tmp_path: 
     root, info, out = _run(tmp_path, start_method)
     assert json.loads(out.strip().splitlines()[-1]) == {"child_exitcode": 0}
     _assert_exit_order(root, info)
+
+
+_INTERRUPTED = textwrap.dedent("""
+    import json, os, signal, sys
+    import torch
+    import asyncckpt
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)   # Ctrl-C as in a terminal
+    root = sys.argv[1]
+    os.environ["ASYNCCKPT_FAULT"] = "mid_write:sleep=60"
+    manager = asyncckpt.CheckpointManager(root)
+    os.environ.pop("ASYNCCKPT_FAULT")
+    manager.save(1, {"w": torch.ones(1 << 16)})
+    print(json.dumps({"worker": manager.queue.caller.worker_pid}), flush=True)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_the_exit_waits_skips_to_stopping_the_worker(tmp_path: Path) -> None:
+    """Ctrl-C while the exit waits for a pending save (bound 60 s): the wait ends, the
+    save is not committed, and the worker is still stopped; the process exits at once."""
+    import time
+
+    root = tmp_path / "root"
+    script = tmp_path / "script.py"
+    script.write_text(_INTERRUPTED)
+    env = dict(os.environ, ASYNCCKPT_EXIT_TIMEOUT_S="60")
+    env.pop("ASYNCCKPT_FAULT", None)
+    proc = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    worker = None
+    try:
+        assert proc.stdout is not None
+        worker = json.loads(proc.stdout.readline())["worker"]
+        time.sleep(2.0)  # the script has ended: its exit waits for the save
+        assert proc.poll() is None, "the exit did not wait for the pending save"
+        interrupted = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - interrupted < 20, "the exit went on waiting after Ctrl-C"
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc)
+        if worker and _alive(worker):
+            os.kill(worker, signal.SIGKILL)
+            pytest.fail(f"the worker {worker} was still alive after its process exited")
+    assert "KeyboardInterrupt" in err, err
+    assert not (root / "step_00000001").exists()

@@ -80,10 +80,13 @@ def settle_pending(timeout: Callable[[AsyncCallsQueue], float], when: str, hint:
         hint: appended to the message naming a lost save.
         bound: what sets ``timeout``, for the messages (``ASYNCCKPT_EXIT_TIMEOUT_S``).
         group: only the queues on this process group (default: all).
-        abort_lost: abort (``close(abort=True)``) each queue holding a lost save, while
-            the interpreter is whole: its finalizer thread must not be left inside a
-            call (waiting for the writer, or in a collective) when the process groups
-            are torn down (gloo then aborts the process).
+        abort_lost: abort (``close(abort=True)``) each queue holding a lost save (all
+            of them when the wait is interrupted, before the interrupt is re-raised),
+            while the interpreter is whole: its finalizer thread must not be left
+            inside a call (waiting for the writer, or in a collective, perhaps holding
+            the caller's lock) when the interpreter finalizes (a queue collected then
+            waits for that lock forever) or the process groups are torn down (gloo
+            then aborts the process).
         announce: log (info) which saves are waited for.
 
     Returns:
@@ -112,22 +115,34 @@ def settle_pending(timeout: Callable[[AsyncCallsQueue], float], when: str, hint:
     if announce:
         _log.info("asyncckpt: %s, waiting for %d pending save(s) to commit: %s", when, len(pending),
                   ", ".join(_describe_save(record) for _, record in pending))
-    lost = _settle_or_name(pending, bound_s, when, hint, bound)
+    try:
+        lost = _settle_or_name(pending, bound_s, when, hint, bound)
+    except BaseException:  # Ctrl-C, the preemption budget: drop them all at once
+        if abort_lost:
+            _abort_queues([queues[id(record)] for _, record in pending])
+        raise
     if abort_lost:
-        for queue in {id(q): q for q in (queues[id(record)] for record in lost)}.values():
-            try:
-                queue.close(abort=True)
-            except Exception as exc:  # noqa: BLE001 - at exit: nobody left to raise it to
-                _log.debug("aborting a queue at exit failed: %s", exc)
+        _abort_queues([queues[id(record)] for record in lost])
     return lost
+
+
+def _abort_queues(queues: list[AsyncCallsQueue]) -> None:
+    for queue in {id(q): q for q in queues}.values():
+        try:
+            queue.close(abort=True)
+        except Exception as exc:  # noqa: BLE001 - at exit: nobody left to raise it to
+            _log.debug("aborting a queue at exit failed: %s", exc)
 
 
 def _settle_pending_at_exit() -> None:
     """The exit phase ``COMMIT_SAVES``: pending saves get ``ASYNCCKPT_EXIT_TIMEOUT_S``
     seconds (default 5) in all to commit; each one still pending then is named as lost
     (a ``logging`` warning on logger ``asyncckpt``, shown on stderr) and its queue is
-    aborted. The workers are stopped later (phase ``STOP_WORKERS``)."""
-    settle_pending(lambda _queue: exit_timeout(), "at interpreter exit", "; call close() or wait() before exiting",
+    aborted; interrupted (Ctrl-C, here or in an earlier phase), every queue with
+    pending saves is aborted at once. The workers are stopped later (phase
+    ``STOP_WORKERS``)."""
+    bound = 0.0 if _exit.interrupted() else exit_timeout()  # after Ctrl-C: name and abort at once
+    settle_pending(lambda _queue: bound, "at interpreter exit", "; call close() or wait() before exiting",
                    EXIT_TIMEOUT_ENV, abort_lost=True)
 
 
