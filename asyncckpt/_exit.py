@@ -23,12 +23,13 @@ order inside a phase is the order of registration. The registry's one function,
   and then join every child without a time limit.
 - ``multiprocessing.util.Finalize`` with :data:`EXIT_PRIORITY`, above every priority
   multiprocessing itself uses (at most 15): a process started by multiprocessing (a
-  rank of ``torch.multiprocessing.spawn``, a forkserver child) exits through
-  multiprocessing's exit path, which skips atexit. Such a process clears the
-  finalizers registered while it unpickled its target (importing this module), so
-  the finalizer is installed by :func:`arm`, which every module calls when it starts
-  something the exit must wait for or stop (a worker, a saver, a removal, a plugin's
-  writer); :func:`arm` installs it again when it finds it gone.
+  rank of ``torch.multiprocessing.start_processes``) exits through multiprocessing's
+  exit path, which skips atexit. Started with fork or forkserver, such a process
+  clears the finalizers it inherited (from a parent, or a fork server, that had
+  imported asyncckpt) before its target runs, so the finalizer is installed by
+  :func:`arm`, which every module calls when it starts something the exit must wait
+  for or stop (a worker, a saver, a removal, a plugin's writer); :func:`arm` installs
+  it again when it finds it gone.
 
 Interrupts: a hook that raises an ``Exception`` is logged and the next one runs. Ctrl-C
 (``KeyboardInterrupt``) or a ``SystemExit`` (the preemption budget's
