@@ -46,17 +46,12 @@ itself, without the plugin; load the state dict through it instead:
 
 from __future__ import annotations
 
-import atexit
 import copy
-import ctypes
-import errno
 import functools
 import io
 import logging
-import multiprocessing.util as _mp_util
 import os
 import secrets
-import shutil
 import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -71,10 +66,18 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("asyncckpt.lightning needs Lightning: pip install 'asyncckpt[lightning]'") from exc
 
-from asyncckpt import AsyncCallsQueue, SaveHandle, SaveResult, read_state_dict, save
-from asyncckpt._fs import fsync_directory, remove_checkpoint
+from asyncckpt import (
+    AsyncCallsQueue,
+    SaveHandle,
+    SaveResult,
+    _exit,
+    read_state_dict,
+    save,
+)
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format import manifest as _commit
+from asyncckpt.io.swap import remove_path, replace_path
+from asyncckpt._fs import remove_checkpoint
 
 __all__ = ["AsyncckptCheckpointIO", "STRUCTURE_KEY"]
 
@@ -253,107 +256,32 @@ def decode(tree: dict[str, Any], *, allow_pickle: bool, where: str = "checkpoint
     return _join(structure, tree, where, {})
 
 
-# ----------------------------------------------------------------------------- directory swap
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-_libc: Any = None
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap the names ``a`` and ``b`` (Linux ``renameat2(RENAME_EXCHANGE)``).
-
-    Returns:
-        False if the system cannot (no ``renameat2``, or the filesystem refuses).
-
-    Raises:
-        OSError: any other failure (e.g. ``b`` does not exist).
-    """
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        except OSError:
-            _libc = False
-    fn = getattr(_libc, "renameat2", None) if _libc else None
-    if fn is None:
-        return False
-    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
-def _remove_path(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
-def replace_path(new: Path, final: Path, *, exchange: bool = True) -> Path | None:
-    """Put the directory ``new`` in place of ``final`` (a checkpoint directory or file).
-
-    With ``exchange`` (and a system that supports it) the two names are swapped in
-    one atomic step: ``final`` always names a complete checkpoint. Otherwise ``final``
-    is renamed aside first, then ``new`` into place (a crash in between leaves both
-    under hidden names, none under ``final``).
-
-    Returns:
-        The hidden path now holding what ``final`` held (to be removed), or ``None``
-        if ``final`` did not exist.
-    """
-    if exchange and os.path.lexists(final) and _exchange(new, final):
-        old = new
-    elif os.path.lexists(final):
-        old = final.parent / f".{final.name}.asyncckpt-old-{secrets.token_hex(6)}"
-        os.rename(final, old)
-        os.rename(new, final)
-    else:
-        os.rename(new, final)
-        old = None
-    fsync_directory(str(final.parent))
-    return old
-
-
 # ----------------------------------------------------------------------------- exit
 _open_plugins: dict[int, "AsyncckptCheckpointIO"] = {}  # id -> plugin whose saves may be pending
 _open_lock = threading.Lock()
-_hooks_pid: int | None = None
 
 
 def _commit_all_at_exit() -> None:
-    pid = os.getpid()
+    """The exit phase ``COMMIT_LIGHTNING`` (before the other pending saves are settled
+    and the writers stopped): tear down every plugin of this process with pending
+    saves, so that they commit and are swapped into place."""
     with _open_lock:
-        plugins = [p for p in _open_plugins.values() if p._owner_pid == pid]  # not a forked parent's
+        plugins = list(_open_plugins.values())
     for plugin in plugins:
         try:
             plugin.teardown()
-        except BaseException as exc:  # noqa: BLE001 - at exit: report, go on with the others
+        except Exception as exc:  # noqa: BLE001 - at exit: report, go on with the others
             _log.error("asyncckpt: a checkpoint pending at exit failed: %s", exc)
 
 
-def _register_exit_hooks() -> None:
-    """Commit pending saves when this process exits (once per process).
+def _forget_plugins_in_child() -> None:
+    """A forked child: the plugins' saves are its parent's."""
+    global _open_lock
+    _open_lock = threading.Lock()
+    _open_plugins.clear()
 
-    Registered when a writer starts, not at import: a process started by
-    multiprocessing (a rank of a spawn- or forkserver-based Lightning strategy)
-    unpickles its arguments (importing this module), then clears multiprocessing's
-    finalizers, and at exit runs those of priority >= 0 before it terminates its
-    daemonic children (the writer) and skips atexit hooks (forkserver). Priority 200
-    runs before asyncckpt's own exit hook (100), which stops the writers.
-    """
-    global _hooks_pid
-    if _hooks_pid == os.getpid():
-        return
-    _hooks_pid = os.getpid()
-    atexit.register(_commit_all_at_exit)
-    _mp_util.Finalize(None, _commit_all_at_exit, exitpriority=200)
+
+_exit.register(_exit.COMMIT_LIGHTNING, _commit_all_at_exit, forget=_forget_plugins_in_child)
 
 
 # ----------------------------------------------------------------------------- the plugin
@@ -403,12 +331,11 @@ class AsyncckptCheckpointIO(CheckpointIO):
         self._group_key: Any = None
         self._pending: list[tuple[str, SaveHandle]] = []  # (final path, handle), in save order
         self._removals: list[threading.Thread] = []
-        self._owner_pid: int | None = None
 
     # Lightning pickles the trainer (and its plugins) to start spawned ranks.
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_queue", "_queue_group", "_group", "_group_key", "_owner_pid"):
+        for name in ("_queue", "_queue_group", "_group", "_group_key"):
             state[name] = None
         state["_pending"], state["_removals"] = [], []
         return state
@@ -434,13 +361,12 @@ class AsyncckptCheckpointIO(CheckpointIO):
             self.teardown()
         if self._queue is None:
             queue = AsyncCallsQueue(persistent=True, process_group=group, start_method=self.start_method,
-                                    import_main=False)
+                                    import_main=False if self.start_method == "spawn" else None)
             start = getattr(queue.caller, "start", None)
             if start is not None:
                 start()
             self._queue, self._queue_group = queue, group
-            self._owner_pid = os.getpid()
-            _register_exit_hooks()
+            _exit.arm()  # at its exit, this process commits the pending saves (a rank started by multiprocessing too)
             with _open_lock:
                 _open_plugins[id(self)] = self
         return self._queue
@@ -480,7 +406,7 @@ class AsyncckptCheckpointIO(CheckpointIO):
             return  # failed: nothing was committed (the failure is raised by wait)
         old = replace_path(new, final)
         if old is not None:
-            thread = threading.Thread(target=_remove_path, args=(old,), name="asyncckpt-lightning-remove",
+            thread = threading.Thread(target=remove_path, args=(old,), name="asyncckpt-lightning-remove",
                                       daemon=True)
             thread.start()
             self._removals.append(thread)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from asyncckpt._check import check_state_dict, check_step
+from asyncckpt._exit import exit_timeout
 from asyncckpt.async_utils.callers import PersistentAsyncCaller
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 from asyncckpt.dist import SyncGroup
@@ -29,7 +30,7 @@ from asyncckpt.errors import (
 from asyncckpt.format import manifest as _commit
 from asyncckpt.loading.api import load
 from asyncckpt.options import SaveOptions
-from asyncckpt.root import CheckpointRoot, exit_timeout
+from asyncckpt.root import CheckpointRoot
 from asyncckpt.saving.handle import SaveCallback, SaveHandle, SaveTimings
 from asyncckpt.saving.pending import release_when_settled
 from asyncckpt.saving.saver import Saver
@@ -54,7 +55,7 @@ class CheckpointManager:
         process_group: the ranks saving together.
         coordinator_rank: the rank that commits.
         start_method: ``"spawn"`` (default) or ``"forkserver"`` for the persistent
-            worker.
+            worker (not with ``persistent=False``).
         calls_queue: use this queue instead of creating one (then ``close`` does not
             close it); not together with ``persistent`` or ``start_method``.
         options: staging and writing options (:class:`SaveOptions`); or give them one
@@ -63,7 +64,8 @@ class CheckpointManager:
         callback: the default completion callback of :meth:`save` (see there).
         read_only: only read the root (``steps``, ``latest_step``, ``load``; e.g. an
             evaluation job following a training job's root): no lock is taken, and
-            :meth:`save` and :meth:`prepare` raise ``CheckpointError``.
+            :meth:`save` and :meth:`prepare` raise ``CheckpointError``; not together
+            with ``keep_last``, ``callback`` or save options.
 
     The manager holds an exclusive lock on ``root_dir`` for its lifetime (taken by
     the ``coordinator_rank``, the one rank that writes ``latest`` and runs retention;
@@ -75,8 +77,11 @@ class CheckpointManager:
     Raises:
         InvalidArgumentError: (a ``ValueError`` and ``TypeError``) a bad argument
             (``root_dir`` not a path, ``keep_last`` not an int >= 1,
-            ``coordinator_rank`` not an int); contradictory arguments and a bad
-            option raise ``ValueError``.
+            ``coordinator_rank`` not an int); contradictory arguments (one that the
+            others make ignored: ``start_method`` with ``persistent=False``,
+            ``calls_queue`` with ``persistent`` or ``start_method``, ``read_only``
+            with ``keep_last``, ``callback`` or save options) and a bad option raise
+            ``ValueError`` naming both.
         RootInUseError: another manager (this process or another, named by pid and
             host) holds ``root_dir``'s lock (on every rank).
         CheckpointPathError: ``root_dir`` cannot be created or its lock file not
@@ -114,6 +119,17 @@ class CheckpointManager:
         if calls_queue is not None and (persistent is not None or start_method is not None):
             raise ValueError("calls_queue= cannot be combined with persistent= or start_method=: "
                              "the queue already decides how calls run")
+        if read_only:
+            ignored = [name for name, value in (
+                ("keep_last", keep_last), ("options", options), ("staging_buffers", staging_buffers),
+                ("copy_threads", copy_threads), ("write_threads", write_threads), ("plan_cache", plan_cache),
+                ("overlap_staging", overlap_staging), ("callback", callback)) if value is not None]
+            if ignored:
+                raise ValueError(f"read_only=True cannot be combined with {'=, '.join(ignored)}=: a read-only "
+                                 "manager never saves nor removes checkpoints")
+        if start_method is not None and persistent is False:
+            raise ValueError(f"start_method={start_method!r} cannot be combined with persistent=False: the "
+                             "persistent=False caller forks a child per save, with no worker to start")
         self.options = SaveOptions.resolve(options, staging_buffers=staging_buffers, copy_threads=copy_threads,
                                            write_threads=write_threads, plan_cache=plan_cache,
                                            overlap_staging=overlap_staging)
@@ -129,9 +145,13 @@ class CheckpointManager:
         self.coordinator_rank = coordinator_rank
         self.callback = callback
         self._owns_queue = calls_queue is None
-        self.queue = calls_queue or AsyncCallsQueue(
-            True if persistent is None else persistent, process_group=process_group,
-            start_method=start_method or "spawn", import_main=False, background_finalize=True)
+        persistent = True if persistent is None else persistent
+        worker: dict[str, Any] = {}
+        if persistent:  # a spawned worker without the training script (forkserver's server has it already)
+            worker = {"start_method": start_method or "spawn",
+                      "import_main": False if start_method in (None, "spawn") else None}
+        self.queue = calls_queue or AsyncCallsQueue(persistent, process_group=process_group,
+                                                    background_finalize=True, **worker)
         if self._owns_queue and isinstance(self.queue.caller, PersistentAsyncCaller) and not self.read_only:
             self.queue.caller.start()  # ready before the first save: no start-up stall
         self._saver = Saver(self.queue, self.options, self._root)

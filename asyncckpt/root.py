@@ -15,13 +15,11 @@ Layout (the names are Orbax-like policy as data: :data:`STEP_DIR_RE`)::
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import errno
 import fcntl
 import json
 import logging
-import multiprocessing.util as mp_util
 import os
 import re
 import secrets
@@ -33,8 +31,10 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
+from asyncckpt import _exit
 from asyncckpt._check import check_path
 from asyncckpt._fs import remove_checkpoint
+from asyncckpt._exit import EXIT_TIMEOUT_ENV, exit_timeout
 from asyncckpt.errors import CheckpointPathError, InvalidArgumentError, RootInUseError
 from asyncckpt.format import manifest as _commit
 from asyncckpt.io.commit import write_latest
@@ -60,31 +60,14 @@ OWNER_INFO_NAME = ".asyncckpt.manager.owner"
 #: removal cut short by the exit would leave a ``.step_N.deleting-*`` directory.
 _deletions: set[threading.Thread] = set()
 _deletions_lock = threading.Lock()
-#: The environment variable of the bound, in seconds, on what the interpreter's exit
-#: (and a ``with CheckpointManager`` block ended by an exception) waits for: pending
-#: saves (``asyncckpt.saving.saver``) and retention removals in flight.
-EXIT_TIMEOUT_ENV = "ASYNCCKPT_EXIT_TIMEOUT_S"
-DEFAULT_EXIT_TIMEOUT_S = 5.0
-
-
-def exit_timeout() -> float:
-    """The bound on waiting at exit: ``ASYNCCKPT_EXIT_TIMEOUT_S`` seconds (default 5)."""
-    try:
-        return float(os.environ.get(EXIT_TIMEOUT_ENV, DEFAULT_EXIT_TIMEOUT_S))
-    except ValueError:
-        return DEFAULT_EXIT_TIMEOUT_S
 
 
 def _join_deletions_at_exit() -> None:
-    """At interpreter exit: let the retention removals in flight finish (up to
-    ``ASYNCCKPT_EXIT_TIMEOUT_S`` seconds, default 5, more if that is set higher), so
-    that an exit without ``close()`` leaves no ``.step_N.deleting-*`` directory; name
-    one cut short (the next commit into the root, or ``asyncckpt clean``, removes it).
-
-    Runs after the pending saves were committed (their commits start removals):
-    atexit is last-in first-out and this module registers before
-    :mod:`asyncckpt.saving.saver`; on multiprocessing's exit path, with a priority between
-    theirs (150) and the workers' stop (100).
+    """The exit phase ``FINISH_DELETIONS``: let the retention removals in flight
+    finish (up to ``ASYNCCKPT_EXIT_TIMEOUT_S`` seconds, default 5), so that an exit
+    without ``close()`` leaves no ``.step_N.deleting-*`` directory; name one cut short
+    (the next commit into the root, or ``asyncckpt clean``, removes it). It runs after
+    the phase that commits the pending saves, whose commits start removals.
     """
     with _deletions_lock:
         threads = list(_deletions)
@@ -100,8 +83,14 @@ def _join_deletions_at_exit() -> None:
                          thread.name.partition(":")[2], timeout, EXIT_TIMEOUT_ENV)
 
 
-atexit.register(_join_deletions_at_exit)
-mp_util.Finalize(None, _join_deletions_at_exit, exitpriority=120)
+def _forget_deletions_in_child() -> None:
+    """A forked child: the removals in flight are its parent's threads (gone here)."""
+    global _deletions_lock
+    _deletions_lock = threading.Lock()
+    _deletions.clear()
+
+
+_exit.register(_exit.FINISH_DELETIONS, _join_deletions_at_exit, forget=_forget_deletions_in_child)
 
 
 #: The descriptors of the root locks this process holds (acquire_ownership).
@@ -435,6 +424,7 @@ class CheckpointRoot:
                     with self._lock:
                         self._deletion = remove_checkpoint(path, background=True)
                         if self._deletion is not None:
+                            _exit.arm()
                             with _deletions_lock:
                                 _deletions.difference_update([t for t in _deletions if not t.is_alive()])
                                 _deletions.add(self._deletion)

@@ -19,61 +19,41 @@ milliseconds and never initializes CUDA.
 from __future__ import annotations
 
 import abc
-import atexit
-import contextlib
 import gc
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
-import multiprocessing.util as mp_util
 import os
 import pickle
-import queue
 import signal
-import struct
-import sys
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
+from asyncckpt.async_utils.processes import TERMINATE_GRACE_S
+from asyncckpt.async_utils.processes import terminate as _terminate
+from asyncckpt.async_utils.processes import terminate_many as _terminate_many
+from asyncckpt.async_utils.processes import track as _track
+from asyncckpt.async_utils.processes import untrack as _untrack
+from asyncckpt.async_utils.worker import (
+    _ABORT,
+    _HEADER,
+    _NO_MAIN_GUARD_EXIT,
+    _STOP,
+    _WORKER_NAME,
+    CallOutcome,
+    _exit_if_importing_main_in_worker,
+    _format_exception,
+    _main_module_hidden,
+    _no_main_guard_failure,
+    _persistent_worker_main,
+    _temporal_child_main,
+)
 from asyncckpt.errors import RankFailure
 
-__all__ = ["AsyncCaller", "CallOutcome", "PersistentAsyncCaller", "TemporalAsyncCaller"]
+__all__ = ["AsyncCaller", "CallOutcome", "PersistentAsyncCaller", "TemporalAsyncCaller", "TERMINATE_GRACE_S"]
 
-_HEADER = struct.Struct("<q")
-_STOP = -1
-_ABORT = -2
-#: Seconds between SIGTERM and SIGKILL when a worker or child is terminated.
-TERMINATE_GRACE_S = 3.0
 #: Longest single wait on a worker's pipe and sentinel in :meth:`AsyncCaller.wait`.
 WAIT_SLICE_S = 0.05
-_WORKER_NAME = "asyncckpt-worker"
-#: Exit status of a persistent worker whose start-up, re-importing the main script,
-#: ran that script's code as far as starting a worker again (no ``__main__`` guard).
-_NO_MAIN_GUARD_EXIT = 87
-
-
-class CallOutcome(NamedTuple):
-    """What one call did in the background, on this rank.
-
-    Attributes:
-        call_idx: the call.
-        ok: True if ``async_fn`` returned normally and the process that ran it is
-            healthy.
-        error: on failure, the cause (a ``str`` subclass: exception type, message,
-            remote traceback, or the exit status of a dead process; with the
-            exception's type name and errno); else ``None``.
-        value: the return value of ``async_fn`` (``None`` on failure).
-        started: ``time.monotonic()`` when ``async_fn`` started (system-wide clock,
-            comparable across processes on one host), or ``None``.
-        finished: ``time.monotonic()`` when it finished, or ``None``.
-    """
-
-    call_idx: int
-    ok: bool
-    error: RankFailure | None
-    value: Any = None
-    started: float | None = None
-    finished: float | None = None
 
 
 def _describe_exit(pid: int | None, exitcode: int | None) -> str:
@@ -86,106 +66,6 @@ def _describe_exit(pid: int | None, exitcode: int | None) -> str:
             name = f"signal {-exitcode}"
         return f"process {pid} was killed by {name}"
     return f"process {pid} exited with code {exitcode}"
-
-
-def _format_exception(exc: BaseException, context: str = "") -> RankFailure:
-    return RankFailure.from_exception(exc, context)
-
-
-def _run_call(call_idx: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> CallOutcome:
-    started = time.monotonic()
-    try:
-        value = fn(*args, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - SystemExit from async_fn is a failure too
-        return CallOutcome(call_idx, False, _format_exception(exc), None, started, time.monotonic())
-    return CallOutcome(call_idx, True, None, value, started, time.monotonic())
-
-
-def _dump_outcome(outcome: CallOutcome) -> bytes:
-    try:
-        return pickle.dumps(outcome)
-    except Exception as exc:  # the return value of async_fn is not picklable
-        bad = CallOutcome(outcome.call_idx, False, _format_exception(
-                          exc, "the return value of async_fn cannot be pickled: "), None, outcome.started, outcome.finished)
-        return pickle.dumps(bad)
-
-
-# --------------------------------------------------------------------------- registry
-# Every process we start is tracked so that interpreter exit stops it (SIGTERM, grace,
-# SIGKILL) even without close(): an unfinalized save then stays uncommitted.
-# Each maps to an optional callable that asks the process to exit at once.
-_live_processes: dict[Any, Callable[[], None] | None] = {}
-_live_lock = threading.Lock()
-
-
-def _track(proc: Any, abort: Callable[[], None] | None = None) -> None:
-    with _live_lock:
-        _live_processes[proc] = abort
-
-
-def _untrack(proc: Any) -> None:
-    with _live_lock:
-        _live_processes.pop(proc, None)
-
-
-def _terminate_many(procs: list[Any], grace_s: float = TERMINATE_GRACE_S) -> None:
-    """Ask to exit (ABORT message) and SIGTERM all, wait up to ``grace_s`` seconds in
-    total, SIGKILL the rest; reap all."""
-    for proc in procs:
-        with _live_lock:
-            abort = _live_processes.get(proc)
-        try:
-            if abort is not None:
-                abort()
-        except (OSError, ValueError):
-            pass
-        try:
-            if proc.is_alive():
-                proc.terminate()
-        except (OSError, ValueError, AssertionError):
-            pass
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(grace_s)
-        except (OSError, ValueError, AssertionError):
-            pass
-        finally:
-            _untrack(proc)
-
-
-def _terminate(proc: Any, grace_s: float = TERMINATE_GRACE_S) -> None:
-    """SIGTERM, wait up to ``grace_s`` seconds, then SIGKILL; always reaps."""
-    _terminate_many([proc], grace_s)
-
-
-@atexit.register
-def _terminate_all_at_exit() -> None:
-    with _live_lock:
-        procs = list(_live_processes)
-    _terminate_many(procs, grace_s=1.0)
-
-
-# A process started by multiprocessing (e.g. a rank of torch.multiprocessing.spawn)
-# exits through multiprocessing's own exit path, which skips atexit hooks and then
-# waits, without a time limit, for its daemonic children: run ours first there too.
-mp_util.Finalize(None, _terminate_all_at_exit, exitpriority=100)
-
-
-def _forget_after_fork() -> None:
-    """In a child of ``os.fork()`` (user code, a DataLoader worker): the workers and
-    children are the parent's, never this process's to stop. Without this, the child's
-    exit hooks would abort the parent's worker (its ABORT message goes down the
-    inherited pipe) and fail the parent's save in flight."""
-    global _live_lock
-    _live_lock = threading.Lock()  # another thread may have held it at the fork
-    _live_processes.clear()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _wait_handles(handles: list[Any], timeout: float | None) -> None:
@@ -314,25 +194,6 @@ class AsyncCaller(abc.ABC):
         return True
 
 
-# --------------------------------------------------------------------------- temporal
-def _temporal_child_main(conn: Any, call_idx: int, fn: Callable[..., Any], args: tuple, kwargs: dict,
-                         gc_enabled: bool) -> None:
-    # Forked with the cyclic GC off (TemporalAsyncCaller._schedule): every object this
-    # child inherited goes to the permanent generation before it is turned back on, so
-    # that it collects only its own garbage, never the trainer's (whose finalizers free
-    # the parent's resources, and may wait on a lock that a thread held at the fork).
-    gc.freeze()
-    if gc_enabled:
-        gc.enable()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides about Ctrl-C
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's inherited handler
-    outcome = _run_call(call_idx, fn, args, kwargs)
-    conn.send_bytes(_dump_outcome(outcome))
-    conn.close()
-    if not outcome.ok:
-        os._exit(1)
-
-
 class TemporalAsyncCaller(AsyncCaller):
     """Fork one child process per call (Megatron-core's ``TemporalAsyncCaller``).
 
@@ -447,103 +308,6 @@ class TemporalAsyncCaller(AsyncCaller):
 
 
 # --------------------------------------------------------------------------- persistent
-def _persistent_worker_main(task_conn: Any, result_conn: Any) -> None:
-    """Main loop of the persistent worker process.
-
-    Ctrl-C and SIGTERM sent to the whole process group (a terminal, a scheduler's
-    preemption notice) are ignored: the training process decides, e.g. to finish a
-    last checkpoint. The worker stops on a STOP message (after the calls it has),
-    at once on an ABORT message or when the training process is gone (end of file on
-    the task pipe), or on SIGKILL.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    tasks: queue.SimpleQueue = queue.SimpleQueue()
-
-    def read_tasks() -> None:
-        # Read eagerly so that the trainer never blocks on a full pipe while a long
-        # write runs. End of file means the trainer is gone: a write in flight can
-        # never be committed, so exit at once, as on ABORT.
-        while True:
-            try:
-                data = task_conn.recv_bytes()
-            except (EOFError, OSError):
-                os._exit(0)
-            call_idx = _HEADER.unpack_from(data)[0]
-            if call_idx == _ABORT:
-                os._exit(0)
-            tasks.put(data)
-            if call_idx == _STOP:
-                return
-
-    threading.Thread(target=read_tasks, name="asyncckpt-task-reader", daemon=True).start()
-    while True:
-        data = tasks.get()
-        (call_idx,) = _HEADER.unpack_from(data)
-        if call_idx == _STOP:
-            break
-        try:
-            fn, args, kwargs = pickle.loads(memoryview(data)[_HEADER.size:])
-        except BaseException as exc:  # noqa: BLE001
-            outcome = CallOutcome(call_idx, False,
-                                  _format_exception(exc, "the worker could not unpickle the request: "))
-        else:
-            del data
-            outcome = _run_call(call_idx, fn, args, kwargs)
-            del fn, args, kwargs
-        try:
-            result_conn.send_bytes(_dump_outcome(outcome))
-        except (BrokenPipeError, OSError):
-            os._exit(0)
-    result_conn.close()
-
-
-_main_lock = threading.Lock()
-
-
-def _exit_if_importing_main_in_worker() -> None:
-    """Exit at once if this process is a persistent worker still re-importing the main script.
-
-    A spawned worker with ``import_main=True`` runs the main script as ``__mp_main__``
-    before it reads its first call (multiprocessing's bootstrap, where
-    ``current_process()._inheriting`` is set). A script without an
-    ``if __name__ == "__main__":`` guard then runs its training code in the worker,
-    which starts a worker of its own: multiprocessing refuses with its bootstrapping
-    ``RuntimeError``. Exit instead, with a status the training process recognizes.
-    """
-    proc = mp.current_process()
-    if getattr(proc, "_inheriting", False) and proc.name == _WORKER_NAME:
-        os._exit(_NO_MAIN_GUARD_EXIT)
-
-
-def _no_main_guard_failure() -> RankFailure:
-    main = getattr(sys.modules.get("__main__"), "__file__", None) or "the main module"
-    return RankFailure(f"the persistent worker could not start: it re-imports {main} (import_main=True), whose "
-                       "top-level code started a worker again; put the script's code that runs (training, "
-                       "saving) under 'if __name__ == \"__main__\":'")
-
-
-@contextlib.contextmanager
-def _main_module_hidden() -> Any:
-    """Start a spawn child without re-importing the training script as ``__mp_main__``.
-
-    ``multiprocessing.spawn.get_preparation_data`` finds the main module through
-    ``__main__.__spec__`` and ``__main__.__file__``; hidden, the child skips it and
-    imports only what unpickling the calls needs (our writer imports no torch).
-    """
-    main = sys.modules.get("__main__")
-    with _main_lock:
-        saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
-        try:
-            if main is not None:
-                main.__dict__.pop("__file__", None)
-                main.__dict__["__spec__"] = None
-            yield
-        finally:
-            if main is not None:
-                main.__dict__.pop("__spec__", None)
-                main.__dict__.update(saved)
-
 
 class _Worker:
     """One incarnation of the persistent worker: process + its two pipes."""
@@ -584,10 +348,16 @@ class PersistentAsyncCaller(AsyncCaller):
     Args:
         start_method: ``"spawn"`` (default) or ``"forkserver"``. ``fork`` is refused:
             a forked long-lived worker would inherit the trainer's threads' locks.
-        import_main: (spawn) let the worker re-import the main script as
-            ``multiprocessing`` does, so that ``async_fn`` s defined there unpickle.
-            ``False`` starts a lighter worker (no training script, no torch unless
-            the calls need it) for calls defined in importable modules.
+        import_main: let the worker re-import the main script as
+            ``multiprocessing`` does, so that ``async_fn`` s defined there unpickle
+            (default ``None``: yes). ``False`` (spawn only) starts a lighter worker
+            (no training script, no torch unless the calls need it) for calls
+            defined in importable modules; a ``forkserver`` worker is forked from
+            multiprocessing's fork server, which imported the main script already.
+
+    Raises:
+        ValueError: an unknown ``start_method``, or ``import_main=False`` with
+            ``start_method="forkserver"`` (it cannot be honoured).
 
     The worker ignores SIGINT and SIGTERM sent to the process group; see
     :meth:`close` for how it is stopped.
@@ -599,12 +369,16 @@ class PersistentAsyncCaller(AsyncCaller):
     the worker maps by name.
     """
 
-    def __init__(self, start_method: str = "spawn", import_main: bool = True) -> None:
+    def __init__(self, start_method: str = "spawn", import_main: bool | None = None) -> None:
         super().__init__()
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', not {start_method!r}")
+        if import_main is False and start_method != "spawn":
+            raise ValueError(f"import_main=False cannot be honoured with start_method={start_method!r}: the "
+                             "fork server imports the main script itself; use start_method='spawn' for a "
+                             "worker without the main script, or leave import_main out")
         self.start_method = start_method
-        self.import_main = import_main or start_method != "spawn"
+        self.import_main = import_main is not False
         self._ctx = mp.get_context(start_method)
         self._worker: _Worker | None = None
         #: Workers found dead, being reaped (outside the lock): their calls still run.

@@ -261,14 +261,20 @@ class AsyncCallsQueue:
             instead of forking a child per call (:class:`TemporalAsyncCaller`).
         process_group: the ranks that schedule and finalize together (``None``: the
             default group, or a single process without ``torch.distributed``).
-        start_method: ``"spawn"`` or ``"forkserver"`` for the persistent worker.
-        import_main: (spawn) whether the persistent worker re-imports the main
-            script, so that ``async_fn`` s defined there can be unpickled (see
-            :class:`PersistentAsyncCaller`).
+        start_method: ``"spawn"`` (default) or ``"forkserver"`` for the persistent
+            worker; only with ``persistent=True``.
+        import_main: whether the persistent worker re-imports the main script, so
+            that ``async_fn`` s defined there can be unpickled (see
+            :class:`PersistentAsyncCaller`); only with ``persistent=True``.
         caller: a caller instance to use instead (overrides ``persistent``).
         failures_kept: how many recent failures :meth:`get_failure` remembers.
         background_finalize: finalize in a thread of this queue instead of in
             :meth:`maybe_finalize_async_calls` (see the module docstring).
+
+    Raises:
+        ValueError: ``start_method`` or ``import_main`` without ``persistent=True``,
+            or with ``caller`` (they would be ignored); see also
+            :class:`PersistentAsyncCaller`.
 
     Collective contract (all ranks of ``process_group``, in the same order):
 
@@ -287,15 +293,24 @@ class AsyncCallsQueue:
         persistent: bool = False,
         *,
         process_group: Any = None,
-        start_method: str = "spawn",
-        import_main: bool = True,
+        start_method: str | None = None,
+        import_main: bool | None = None,
         caller: AsyncCaller | None = None,
         failures_kept: int = 64,
         background_finalize: bool = False,
     ) -> None:
         self._closed = True  # until constructed: __del__ then does nothing
+        given = [f"{name}={value!r}" for name, value in (("start_method", start_method), ("import_main", import_main))
+                 if value is not None]
+        if given and caller is not None:
+            raise ValueError(f"{' and '.join(given)} cannot be combined with caller=: the caller already decides "
+                             "how calls run")
+        if given and not persistent:
+            raise ValueError(f"{' and '.join(given)} need persistent=True: the persistent=False caller forks a "
+                             "child per call, with no worker to start")
         if caller is None:
-            caller = PersistentAsyncCaller(start_method, import_main) if persistent else TemporalAsyncCaller()
+            caller = (PersistentAsyncCaller(start_method or "spawn", import_main) if persistent
+                      else TemporalAsyncCaller())
         self.caller = caller
         self.persistent = isinstance(caller, PersistentAsyncCaller)
         self.background_finalize = bool(background_finalize)
@@ -432,6 +447,7 @@ class AsyncCallsQueue:
             background mode), in order.
 
         Raises:
+            ValueError: ``no_dist=True`` on a ``background_finalize`` queue (ignored there).
             CheckpointException: the oldest pending call failed on some rank; the same
                 exception (``call_idx`` and per-rank causes) on every rank. The call is
                 dropped without running its finalize_fns; later calls stay pending.
@@ -439,6 +455,9 @@ class AsyncCallsQueue:
                 since the last call is raised by the next call; blocking, it is raised now.
         """
         if self.background_finalize:
+            if no_dist:
+                raise ValueError("no_dist=True cannot be combined with background_finalize=True: the "
+                                 "background finalizer decides on every rank's status, collectively")
             return self._harvest(blocking, until)
         finalized: list[int] = []
         sync = None if no_dist else self.sync

@@ -10,25 +10,29 @@ from typing import Any
 from asyncckpt._check import check_path, check_state_dict, check_step
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 from asyncckpt.options import SaveOptions
-from asyncckpt.saving import destroy_hook as _destroy_hook  # noqa: F401 - pending saves commit before destroy_process_group()
 from asyncckpt.saving.handle import SaveCallback, SaveHandle
 from asyncckpt.saving.saver import Saver
 
 # ====================================================================== free functions
-_savers: "weakref.WeakKeyDictionary[AsyncCallsQueue, Saver]" = weakref.WeakKeyDictionary()
+#: The savers of each queue, one per distinct SaveOptions: a call's options= decide
+#: which saver runs it and never change another saver's (its staging buffers, copy
+#: threads and plan cache stay those of its options).
+_savers: "weakref.WeakKeyDictionary[AsyncCallsQueue, dict[SaveOptions, Saver]]" = weakref.WeakKeyDictionary()
 _default_queues: dict[int, tuple[Any, AsyncCallsQueue]] = {}
 _module_lock = threading.Lock()
 
 
 def _saver_for(queue: AsyncCallsQueue, options: SaveOptions | None = None) -> Saver:
+    """The saver of ``queue`` for ``options`` (default ``SaveOptions()``), made at first use."""
+    options = options if options is not None else SaveOptions()
     with _module_lock:
-        saver = _savers.get(queue)
+        by_options = _savers.get(queue)
+        if by_options is None:
+            by_options = _savers[queue] = {}
+        saver = by_options.get(options)
         if saver is None:
-            saver = Saver(queue, options)
-            _savers[queue] = saver
+            saver = by_options[options] = Saver(queue, options)
             weakref.finalize(queue, saver.release)  # free the staging buffers with the queue
-        elif options is not None and options != saver.options:
-            saver.set_options(options)
         return saver
 
 
@@ -87,7 +91,11 @@ def save(
             finalizer thread for ``async_op=True`` (it must be thread-safe). If it
             raises, the error is logged and raised as :class:`CallbackError` by the
             next ``wait`` (the queue and the checkpoint are unaffected).
-        options: staging and writing options (:class:`SaveOptions`).
+        options: staging and writing options (:class:`SaveOptions`; default
+            ``SaveOptions()``). They apply to this call only: the saves of one queue
+            with equal options share their staging buffers, copy threads and plan
+            cache; a call with other options gets its own, and never changes what
+            a call with the first options gets.
         step: the training step this state belongs to (a non-negative int), recorded
             in the manifest (``asyncckpt ls`` shows it) and in error messages;
             ``None`` (default): none.
@@ -115,6 +123,11 @@ def save(
         raise ValueError("overlap_staging needs async_op=True")
     queue = calls_queue if calls_queue is not None else default_calls_queue(process_group)
     saver = _saver_for(queue, opts)
+    with _module_lock:
+        others = [other for other in _savers.get(queue, {}).values() if other is not saver]
+    for other in others:  # an earlier overlapped save on this queue is scheduled first, whatever its options
+        with other.lock:
+            other.synchronize_staging()
     with saver.lock:
         return saver.save(state_dict, checkpoint_dir, async_op=async_op, process_group=process_group,
                           coordinator_rank=coordinator_rank, callback=callback, step=step)

@@ -7,7 +7,6 @@ from typing import Any
 
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format.layout import RankLayout, build_layout
-from asyncckpt.saving import destroy_hook as _destroy_hook  # noqa: F401 - pending saves commit before destroy_process_group()
 from asyncckpt.saving.planning import SavePlanResult
 from asyncckpt.saving.record import SaveInFlight
 

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from asyncckpt.errors import CheckpointError
-from asyncckpt.saving import destroy_hook as _destroy_hook  # noqa: F401 - pending saves commit before destroy_process_group()
 from asyncckpt.saving import staging as _staging
 from asyncckpt.saving.record import SaveInFlight
 

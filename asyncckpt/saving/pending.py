@@ -1,33 +1,37 @@
-"""Saves still pending when the interpreter exits or their manager is dropped: commit them within a bound, or name them as lost."""
+"""Saves still pending when the process exits, a process group is destroyed, or their
+manager is dropped: commit them within a bound, or name them as lost."""
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import logging
-import multiprocessing.util as mp_util
-import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
-from asyncckpt.root import EXIT_TIMEOUT_ENV, exit_timeout
-from asyncckpt.saving import destroy_hook as _destroy_hook  # noqa: F401 - pending saves commit before destroy_process_group()
-from asyncckpt.saving.record import SaveInFlight
+from asyncckpt import _exit
+from asyncckpt._exit import EXIT_TIMEOUT_ENV, exit_timeout
 
 if TYPE_CHECKING:
+    from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
+    from asyncckpt.saving.record import SaveInFlight
     from asyncckpt.saving.saver import Saver
 
 _log = logging.getLogger("asyncckpt")
 
-# ====================================================================== interpreter exit
-#: Every saver of this process (a forked child forgets its parent's).
-_live_savers: "weakref.WeakSet[Saver]" = weakref.WeakSet()
-#: Pending saves get ``root.exit_timeout()`` seconds at exit to commit; one still
-#: pending then is lost, and named.
-_exit_done: list[int] = []  # the pid whose exit hook ran (it runs once per process)
+
+# ====================================================================== the savers of this process
+class _Savers(weakref.WeakSet["Saver"]):
+    """Every saver of this process. Adding one arms the exit registry (its pending
+    saves are settled at exit); a forked child forgets its parent's."""
+
+    def add(self, item: "Saver") -> None:
+        _exit.arm()
+        super().add(item)
+
+
+_live_savers: "_Savers" = _Savers()
 
 
 def _describe_save(record: SaveInFlight) -> str:
@@ -36,70 +40,114 @@ def _describe_save(record: SaveInFlight) -> str:
 
 
 def _settle_or_name(pending: list[tuple[bool, SaveInFlight]], timeout: float, when: str,
-                    hint: str = "") -> list[SaveInFlight]:
+                    hint: str = "", bound: str = EXIT_TIMEOUT_ENV) -> list[SaveInFlight]:
     """Wait up to ``timeout`` seconds in all for the saves finalized in the background
     (``(True, record)``) to settle, then name each one still pending and each failed
-    one (a warning on logger ``asyncckpt``, shown on stderr). Returns those pending."""
-    deadline = time.monotonic() + timeout
+    one (a warning on logger ``asyncckpt``, shown on stderr); ``bound`` names where
+    ``timeout`` comes from. Returns those still pending."""
+    started = time.monotonic()
+    deadline = started + timeout
     for background, record in pending:
         if background:
             concurrent.futures.wait([record.handle], max(0.0, deadline - time.monotonic()))
     lost = []
-    for _, record in pending:
+    for background, record in pending:
         handle = record.handle
         if not handle.done():
             lost.append(record)
-            _log.warning("asyncckpt: the save of %s was still pending %s and is lost (not committed; waited "
-                         "%.0f s, %s)%s", _describe_save(record), when, timeout, EXIT_TIMEOUT_ENV, hint)
+            why = (f"waited {time.monotonic() - started:.0f} s, {bound}" if background
+                   else "its queue is finalized in the training loop")
+            _log.warning("asyncckpt: the save of %s was still pending %s and is lost (not committed; %s)%s",
+                         _describe_save(record), when, why, hint)
         elif handle.exception() is not None:
             _log.warning("asyncckpt: the save of %s, pending %s, failed: %s", _describe_save(record), when,
                          str(handle.exception()).splitlines()[0])
     return lost
 
 
-def _settle_pending_at_exit() -> None:
-    """At interpreter exit: let pending saves commit, for a bounded time, then name each
-    one that is lost (a ``logging`` warning on logger ``asyncckpt``, shown on stderr).
+def settle_pending(timeout: Callable[[AsyncCallsQueue], float], when: str, hint: str, bound: str, *,
+                   group: Any = ..., abort_lost: bool = False, announce: bool = False) -> list[SaveInFlight]:
+    """Let the pending saves of every saver of this process (only those of queues on
+    ``group``, when given) commit, then name each one lost or failed.
 
-    Runs before the workers are stopped (atexit is last-in first-out, and this module
-    registers after :mod:`asyncckpt.async_utils.callers`; on multiprocessing's exit path, with a
-    higher priority). Saves of a queue finalized in the training loop cannot commit
-    without the loop: they are named at once.
+    An overlapped save still copying is handed to the writer first. Saves of a queue
+    finalized in the training loop cannot commit without the loop: they are named at
+    once.
+
+    Args:
+        timeout: the bound in seconds for a queue's saves; the wait is bounded by the
+            largest of the queues involved.
+        when: the occasion, for the messages (``"at interpreter exit"``).
+        hint: appended to the message naming a lost save.
+        bound: what sets ``timeout``, for the messages (``ASYNCCKPT_EXIT_TIMEOUT_S``).
+        group: only the queues on this process group (default: all).
+        abort_lost: abort (``close(abort=True)``) each queue holding a lost save (all
+            of them when the wait is interrupted, before the interrupt is re-raised),
+            while the interpreter is whole: its finalizer thread must not be left
+            inside a call (waiting for the writer, or in a collective, perhaps holding
+            the caller's lock) when the interpreter finalizes (a queue collected then
+            waits for that lock forever) or the process groups are torn down (gloo
+            then aborts the process).
+        announce: log (info) which saves are waited for.
+
+    Returns:
+        The saves still pending.
     """
-    if os.getpid() in _exit_done:
-        return
-    _exit_done.append(os.getpid())  # also tells the threads of dropped managers (below)
-    pending = []
+    pending: list[tuple[bool, SaveInFlight]] = []
     queues: dict[int, AsyncCallsQueue] = {}
+    bound_s = 0.0
     for saver in list(_live_savers):
         queue = saver._queue_ref()
         if queue is None or queue.closed or queue.caller.foreign:
             continue
+        if group is not ... and queue._process_group is not group:
+            continue
         try:
             saver.synchronize_staging()  # an overlapped save still copying: hand it to the writer
-        except Exception:  # noqa: BLE001 - at exit: its failure is reported through its handle
+        except Exception:  # noqa: BLE001 - its failure is reported through its handle
             pass
         records = saver.pending_records()
+        if records:
+            bound_s = max(bound_s, timeout(queue))
         pending += [(queue.background_finalize, record) for record in records]
         queues.update((id(record), queue) for record in records)
     if not pending:
-        return
-    lost = _settle_or_name(pending, exit_timeout(), "at interpreter exit", "; call close() or wait() before exiting")
-    # A lost save's queue is aborted now, while the interpreter is whole: its finalizer
-    # thread must not be left inside a call (waiting for the writer, or in a collective)
-    # when the process groups are torn down (gloo then aborts the process).
-    for queue in {id(q): q for q in (queues[id(record)] for record in lost)}.values():
+        return []
+    if announce:
+        _log.info("asyncckpt: %s, waiting for %d pending save(s) to commit: %s", when, len(pending),
+                  ", ".join(_describe_save(record) for _, record in pending))
+    try:
+        lost = _settle_or_name(pending, bound_s, when, hint, bound)
+    except BaseException:  # Ctrl-C, the preemption budget: drop them all at once
+        if abort_lost:
+            _abort_queues([queues[id(record)] for _, record in pending])
+        raise
+    if abort_lost:
+        _abort_queues([queues[id(record)] for record in lost])
+    return lost
+
+
+def _abort_queues(queues: list[AsyncCallsQueue]) -> None:
+    for queue in {id(q): q for q in queues}.values():
         try:
             queue.close(abort=True)
         except Exception as exc:  # noqa: BLE001 - at exit: nobody left to raise it to
             _log.debug("aborting a queue at exit failed: %s", exc)
 
 
-atexit.register(_settle_pending_at_exit)
-# A process started by multiprocessing exits through its own exit path (no atexit):
-# run there too, before asyncckpt.async_utils.callers stops the workers (priority 100).
-mp_util.Finalize(None, _settle_pending_at_exit, exitpriority=150)
-os.register_at_fork(after_in_child=_live_savers.clear)
+def _settle_pending_at_exit() -> None:
+    """The exit phase ``COMMIT_SAVES``: pending saves get ``ASYNCCKPT_EXIT_TIMEOUT_S``
+    seconds (default 5) in all to commit; each one still pending then is named as lost
+    (a ``logging`` warning on logger ``asyncckpt``, shown on stderr) and its queue is
+    aborted; interrupted (Ctrl-C, here or in an earlier phase), every queue with
+    pending saves is aborted at once. The workers are stopped later (phase
+    ``STOP_WORKERS``)."""
+    bound = 0.0 if _exit.interrupted() else exit_timeout()  # after Ctrl-C: name and abort at once
+    settle_pending(lambda _queue: bound, "at interpreter exit", "; call close() or wait() before exiting",
+                   EXIT_TIMEOUT_ENV, abort_lost=True)
+
+
+_exit.register(_exit.COMMIT_SAVES, _settle_pending_at_exit, forget=_live_savers.clear)
 
 
 # ====================================================================== a dropped manager
@@ -147,8 +195,8 @@ def _settle_dropped(saver: Saver, queue: AsyncCallsQueue | None) -> None:
     records = saver.pending_records()
     for record in records:
         concurrent.futures.wait([record.handle])  # committed by the queue's finalizer (or failed, or aborted)
-    if os.getpid() in _exit_done:
-        return  # the interpreter exits: its hook named what is lost, its exit path stops the worker
+    if _exit.exiting():
+        return  # the process exits: its exit named what is lost, and stops the worker
     for record in records:
         if record.handle.exception() is not None:
             _log.warning("asyncckpt: the save of %s, pending when its CheckpointManager was dropped without "

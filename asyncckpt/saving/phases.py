@@ -50,7 +50,6 @@ from asyncckpt.io.storage import LOCAL, Storage
 from asyncckpt.io.writer import RankWriteResult, WriteTask
 from asyncckpt.options import SaveOptions
 from asyncckpt.root import CheckpointRoot
-from asyncckpt.saving import destroy_hook as _destroy_hook  # noqa: F401 - pending saves commit before destroy_process_group()
 from asyncckpt.saving.exchange import _LayoutCache, _LayoutExchange
 from asyncckpt.saving.handle import SaveHandle, SaveTimings
 from asyncckpt.saving.planning import PlanCache, SavePlanResult, plan_save
