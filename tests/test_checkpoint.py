@@ -479,12 +479,14 @@ def test_save_handle(tmp_path: Path, calls_queue: AsyncCallsQueue) -> None:
     # done() only reads the state: on a queue finalized in the training loop nothing
     # commits until the loop finalizes (here: wait(); result(timeout=0) reads too).
     second = asyncckpt.save(state, tmp_path / "b", async_op=True, calls_queue=calls_queue)
-    assert calls_queue.wait_local(second.call_idx, timeout=30)  # this rank's write is over
+    call_idx = second.call_idx
+    assert call_idx is not None  # an async save without overlap is scheduled at once
+    assert calls_queue.wait_local(call_idx, timeout=30)  # this rank's write is over
     for _ in range(3):
         assert not second.done()
         with pytest.raises(TimeoutError):
             second.result(timeout=0)
-    assert not (tmp_path / "b").exists() and calls_queue.is_pending(second.call_idx)
+    assert not (tmp_path / "b").exists() and calls_queue.is_pending(call_idx)
     second.wait(timeout=30)
     assert second.done() and second.exception() is None and second.timings is not None
     asyncckpt.verify(tmp_path / "b")
@@ -815,6 +817,7 @@ def test_manager_starts_a_light_worker_before_the_first_save(tmp_path):
 
     manager = asyncckpt.CheckpointManager(tmp_path / "root")
     try:
+        assert isinstance(manager.queue.caller, asyncckpt.PersistentAsyncCaller)  # the manager's default
         pid = manager.queue.caller.worker_pid
         assert pid is not None, "the persistent worker must be up before the first save"
         manager.save(1, {"w": torch.ones(4)}).wait()

@@ -368,6 +368,7 @@ def test_failed_call_raises_checkpoint_exception_and_next_call_works(make_queue,
     pid_after = got[-1][1]
     assert isinstance(pid_after, int)
     if persistent:
+        assert starts_before is not None  # read above for a persistent queue
         if worker_dies:
             assert q.caller.num_starts == starts_before + 1
             assert pid_after != pid_before
@@ -481,6 +482,7 @@ def test_temporal_child_exiting_nonzero_after_reporting_success_is_a_failure():
 def test_persistent_worker_dying_between_calls_is_restarted():
     q = asyncckpt.AsyncCallsQueue(persistent=True)
     try:
+        assert isinstance(q.caller, asyncckpt.PersistentAsyncCaller)  # persistent=True
         got: list[Any] = []
         q.schedule_async_request(AsyncRequest(succeed_then_exit_nonzero, (5, 0.3),
                                               finalize_fns=[functools.partial(record_result, q, 0, got)]))
@@ -791,9 +793,11 @@ def test_persistent_worker_ignores_group_sigterm_but_abort_stops_it_fast(tmp_pat
     marker = str(tmp_path / "pid")
     q = asyncckpt.AsyncCallsQueue(persistent=True)
     try:
+        assert isinstance(q.caller, asyncckpt.PersistentAsyncCaller)  # persistent=True
         q.schedule_async_request(AsyncRequest(mark_and_sleep, (1.0, marker)))
         wait_for_file(marker)
         pid = q.caller.worker_pid
+        assert pid is not None  # the worker runs the call
         os.kill(pid, signal.SIGTERM)  # as a scheduler's notice to the whole process group would
         assert q.maybe_finalize_async_calls(blocking=True) == [0], "the write must survive SIGTERM"
         assert q.caller.worker_pid == pid

@@ -20,10 +20,12 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from torch.distributed.checkpoint.planner import WriteItem
 
 import asyncckpt
 from asyncckpt import (AsyncCallsQueue, AsyncckptError, CallbackError, CheckpointError, CheckpointException,
                        CheckpointManager, CorruptCheckpointError, RankFailure, SaveOptions)
+from asyncckpt.format.layout import RankLayout
 from asyncckpt.testing import pending_steps, staging_buffers
 from dist_utils import run_ranks
 
@@ -109,10 +111,11 @@ def _scenarios(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     # collective) raises the same CheckpointError on both ranks; nothing is written.
     real_build = exchange.build_layout
 
-    def failing_build(r: int, *args: Any) -> Any:
-        if r == 1:
+    def failing_build(rank: int, items: list[WriteItem], blobs: dict[int, int]) -> RankLayout:
+        # build_layout's signature; this rank is the one whose file is laid out
+        if rank == 1:
             raise OverflowError("injected layout failure")
-        return real_build(r, *args)
+        return real_build(rank, items, blobs)
 
     exchange.build_layout = failing_build  # what the saver lays its files out with
     mgr = CheckpointManager(Path(tmp) / "funnel")
@@ -246,6 +249,7 @@ def test_save_returns_before_the_commit_and_the_training_thread_does_no_commit_i
 def test_dropped_queue_and_caller_stop_their_worker() -> None:
     queue = AsyncCallsQueue(persistent=True, import_main=False, background_finalize=True)
     queue.start()
+    assert isinstance(queue.caller, asyncckpt.PersistentAsyncCaller)  # persistent=True
     pid = queue.caller.worker_pid
     assert pid is not None and psutil.pid_exists(pid)
     del queue
@@ -298,6 +302,7 @@ def test_default_queue_is_public_and_closes(tmp_path: Path) -> None:
     handle = asyncckpt.save({"w": torch.ones(100)}, tmp_path / "ck", async_op=True)
     assert asyncckpt.default_calls_queue() is queue and queue.background_finalize
     queue.close()  # commits the pending save, stops the worker
+    assert isinstance(queue.caller, asyncckpt.PersistentAsyncCaller)  # the default queue is persistent
     assert handle.done() and handle.exception() is None and queue.caller.worker_pid is None
     assert asyncckpt.default_calls_queue() is not queue  # a later save gets a new one
     asyncckpt.default_calls_queue().close()

@@ -20,6 +20,7 @@ import time
 import zipfile
 import zlib
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -236,14 +237,19 @@ def _tamper_padding(ckpt: Path, fqn: str, dtype: torch.dtype, shape: tuple[int, 
 def test_records_not_ours_are_streamed_to_torch_load(tmp_path: Path, temporal_queue, monkeypatch) -> None:
     """A record whose framing is not ours is read by torch.load from a stream over the
     file (no copy of the record in memory), as DCP's FileSystemReader does."""
-    state = {"w": torch.randn(300, 7), "b": torch.arange(10), "step": 5}
+    state: dict[str, Any] = {"w": torch.randn(300, 7), "b": torch.arange(10), "step": 5}
     ckpt = tmp_path / "ck"
     asyncckpt.save(state, ckpt, calls_queue=temporal_queue)
     _tamper_padding(ckpt, "w", torch.float32, (300, 7))
-    read = []
+    read: list[int] = []
     real = framing_mod.RecordStream.readinto
-    monkeypatch.setattr(framing_mod.RecordStream, "readinto", lambda self, b: read.append(len(b)) or real(self, b))
-    out = {"w": torch.zeros(300, 7), "b": torch.zeros(10, dtype=torch.int64), "step": None}
+
+    def counting_readinto(self: framing_mod.RecordStream, b: Any) -> int:
+        read.append(len(b))
+        return real(self, b)
+
+    monkeypatch.setattr(framing_mod.RecordStream, "readinto", counting_readinto)
+    out: dict[str, Any] = {"w": torch.zeros(300, 7), "b": torch.zeros(10, dtype=torch.int64), "step": None}
     asyncckpt.load(out, ckpt, verify=False)  # the manifest's CRC no longer matches
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"]) and out["step"] == 5
     assert read, "the tampered record was not read through the fallback"
@@ -326,7 +332,7 @@ def test_zip64_framing_is_torch_save_bytes(tmp_path: Path, case: str) -> None:
             f.seek(len(framing.prefix) + nbytes)
             tail = f.read()
         crc = _crc_of_file_range(path, len(framing.prefix), nbytes)
-        assert crc == zlib.crc32(t.numpy())
+        assert crc == zlib.crc32(t.numpy().data)
         suffix = bytearray(framing.suffix)
         for offset in framing.crc_offsets:
             struct.pack_into("<I", suffix, offset, crc)
@@ -378,12 +384,13 @@ def test_zip64_round_trip(tmp_path: Path, mode: str) -> None:
         calls: list[bool] = []
         real_read_record = dcp_mod.read_record
 
-        def spy(fd, path, offset, framing, dest):  # type: ignore[no-untyped-def]
+        def spy(fd: int, path: str, offset: int, framing: TensorFraming, dest: memoryview) -> bool:
             ok = real_read_record(fd, path, offset, framing, dest)
             calls.append(ok and framing.nbytes == nbytes)
             return ok
 
-        out = {"model": {"emb": torch.empty(shape, dtype=torch.float32), "bias": torch.zeros(7)}, "step": None}
+        out: dict[str, Any] = {"model": {"emb": torch.empty(shape, dtype=torch.float32), "bias": torch.zeros(7)},
+                               "step": None}
         dcp_mod.read_record = spy
         try:
             started = time.monotonic()

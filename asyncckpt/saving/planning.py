@@ -15,7 +15,7 @@ import pickle
 import secrets
 import sys
 import uuid
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, TypeGuard
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -26,6 +26,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from asyncckpt._check import int_key
 from asyncckpt.dist import SyncGroup
 from asyncckpt.errors import CheckpointError, RankFailure
+
+if TYPE_CHECKING:  # imported for the annotations only: planning never imports DTensor
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["validate_state_dict", "structure_signature", "SavePlanResult", "PlanCache", "plan_save"]
 
@@ -294,7 +297,9 @@ _DICT, _LIST, _VALUE = object(), object(), object()
 _NOT_CACHEABLE = object()
 
 
-def _is_dtensor(value: Any) -> bool:
+def _is_dtensor(value: Any) -> TypeGuard[DTensor]:
+    # Duck-typed, so that this module never imports torch.distributed.tensor: a value
+    # with DTensor's to_local, placements and device_mesh is taken for one.
     return hasattr(value, "to_local") and hasattr(value, "placements") and hasattr(value, "device_mesh")
 
 

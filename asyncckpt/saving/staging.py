@@ -53,11 +53,13 @@ MEMMOVE_MIN_NUMEL = 32768
 #: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14): allocate and map a range's pages for
 #: writing, as the first writes would, in one call without a fault per 4 KiB page.
 MADV_POPULATE_WRITE = 23
+_madvise: Callable[[int, int, int], int] | None  # (address, bytes, advice) -> 0 or -1
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
-    _madvise = _libc.madvise
-    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    _madvise.restype = ctypes.c_int
+    _madvise_fn = _libc.madvise
+    _madvise_fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _madvise_fn.restype = ctypes.c_int
+    _madvise = _madvise_fn
 except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
     _madvise = None
 #: Whether :func:`prefault` uses ``MADV_POPULATE_WRITE``; cleared when the kernel refuses
@@ -83,7 +85,7 @@ def prefault(address: int, nbytes: int) -> bool:
             unallocated page would fault (``SIGBUS``, or the OOM killer).
     """
     global populate_write
-    if not populate_write or nbytes <= 0:
+    if not populate_write or _madvise is None or nbytes <= 0:
         return False
     lo = address - address % _PAGE
     hi = -(-(address + nbytes) // _PAGE) * _PAGE
@@ -436,11 +438,12 @@ class StagingCopier:
             self._event.record(stream)
 
     def run(self, items: list[Any], fn: Callable[..., None],
-            first: Callable[[], None] | None = None, others: Sequence[Callable[[], None]] = ()) -> None:
+            first: Callable[[], None] | None = None,
+            others: Sequence[Callable[[], None] | None] = ()) -> None:
         """Call ``fn(*item)`` for every item, on this thread and the copy threads, which take
         the items one at a time from a shared list (a thread on a busy core simply takes
         fewer). ``first`` runs on this thread and each of ``others`` on a copy thread
-        before they take items. Returns when all are done; raises the first error."""
+        before they take items (``None``: nothing). Returns when all are done; raises the first error."""
         todo = list(reversed(items))  # pop() takes them in order
 
         def work(before: Callable[[], None] | None) -> None:

@@ -150,13 +150,13 @@ class TrainDcpAsync(TrainCkpt):
 class TrainAsyncckpt(TrainCkpt):
     def __init__(self, overlap: bool) -> None:
         self.overlapped = overlap
-        self.kwargs = {"overlap_staging": True} if overlap else {}
+        self.overlap_staging = True if overlap else None  # None: the manager's default
         self.mgr: Any = None
         self.pending = False
 
     def open(self, root: Path, state: Callable[[], Any] | None = None) -> None:
         super().open(root)
-        self.mgr = asyncckpt.CheckpointManager(root, **self.kwargs)
+        self.mgr = asyncckpt.CheckpointManager(root, overlap_staging=self.overlap_staging)
         if state is not None:  # as the quick start does, after building model and optimizer
             self.mgr.prepare(state())
 
