@@ -25,16 +25,16 @@ if TYPE_CHECKING:
 __all__ = ["staging_buffers", "pending_steps", "lose_held_layouts"]
 
 
-def _saver(owner: Any) -> Saver | None:
+def _savers(owner: Any) -> list[Saver]:
     from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
     from asyncckpt.manager import CheckpointManager
 
     if isinstance(owner, CheckpointManager):
-        return owner._saver
+        return [owner._saver]
     if isinstance(owner, AsyncCallsQueue):
         from asyncckpt.saving.api import _savers
 
-        return _savers.get(owner)
+        return list(_savers.get(owner, {}).values())  # one saver per SaveOptions used on the queue
     raise TypeError(f"expected a CheckpointManager or an AsyncCallsQueue, not {type(owner).__name__}")
 
 
@@ -43,7 +43,8 @@ def staging_buffers(owner: CheckpointManager | Any) -> tuple[StagingBuffer, ...]
 
     Args:
         owner: a ``CheckpointManager``, or the ``AsyncCallsQueue`` given to
-            ``asyncckpt.save(..., calls_queue=)`` (no save on it yet: none).
+            ``asyncckpt.save(..., calls_queue=)`` (the buffers of every ``SaveOptions``
+            used on it; no save on it yet: none).
 
     Returns:
         The buffers (``StagingBuffer``: ``slab_id``, ``nbytes``, ``pinned``, ``ref``).
@@ -51,8 +52,7 @@ def staging_buffers(owner: CheckpointManager | Any) -> tuple[StagingBuffer, ...]
     Raises:
         TypeError: ``owner`` is neither.
     """
-    saver = _saver(owner)
-    return () if saver is None else saver.pool.buffers
+    return tuple(buffer for saver in _savers(owner) for buffer in saver.pool.buffers)
 
 
 def pending_steps(manager: CheckpointManager) -> list[int]:

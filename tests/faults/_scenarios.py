@@ -155,12 +155,18 @@ def forked_children() -> dict[int, float]:
     return found
 
 
+def persistent_caller(manager: CheckpointManager) -> asyncckpt.PersistentAsyncCaller:
+    """The manager's caller, which the scenario knows to be persistent."""
+    caller = manager.queue.caller
+    assert isinstance(caller, asyncckpt.PersistentAsyncCaller), type(caller).__name__
+    return caller
+
+
 def writer_pid(manager: CheckpointManager) -> int | None:
     """The process that runs this rank's writes: the persistent worker, or the newest
     forked child (the temporal caller's only children are its write children)."""
-    caller = manager.queue.caller
     if manager.queue.persistent:
-        return caller.worker_pid
+        return persistent_caller(manager).worker_pid
     children = forked_children()
     return max(children, key=lambda pid: children[pid]) if children else None
 
@@ -376,7 +382,7 @@ def sc_kill_handoff(ctx: Ctx) -> None:
         real(call_idx, fn, args, kwargs)
         if ctx.faulty:
             if ctx.persistent:
-                pid = caller.worker_pid
+                pid = persistent_caller(ctx.manager).worker_pid
             else:
                 new = _child_pids() - before
                 pid = max(new) if new else None
@@ -395,10 +401,11 @@ def sc_kill_handoff(ctx: Ctx) -> None:
 def sc_kill_before_save(ctx: Ctx) -> None:
     """(persistent) The idle worker was SIGKILLed (and is dead) before save(): no call
     was in flight, so the save restarts it transparently and commits."""
-    caller = ctx.manager.queue.caller
+    caller = persistent_caller(ctx.manager)
     starts = caller.num_starts
     if ctx.faulty:
         pid = caller.worker_pid
+        assert pid is not None  # the manager's worker starts with the manager
         ctx.info["killed_pid"] = pid
         os.kill(pid, signal.SIGKILL)
         ctx.info["dead_before_save"] = process_gone(pid)
@@ -419,7 +426,7 @@ def sc_kill_during_staging(ctx: Ctx) -> None:
         staging = request.preload_fn
 
         def preload() -> Any:
-            pid = queue.caller.worker_pid
+            pid = persistent_caller(ctx.manager).worker_pid
             ctx.info["killed_pid"] = pid
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
@@ -458,9 +465,10 @@ def sc_kill_after_result(ctx: Ctx) -> None:
     """(persistent) SIGKILL the worker after it delivered the write's result (the files
     are durable), before finalize. Committing is then honest; failing would be too."""
     handle = ctx.save2()
+    assert handle.call_idx is not None  # an async save is scheduled at once
     ctx.info["write_done"] = ctx.manager.queue.wait_local(handle.call_idx, timeout=WAIT_S)
     if ctx.faulty:
-        pid = ctx.manager.queue.caller.worker_pid
+        pid = persistent_caller(ctx.manager).worker_pid
         ctx.info["killed_pid"] = pid
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
@@ -626,7 +634,7 @@ def sc_close_raises(ctx: Ctx) -> None:
         ctx.info["save_after_close"] = None
     except Exception as exc:  # noqa: BLE001
         ctx.info["save_after_close"] = type(exc).__name__
-    ctx.info["worker_left"] = manager.queue.caller.worker_pid if ctx.persistent else None
+    ctx.info["worker_left"] = persistent_caller(manager).worker_pid if ctx.persistent else None
     if first is not None:
         raise first
 
