@@ -50,10 +50,22 @@ import logging
 import multiprocessing.util as mp_util  # before atexit.register below: see the module docstring
 import os
 import threading
-from typing import Callable
+from collections.abc import Callable
 
-__all__ = ["PHASES", "COMMIT_LIGHTNING", "COMMIT_SAVES", "FINISH_DELETIONS", "STOP_WORKERS", "EXIT_TIMEOUT_ENV",
-           "exit_timeout", "register", "arm", "run", "exiting", "interrupted"]
+__all__ = [
+    "PHASES",
+    "COMMIT_LIGHTNING",
+    "COMMIT_SAVES",
+    "FINISH_DELETIONS",
+    "STOP_WORKERS",
+    "EXIT_TIMEOUT_ENV",
+    "exit_timeout",
+    "register",
+    "arm",
+    "run",
+    "exiting",
+    "interrupted",
+]
 
 _log = logging.getLogger("asyncckpt")
 
@@ -154,8 +166,11 @@ def run() -> None:
                 _log.warning("asyncckpt: at exit, %s failed: %s: %s", phase, type(exc).__name__, exc)
             except BaseException as exc:  # noqa: BLE001 - Ctrl-C, the preemption budget: stop waiting
                 if _interrupted is None:
-                    _log.warning("asyncckpt: %s at exit while it had to %s: what is pending is dropped, the "
-                                 "workers are stopped", type(exc).__name__, phase)
+                    _log.warning(
+                        "asyncckpt: %s at exit while it had to %s: what is pending is dropped, the workers are stopped",
+                        type(exc).__name__,
+                        phase,
+                    )
                 _interrupted = exc
                 break
 

@@ -89,8 +89,9 @@ def open_no_follow(path: Path) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise CorruptCheckpointError(f"{path} is a symlink; checkpoint files must be regular files",
-                                         str(path)) from None
+            raise CorruptCheckpointError(
+                f"{path} is a symlink; checkpoint files must be regular files", str(path)
+            ) from None
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -129,8 +130,7 @@ def open_member(dir_fd: int, root: str, name: str) -> int:
         raise CorruptCheckpointError(f"{path} is missing", path) from None
     except OSError as exc:
         if os.path.islink(path):
-            raise CorruptCheckpointError(f"{path} is a symlink; checkpoint files must be regular files",
-                                         path) from None
+            raise CorruptCheckpointError(f"{path} is a symlink; checkpoint files must be regular files", path) from None
         raise CorruptCheckpointError(f"{path} cannot be opened: {exc}", path) from exc
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -146,8 +146,7 @@ def _doomed_name(name: str) -> str:
     return f".{base}.deleting-{secrets.token_hex(6)}"
 
 
-def remove_checkpoint(path: Path, background: bool = False, *,
-                      best_effort: bool = False) -> threading.Thread | None:
+def remove_checkpoint(path: Path, background: bool = False, *, best_effort: bool = False) -> threading.Thread | None:
     """Delete a checkpoint directory (or a save's temporary directory): first renamed to
     a hidden ``.deleting-`` name (so a crash mid-delete never leaves a partial directory
     under a committed name, and whoever waits for a temporary name sees it go at once),
@@ -189,7 +188,12 @@ def remove_checkpoint(path: Path, background: bool = False, *,
     if not background:
         shutil.rmtree(doomed, ignore_errors=True)
         return None
-    thread = threading.Thread(target=shutil.rmtree, args=(doomed,), kwargs={"ignore_errors": True},
-                              name=f"asyncckpt-retention:{doomed.name}", daemon=True)
+    thread = threading.Thread(
+        target=shutil.rmtree,
+        args=(doomed,),
+        kwargs={"ignore_errors": True},
+        name=f"asyncckpt-retention:{doomed.name}",
+        daemon=True,
+    )
     thread.start()
     return thread

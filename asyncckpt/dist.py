@@ -110,8 +110,9 @@ class SyncGroup:
         if sync.active:
             # At least torch's default: the finalizer's first collective waits for every
             # rank's write, which may take one rank much longer than another.
-            sync._gloo = _new_gloo_group(process_group, op_timeout=max(collective_timeout(process_group),
-                                                                       _TORCH_DEFAULT_TIMEOUT))
+            sync._gloo = _new_gloo_group(
+                process_group, op_timeout=max(collective_timeout(process_group), _TORCH_DEFAULT_TIMEOUT)
+            )
             sync._private = True
             sync._what = "a collective of the background commit"
         return sync
@@ -189,11 +190,17 @@ class SyncGroup:
         sizes = [s[0] for s in self.all_gather_ints([len(payload)])]
         width = max(max(sizes), 1)
         local = bytearray(width)
-        local[:len(payload)] = payload
+        local[: len(payload)] = payload
         bufs = [bytearray(width) for _ in range(self.world_size)]
-        self._collective("all_gather", lambda group: dist.all_gather(
-            [torch.frombuffer(b, dtype=torch.uint8) for b in bufs], torch.frombuffer(local, dtype=torch.uint8),
-            group=group, async_op=True))
+        self._collective(
+            "all_gather",
+            lambda group: dist.all_gather(
+                [torch.frombuffer(b, dtype=torch.uint8) for b in bufs],
+                torch.frombuffer(local, dtype=torch.uint8),
+                group=group,
+                async_op=True,
+            ),
+        )
         return [pickle.loads(memoryview(b)[:n]) for b, n in zip(bufs, sizes)]
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
@@ -241,8 +248,7 @@ class SyncGroup:
             arrivals.check_in(seq, "waiting")  # still waiting: say so, for the others' errors
             work.wait()
         except RuntimeError as exc:
-            raise arrivals.error(f"{self._what} ({op})", seq, self.rank, time.monotonic() - started,
-                                 exc) from exc
+            raise arrivals.error(f"{self._what} ({op})", seq, self.rank, time.monotonic() - started, exc) from exc
 
     @property
     def timeout(self) -> timedelta:
@@ -323,7 +329,8 @@ class _Arrivals:
         return CheckpointError(
             f"{what} failed on rank {me} after {waited_s:.1f} s (the group's timeout is {timeout_s:g} s): "
             f"{who}. Every rank must make the same asyncckpt calls in the same order (each rank calls "
-            f"save() for every checkpoint). Cause: {first}")
+            f"save() for every checkpoint). Cause: {first}"
+        )
 
 
 def collective_timeout(process_group: Any = None) -> timedelta:
@@ -361,8 +368,9 @@ def _new_gloo_group(process_group: Any, op_timeout: timedelta | None = None) -> 
             group: not the steady state).
     """
     timeout = collective_timeout(process_group)
-    ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
-             else list(range(dist.get_world_size())))
+    ranks = (
+        dist.get_process_group_ranks(process_group) if process_group is not None else list(range(dist.get_world_size()))
+    )
     members = tuple(ranks)
     with _lock:
         _creations[members] = _creations.get(members, 0) + 1
@@ -377,8 +385,13 @@ def _new_gloo_group(process_group: Any, op_timeout: timedelta | None = None) -> 
         else:
             gloo = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
     except RuntimeError as exc:
-        raise creation.error("the creation of asyncckpt's gloo group (new_group)", 1,
-                             ranks.index(dist.get_rank()), time.monotonic() - started, exc) from exc
+        raise creation.error(
+            "the creation of asyncckpt's gloo group (new_group)",
+            1,
+            ranks.index(dist.get_rank()),
+            time.monotonic() - started,
+            exc,
+        ) from exc
     if op_timeout is not None and op_timeout != timeout:
         try:
             gloo._get_backend(torch.device("cpu"))._set_default_timeout(op_timeout)

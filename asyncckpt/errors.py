@@ -71,8 +71,9 @@ class RankFailure(str):
     errno: int | None
     exception: BaseException | None
 
-    def __new__(cls, text: str, exc_type: str | None = None, errno: int | None = None,
-                exception: BaseException | None = None) -> RankFailure:
+    def __new__(
+        cls, text: str, exc_type: str | None = None, errno: int | None = None, exception: BaseException | None = None
+    ) -> RankFailure:
         self = super().__new__(cls, text)
         self.exc_type = exc_type
         self.errno = errno
@@ -100,8 +101,12 @@ class RankFailure(str):
         except Exception:  # noqa: BLE001 - an exception that does not pickle keeps its text only
             kept = None
         code = getattr(exc, "errno", None)
-        return cls(f"{context}{type(exc).__name__}: {exc}\nTraceback (pid {os.getpid()}):\n{text}", name,
-                   code if isinstance(code, int) else None, kept)
+        return cls(
+            f"{context}{type(exc).__name__}: {exc}\nTraceback (pid {os.getpid()}):\n{text}",
+            name,
+            code if isinstance(code, int) else None,
+            kept,
+        )
 
     def __reduce__(self) -> tuple:
         return (RankFailure, (str(self), self.exc_type, self.errno, self.exception))
@@ -141,8 +146,13 @@ class CheckpointException(AsyncckptError):
         failures: ``rank -> RankFailure``, ascending ranks.
     """
 
-    def __init__(self, call_idx: int, failures: Mapping[int, Any], step: int | None = None,
-                 checkpoint_dir: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        call_idx: int,
+        failures: Mapping[int, Any],
+        step: int | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+    ) -> None:
         self.call_idx = int(call_idx)
         self.failures = _as_failures(failures)
         self.step = step
@@ -282,8 +292,7 @@ class RootInUseError(AsyncckptError, RuntimeError):
         host: the host name of the holder, if known.
     """
 
-    def __init__(self, message: str, path: str | None = None, pid: int | None = None,
-                 host: str | None = None) -> None:
+    def __init__(self, message: str, path: str | None = None, pid: int | None = None, host: str | None = None) -> None:
         super().__init__(message)
         self.path = path
         self.pid = pid
@@ -319,8 +328,11 @@ class CheckpointPathError(AsyncckptError, OSError):
             if builtin is OSError:
                 cls = CheckpointPathError
             else:
-                cls = type(f"CheckpointPathError[{builtin.__name__}]", (CheckpointPathError, builtin),
-                           {"__module__": __name__, "__doc__": CheckpointPathError.__doc__})
+                cls = type(
+                    f"CheckpointPathError[{builtin.__name__}]",
+                    (CheckpointPathError, builtin),
+                    {"__module__": __name__, "__doc__": CheckpointPathError.__doc__},
+                )
             _PATH_ERROR_CLASSES[builtin] = cls
         return cls(code, message, None if path is None else str(path))
 

@@ -53,8 +53,9 @@ import logging
 import os
 import secrets
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,10 +75,10 @@ from asyncckpt import (
     read_state_dict,
     save,
 )
+from asyncckpt._fs import remove_checkpoint
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format import manifest as _commit
 from asyncckpt.io.swap import remove_path, replace_path
-from asyncckpt._fs import remove_checkpoint
 
 __all__ = ["AsyncckptCheckpointIO", "STRUCTURE_KEY"]
 
@@ -189,8 +190,9 @@ def _lookup(tree: dict[str, Any], path: tuple[str, ...], where: str) -> torch.Te
             raise CheckpointError(f"{where}: the structure names a tensor at {path!r}, which the checkpoint lacks")
         node = node[segment]
     if not isinstance(node, torch.Tensor):
-        raise CheckpointError(f"{where}: the structure names a tensor at {path!r}, the checkpoint has "
-                              f"a {type(node).__name__} there")
+        raise CheckpointError(
+            f"{where}: the structure names a tensor at {path!r}, the checkpoint has a {type(node).__name__} there"
+        )
     return node
 
 
@@ -246,18 +248,25 @@ def decode(tree: dict[str, Any], *, allow_pickle: bool, where: str = "checkpoint
             structure = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=not allow_pickle)
     except Exception as exc:
         if not allow_pickle and "Weights only load failed" in str(exc):
-            reason = next((line.split("WeightsUnpickler error:", 1)[1].strip() for line in str(exc).splitlines()
-                           if "WeightsUnpickler error:" in line), str(exc).splitlines()[0])
+            reason = next(
+                (
+                    line.split("WeightsUnpickler error:", 1)[1].strip()
+                    for line in str(exc).splitlines()
+                    if "WeightsUnpickler error:" in line
+                ),
+                str(exc).splitlines()[0],
+            )
             raise CheckpointError(
                 f"{where} holds Python objects that weights_only loading refuses ({reason}); load it with "
                 "AsyncckptCheckpointIO(allow_pickle=True) / weights_only=False if you trust where it comes "
-                "from, or allowlist the classes with torch.serialization.safe_globals([...])") from None
+                "from, or allowlist the classes with torch.serialization.safe_globals([...])"
+            ) from None
         raise CheckpointError(f"{where}: the stored structure cannot be read: {type(exc).__name__}: {exc}") from exc
     return _join(structure, tree, where, {})
 
 
 # ----------------------------------------------------------------------------- exit
-_open_plugins: dict[int, "AsyncckptCheckpointIO"] = {}  # id -> plugin whose saves may be pending
+_open_plugins: dict[int, AsyncckptCheckpointIO] = {}  # id -> plugin whose saves may be pending
 _open_lock = threading.Lock()
 
 
@@ -316,8 +325,7 @@ class AsyncckptCheckpointIO(CheckpointIO):
             :func:`asyncckpt.read_state_dict`).
     """
 
-    def __init__(self, *, allow_pickle: bool = True, verify_on_load: bool = True,
-                 start_method: str = "spawn") -> None:
+    def __init__(self, *, allow_pickle: bool = True, verify_on_load: bool = True, start_method: str = "spawn") -> None:
         super().__init__()
         self.allow_pickle = allow_pickle
         self.verify_on_load = verify_on_load
@@ -360,8 +368,12 @@ class AsyncckptCheckpointIO(CheckpointIO):
         if self._queue is not None and self._queue_group is not group:
             self.teardown()
         if self._queue is None:
-            queue = AsyncCallsQueue(persistent=True, process_group=group, start_method=self.start_method,
-                                    import_main=False if self.start_method == "spawn" else None)
+            queue = AsyncCallsQueue(
+                persistent=True,
+                process_group=group,
+                start_method=self.start_method,
+                import_main=False if self.start_method == "spawn" else None,
+            )
             start = getattr(queue.caller, "start", None)
             if start is not None:
                 start()
@@ -390,12 +402,12 @@ class AsyncckptCheckpointIO(CheckpointIO):
         if last is None:
             self._reap()
             return
-        todo, self._pending = self._pending[:last + 1], self._pending[last + 1:]
+        todo, self._pending = self._pending[: last + 1], self._pending[last + 1 :]
         first_error: BaseException | None = None
         for _, handle in todo:
             try:
                 handle.wait()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the first failure is raised once every save is settled
                 first_error = first_error or exc
         if first_error is not None:
             raise first_error
@@ -406,13 +418,12 @@ class AsyncckptCheckpointIO(CheckpointIO):
             return  # failed: nothing was committed (the failure is raised by wait)
         old = replace_path(new, final)
         if old is not None:
-            thread = threading.Thread(target=remove_path, args=(old,), name="asyncckpt-lightning-remove",
-                                      daemon=True)
+            thread = threading.Thread(target=remove_path, args=(old,), name="asyncckpt-lightning-remove", daemon=True)
             thread.start()
             self._removals.append(thread)
 
     # -- CheckpointIO
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Start saving ``checkpoint`` as the checkpoint directory ``path``; return once staged.
 
         Args:
@@ -430,8 +441,9 @@ class AsyncckptCheckpointIO(CheckpointIO):
                 unsupported kind).
         """
         if storage_options is not None:
-            raise TypeError("`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
-                            f"{type(self).__name__}")
+            raise TypeError(
+                f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by {type(self).__name__}"
+            )
         final = Path(path).absolute()
         key = _key(final)
         self._reap()
@@ -441,21 +453,33 @@ class AsyncckptCheckpointIO(CheckpointIO):
         target = final
         pending = any(p == key for p, _ in self._pending)
         if pending or os.path.lexists(final):
-            if (not pending and final.is_dir() and not final.is_symlink()
-                    and not os.path.lexists(final / _commit.METADATA_NAME) and any(final.iterdir())):
+            if (
+                not pending
+                and final.is_dir()
+                and not final.is_symlink()
+                and not os.path.lexists(final / _commit.METADATA_NAME)
+                and any(final.iterdir())
+            ):
                 raise FileExistsError(f"{final} is a directory that is not a checkpoint; not replacing it")
             # Written beside it, swapped in when it commits: `final` always names a whole checkpoint.
             target = final.parent / f".{final.name}.asyncckpt-new-{secrets.token_hex(6)}"
             callback = functools.partial(self._swap_in, target, final)
         queue = self._ensure_queue()
         step = checkpoint.get("global_step")  # recorded in the manifest: `asyncckpt ls` shows it
-        handle = save(tree, target, async_op=True, calls_queue=queue, process_group=self._queue_group,
-                      callback=callback,
-                      step=step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None)
+        handle = save(
+            tree,
+            target,
+            async_op=True,
+            calls_queue=queue,
+            process_group=self._queue_group,
+            callback=callback,
+            step=step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None,
+        )
         self._pending.append((key, handle))
 
-    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Load the checkpoint at ``path`` (waiting first for a pending save of it).
 
         A directory is read with :func:`asyncckpt.read_state_dict` (checksums verified
@@ -543,13 +567,13 @@ class AsyncckptCheckpointIO(CheckpointIO):
         for _, handle in pending:
             try:
                 handle.wait()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the first failure is raised once every save is settled
                 first_error = first_error or exc
         queue, self._queue, self._queue_group = self._queue, None, None
         if queue is not None:
             try:
                 queue.close()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the first failure is raised once every save is settled
                 first_error = first_error or exc
         for thread in self._removals:
             thread.join()
@@ -575,8 +599,9 @@ def _target_device(map_location: Any) -> torch.device | None:
             return None
     if isinstance(map_location, (str, torch.device)):
         return torch.device(map_location)
-    raise TypeError(f"map_location must be None, a device or a dict mapping 'cpu' to one, "
-                    f"not {type(map_location).__name__}")
+    raise TypeError(
+        f"map_location must be None, a device or a dict mapping 'cpu' to one, not {type(map_location).__name__}"
+    )
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:

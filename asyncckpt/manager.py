@@ -117,22 +117,43 @@ class CheckpointManager:
     ) -> None:
         self._closed = True  # until constructed
         if calls_queue is not None and (persistent is not None or start_method is not None):
-            raise ValueError("calls_queue= cannot be combined with persistent= or start_method=: "
-                             "the queue already decides how calls run")
+            raise ValueError(
+                "calls_queue= cannot be combined with persistent= or start_method=: "
+                "the queue already decides how calls run"
+            )
         if read_only:
-            ignored = [name for name, value in (
-                ("keep_last", keep_last), ("options", options), ("staging_buffers", staging_buffers),
-                ("copy_threads", copy_threads), ("write_threads", write_threads), ("plan_cache", plan_cache),
-                ("overlap_staging", overlap_staging), ("callback", callback)) if value is not None]
+            ignored = [
+                name
+                for name, value in (
+                    ("keep_last", keep_last),
+                    ("options", options),
+                    ("staging_buffers", staging_buffers),
+                    ("copy_threads", copy_threads),
+                    ("write_threads", write_threads),
+                    ("plan_cache", plan_cache),
+                    ("overlap_staging", overlap_staging),
+                    ("callback", callback),
+                )
+                if value is not None
+            ]
             if ignored:
-                raise ValueError(f"read_only=True cannot be combined with {'=, '.join(ignored)}=: a read-only "
-                                 "manager never saves nor removes checkpoints")
+                raise ValueError(
+                    f"read_only=True cannot be combined with {'=, '.join(ignored)}=: a read-only "
+                    "manager never saves nor removes checkpoints"
+                )
         if start_method is not None and persistent is False:
-            raise ValueError(f"start_method={start_method!r} cannot be combined with persistent=False: the "
-                             "persistent=False caller forks a child per save, with no worker to start")
-        self.options = SaveOptions.resolve(options, staging_buffers=staging_buffers, copy_threads=copy_threads,
-                                           write_threads=write_threads, plan_cache=plan_cache,
-                                           overlap_staging=overlap_staging)
+            raise ValueError(
+                f"start_method={start_method!r} cannot be combined with persistent=False: the "
+                "persistent=False caller forks a child per save, with no worker to start"
+            )
+        self.options = SaveOptions.resolve(
+            options,
+            staging_buffers=staging_buffers,
+            copy_threads=copy_threads,
+            write_threads=write_threads,
+            plan_cache=plan_cache,
+            overlap_staging=overlap_staging,
+        )
         if isinstance(coordinator_rank, bool) or not isinstance(coordinator_rank, int):
             raise InvalidArgumentError(f"coordinator_rank must be an int, not {coordinator_rank!r}")
         self.read_only = bool(read_only)
@@ -148,10 +169,13 @@ class CheckpointManager:
         persistent = True if persistent is None else persistent
         worker: dict[str, Any] = {}
         if persistent:  # a spawned worker without the training script (forkserver's server has it already)
-            worker = {"start_method": start_method or "spawn",
-                      "import_main": False if start_method in (None, "spawn") else None}
-        self.queue = calls_queue or AsyncCallsQueue(persistent, process_group=process_group,
-                                                    background_finalize=True, **worker)
+            worker = {
+                "start_method": start_method or "spawn",
+                "import_main": False if start_method in (None, "spawn") else None,
+            }
+        self.queue = calls_queue or AsyncCallsQueue(
+            persistent, process_group=process_group, background_finalize=True, **worker
+        )
         if self._owns_queue and isinstance(self.queue.caller, PersistentAsyncCaller) and not self.read_only:
             self.queue.caller.start()  # ready before the first save: no start-up stall
         self._saver = Saver(self.queue, self.options, self._root)
@@ -159,21 +183,28 @@ class CheckpointManager:
         # saver and this manager's queue until they settle), then the staging buffers
         # are freed and the queue closed. At interpreter exit the exit hook bounds it.
         # The root's lock goes with the last save that can commit into it.
-        self._release = weakref.finalize(self, release_when_settled, self._saver,
-                                         self.queue if self._owns_queue else None, self._root.release_ownership)
+        self._release = weakref.finalize(
+            self,
+            release_when_settled,
+            self._saver,
+            self.queue if self._owns_queue else None,
+            self._root.release_ownership,
+        )
         self._release.atexit = False
         self._release_root.detach()
         self._closed = False
 
     @staticmethod
-    def _open_root(root_dir: Any, keep_last: Any, process_group: Any, coordinator_rank: int,
-                   lock: bool) -> CheckpointRoot:
+    def _open_root(
+        root_dir: Any, keep_last: Any, process_group: Any, coordinator_rank: int, lock: bool
+    ) -> CheckpointRoot:
         """The root, its lock taken by the coordinator; a failure on any rank is raised,
         the same, on every rank (collective)."""
         sync = SyncGroup(process_group)
         if not 0 <= coordinator_rank < sync.world_size:
-            raise InvalidArgumentError(f"coordinator_rank {coordinator_rank} is not a rank of the group "
-                                       f"(world size {sync.world_size})")
+            raise InvalidArgumentError(
+                f"coordinator_rank {coordinator_rank} is not a rank of the group (world size {sync.world_size})"
+            )
         root: CheckpointRoot | None = None
         failure: RankFailure | None = None
         try:
@@ -209,8 +240,9 @@ class CheckpointManager:
         """The directory of step ``step``."""
         return self._root.step_dir(step)
 
-    def save(self, step: int, state_dict: dict[str, Any], *, async_op: bool = True,
-             callback: SaveCallback | None = None) -> SaveHandle:
+    def save(
+        self, step: int, state_dict: dict[str, Any], *, async_op: bool = True, callback: SaveCallback | None = None
+    ) -> SaveHandle:
         """Save ``state_dict`` as step ``step`` (see :func:`asyncckpt.save`).
 
         Args:
@@ -244,9 +276,14 @@ class CheckpointManager:
             raise CheckpointError(f"this CheckpointManager of {self.root_dir} is read-only (read_only=True)")
         with self._saver.lock:
             return self._saver.save(
-                state_dict, self.step_dir(step), async_op=async_op, process_group=self.process_group,
-                coordinator_rank=self.coordinator_rank, step=step,
-                callback=callback if callback is not None else self.callback)
+                state_dict,
+                self.step_dir(step),
+                async_op=async_op,
+                process_group=self.process_group,
+                coordinator_rank=self.coordinator_rank,
+                step=step,
+                callback=callback if callback is not None else self.callback,
+            )
 
     def prepare(self, state_dict: dict[str, Any]) -> int:
         """Get ready for saves of ``state_dict``'s structure before the first one (collective).
@@ -324,8 +361,14 @@ class CheckpointManager:
         """
         return self._root.latest()
 
-    def load(self, state_dict: dict[str, Any], step: int | None = None, *, verify: bool | Literal["inline"] = "inline",
-             allow_pickle: bool = False) -> int:
+    def load(
+        self,
+        state_dict: dict[str, Any],
+        step: int | None = None,
+        *,
+        verify: bool | Literal["inline"] = "inline",
+        allow_pickle: bool = False,
+    ) -> int:
         """Load step ``step`` (default: the latest) into ``state_dict`` in place (collective).
 
         ``verify`` and ``allow_pickle`` are those of :func:`asyncckpt.load`. An
@@ -433,8 +476,11 @@ class CheckpointManager:
         if exc_type is None:
             self.close()
             return
-        if (issubclass(exc_type, PreemptionBudgetExpired) or not issubclass(exc_type, (Exception, SystemExit))
-                or self._closed):
+        if (
+            issubclass(exc_type, PreemptionBudgetExpired)
+            or not issubclass(exc_type, (Exception, SystemExit))
+            or self._closed
+        ):
             self.close(abort=True)
             return
         when = f"when the `with CheckpointManager` block of {self.root_dir} ended with {exc_type.__name__}"

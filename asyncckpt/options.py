@@ -102,7 +102,7 @@ class SaveOptions:
             raise ValueError(f"SaveOptions.staging_memory_limit must be a number > 0 or None, not {limit!r}")
 
     @classmethod
-    def resolve(cls, options: "SaveOptions | None", **given: Any) -> "SaveOptions":
+    def resolve(cls, options: SaveOptions | None, **given: Any) -> SaveOptions:
         """``options``, or one built from the keyword arguments that are not ``None``.
 
         Raises:

@@ -124,8 +124,9 @@ class PreemptionSave:
         RuntimeError: constructed outside the main thread.
     """
 
-    def __init__(self, manager: Any, *, signals: Iterable[int] = (signal.SIGTERM,), grace_s: float = 30.0,
-                 exit: bool = True) -> None:
+    def __init__(
+        self, manager: Any, *, signals: Iterable[int] = (signal.SIGTERM,), grace_s: float = 30.0, exit: bool = True
+    ) -> None:
         self._signals = tuple(signal.Signals(s) for s in signals)
         if not self._signals:
             raise ValueError("signals must name at least one signal")
@@ -179,8 +180,9 @@ class PreemptionSave:
                 raise KeyboardInterrupt
             return
         self.signum, self.received_at = signum, time.monotonic()
-        _log.warning("asyncckpt: received %s: a final checkpoint at the next agreed step, then exit",
-                     signal.Signals(signum).name)
+        _log.warning(
+            "asyncckpt: received %s: a final checkpoint at the next agreed step, then exit", signal.Signals(signum).name
+        )
         self._arm(signum)  # the budget starts now, whatever the training thread waits on
 
     # ------------------------------------------------------------------ the budget
@@ -235,8 +237,13 @@ class PreemptionSave:
             what = f"the final checkpoint of step {step} was aborted" if step is not None else "no final checkpoint"
         if kept:
             reason += f" (step(s) {', '.join(map(str, kept))}, fully written, committed after the budget)"
-        _log.error("asyncckpt: %s: %s: %s; newest committed: %s", signal.Signals(signum).name, what, reason,
-                   _newest(self.manager))
+        _log.error(
+            "asyncckpt: %s: %s: %s; newest committed: %s",
+            signal.Signals(signum).name,
+            what,
+            reason,
+            _newest(self.manager),
+        )
         try:
             self.manager.close(abort=True)
         except Exception as exc:  # noqa: BLE001 - exiting anyway; only for the log
@@ -338,18 +345,28 @@ class PreemptionSave:
                 self._disarm_alarm()
             except (_GraceExpired, AsyncckptError) as exc:
                 if committed is None:
-                    reason = (f"the grace budget of {self.grace_s:.0f} s ran out" if isinstance(exc, _GraceExpired)
-                              else str(exc))
+                    reason = (
+                        f"the grace budget of {self.grace_s:.0f} s ran out"
+                        if isinstance(exc, _GraceExpired)
+                        else str(exc)
+                    )
                     if "DataLoader worker" in reason:
-                        reason += ("\n(DataLoader workers died of the signal: pass "
-                                   "worker_init_fn=asyncckpt.PreemptionSave.worker_init_fn to the DataLoader)")
+                        reason += (
+                            "\n(DataLoader workers died of the signal: pass "
+                            "worker_init_fn=asyncckpt.PreemptionSave.worker_init_fn to the DataLoader)"
+                        )
                     self._abort(step, reason)
                     if step in self.manager.steps():  # renamed before the interrupt: it is the disk's
                         committed = step
             if committed is not None:
-                _log.warning("asyncckpt: %s: step %d committed in %.2f s (%.1f s of the %.0f s grace left)",
-                             signal.Signals(signum).name, step, time.monotonic() - t0, deadline - time.monotonic(),
-                             self.grace_s)
+                _log.warning(
+                    "asyncckpt: %s: step %d committed in %.2f s (%.1f s of the %.0f s grace left)",
+                    signal.Signals(signum).name,
+                    step,
+                    time.monotonic() - t0,
+                    deadline - time.monotonic(),
+                    self.grace_s,
+                )
         finally:
             self.close()
         if self.exit:
@@ -391,8 +408,11 @@ class PreemptionSave:
         :meth:`finish`, then the ``SystemExit(128 + signum)`` goes on."""
         try:
             if isinstance(exc, _GraceExpired) and not self._aborted:
-                self._abort(None, f"the grace budget of {self.grace_s:.0f} s ran out before finish() (the "
-                                  "training thread was still busy or waiting, e.g. in save() for a staging buffer)")
+                self._abort(
+                    None,
+                    f"the grace budget of {self.grace_s:.0f} s ran out before finish() (the "
+                    "training thread was still busy or waiting, e.g. in save() for a staging buffer)",
+                )
         finally:
             self.close()
 

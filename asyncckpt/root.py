@@ -28,19 +28,29 @@ import socket
 import threading
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple
+from typing import Any, NamedTuple
 
 from asyncckpt import _exit
 from asyncckpt._check import check_path
-from asyncckpt._fs import remove_checkpoint
 from asyncckpt._exit import EXIT_TIMEOUT_ENV, exit_timeout
+from asyncckpt._fs import remove_checkpoint
 from asyncckpt.errors import CheckpointPathError, InvalidArgumentError, RootInUseError
 from asyncckpt.format import manifest as _commit
 from asyncckpt.io.commit import write_latest
 
-__all__ = ["STEP_DIR_RE", "LEFTOVER_RE", "OWNER_LOCK_NAME", "OWNER_INFO_NAME", "step_dir_name",
-           "is_in_root", "is_stock_dcp", "RootEntry", "CheckpointRoot"]
+__all__ = [
+    "STEP_DIR_RE",
+    "LEFTOVER_RE",
+    "OWNER_LOCK_NAME",
+    "OWNER_INFO_NAME",
+    "step_dir_name",
+    "is_in_root",
+    "is_stock_dcp",
+    "RootEntry",
+    "CheckpointRoot",
+]
 
 _log = logging.getLogger("asyncckpt")
 
@@ -78,9 +88,13 @@ def _join_deletions_at_exit() -> None:
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
-            _log.warning("asyncckpt: the removal of an old checkpoint (%s, retention) did not finish within "
-                         "%.0f s at exit (%s); the next commit into its root or `asyncckpt clean` removes it",
-                         thread.name.partition(":")[2], timeout, EXIT_TIMEOUT_ENV)
+            _log.warning(
+                "asyncckpt: the removal of an old checkpoint (%s, retention) did not finish within "
+                "%.0f s at exit (%s); the next commit into its root or `asyncckpt clean` removes it",
+                thread.name.partition(":")[2],
+                timeout,
+                EXIT_TIMEOUT_ENV,
+            )
 
 
 def _forget_deletions_in_child() -> None:
@@ -141,8 +155,11 @@ def is_in_root(checkpoint_dir: str | os.PathLike) -> bool:
     try:
         with os.scandir(parent) as it:
             for entry in it:
-                if (entry.name != path.name and STEP_DIR_RE.match(entry.name)
-                        and os.path.lexists(os.path.join(entry.path, _commit.MANIFEST_NAME))):
+                if (
+                    entry.name != path.name
+                    and STEP_DIR_RE.match(entry.name)
+                    and os.path.lexists(os.path.join(entry.path, _commit.MANIFEST_NAME))
+                ):
                     return True
     except OSError:
         pass
@@ -155,8 +172,12 @@ def is_stock_dcp(checkpoint_dir: str | os.PathLike) -> bool:
     asyncckpt root (:func:`is_in_root`: one of ours that lost its manifest is damaged,
     not stock)."""
     path = Path(checkpoint_dir)
-    return (not os.path.lexists(path / _commit.MANIFEST_NAME) and os.path.isfile(path / _commit.METADATA_NAME)
-            and not os.path.islink(path / _commit.METADATA_NAME) and not is_in_root(path))
+    return (
+        not os.path.lexists(path / _commit.MANIFEST_NAME)
+        and os.path.isfile(path / _commit.METADATA_NAME)
+        and not os.path.islink(path / _commit.METADATA_NAME)
+        and not is_in_root(path)
+    )
 
 
 class RootEntry(NamedTuple):
@@ -194,15 +215,15 @@ class CheckpointRoot:
     """
 
     def __init__(self, root_dir: str | os.PathLike, keep_last: int | None = None) -> None:
-        if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool)
-                                      or keep_last < 1):
+        if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
             raise InvalidArgumentError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
         self.path = Path(check_path(root_dir, what="root_dir")).absolute()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise CheckpointPathError.of(exc.errno, f"cannot create the checkpoint root {self.path}: "
-                                         f"{exc.strerror or exc}", self.path) from exc
+            raise CheckpointPathError.of(
+                exc.errno, f"cannot create the checkpoint root {self.path}: {exc.strerror or exc}", self.path
+            ) from exc
         if not self.path.is_dir():
             raise CheckpointPathError.of(errno.ENOTDIR, "the checkpoint root is not a directory", self.path)
         self._owner_fd: int | None = None  # the descriptor whose flock acquire_ownership() holds
@@ -246,22 +267,28 @@ class CheckpointRoot:
             fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # a symlink there is never ours: not followed
-                raise CheckpointPathError.of(exc.errno, "the lock file of the checkpoint root is a symbolic "
-                                             "link", lock_path) from exc
-            raise CheckpointPathError.of(exc.errno, f"cannot create the lock file of the checkpoint root "
-                                         f"({exc.strerror or exc}); a CheckpointManager needs a writable "
-                                         "root (to read checkpoints only, use asyncckpt.load or "
-                                         "read_state_dict)", lock_path) from exc
+                raise CheckpointPathError.of(
+                    exc.errno, "the lock file of the checkpoint root is a symbolic link", lock_path
+                ) from exc
+            raise CheckpointPathError.of(
+                exc.errno,
+                f"cannot create the lock file of the checkpoint root "
+                f"({exc.strerror or exc}); a CheckpointManager needs a writable "
+                "root (to read checkpoints only, use asyncckpt.load or "
+                "read_state_dict)",
+                lock_path,
+            ) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(fd)
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise CheckpointPathError.of(exc.errno, f"cannot lock the checkpoint root ({exc.strerror or exc})",
-                                             lock_path) from exc
+                raise CheckpointPathError.of(
+                    exc.errno, f"cannot lock the checkpoint root ({exc.strerror or exc})", lock_path
+                ) from exc
             owner = self.owner()
             pid, host = owner.get("pid"), owner.get("host")
-            holder = (f"process {pid} on host {host}" if pid is not None else "another process (holder unknown)")
+            holder = f"process {pid} on host {host}" if pid is not None else "another process (holder unknown)"
             if pid == os.getpid() and host == socket.gethostname():
                 holder = f"another CheckpointManager of this process (pid {pid} on host {host})"
             since = f", since {owner['since']}" if owner.get("since") else ""
@@ -270,13 +297,18 @@ class CheckpointRoot:
                 "one root would overwrite each other's `latest` and remove each other's checkpoints. Use "
                 "another directory, or close() the other manager first (reading needs no lock: "
                 "asyncckpt.load, read_state_dict and the asyncckpt command work while it runs)",
-                str(self.path), pid if isinstance(pid, int) else None, host if isinstance(host, str) else None,
+                str(self.path),
+                pid if isinstance(pid, int) else None,
+                host if isinstance(host, str) else None,
             ) from None
         self._owner_fd, self._owner_pid = fd, os.getpid()
         with _held_lock:
             _held_fds.add(fd)
-        info = {"pid": os.getpid(), "host": socket.gethostname(),
-                "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        }
         tmp = self.path / f".{OWNER_INFO_NAME}.tmp-{secrets.token_hex(6)}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
@@ -415,7 +447,7 @@ class CheckpointRoot:
         except Exception as exc:  # noqa: BLE001 - after the commit point: a warning
             self._warn(f"{final_dir} is committed, but `latest` could not be updated: {type(exc).__name__}: {exc}")
         if self.keep_last is not None:
-            for old in self.commit_order()[:-self.keep_last]:  # never the newest saves
+            for old in self.commit_order()[: -self.keep_last]:  # never the newest saves
                 path = self.step_dir(old)
                 if path == final_dir:
                     continue
@@ -445,8 +477,13 @@ class CheckpointRoot:
         being_deleted = deletion.name.partition(":")[2] if deletion is not None and deletion.is_alive() else None
         for entry in os.scandir(self.path):
             m = LEFTOVER_RE.match(entry.name)
-            if (m and int(m.group(1)) <= committed_step and int(m.group(1)) not in pending
-                    and entry.name != being_deleted and entry.is_dir(follow_symlinks=False)):
+            if (
+                m
+                and int(m.group(1)) <= committed_step
+                and int(m.group(1)) not in pending
+                and entry.name != being_deleted
+                and entry.is_dir(follow_symlinks=False)
+            ):
                 shutil.rmtree(entry.path, ignore_errors=True)
 
     def join_deletion(self) -> None:

@@ -58,8 +58,10 @@ def make_checkpoint(size_mb: int, layers: int = 8) -> dict[str, Any]:
     for i in range(layers):
         state_dict[f"layers.{i}.weight"] = torch.randn(dim, dim, generator=g)
         state_dict[f"layers.{i}.bias"] = torch.randn(dim, generator=g)
-    optim_state = {i: {"step": torch.tensor(100.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
-                   for i, p in enumerate(state_dict.values())}
+    optim_state = {
+        i: {"step": torch.tensor(100.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
+        for i, p in enumerate(state_dict.values())
+    }
     return {
         "epoch": 3,
         "global_step": 1000,
@@ -67,9 +69,14 @@ def make_checkpoint(size_mb: int, layers: int = 8) -> dict[str, Any]:
         "state_dict": state_dict,
         "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 4, "completed": 3}}}},
         "callbacks": {"ModelCheckpoint{'monitor': None}": {"best_model_path": "", "dirpath": "/tmp"}},
-        "optimizer_states": [{"state": optim_state,
-                              "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.01,
-                                                "params": list(range(len(state_dict)))}]}],
+        "optimizer_states": [
+            {
+                "state": optim_state,
+                "param_groups": [
+                    {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.01, "params": list(range(len(state_dict)))}
+                ],
+            }
+        ],
         "lr_schedulers": [],
         "hparams_name": "kwargs",
         "hyper_parameters": {"dim": dim, "layers": layers, "lr": 1e-3},
@@ -165,9 +172,13 @@ def run(reps: int = 5, size_mb: int = 256, directory: str | Path | None = None) 
             "on_disk_s_all": [d for _, d in warm],
             "first_on_disk_s": samples[0][1],
         }
-    result = {"size_mb": size_mb, "bytes": nbytes, "reps": reps,
-              "versions": {"torch": torch.__version__, "lightning": lightning.__version__},
-              "systems": systems}
+    result = {
+        "size_mb": size_mb,
+        "bytes": nbytes,
+        "reps": reps,
+        "versions": {"torch": torch.__version__, "lightning": lightning.__version__},
+        "systems": systems,
+    }
     print(render_markdown(result))
     return result
 
@@ -176,20 +187,28 @@ def render_markdown(result: dict[str, Any]) -> str:
     """The result of :func:`run` as a small markdown table."""
     mib = result["bytes"] / (1 << 20)
     lines = [
-        (f"Lightning save_checkpoint stall: {mib:.0f} MiB of tensors, median of {result['reps']} saves "
-         f"(torch {result['versions']['torch']}, lightning {result['versions']['lightning']})"),
+        (
+            f"Lightning save_checkpoint stall: {mib:.0f} MiB of tensors, median of {result['reps']} saves "
+            f"(torch {result['versions']['torch']}, lightning {result['versions']['lightning']})"
+        ),
         "",
         "| plugin | stall per save (median) | first save stall | until on disk (median) |",
         "| --- | ---: | ---: | ---: |",
     ]
     for name, s in result["systems"].items():
-        lines.append(f"| {name} | {s['stall_s'] * 1e3:.1f} ms | {s['first_stall_s'] * 1e3:.1f} ms | "
-                     f"{s['on_disk_s']:.2f} s |")
+        lines.append(
+            f"| {name} | {s['stall_s'] * 1e3:.1f} ms | {s['first_stall_s'] * 1e3:.1f} ms | {s['on_disk_s']:.2f} s |"
+        )
     a, b = (result["systems"][n]["stall_s"] for n in SYSTEMS)
     if a > 0:
-        lines += ["", (f"Stall ratio (Lightning AsyncCheckpointIO / asyncckpt): {b / a:.1f}x. "
-                       "'until on disk': asyncckpt written, fsynced and committed; Lightning's torch.save "
-                       "returned (no fsync).")]
+        lines += [
+            "",
+            (
+                f"Stall ratio (Lightning AsyncCheckpointIO / asyncckpt): {b / a:.1f}x. "
+                "'until on disk': asyncckpt written, fsynced and committed; Lightning's torch.save "
+                "returned (no fsync)."
+            ),
+        ]
     return "\n".join(lines)
 
 

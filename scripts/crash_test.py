@@ -31,6 +31,7 @@ After each kill:
 
 A last run resumes and finishes (``--stop-at``) with exit code 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,20 @@ import asyncckpt  # noqa: E402
 TRAIN = REPO / "scripts" / "train.py"
 # 0.47 M parameters + AdamW state: 5.8 MB per checkpoint, written in some tens of ms;
 # a step takes 15-40 ms on 2 cores, so with --ckpt-every 2 a save is nearly always in flight.
-MODEL = ["--n-layer", "2", "--n-embd", "128", "--n-head", "2", "--block-size", "32",
-         "--batch-size", "4", "--data-mb", "0.05"]
+MODEL = [
+    "--n-layer",
+    "2",
+    "--n-embd",
+    "128",
+    "--n-head",
+    "2",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "4",
+    "--data-mb",
+    "0.05",
+]
 PHASES = ("random", "mid_write", "after_write", "commit", "latest")
 WRITERS = ("persistent", "temporal")
 FAULT_SLEEP_S = 0.25
@@ -99,10 +112,12 @@ class Trial:
 
     def line(self) -> str:
         ok = "ok" if not self.violations else "FAIL: " + "; ".join(self.violations)
-        return (f"trial {self.index:2d} {self.writer:10s} aim={self.phase:11s} observed={self.observed:28s} "
-                f"newest before={_s(self.newest_before):>4s} resumed={_s(self.resumed_from):>4s} "
-                f"staged={self.staged[-1] if self.staged else '-'!s:>4s} newest after={_s(self.newest_after):>4s} "
-                f"latest={self.latest_after or '-'} ({self.duration_s:.1f} s) {ok}")
+        return (
+            f"trial {self.index:2d} {self.writer:10s} aim={self.phase:11s} observed={self.observed:28s} "
+            f"newest before={_s(self.newest_before):>4s} resumed={_s(self.resumed_from):>4s} "
+            f"staged={self.staged[-1] if self.staged else '-'!s:>4s} newest after={_s(self.newest_after):>4s} "
+            f"latest={self.latest_after or '-'} ({self.duration_s:.1f} s) {ok}"
+        )
 
 
 def _s(v: Any) -> str:
@@ -111,13 +126,20 @@ def _s(v: Any) -> str:
 
 # ----------------------------------------------------------------------------- processes
 
+
 class Run:
     """The training script in a session of its own, its output pumped into a queue."""
 
     def __init__(self, args: list[str], env: dict[str, str], cwd: Path) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=cwd, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(TRAIN), *args],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.out = ""
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._eof = False
@@ -212,6 +234,7 @@ def group_gone(pgid: int, timeout: float) -> bool:
 
 # ----------------------------------------------------------------------------- disk checks
 
+
 @dataclasses.dataclass
 class DiskState:
     latest: str | None  # the raw content of ``latest`` (stripped), None if absent
@@ -237,9 +260,12 @@ def disk_state(root: Path) -> DiskState:
     finally:
         mgr.close(abort=True)
     names = sorted(os.listdir(root))
-    return DiskState(latest if latest is None else latest.strip(), steps,
-                     [n for n in names if n.startswith("step_")],
-                     [n for n in names if n.startswith(".") and (".tmp-" in n or ".deleting-" in n)])
+    return DiskState(
+        latest if latest is None else latest.strip(),
+        steps,
+        [n for n in names if n.startswith("step_")],
+        [n for n in names if n.startswith(".") and (".tmp-" in n or ".deleting-" in n)],
+    )
 
 
 def check_disk(root: Path, state: DiskState) -> list[str]:
@@ -293,6 +319,7 @@ def observe(root: Path, before: DiskState, after: DiskState) -> str:
 
 # ----------------------------------------------------------------------------- trials
 
+
 def _env(fault: str | None) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("ASYNCCKPT_FAULT", None)
@@ -302,35 +329,60 @@ def _env(fault: str | None) -> dict[str, str]:
 
 
 def _train_args(root: Path, writer: str, *extra: str) -> list[str]:
-    return [*MODEL, "--steps", "1000000", "--ckpt-every", "2", "--keep-last", "2", "--log-every", "1",
-            "--ckpt-dir", str(root), "--resume", *(["--temporal"] if writer == "temporal" else []), *extra]
+    return [
+        *MODEL,
+        "--steps",
+        "1000000",
+        "--ckpt-every",
+        "2",
+        "--keep-last",
+        "2",
+        "--log-every",
+        "1",
+        "--ckpt-dir",
+        str(root),
+        "--resume",
+        *(["--temporal"] if writer == "temporal" else []),
+        *extra,
+    ]
 
 
 def _check_resume(run: Run, trial: Trial, expected: int | None, timeout: float) -> bool:
     """Parse where the run resumed; record a violation unless it is the newest committed step."""
     m = run.wait_for(re.compile(f"{RESUMED_RE.pattern}|{FRESH_RE.pattern}", re.M), timeout)
     if m is None:
-        trial.violations.append(f"--resume printed neither 'resumed from step' nor 'no checkpoint' "
-                                f"(exit code {run.proc.poll()})")
+        trial.violations.append(
+            f"--resume printed neither 'resumed from step' nor 'no checkpoint' (exit code {run.proc.poll()})"
+        )
         return False
     got = RESUMED_RE.search(m.group(0))
     trial.resumed_from = int(got.group(1)) if got else 0
     if (expected or 0) != trial.resumed_from:
-        trial.violations.append(f"--resume started from step {trial.resumed_from}, the newest committed "
-                                f"checkpoint is step {expected}")
+        trial.violations.append(
+            f"--resume started from step {trial.resumed_from}, the newest committed checkpoint is step {expected}"
+        )
     s = run.wait_for(re.compile(r"^step\s+(\d+)/", re.M), timeout, m.end())
     if s is None:
         trial.violations.append(f"no training step after resuming (exit code {run.proc.poll()})")
         return False
     trial.first_step_after_resume = int(s.group(1))
     if trial.first_step_after_resume != trial.resumed_from + 1:
-        trial.violations.append(f"resumed from {trial.resumed_from} but trained step "
-                                f"{trial.first_step_after_resume} first")
+        trial.violations.append(
+            f"resumed from {trial.resumed_from} but trained step {trial.first_step_after_resume} first"
+        )
     return True
 
 
-def _aim_and_kill(run: Run, trial: Trial, root: Path, rng: random.Random, phase: str, point: str | None,
-                  marker: Path, startup_timeout: float) -> None:
+def _aim_and_kill(
+    run: Run,
+    trial: Trial,
+    root: Path,
+    rng: random.Random,
+    phase: str,
+    point: str | None,
+    marker: Path,
+    startup_timeout: float,
+) -> None:
     """Wait until the run resumed and staged a checkpoint, then until the aimed moment;
     the caller kills it right after (also when this raises or gives up)."""
     if not _check_resume(run, trial, trial.newest_before, startup_timeout):
@@ -376,8 +428,9 @@ def _aim_and_kill(run: Run, trial: Trial, root: Path, rng: random.Random, phase:
         trial.violations.append(f"the run exited by itself with code {run.proc.returncode} before the kill")
 
 
-def run_trial(index: int, root: Path, rng: random.Random, writer: str, phase: str,
-              startup_timeout: float = 120.0) -> Trial:
+def run_trial(
+    index: int, root: Path, rng: random.Random, writer: str, phase: str, startup_timeout: float = 120.0
+) -> Trial:
     """One run of the training example, SIGKILLed at a random moment; checks the disk."""
     t0 = time.monotonic()
     trial = Trial(index, writer, phase)
@@ -397,8 +450,10 @@ def run_trial(index: int, root: Path, rng: random.Random, writer: str, phase: st
     trial.committed_printed = [int(s) for s in COMMITTED_RE.findall(run.out)]
     after = disk_state(root)
     trial.latest_after, trial.steps_after, trial.newest_after = after.latest, after.steps, after.newest
-    trial.leftovers = {"tmp": sum(".tmp-" in n for n in after.hidden),
-                       "deleting": sum(".deleting-" in n for n in after.hidden)}
+    trial.leftovers = {
+        "tmp": sum(".tmp-" in n for n in after.hidden),
+        "deleting": sum(".deleting-" in n for n in after.hidden),
+    }
     trial.observed = observe(root, before, after)
     trial.violations += check_disk(root, after)
     if before.newest is not None and (after.newest is None or after.newest < before.newest):
@@ -432,15 +487,19 @@ def final_run(index: int, root: Path, writer: str, timeout: float = 180.0) -> Tr
     trial.committed_printed = [int(s) for s in COMMITTED_RE.findall(run.out)]
     after = disk_state(root)
     trial.latest_after, trial.steps_after, trial.newest_after = after.latest, after.steps, after.newest
-    trial.leftovers = {"tmp": sum(".tmp-" in n for n in after.hidden),
-                       "deleting": sum(".deleting-" in n for n in after.hidden)}
+    trial.leftovers = {
+        "tmp": sum(".tmp-" in n for n in after.hidden),
+        "deleting": sum(".deleting-" in n for n in after.hidden),
+    }
     trial.observed = "completed" if trial.exit_code == 0 else f"exit code {trial.exit_code}"
     trial.violations += check_disk(root, after)
     if trial.exit_code != 0:
         trial.violations.append(f"the final run exited with code {trial.exit_code}")
     if after.newest != stop_at or after.latest != f"step_{stop_at:08d}":
-        trial.violations.append(f"after the final run the newest step is {after.newest} and latest names "
-                                f"{after.latest}, expected step {stop_at}")
+        trial.violations.append(
+            f"after the final run the newest step is {after.newest} and latest names "
+            f"{after.latest}, expected step {stop_at}"
+        )
     trial.duration_s = time.monotonic() - t0
     trial.output_tail = run.out[-3000:]
     return trial
@@ -457,8 +516,9 @@ def schedule(trials: int, seed: int, phases: tuple[str, ...] = PHASES) -> list[t
     return out[:trials]
 
 
-def run_trials(workdir: Path, trials: int, seed: int, *, log: Any = print,
-               plan: list[tuple[str, str]] | None = None) -> list[Trial]:
+def run_trials(
+    workdir: Path, trials: int, seed: int, *, log: Any = print, plan: list[tuple[str, str]] | None = None
+) -> list[Trial]:
     """Run the kill trials of ``plan`` (default: ``trials`` of :func:`schedule`) one after
     the other in one checkpoint root under ``workdir`` (each run resumes from what the
     previous one left), then a final clean run; returns every record (the final run last).
@@ -493,10 +553,12 @@ def summarize(records: list[Trial]) -> str:
         observed[r.observed] = observed.get(r.observed, 0) + 1
     failed = [r for r in records if r.violations]
     last = records[-1] if records else None
-    return (f"crash consistency: {len(kills)} kill trials + final run, {len(failed)} with violations; "
-            f"writers {sorted({r.writer for r in kills})}; killed at (observed): "
-            + ", ".join(f"{k}: {v}" for k, v in sorted(observed.items()))
-            + (f"; leftovers on disk at the end: {last.leftovers}" if last else ""))
+    return (
+        f"crash consistency: {len(kills)} kill trials + final run, {len(failed)} with violations; "
+        f"writers {sorted({r.writer for r in kills})}; killed at (observed): "
+        + ", ".join(f"{k}: {v}" for k, v in sorted(observed.items()))
+        + (f"; leftovers on disk at the end: {last.leftovers}" if last else "")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -504,8 +566,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, help="(default: a new temporary directory)")
-    p.add_argument("--phases", default=",".join(PHASES),
-                   help="comma-separated phases to aim at, of " + ", ".join(PHASES) + " (all)")
+    p.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help="comma-separated phases to aim at, of " + ", ".join(PHASES) + " (all)",
+    )
     p.add_argument("--json", type=Path, help="write every trial record here")
     args = p.parse_args(argv)
     phases = tuple(args.phases.split(","))

@@ -32,6 +32,7 @@ number of ranks: the checkpoint is resharded on load. The data order stays the s
 the global batch (--batch-size times the number of ranks) does; dropout streams of ranks
 that did not exist in the checkpoint start from their seeds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,22 +75,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("--steps", type=int, default=600, help="total optimizer steps, the LR schedule's length (%(default)s)")
-    a("--stop-at", type=int, metavar="STEP",
-      help="stop after this step, checkpointed, as if preempted; --resume then continues to --steps")
+    a(
+        "--stop-at",
+        type=int,
+        metavar="STEP",
+        help="stop after this step, checkpointed, as if preempted; --resume then continues to --steps",
+    )
     a("--ckpt-every", type=int, default=100, metavar="N", help="checkpoint every N steps (%(default)s)")
     a("--ckpt-dir", default="./checkpoints", help="checkpoint root directory (%(default)s)")
     a("--keep-last", type=int, default=3, metavar="N", help="keep the newest N checkpoints (%(default)s)")
     a("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
-    a("--grace-s", type=float, default=25.0, metavar="S",
-      help="on SIGTERM, checkpoint the step the ranks agree on and exit within S seconds (%(default)s)")
-    a("--no-preemption-save", action="store_true",
-      help="on SIGTERM, abort in-flight checkpoints and exit at the next step boundary instead")
-    a("--fresh", action="store_true",
-      help="start at step 0 even if --ckpt-dir holds checkpoints: remove it first (only if it holds nothing else)")
-    a("--temporal", action="store_true",
-      help="write each checkpoint from a forked child instead of the persistent worker")
-    a("--fsdp", action="store_true",
-      help="shard parameters and optimizer state with FSDP2 (fully_shard per block + root) instead of DDP")
+    a(
+        "--grace-s",
+        type=float,
+        default=25.0,
+        metavar="S",
+        help="on SIGTERM, checkpoint the step the ranks agree on and exit within S seconds (%(default)s)",
+    )
+    a(
+        "--no-preemption-save",
+        action="store_true",
+        help="on SIGTERM, abort in-flight checkpoints and exit at the next step boundary instead",
+    )
+    a(
+        "--fresh",
+        action="store_true",
+        help="start at step 0 even if --ckpt-dir holds checkpoints: remove it first (only if it holds nothing else)",
+    )
+    a(
+        "--temporal",
+        action="store_true",
+        help="write each checkpoint from a forked child instead of the persistent worker",
+    )
+    a(
+        "--fsdp",
+        action="store_true",
+        help="shard parameters and optimizer state with FSDP2 (fully_shard per block + root) instead of DDP",
+    )
     a("--seed", type=int, default=1337, help="(%(default)s)")
     a("--n-layer", type=int, default=4, help="transformer blocks (%(default)s)")
     a("--n-head", type=int, default=4, help="attention heads (%(default)s)")
@@ -102,8 +124,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--weight-decay", type=float, default=0.1, help="(%(default)s)")
     a("--data-mb", type=float, default=4.0, help="cap on the training text, in MB (%(default)s)")
     a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(%(default)s)")
-    a("--log-every", type=int, default=0, metavar="N",
-      help="print a line every N steps (loss, LR, step time) instead of the progress bar (default 0: off)")
+    a(
+        "--log-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print a line every N steps (loss, LR, step time) instead of the progress bar (default 0: off)",
+    )
     a("--quiet", action="store_true", help="nothing per step, only checkpoints and the summary")
     a("--save-final", metavar="PATH", help="torch.save the final model state_dict to PATH (rank 0)")
     args = p.parse_args(argv)
@@ -132,20 +159,24 @@ def remove_checkpoint_dir(ckpt_dir: str, remove: bool) -> None:
         return
     others = sorted(e.name for e in root.iterdir() if not (e.name.startswith((".", "step_")) or e.name == "latest"))
     if not root.is_dir() or others:
-        raise SystemExit(f"--fresh: {ckpt_dir} holds more than checkpoints ({', '.join(others[:3]) or 'a file'}); "
-                         "not removing it: choose another --ckpt-dir")
+        raise SystemExit(
+            f"--fresh: {ckpt_dir} holds more than checkpoints ({', '.join(others[:3]) or 'a file'}); "
+            "not removing it: choose another --ckpt-dir"
+        )
     if remove:
         shutil.rmtree(root)
 
 
 # ----------------------------------------------------------------------------- data
 
+
 def load_corpus(max_bytes: int) -> torch.Tensor:
     """Concatenate the stdlib's ``*.py`` files, sorted by path, into a uint8 tensor of at most ``max_bytes``."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted((p for p in root.rglob("*.py")
-                    if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)),
-                   key=lambda p: p.relative_to(root).as_posix())
+    files = sorted(
+        (p for p in root.rglob("*.py") if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
     buf = bytearray()
     for f in files:
         if len(buf) >= max_bytes:
@@ -163,8 +194,9 @@ class WindowSampler:
     is identical on every rank and fully determines the remaining batches.
     """
 
-    def __init__(self, data: torch.Tensor, block_size: int, batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, data: torch.Tensor, block_size: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1
+    ) -> None:
         self.data, self.block, self.batch, self.rank, self.world = data, block_size, batch_size, rank, world_size
         self.n_windows = (len(data) - 1) // block_size
         if self.n_windows < batch_size * world_size:
@@ -184,7 +216,7 @@ class WindowSampler:
             self.epoch, self.pos = self.epoch + 1, 0
             self._start_epoch()
         lo = self.pos + self.rank * self.batch
-        starts = self.perm[lo:lo + self.batch] * self.block
+        starts = self.perm[lo : lo + self.batch] * self.block
         self.pos += per_step
         w = self.data[starts[:, None] + torch.arange(self.block + 1)].long()
         return w[:, :-1], w[:, 1:]
@@ -199,6 +231,7 @@ class WindowSampler:
 
 
 # ----------------------------------------------------------------------------- model
+
 
 @dataclass
 class GPTConfig:
@@ -218,14 +251,17 @@ class Block(nn.Module):
         self.ln1, self.ln2 = nn.LayerNorm(cfg.n_embd), nn.LayerNorm(cfg.n_embd)
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
-                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd),
+            nn.GELU(),
+            nn.Linear(4 * cfg.n_embd, cfg.n_embd),
+            nn.Dropout(cfg.dropout),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         x = x + F.dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)), self.dropout, self.training)
         return x + self.mlp(self.ln2(x))
 
@@ -258,11 +294,13 @@ class GPT(nn.Module):
 
 def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
     """Linear warmup to 1, then cosine decay to 0.1 at ``total`` steps (multiplier for LambdaLR)."""
+
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         t = min(1.0, (step - warmup) / max(1, total - warmup))
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t))
+
     return f
 
 
@@ -286,6 +324,7 @@ def settle_ddp_buckets(model: DistributedDataParallel, batch_shape: tuple[int, i
 
 # ----------------------------------------------------------------------------- RNG state
 
+
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     """This process's RNG states (torch CPU, Python ``random``, CUDA) as CPU tensors.
 
@@ -293,9 +332,11 @@ def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     training loop might touch (augmentations, samplers, user code).
     """
     _, internal, gauss = random.getstate()
-    state = {"torch": torch.get_rng_state(),
-             "python": torch.tensor(internal, dtype=torch.int64),
-             "python_gauss": torch.tensor([math.nan if gauss is None else gauss], dtype=torch.float64)}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": torch.tensor(internal, dtype=torch.int64),
+        "python_gauss": torch.tensor([math.nan if gauss is None else gauss], dtype=torch.float64),
+    }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -322,6 +363,7 @@ def all_rng_states(device: torch.device, world_size: int) -> dict[str, dict[str,
 
 
 # ----------------------------------------------------------------------------- output
+
 
 class Progress:
     """What rank 0 prints per step, and every other line it prints.
@@ -350,8 +392,9 @@ class Progress:
         """Training starts (or resumes) after ``step`` steps."""
         self.mark, self.mark_step, self.mark_t = step * 10 // self.total, step, time.perf_counter()
         if self.mode == "bar":
-            self.bar = tqdm(total=self.total, initial=step, desc="train", unit="step", file=sys.stderr,
-                            dynamic_ncols=True)
+            self.bar = tqdm(
+                total=self.total, initial=step, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True
+            )
 
     def print(self, msg: str) -> None:
         """Print a line on stdout (above the bar, if there is one)."""
@@ -370,8 +413,10 @@ class Progress:
         elif self.mode == "lines" and step * 10 // self.total > self.mark:
             now = time.perf_counter()
             rate = (step - self.mark_step) / max(now - self.mark_t, 1e-9)
-            self.print(f"step {step}/{self.total} ({100 * step // self.total}%) | loss {float(loss):.4f} | "
-                       f"{rate:.2f} steps/s" + (f" | {stall}" if stall else ""))
+            self.print(
+                f"step {step}/{self.total} ({100 * step // self.total}%) | loss {float(loss):.4f} | "
+                f"{rate:.2f} steps/s" + (f" | {stall}" if stall else "")
+            )
             self.mark, self.mark_step, self.mark_t = step * 10 // self.total, step, now
 
     def checkpoint(self, stall_s: float) -> None:
@@ -386,6 +431,7 @@ class Progress:
 
 
 # ----------------------------------------------------------------------------- training
+
 
 class StopFlag:
     """Signal handlers that only record the signal; a second signal kills the process."""
@@ -445,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fsdp:
         # Every rank built the same full weights; each keeps its shard (dim 0) of them.
         from torch.distributed.fsdp import fully_shard
+
         for block in raw_model.blocks:
             fully_shard(block)
         fully_shard(raw_model)
@@ -452,8 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     if use_cuda:
         torch.cuda.manual_seed(args.seed + 1 + rank)
     random.seed(args.seed + rank)
-    optimizer = torch.optim.AdamW(raw_model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                  weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(raw_model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps))
     sampler = WindowSampler(data, args.block_size, args.batch_size, args.seed, rank, world_size)
 
@@ -461,10 +507,20 @@ def main(argv: list[str] | None = None) -> int:
         """The checkpointed state (with --fsdp, model and optimizer values are DTensor shards).
         ``rng_ranks``: build a load template for a checkpoint saved by that many ranks."""
         model_sd, optim_sd = get_state_dict(raw_model, optimizer)
-        rng = (all_rng_states(device, world_size) if rng_ranks is None
-               else {f"rank{i}": rng_state(device) for i in range(rng_ranks)})
-        return {"model": model_sd, "optim": optim_sd, "sched": scheduler.state_dict(),
-                "data": sampler.state_dict(), "rng": rng, "step": step, "world_size": world_size}
+        rng = (
+            all_rng_states(device, world_size)
+            if rng_ranks is None
+            else {f"rank{i}": rng_state(device) for i in range(rng_ranks)}
+        )
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "sched": scheduler.state_dict(),
+            "data": sampler.state_dict(),
+            "rng": rng,
+            "step": step,
+            "world_size": world_size,
+        }
 
     def global_loss(loss: torch.Tensor) -> float:
         """The loss to print: with --fsdp the mean over all ranks (comparable across world sizes)."""
@@ -475,10 +531,12 @@ def main(argv: list[str] | None = None) -> int:
         return t.item() / world_size
 
     n_params = sum(p.numel() for p in raw_model.parameters())
-    log(f"corpus {len(data) / 1e6:.2f} MB of stdlib source | model {n_params / 1e6:.2f} M params | "
+    log(
+        f"corpus {len(data) / 1e6:.2f} MB of stdlib source | model {n_params / 1e6:.2f} M params | "
         f"world size {world_size} | {'FSDP' if args.fsdp else 'DDP' if distributed else 'single process'} | "
         f"device {device} | "
-        f"{'temporal' if args.temporal else 'persistent'} checkpoint writer")
+        f"{'temporal' if args.temporal else 'persistent'} checkpoint writer"
+    )
     if args.fresh:
         remove_checkpoint_dir(args.ckpt_dir, remove=rank == 0)
         if use_pg:
@@ -493,8 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         latest = mgr.latest_step()
         return "no checkpoint committed" if latest is None else f"latest committed: step {latest} ({ckpt_path(latest)})"
 
-    preemption = (None if args.no_preemption_save
-                  else asyncckpt.PreemptionSave(mgr, grace_s=args.grace_s, exit=False))
+    preemption = None if args.no_preemption_save else asyncckpt.PreemptionSave(mgr, grace_s=args.grace_s, exit=False)
     logging.getLogger("asyncckpt.preemption").setLevel(logging.ERROR)  # this script prints its own lines
     step, exit_code = 0, 0
     try:
@@ -514,17 +571,23 @@ def main(argv: list[str] | None = None) -> int:
             sampler.load_state_dict(sd["data"])
             if rank < saved_ws:
                 set_rng_state(sd["rng"][f"rank{rank}"], device)
-            log(f"resumed from step {step} in {ckpt_path(step)} ({time.perf_counter() - t0:.2f} s)"
-                + (f", saved by {saved_ws} ranks, resharded to {world_size}" if saved_ws != world_size else ""))
+            log(
+                f"resumed from step {step} in {ckpt_path(step)} ({time.perf_counter() - t0:.2f} s)"
+                + (f", saved by {saved_ws} ranks, resharded to {world_size}" if saved_ws != world_size else "")
+            )
         elif args.resume:
             log(f"no checkpoint in {args.ckpt_dir}: starting from step 0")
         elif latest is not None:
-            raise SystemExit(f"{args.ckpt_dir} already holds checkpoints (latest step {latest}); pass --resume "
-                             "to continue, --fresh to start over (removes them), or choose another --ckpt-dir")
+            raise SystemExit(
+                f"{args.ckpt_dir} already holds checkpoints (latest step {latest}); pass --resume "
+                "to continue, --fresh to start over (removes them), or choose another --ckpt-dir"
+            )
         end = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
         if step >= end and step:
-            log(f"nothing left to train: step {step} ({ckpt_path(step)}) is at "
-                + (f"--steps {args.steps}" if end == args.steps else f"--stop-at {args.stop_at}"))
+            log(
+                f"nothing left to train: step {step} ({ckpt_path(step)}) is at "
+                + (f"--steps {args.steps}" if end == args.steps else f"--stop-at {args.stop_at}")
+            )
         model = DistributedDataParallel(raw_model) if distributed and not args.fsdp else raw_model
         if isinstance(model, DistributedDataParallel):
             settle_ddp_buckets(model, (args.batch_size, args.block_size), device)
@@ -539,8 +602,10 @@ def main(argv: list[str] | None = None) -> int:
                 t = handles.pop(s).timings
                 committed.append((stalls[s], t))
                 progress.checkpoint(stalls[s])
-                log(f"checkpoint step {s} committed | {ckpt_path(s)} | stall {stalls[s] * 1e3:.1f} ms | "
-                    f"write {t.write_s:.3f} s | {t.bytes / 1e6:.1f} MB at {t.gbps:.3f} GB/s")
+                log(
+                    f"checkpoint step {s} committed | {ckpt_path(s)} | stall {stalls[s] * 1e3:.1f} ms | "
+                    f"write {t.write_s:.3f} s | {t.bytes / 1e6:.1f} MB at {t.gbps:.3f} GB/s"
+                )
 
         model.train()
         start_step, t_start = step, time.perf_counter()
@@ -564,8 +629,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.quiet:
                 pass
             elif args.log_every and (step % args.log_every == 0 or step == args.steps):
-                log(f"step {step:5d}/{args.steps} | loss {global_loss(loss):.4f} | lr {scheduler.get_last_lr()[0]:.2e} "
-                    f"| {(time.perf_counter() - t0) * 1e3:.0f} ms")
+                log(
+                    f"step {step:5d}/{args.steps} | loss {global_loss(loss):.4f} | lr {scheduler.get_last_lr()[0]:.2e} "
+                    f"| {(time.perf_counter() - t0) * 1e3:.0f} ms"
+                )
             elif not args.log_every:  # the progress display; with --fsdp on several ranks the loss is a
                 # collective (all ranks, every step), else read only when shown (no sync per step)
                 progress.step(step, global_loss(loss) if args.fsdp and distributed else loss.detach())
@@ -574,8 +641,10 @@ def main(argv: list[str] | None = None) -> int:
                 t1 = time.perf_counter()
                 handles[step] = mgr.save(step, state_dict(step))
                 stalls[step] = time.perf_counter() - t1
-                log(f"checkpoint step {step} staged in {stalls[step] * 1e3:.1f} ms (stall), "
-                    f"writing {ckpt_path(step)} in the background")
+                log(
+                    f"checkpoint step {step} staged in {stalls[step] * 1e3:.1f} ms (stall), "
+                    f"writing {ckpt_path(step)} in the background"
+                )
             try:
                 report(mgr.maybe_finalize())
             except asyncckpt.CheckpointException as exc:  # raised on every rank alike
@@ -592,8 +661,12 @@ def main(argv: list[str] | None = None) -> int:
                 final = preemption.finish(step, functools.partial(state_dict, step))
                 report([s for s in list(handles) if handles[s].done() and handles[s].exception() is None])
                 exit_code = 128 + preemption.agreed_signum
-                log(f"preemption checkpoint step {step} committed in {time.perf_counter() - t1:.2f} s: "
-                    f"{ckpt_path(step)}" if final == step else f"preemption save of step {step} aborted")
+                log(
+                    f"preemption checkpoint step {step} committed in {time.perf_counter() - t1:.2f} s: "
+                    f"{ckpt_path(step)}"
+                    if final == step
+                    else f"preemption save of step {step} aborted"
+                )
                 break
         train_s = time.perf_counter() - t_start
         if preemption is not None:
@@ -603,8 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         if exit_code:
             preempted = preemption is not None and preemption.agreed_signum
             mgr.close(abort=True)  # after a preemption save: closed already, nothing to abort
-            log(("" if preempted else "aborted in-flight checkpoints; ")
-                + latest_committed())
+            log(("" if preempted else "aborted in-flight checkpoints; ") + latest_committed())
             return exit_code
         t0 = time.perf_counter()
         report(mgr.maybe_finalize(blocking=True))
@@ -621,21 +693,26 @@ def main(argv: list[str] | None = None) -> int:
         n = step - start_step
         log("=" * 72)
         if n:
-            log(f"summary: {n} steps in {train_s:.1f} s ({n / max(train_s, 1e-9):.2f} steps/s, "
+            log(
+                f"summary: {n} steps in {train_s:.1f} s ({n / max(train_s, 1e-9):.2f} steps/s, "
                 f"{n * args.batch_size * args.block_size * world_size / max(train_s, 1e-9):,.0f} tokens/s), "
-                f"final loss {global_loss(loss):.4f}")
+                f"final loss {global_loss(loss):.4f}"
+            )
         else:
             log(f"summary: no step trained (at step {step} of {args.steps})")
-        log(f"  checkpoints: {len(stalls)} saved, {len(committed)} committed, kept {mgr.steps()} "
-            f"in {args.ckpt_dir}")
+        log(f"  checkpoints: {len(stalls)} saved, {len(committed)} committed, kept {mgr.steps()} in {args.ckpt_dir}")
         if committed:
             blocked = sum(stalls.values())
-            log(f"  stall: median {statistics.median(st for st, _ in committed) * 1e3:.1f} ms, "
+            log(
+                f"  stall: median {statistics.median(st for st, _ in committed) * 1e3:.1f} ms, "
                 f"max {max(st for st, _ in committed) * 1e3:.1f} ms; training loop blocked "
-                f"{blocked:.2f} s in all ({100 * blocked / max(train_s, 1e-9):.1f}% of training time)")
-            log(f"  write: median {statistics.median(t.write_s for _, t in committed):.3f} s at "
+                f"{blocked:.2f} s in all ({100 * blocked / max(train_s, 1e-9):.1f}% of training time)"
+            )
+            log(
+                f"  write: median {statistics.median(t.write_s for _, t in committed):.3f} s at "
                 f"{statistics.median(t.gbps for _, t in committed):.3f} GB/s, {committed[-1][1].bytes / 1e6:.1f} MB "
-                f"per checkpoint; final wait + close {close_s:.2f} s")
+                f"per checkpoint; final wait + close {close_s:.2f} s"
+            )
         return 0
     except BaseException:
         progress.close()

@@ -46,8 +46,9 @@ def _outcome(handle: Any) -> dict[str, Any]:
 
 
 def _init(rank: int, world: int, store: str, timeout_s: float) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def _state(rank: int, mib: int = 4) -> dict[str, Any]:
@@ -55,8 +56,9 @@ def _state(rank: int, mib: int = 4) -> dict[str, Any]:
     return {f"w{rank}": torch.arange(n, dtype=torch.float32) + rank, "shared": torch.ones(1000), "step": 2}
 
 
-def destroy_pending(rank: int, world: int, store: str, out_dir: Path, root: str, loops: str,
-                    wait_for: str = "") -> None:
+def destroy_pending(
+    rank: int, world: int, store: str, out_dir: Path, root: str, loops: str, wait_for: str = ""
+) -> None:
     """Save step 1 (waited), then step 2 (left pending), then ``destroy_process_group()``
     without ``close()``; repeated ``loops`` times with fresh groups and roots. With
     ``wait_for``, rank 1 calls ``destroy_process_group()`` only once that file exists
@@ -180,8 +182,7 @@ def missing_file(rank: int, world: int, store: str, out_dir: Path, root: str, re
     dist.destroy_process_group()
 
 
-def absent_rank(rank: int, world: int, store: str, out_dir: Path, root: str, timeout_s: str,
-                first: str = "0") -> None:
+def absent_rank(rank: int, world: int, store: str, out_dir: Path, root: str, timeout_s: str, first: str = "0") -> None:
     """Rank 0 saves step 4; rank 1 does not (busy), until rank 0 reported, then it saves
     late. Unless ``first`` is ``"1"``, both ranks first save step 1 together (the groups
     exist: the plan's all_gather waits; else the creation of the groups does).
@@ -209,7 +210,18 @@ def absent_rank(rank: int, world: int, store: str, out_dir: Path, root: str, tim
     dist.destroy_process_group()
 
 
-SCENARIOS = {f.__name__: f for f in (destroy_pending, destroy_unhooked, destroy_foreground, abort_mid_commit, different_steps, missing_file, absent_rank)}
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        destroy_pending,
+        destroy_unhooked,
+        destroy_foreground,
+        abort_mid_commit,
+        different_steps,
+        missing_file,
+        absent_rank,
+    )
+}
 
 
 def main() -> None:

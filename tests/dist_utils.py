@@ -13,9 +13,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
-
+from typing import Any
 
 #: After a rank reported a failure, seconds the others get to report before they are killed.
 FAILED_RANK_GRACE_S = 15.0
@@ -27,8 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, init_method: str, args: tuple, out: Any,
-           dump_at: float) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world_size: int, init_method: str, args: tuple, out: Any, dump_at: float
+) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -36,8 +37,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, init_method: str,
     # (to the test's captured stderr), so that a hang in CI says where it is.
     faulthandler.dump_traceback_later(max(0.5, dump_at - time.time()), exit=False)
     try:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+        )
         try:
             result = fn(rank, world_size, *args)
             out.put((rank, True, result))
@@ -98,8 +100,9 @@ def _kill_with_descendants(procs: list[Any]) -> list[str]:
     return seen
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 90.0,
-              start_method: str = "spawn") -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 90.0, start_method: str = "spawn"
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``fn`` must be a module-level function (it is pickled for spawn). Raises
@@ -117,9 +120,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
     # Wall-clock time of the stack dump, 3 s before the deadline whatever the ranks'
     # imports took (one clock for all processes of this machine).
     dump_at = time.time() + max(1.0, timeout - 3.0)
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_method, args, out, dump_at),
-                         daemon=False)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, init_method, args, out, dump_at), daemon=False)
+        for r in range(world_size)
+    ]
     results: dict[int, tuple[bool, Any]] = {}
     left_running: list[str] = []
     try:
@@ -157,14 +161,22 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
     if failed or missing:
         details = "\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(failed.items()))
         running = "".join(f"\n{line}" for line in left_running)
-        raise AssertionError(f"ranks failed: {sorted(failed)}, no result from: {missing}, exit codes {codes}\n"
-                             f"still running when killed:{running or ' nothing'}\n{details}")
+        raise AssertionError(
+            f"ranks failed: {sorted(failed)}, no result from: {missing}, exit codes {codes}\n"
+            f"still running when killed:{running or ' nothing'}\n{details}"
+        )
     return [results[r][1] for r in range(world_size)]
 
 
 #: What ranks of the sharded-state tests import (torch alone takes seconds per process).
-TORCH_PRELOAD = ("torch", "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp",
-                 "torch.nn.parallel", "asyncckpt.saving.saver", "asyncckpt.manager")
+TORCH_PRELOAD = (
+    "torch",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "torch.nn.parallel",
+    "asyncckpt.saving.saver",
+    "asyncckpt.manager",
+)
 
 
 def preload_forkserver(modules: tuple[str, ...] = TORCH_PRELOAD) -> None:

@@ -7,8 +7,9 @@ import contextlib
 import copy
 import json
 import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -33,12 +34,17 @@ def assert_same(expected: Any, got: Any, path: str = "state_dict") -> None:
     elif isinstance(expected, dict):
         assert isinstance(got, dict), f"{path}: expected a dict, got {type(got).__name__}"
         assert set(got) == set(expected), f"{path}: keys {sorted(got)[:5]}... != {sorted(expected)[:5]}..."
-        if len(expected) > 1000 and all(type(v) is torch.Tensor and v.dtype == torch.float32 and v.shape == (2,)
-                                        for d in (expected, got) for v in d.values()):
+        if len(expected) > 1000 and all(
+            type(v) is torch.Tensor and v.dtype == torch.float32 and v.shape == (2,)
+            for d in (expected, got)
+            for v in d.values()
+        ):
             # Many tiny tensors: one stacked bitwise comparison instead of one per entry.
             keys = list(expected)
-            assert torch.equal(torch.stack([got[k] for k in keys]).view(torch.int32),
-                               torch.stack([expected[k] for k in keys]).view(torch.int32)), f"{path}: values differ"
+            assert torch.equal(
+                torch.stack([got[k] for k in keys]).view(torch.int32),
+                torch.stack([expected[k] for k in keys]).view(torch.int32),
+            ), f"{path}: values differ"
             return
         for k in expected:
             assert_same(expected[k], got[k], f"{path}[{k!r}]")
@@ -135,8 +141,13 @@ class CallCounter:
         setattr(self.owner, self.name, self.original)
 
 
-def count_calls(owner: Any, name: str, when: Callable[..., bool] | None = None,
-                this_thread: bool = False, keep: Callable[..., Any] | None = None) -> CallCounter:
+def count_calls(
+    owner: Any,
+    name: str,
+    when: Callable[..., bool] | None = None,
+    this_thread: bool = False,
+    keep: Callable[..., Any] | None = None,
+) -> CallCounter:
     """Count the calls of ``owner.name`` (a function or method of a module or class, run
     unchanged) from now until :meth:`CallCounter.restore`: those for which
     ``when(*args, **kwargs)`` is true (all without ``when``), made from any thread or,
@@ -159,8 +170,13 @@ def count_calls(owner: Any, name: str, when: Callable[..., bool] | None = None,
 
 
 @contextlib.contextmanager
-def counting_calls(owner: Any, name: str, when: Callable[..., bool] | None = None,
-                   this_thread: bool = False, keep: Callable[..., Any] | None = None) -> Iterator[CallCounter]:
+def counting_calls(
+    owner: Any,
+    name: str,
+    when: Callable[..., bool] | None = None,
+    this_thread: bool = False,
+    keep: Callable[..., Any] | None = None,
+) -> Iterator[CallCounter]:
     """:func:`count_calls` while the block runs (restored on the way out)."""
     counter = count_calls(owner, name, when, this_thread, keep)
     try:
@@ -227,9 +243,15 @@ def observing_loads() -> Iterator[LoadCounts]:
 
     from asyncckpt.loading import api
 
-    counters = [count_calls(api, "direct_load"), count_calls(dcp, "load"),
-                count_calls(api, "plan_direct_load",
-                            keep=lambda _sd, source, *a, **k: "records" if isinstance(source, dict) else "metadata")]
+    counters = [
+        count_calls(api, "direct_load"),
+        count_calls(dcp, "load"),
+        count_calls(
+            api,
+            "plan_direct_load",
+            keep=lambda _sd, source, *a, **k: "records" if isinstance(source, dict) else "metadata",
+        ),
+    ]
     try:
         yield LoadCounts(*counters)
     finally:
@@ -253,8 +275,12 @@ def small_tmpfs(path: Path, size: str, nr_inodes: int | None = None) -> Iterator
     if os.environ.get("ASYNCCKPT_FAULTS_NO_MOUNT") != "1" and hasattr(os, "geteuid") and os.geteuid() == 0:
         try:
             options = f"size={size},mode=0755" + (f",nr_inodes={nr_inodes}" if nr_inodes else "")
-            mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                                     capture_output=True, timeout=30).returncode == 0
+            mounted = (
+                subprocess.run(
+                    ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, timeout=30
+                ).returncode
+                == 0
+            )
         except (OSError, subprocess.SubprocessError):
             mounted = False
     try:

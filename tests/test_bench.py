@@ -21,26 +21,60 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 SYSTEMS = {
-    "torch.save (sync)", "dcp.save (sync)",
-    "dcp.async_save thread", "dcp.async_save process",
-    "dcp.async_save thread + DefaultStager", "dcp.async_save process + DefaultStager",
-    "asyncckpt sync", "asyncckpt temporal", "asyncckpt persistent", "asyncckpt persistent overlapped",
+    "torch.save (sync)",
+    "dcp.save (sync)",
+    "dcp.async_save thread",
+    "dcp.async_save process",
+    "dcp.async_save thread + DefaultStager",
+    "dcp.async_save process + DefaultStager",
+    "asyncckpt sync",
+    "asyncckpt temporal",
+    "asyncckpt persistent",
+    "asyncckpt persistent overlapped",
 }
-SAVE_FIGURES = {"stall_s", "first_stall_s", "returns_s", "committed_s", "first_committed_s", "gbps",
-                "peak_extra_bytes", "peak_extra_ratio", "extra_after_first_bytes", "extra_after_last_bytes"}
-LOADS = {"raw read (cold cache)", "raw read (warm cache)", "asyncckpt.load verify=True",
-         "asyncckpt.load verify=False", "asyncckpt.load verify='inline'", "dcp.load (asyncckpt checkpoint)",
-         "dcp.load (dcp.save checkpoint)", "torch.load (torch.save file)"}
+SAVE_FIGURES = {
+    "stall_s",
+    "first_stall_s",
+    "returns_s",
+    "committed_s",
+    "first_committed_s",
+    "gbps",
+    "peak_extra_bytes",
+    "peak_extra_ratio",
+    "extra_after_first_bytes",
+    "extra_after_last_bytes",
+}
+LOADS = {
+    "raw read (cold cache)",
+    "raw read (warm cache)",
+    "asyncckpt.load verify=True",
+    "asyncckpt.load verify=False",
+    "asyncckpt.load verify='inline'",
+    "dcp.load (asyncckpt checkpoint)",
+    "dcp.load (dcp.save checkpoint)",
+    "torch.load (torch.save file)",
+}
 LLM_SYSTEMS = {"dcp.async_save thread + DefaultStager", "asyncckpt persistent", "asyncckpt persistent + prepare()"}
-LLM_LOADS = {"raw read (cold cache)", "raw read (warm cache)", "asyncckpt.load verify=True",
-             "asyncckpt.load verify=False", "asyncckpt.load verify='inline'", "dcp.load (asyncckpt checkpoint)"}
+LLM_LOADS = {
+    "raw read (cold cache)",
+    "raw read (warm cache)",
+    "asyncckpt.load verify=True",
+    "asyncckpt.load verify=False",
+    "asyncckpt.load verify='inline'",
+    "dcp.load (asyncckpt checkpoint)",
+}
 #: --quick's record-size workload: 24 tensors of 24 distinct sizes, 64-96 KiB.
 SIZES = "sizes24:64K-96K"
 SIZES_SYSTEMS = {"dcp.async_save thread + DefaultStager", "asyncckpt persistent"}
 SIZES_LOADS = LLM_LOADS
-TRAIN_SYSTEMS = {"no checkpoint", "torch.save (sync)", "dcp.async_save thread",
-                 "dcp.async_save thread + DefaultStager, overlapped", "asyncckpt persistent",
-                 "asyncckpt persistent overlapped"}
+TRAIN_SYSTEMS = {
+    "no checkpoint",
+    "torch.save (sync)",
+    "dcp.async_save thread",
+    "dcp.async_save thread + DefaultStager, overlapped",
+    "asyncckpt persistent",
+    "asyncckpt persistent overlapped",
+}
 REPS = 2  # --quick: saves after the first (and after the warm-up saves)
 EPS = 1e-6  # seconds: float rounding between figures of one clock
 
@@ -52,8 +86,8 @@ def _finite(x: float) -> bool:
 def _table_rows(text: str, heading: str, header: str) -> list[str]:
     """The first column of the rows of the first table starting with ``header`` after
     ``heading`` in the markdown ``text``."""
-    section = text[text.index(heading):]
-    lines = section[section.index(header):].splitlines()
+    section = text[text.index(heading) :]
+    lines = section[section.index(header) :].splitlines()
     rows = []
     for line in lines[2:]:  # after the header and the |---| line
         if not line.startswith("|"):
@@ -62,8 +96,7 @@ def _table_rows(text: str, heading: str, header: str) -> list[str]:
     return rows
 
 
-def _check_save_relations(name: str, s: dict[str, Any], nbytes: int, saves: int, warmup: int,
-                          ranks: int = 1) -> None:
+def _check_save_relations(name: str, s: dict[str, Any], nbytes: int, saves: int, warmup: int, ranks: int = 1) -> None:
     """What holds for every save of one system on one of ``ranks`` ranks, whatever the
     machine's speed."""
     stalls, committed = s["stalls_s"], s["committed_all_s"]
@@ -98,9 +131,21 @@ def _check_save_relations(name: str, s: dict[str, Any], nbytes: int, saves: int,
 def test_bench_quick_reports_every_system_and_figure(tmp_path: Path) -> None:
     out, png, md = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "bench.md"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick",
-         "--json", str(out), "--png", str(png), "--md", str(md)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench.py"),
+            "--quick",
+            "--json",
+            str(out),
+            "--png",
+            str(png),
+            "--md",
+            str(md),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2")),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -114,6 +159,7 @@ def test_bench_quick_reports_every_system_and_figure(tmp_path: Path) -> None:
     # (checked against the state itself in test_sizes_workloads).
     assert workloads["4M/16"]["bytes"] == 4 << 20 and workloads["4M/16"]["tensors"] == 16
     from benchmark.workloads import make_workload
+
     sizes_sd, _ = make_workload(SIZES, 1)
     assert workloads[SIZES]["bytes"] == sum(t.numel() * t.element_size() for t in sizes_sd.values())
     for w in workloads.values():
@@ -127,15 +173,15 @@ def test_bench_quick_reports_every_system_and_figure(tmp_path: Path) -> None:
         # one raw write + fsync before the systems and one after each
         assert len(lim["raw_write_fsync_all_s"]) == len(w["systems"]) + 1
         assert lim["raw_write_fsync_s"] == statistics.median(lim["raw_write_fsync_all_s"])
-        expected = {s for s in ({"llm": LLM_SYSTEMS, SIZES: SIZES_SYSTEMS}.get(w["name"], SYSTEMS))
-                    if s not in skipped}
+        expected = {s for s in ({"llm": LLM_SYSTEMS, SIZES: SIZES_SYSTEMS}.get(w["name"], SYSTEMS)) if s not in skipped}
         assert set(w["systems"]) == expected, skipped
         for name, figures in w["systems"].items():
             assert SAVE_FIGURES <= set(figures), name
             assert all(_finite(figures[k]) for k in SAVE_FIGURES), name
             _check_save_relations(name, figures, w["bytes"], w["saves"], warmup)
             assert figures["raw_write_adjacent_s"] == pytest.approx(
-                (figures["raw_write_before_s"] + figures["raw_write_after_s"]) / 2), name
+                (figures["raw_write_before_s"] + figures["raw_write_after_s"]) / 2
+            ), name
         assert set(w["loads"]) == {"llm": LLM_LOADS, SIZES: SIZES_LOADS}.get(w["name"], LOADS)
         assert all(load["s"] > 0 and load["s"] == statistics.median(load["all_s"]) for load in w["loads"].values())
 
@@ -211,18 +257,38 @@ def test_bench_quick_reports_every_system_and_figure(tmp_path: Path) -> None:
     # are measured (met or not), the 1 GiB ones and K = 16 are not.
     targets = {t["target"]: t for t in res["targets"]}
     measured = {t for t, row in targets.items() if row["met"] is not None}
-    assert {"steady stall, LLM state", "steady stall, FSDP2 (2 ranks)", "first save, LLM state (default)",
-            "first save, LLM state (with prepare())", "load (verify on), llm", "training loop, K = 1",
-            "training loop, K = 2", "staging memory, llm"} == measured, measured
-    assert {"steady stall, 1 GiB in 4096 tensors", "committed, 16 tensors (1G/16)", "training loop, K = 16",
-            "load (verify on), 1G/4096"} <= set(targets) - measured
+    assert {
+        "steady stall, LLM state",
+        "steady stall, FSDP2 (2 ranks)",
+        "first save, LLM state (default)",
+        "first save, LLM state (with prepare())",
+        "load (verify on), llm",
+        "training loop, K = 1",
+        "training loop, K = 2",
+        "staging memory, llm",
+    } == measured, measured
+    assert {
+        "steady stall, 1 GiB in 4096 tensors",
+        "committed, 16 tensors (1G/16)",
+        "training loop, K = 16",
+        "load (verify on), 1G/4096",
+    } <= set(targets) - measured
 
     text = md.read_text()
     assert text in proc.stdout
-    for heading in ("## 4M/16", f"## {SIZES}", "## llm", "## fsdp2",
-                    "## Training loop: checkpoint every K = 1, 2 steps", "## Issue 11 targets", "## Ratios summary",
-                    "| asyncckpt persistent |", "time in asyncckpt's `maybe_finalize()`", "## Lightning checkpoints",
-                    "Commit with 24 distinct record sizes against the raw write + fsync"):
+    for heading in (
+        "## 4M/16",
+        f"## {SIZES}",
+        "## llm",
+        "## fsdp2",
+        "## Training loop: checkpoint every K = 1, 2 steps",
+        "## Issue 11 targets",
+        "## Ratios summary",
+        "| asyncckpt persistent |",
+        "time in asyncckpt's `maybe_finalize()`",
+        "## Lightning checkpoints",
+        "Commit with 24 distinct record sizes against the raw write + fsync",
+    ):
         assert heading in text
     # One row per limit and system in each workload's table, one per system in the
     # summary and in the record-size row's table.
@@ -232,7 +298,7 @@ def test_bench_quick_reports_every_system_and_figure(tmp_path: Path) -> None:
     assert _table_rows(text, "Commit with 24 distinct", "| system | writer (ms) |") == list(sizes["systems"])
     names = list(dict.fromkeys(n for w in res["workloads"] for n in w["systems"]))
     assert _table_rows(text, "## Ratios summary", "| system |") == names
-    summary_head = text[text.index("## Ratios summary"):].split("| system | ", 1)[1].splitlines()[0]
+    summary_head = text[text.index("## Ratios summary") :].split("| system | ", 1)[1].splitlines()[0]
     assert [c.strip() for c in summary_head.split("|") if c.strip()] == [w["name"] for w in res["workloads"]]
     assert re.search(r"Saves per system: 43 \(the first, 40 warm-up saves, then the 2 measured\)", text)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -264,19 +330,50 @@ def test_render_handles_a_minimal_result(tmp_path: Path) -> None:
     from benchmark.chart import render_png
     from benchmark.report import render_markdown
 
-    sysfig = {"stall_s": 0.01, "first_stall_s": 0.1, "returns_s": 0.005, "committed_s": 0.2,
-              "gbps": 1.0, "peak_extra_ratio": 1.0, "extra_after_first_bytes": 1 << 20,
-              "extra_after_last_bytes": 1 << 20}
+    sysfig = {
+        "stall_s": 0.01,
+        "first_stall_s": 0.1,
+        "returns_s": 0.005,
+        "committed_s": 0.2,
+        "gbps": 1.0,
+        "peak_extra_ratio": 1.0,
+        "extra_after_first_bytes": 1 << 20,
+        "extra_after_last_bytes": 1 << 20,
+    }
     res = {
-        "machine": {"date": "now", "cpu_count": 2, "cpu_model": "x", "torch": torch_version(), "cuda": False,
-                    "python": "3", "ram_gib": 1.0, "platform": "p", "fs": "ext4", "asyncckpt": "0",
-                    "loadavg_start": [0, 0, 0], "loadavg_end": [0, 0, 0]},
-        "args": {"reps": 1, "big_reps": 1, "train_reps": 1}, "skipped": ["x: skipped"], "total_s": 1.0,
-        "workloads": [{"name": "1M/1", "label": "l", "bytes": 1 << 20, "saves": 2,
-                       "limits": {"memcpy_s": 0.001, "raw_write_fsync_s": 0.1, "raw_read_cold_s": 0.01,
-                                  "raw_read_warm_s": 0.001},
-                       "systems": {"a": sysfig, "b": sysfig},
-                       "loads": {"raw read (cold cache)": {"s": 0.01}, "dcp.load (dcp.save checkpoint)": {"s": 0.02}}}],
+        "machine": {
+            "date": "now",
+            "cpu_count": 2,
+            "cpu_model": "x",
+            "torch": torch_version(),
+            "cuda": False,
+            "python": "3",
+            "ram_gib": 1.0,
+            "platform": "p",
+            "fs": "ext4",
+            "asyncckpt": "0",
+            "loadavg_start": [0, 0, 0],
+            "loadavg_end": [0, 0, 0],
+        },
+        "args": {"reps": 1, "big_reps": 1, "train_reps": 1},
+        "skipped": ["x: skipped"],
+        "total_s": 1.0,
+        "workloads": [
+            {
+                "name": "1M/1",
+                "label": "l",
+                "bytes": 1 << 20,
+                "saves": 2,
+                "limits": {
+                    "memcpy_s": 0.001,
+                    "raw_write_fsync_s": 0.1,
+                    "raw_read_cold_s": 0.01,
+                    "raw_read_warm_s": 0.001,
+                },
+                "systems": {"a": sysfig, "b": sysfig},
+                "loads": {"raw read (cold cache)": {"s": 0.01}, "dcp.load (dcp.save checkpoint)": {"s": 0.02}},
+            }
+        ],
     }
     text = render_markdown(res)
     assert "| a | 10.0 | 10.00x |" in text
@@ -286,4 +383,5 @@ def test_render_handles_a_minimal_result(tmp_path: Path) -> None:
 
 def torch_version() -> str:
     import torch
+
     return torch.__version__

@@ -13,8 +13,9 @@ import shutil
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -23,8 +24,6 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
 import asyncckpt.io.commit as commit_mod
-from asyncckpt import testing
-from helpers import assert_same, clone_state, closing_queue, counting_plans
 from asyncckpt import (
     AsyncCallsQueue,
     CheckpointError,
@@ -33,7 +32,10 @@ from asyncckpt import (
     CorruptCheckpointError,
     SaveHandle,
     SaveTimings,
+    testing,
 )
+
+from helpers import assert_same, clone_state, closing_queue, counting_plans
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -65,7 +67,7 @@ def make_state(seed: int = 0) -> dict[str, Any]:
         "f16": torch.randn(33, generator=g).to(torch.float16),
         "bf16": torch.randn(3, 4, 5, generator=g).to(torch.bfloat16),
         "f64": torch.randn(4, generator=g, dtype=torch.float64),
-        "i64": torch.randint(-2**62, 2**62, (9,), generator=g, dtype=torch.int64),
+        "i64": torch.randint(-(2**62), 2**62, (9,), generator=g, dtype=torch.int64),
         "i8": torch.randint(-128, 128, (17,), generator=g, dtype=torch.int8),
         "u8": torch.randint(0, 256, (2, 9), generator=g, dtype=torch.uint8),
         "bool": torch.rand(11, generator=g) > 0.5,
@@ -203,7 +205,7 @@ def test_committed_checkpoint_is_a_dcp_directory(tmp_path: Path, temporal_queue:
         pos = 0
         for offset, length, crc in entry["segments"]:
             assert offset == pos
-            assert zlib.crc32(content[offset:offset + length]) == crc, (name, offset, length)
+            assert zlib.crc32(content[offset : offset + length]) == crc, (name, offset, length)
             pos = offset + length
         assert pos == len(content)
     assert manifest["total_bytes"] == sum(e["size"] for e in manifest["files"].values())
@@ -215,8 +217,7 @@ def test_committed_checkpoint_is_a_dcp_directory(tmp_path: Path, temporal_queue:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("target", ["__0_0.distcp", ".metadata"])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing", "symlink"])
-def test_verify_detects_corruption(tmp_path: Path, temporal_queue: AsyncCallsQueue, damage: str,
-                                   target: str) -> None:
+def test_verify_detects_corruption(tmp_path: Path, temporal_queue: AsyncCallsQueue, damage: str, target: str) -> None:
     state = {"w": torch.randn(1 << 19), "b": torch.arange(10), "n": 5}  # w: own 2 MB manifest segment
     ckpt = tmp_path / "ck"
     asyncckpt.save(state, ckpt, calls_queue=temporal_queue)
@@ -322,10 +323,12 @@ def test_mutation_after_async_save_does_not_change_checkpoint(tmp_path: Path, ca
 @pytest.mark.parametrize("caller", CALLERS)
 def test_back_to_back_saves_in_flight(tmp_path: Path, caller: str, staging_buffers: int) -> None:
     g = torch.Generator().manual_seed(4)
-    state: dict[str, Any] = {"big": torch.randn(8 << 20, generator=g), "small": torch.arange(64, dtype=torch.int32),
-             "meta": {"step": 0}}
-    manager = CheckpointManager(tmp_path / "root", persistent=caller == "persistent",
-                                staging_buffers=staging_buffers)
+    state: dict[str, Any] = {
+        "big": torch.randn(8 << 20, generator=g),
+        "small": torch.arange(64, dtype=torch.int32),
+        "meta": {"step": 0},
+    }
+    manager = CheckpointManager(tmp_path / "root", persistent=caller == "persistent", staging_buffers=staging_buffers)
     expected: dict[int, Any] = {}
     try:
         for step in (1, 2, 3):
@@ -369,14 +372,19 @@ def _float_key() -> dict:  # int keys are saved (an optimizer's state): tests/te
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("make_bad,needle", [
-    (_sparse, "state_dict['layer']['weight']"),
-    (_meta, "state_dict['bias']"),
-    (_quantized, "state_dict['q']"),
-    (_float_key, "key 7.5"),
-], ids=["sparse", "meta", "quantized", "float_key"])
-def test_unsaveable_input_refused_before_writing(tmp_path: Path, temporal_queue: AsyncCallsQueue, make_bad: Any,
-                                                 needle: str, async_op: bool) -> None:
+@pytest.mark.parametrize(
+    "make_bad,needle",
+    [
+        (_sparse, "state_dict['layer']['weight']"),
+        (_meta, "state_dict['bias']"),
+        (_quantized, "state_dict['q']"),
+        (_float_key, "key 7.5"),
+    ],
+    ids=["sparse", "meta", "quantized", "float_key"],
+)
+def test_unsaveable_input_refused_before_writing(
+    tmp_path: Path, temporal_queue: AsyncCallsQueue, make_bad: Any, needle: str, async_op: bool
+) -> None:
     target = tmp_path / "ck"
     with pytest.raises(CheckpointError) as info:
         asyncckpt.save(make_bad(), target, async_op=async_op, calls_queue=temporal_queue)
@@ -574,8 +582,9 @@ def test_manager_steps_latest_and_retention(tmp_path: Path, calls_queue: AsyncCa
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("caller", CALLERS)
-def test_manager_failed_save_leaves_latest_untouched(tmp_path: Path, caller: str,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_manager_failed_save_leaves_latest_untouched(
+    tmp_path: Path, caller: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = tmp_path / "root"
     blocker = tmp_path / "blocker"
     blocker.write_text("a regular file")
@@ -589,8 +598,9 @@ def test_manager_failed_save_leaves_latest_untouched(tmp_path: Path, caller: str
 
         # Fault: this save's data directory cannot be created (its parent is a file).
         real_tmp = commit_mod.temporary_dir_for
-        monkeypatch.setattr(commit_mod, "temporary_dir_for",
-                            lambda final_dir, token: blocker / real_tmp(final_dir, token).name)
+        monkeypatch.setattr(
+            commit_mod, "temporary_dir_for", lambda final_dir, token: blocker / real_tmp(final_dir, token).name
+        )
         state["w"].add_(1)
         failing = manager.save(2, state, async_op=True)
         with pytest.raises(CheckpointException) as info:
@@ -651,14 +661,16 @@ def test_manager_last_committed_timings_after_handle_wait(tmp_path: Path, tempor
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("caller", CALLERS)
-def test_an_outcome_seen_through_wait_is_not_reported_again(tmp_path: Path, caller: str,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_outcome_seen_through_wait_is_not_reported_again(
+    tmp_path: Path, caller: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``handle.wait()`` may return as soon as the handle is settled, while the finalizer
     thread has not finished settling the save (the fault: that thread is descheduled
     right after settling the handle). The outcome seen through ``wait`` must not be
     reported again by ``maybe_finalize``: before the fix it was, and as a committed save
     ahead of a failure it made ``maybe_finalize(blocking=True)`` return instead of
     raising (seen in the fault suite's ``preload`` scenario)."""
+
     def stall(_: Any) -> None:
         time.sleep(0.3)  # the finalizer thread, descheduled right after completing the handle
 
@@ -679,7 +691,8 @@ def test_an_outcome_seen_through_wait_is_not_reported_again(tmp_path: Path, call
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("caller", CALLERS)
 def test_a_blocking_maybe_finalize_waits_for_a_failure_being_settled(
-        tmp_path: Path, caller: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, caller: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``maybe_finalize(blocking=True)`` called while the finalizer thread settles a failed
     save (here: it is descheduled while removing the save's temporary directory) must
     wait for it and raise. Before the fix the save was, for that moment, neither pending
@@ -700,8 +713,9 @@ def test_a_blocking_maybe_finalize_waits_for_a_failure_being_settled(
     monkeypatch.setattr(shutil, "rmtree", stalled_rmtree)
     with CheckpointManager(tmp_path / "root", persistent=caller == "persistent") as manager:
         manager.save(1, {"w": torch.ones(10)}).wait(timeout=30)
-        monkeypatch.setattr(commit_mod, "temporary_dir_for",
-                            lambda final_dir, token: blocker / real_tmp(final_dir, token).name)
+        monkeypatch.setattr(
+            commit_mod, "temporary_dir_for", lambda final_dir, token: blocker / real_tmp(final_dir, token).name
+        )
         failing = manager.save(2, {"w": torch.ones(10)})
         monkeypatch.setattr(commit_mod, "temporary_dir_for", real_tmp)
         assert settling.wait(timeout=30)
@@ -714,7 +728,8 @@ def test_a_blocking_maybe_finalize_waits_for_a_failure_being_settled(
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("caller", CALLERS)
 def test_a_blocking_maybe_finalize_raises_a_failure_behind_committed_saves(
-        tmp_path: Path, caller: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, caller: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """At the end of training (``maybe_finalize(blocking=True)``) a failed save is raised
     even when saves committed before it are reported in the same call: left to "the next
     call", which may never come, the failure would be lost. Not blocking, the committed
@@ -726,8 +741,9 @@ def test_a_blocking_maybe_finalize_raises_a_failure_behind_committed_saves(
         for blocking in (True, False):
             first = 10 if blocking else 20
             ok = manager.save(first, {"w": torch.ones(10)})
-            monkeypatch.setattr(commit_mod, "temporary_dir_for",
-                                lambda final_dir, token: blocker / real_tmp(final_dir, token).name)
+            monkeypatch.setattr(
+                commit_mod, "temporary_dir_for", lambda final_dir, token: blocker / real_tmp(final_dir, token).name
+            )
             failing = manager.save(first + 1, {"w": torch.ones(10)})
             monkeypatch.setattr(commit_mod, "temporary_dir_for", real_tmp)
             if blocking:
@@ -835,8 +851,8 @@ def test_plan_is_cached_while_the_structure_is_unchanged(tmp_path):
     try:
         states: list[dict[str, Any]] = [
             {"a": torch.ones(3), "b": [torch.zeros(2, 2)], "step": 1},
-            {"a": torch.full((3,), 2.0), "b": [torch.ones(2, 2)], "step": 2},      # same structure: hit
-            {"a": torch.ones(4), "b": [torch.zeros(2, 2)], "step": 3},            # shape changed
+            {"a": torch.full((3,), 2.0), "b": [torch.ones(2, 2)], "step": 2},  # same structure: hit
+            {"a": torch.ones(4), "b": [torch.zeros(2, 2)], "step": 3},  # shape changed
             {"a": torch.ones(4, dtype=torch.float64), "b": [torch.zeros(2, 2)], "step": 4},  # dtype
             {"a": torch.ones(4, dtype=torch.float64), "b": [torch.zeros(2, 2)], "c": 1, "step": 5},  # new key
             {"a": torch.ones(4, dtype=torch.float64), "b": [torch.zeros(2, 2)], "c": "x" * 1000, "step": 6},
@@ -848,9 +864,16 @@ def test_plan_is_cached_while_the_structure_is_unchanged(tmp_path):
                 plans.append(planned.n)
         assert plans == [1, 1, 2, 3, 4, 4]
         for i, state in enumerate(states):
-            out: dict[str, Any] = {k: (torch.empty_like(v) if torch.is_tensor(v) else
-                       [torch.empty_like(t) for t in v] if isinstance(v, list) else None)
-                   for k, v in state.items()}
+            out: dict[str, Any] = {
+                k: (
+                    torch.empty_like(v)
+                    if torch.is_tensor(v)
+                    else [torch.empty_like(t) for t in v]
+                    if isinstance(v, list)
+                    else None
+                )
+                for k, v in state.items()
+            }
             asyncckpt.load(out, tmp_path / f"c{i}")
             assert torch.equal(out["a"], state["a"]) and out["a"].dtype == state["a"].dtype
             assert torch.equal(out["b"][0], state["b"][0])

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
+
 from dist_utils import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -143,8 +144,13 @@ def _rank_save_load(rank: int, world_size: int, root: str, persistent: bool) -> 
             other = 1 - rank
             got_other = {f"rank{other}": torch.zeros(1000)}
             dcp.load(got_other, checkpoint_id=str(path))
-            out["diffs"].append(_diff({f"rank{other}": torch.arange(1000, dtype=torch.float32) + 1000 * other},
-                                      got_other, f"{name}/other rank"))
+            out["diffs"].append(
+                _diff(
+                    {f"rank{other}": torch.arange(1000, dtype=torch.float32) + 1000 * other},
+                    got_other,
+                    f"{name}/other rank",
+                )
+            )
             # asyncckpt.load (verifies first, each rank a share of the files).
             got = _fresh(expected)
             asyncckpt.load(got, path)
@@ -241,7 +247,15 @@ def test_two_ranks_save_load_and_refuse(tmp_path: Path, caller: str) -> None:
         assert _diff(expected, merged) is None, _diff(expected, merged)
 
     # No temporary directory left over, nothing written for the refused saves.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["async", "async.pt", "coord1", "corrupt", "occupied", "sync", "sync.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "async",
+        "async.pt",
+        "coord1",
+        "corrupt",
+        "occupied",
+        "sync",
+        "sync.pt",
+    ]
     assert sorted(p.name for p in occupied.iterdir()) == ["keep"]
 
     msgs = [res["bad_msgs"] for res in results]
@@ -263,8 +277,11 @@ def _rank_manager(rank: int, world_size: int, root: str, persistent: bool, block
     out: dict[str, Any] = {"diffs": [], "committed": []}
     manager = CheckpointManager(root, keep_last=2, persistent=persistent)
     try:
-        state: dict[str, Any] = {f"rank{rank}": torch.zeros(1 << 16), "shared": torch.zeros(10, dtype=torch.float64),
-                 "meta": {"step": 0}}
+        state: dict[str, Any] = {
+            f"rank{rank}": torch.zeros(1 << 16),
+            "shared": torch.zeros(10, dtype=torch.float64),
+            "meta": {"step": 0},
+        }
         expected: dict[int, Any] = {}
 
         def set_step(step: int) -> None:
@@ -372,7 +389,10 @@ def test_two_ranks_manager_and_one_rank_failure(tmp_path: Path, caller: str) -> 
     # The failed steps are not checkpoints (only hidden leftovers may remain).
     assert not (root / "step_00000004").exists() and not (root / "step_00000005").exists()
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == [
-        "latest", "step_00000003", "step_00000006"]
+        "latest",
+        "step_00000003",
+        "step_00000006",
+    ]
 
 
 def _rank_gloo_cache(rank: int, world_size: int, init_method: str) -> dict[str, Any]:
@@ -392,8 +412,12 @@ def _rank_gloo_cache(rank: int, world_size: int, init_method: str) -> dict[str, 
     assert second.all_gather_object(f"r{rank}") == ["r0", "r1"]
     cached_after = [g for _, g in ack_dist._gloo_groups.values()]
     ack_dist._release_gloo_groups()  # what runs at exit, before interpreter finalization
-    return {"before": cached_before, "after": len(cached_after),
-            "current": cached_after == [second.gloo], "released": len(ack_dist._gloo_groups)}
+    return {
+        "before": cached_before,
+        "after": len(cached_after),
+        "current": cached_after == [second.gloo],
+        "released": len(ack_dist._gloo_groups),
+    }
 
 
 def test_gloo_groups_of_destroyed_process_groups_are_not_kept(tmp_path: Path) -> None:

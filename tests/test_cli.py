@@ -22,13 +22,14 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same, flip_byte
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
 from asyncckpt import cli
 from asyncckpt.format import manifest as commit
 from asyncckpt.io.commit import write_latest
+
+from helpers import assert_same, flip_byte
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -49,8 +50,7 @@ def console_script() -> str:
 def run(*args: Any, cmd: list[str] | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_FAULT"}
     env["COLUMNS"] = "200"
-    return subprocess.run([*(cmd or PY), *map(str, args)], capture_output=True, text=True, timeout=CMD_TIMEOUT,
-                          env=env)
+    return subprocess.run([*(cmd or PY), *map(str, args)], capture_output=True, text=True, timeout=CMD_TIMEOUT, env=env)
 
 
 def run_json(*args: Any, rc: int = 0) -> Any:
@@ -175,13 +175,16 @@ def test_ls_lists_steps_latest_and_partial(tmp_path: Path) -> None:
     doc = run_json("ls", root)
     assert doc["latest"] == "step_00000020" and doc["latest_is_committed"] and doc["newest_step"] == 20
     assert [(c["step"], c["name"], c["latest"]) for c in doc["checkpoints"]] == [
-        (10, "step_00000010", False), (20, "step_00000020", True)]
+        (10, "step_00000010", False),
+        (20, "step_00000020", True),
+    ]
     for c in doc["checkpoints"]:
         manifest = commit.read_manifest(c["path"])
         assert c["bytes"] == manifest["total_bytes"] > 0
         assert c["world_size"] == 1 and c["error"] is None
         assert datetime.datetime.fromisoformat(c["committed_at"]).timestamp() == pytest.approx(
-            os.stat(Path(c["path"]) / commit.MANIFEST_NAME).st_mtime, abs=1)
+            os.stat(Path(c["path"]) / commit.MANIFEST_NAME).st_mtime, abs=1
+        )
         assert re.fullmatch(r"[\d.]+ (B|KiB|MiB)", c["size"])
     assert {p["name"]: p["kind"] for p in doc["partial"]} == partial
     assert {p["name"]: p["bytes"] for p in doc["partial"]}[".step_00000030.tmp-0123abcd"] == 100
@@ -216,8 +219,7 @@ def test_inspect_entries_dtypes_shapes_totals(tmp_path: Path, capsys: pytest.Cap
     assert "(4, 3)" in rows["model.weight"] and "(5,)" in rows["model.bias"] and "()" in rows["scalar"]
     for fqn in VALUES:
         assert re.search(r"\bbytes\b", rows[fqn]), rows[fqn]
-    assert f"entries: {len(TENSORS) + len(VALUES)} ({len(TENSORS)} tensors, {len(VALUES)} other values)" \
-        in stdout
+    assert f"entries: {len(TENSORS) + len(VALUES)} ({len(TENSORS)} tensors, {len(VALUES)} other values)" in stdout
     assert "world_size: 1  step: 20" in stdout
 
     doc = run_json("inspect", ckpt)
@@ -298,8 +300,7 @@ def test_missing_path_is_a_clean_error(tmp_path: Path) -> None:
     assert_clean_error(run("verify", missing), "FAILED", "no such file or directory")
     doc = run_json("verify", missing, rc=1)
     assert not doc["ok"] and "no such file" in doc["results"][0]["error"]
-    for args in (("ls", missing), ("inspect", missing), ("clean", missing),
-                 ("convert", missing, tmp_path / "out.pt")):
+    for args in (("ls", missing), ("inspect", missing), ("clean", missing), ("convert", missing, tmp_path / "out.pt")):
         assert_clean_error(run(*args), str(missing))
     doc = run_json("ls", missing, rc=1)
     assert "no such file" in doc["error"]
@@ -322,8 +323,9 @@ def test_verify_progress_bar(tmp_path: Path) -> None:
 def test_verify_progress_hook_counts_every_byte(tmp_path: Path, temporal_queue: Any) -> None:
     # The progress bar of `verify` is fed by commit.verify_checkpoint(on_bytes=...).
     ckpt = tmp_path / "ck"
-    asyncckpt.save({"w": torch.randn(300), "b": torch.arange(7), "n": 3}, ckpt, async_op=False,
-                   calls_queue=temporal_queue)
+    asyncckpt.save(
+        {"w": torch.randn(300), "b": torch.arange(7), "n": 3}, ckpt, async_op=False, calls_queue=temporal_queue
+    )
     seen: list[int] = []
     commit.verify_checkpoint(ckpt, on_bytes=seen.append)
     assert sum(seen) == sum(e["size"] for e in commit.read_manifest(ckpt)["files"].values())
@@ -354,8 +356,9 @@ def test_convert_round_trip_and_refuse_overwrite(tmp_path: Path, capsys: pytest.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "reference.pt", "root"]  # no temp file
 
 
-def test_convert_refuses_pickled_objects_without_allow_pickle(tmp_path: Path, temporal_queue: Any,
-                                                             capsys: pytest.CaptureFixture) -> None:
+def test_convert_refuses_pickled_objects_without_allow_pickle(
+    tmp_path: Path, temporal_queue: Any, capsys: pytest.CaptureFixture
+) -> None:
     ckpt = tmp_path / "ck"
     state = {"w": torch.ones(3), "when": datetime.date(2024, 5, 6)}
     asyncckpt.save(state, ckpt, async_op=False, calls_queue=temporal_queue)

@@ -14,6 +14,7 @@ killed one before it left. CI runs a few; ``ASYNCCKPT_LONG=1`` runs 20 + 4. Each
 record (writer, aimed and observed phase, committed step before / after, resume step)
 is printed; run with ``-s`` to see them.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -56,8 +57,7 @@ def _run(tmp_path: Path, plan: list[tuple[str, str]]) -> list:
 
 def _assert_no_violations(records: list) -> None:
     failed = [r for r in records if r.violations]
-    assert not failed, "\n".join(
-        [ct.summarize(records)] + [r.line() + "\n" + r.output_tail[-1500:] for r in failed])
+    assert not failed, "\n".join([ct.summarize(records)] + [r.line() + "\n" + r.output_tail[-1500:] for r in failed])
 
 
 @pytest.mark.timeout(1800 if LONG else 150)

@@ -10,6 +10,7 @@ import torch
 
 import asyncckpt
 from asyncckpt.testing import staging_buffers
+
 from helpers import assert_same
 
 pytestmark = [
@@ -46,8 +47,12 @@ def test_cuda_save_copies_after_pending_compute(tmp_path):
         handle.wait()
         buffers = staging_buffers(mgr)
         assert buffers and all(b.pinned for b in buffers)  # D2H into page-locked memory
-    out = {"w": torch.empty(4096, 1024), "h": torch.empty(1000, dtype=torch.half), "cpu": torch.empty(10, dtype=torch.long),
-           "step": 0}
+    out = {
+        "w": torch.empty(4096, 1024),
+        "h": torch.empty(1000, dtype=torch.half),
+        "cpu": torch.empty(10, dtype=torch.long),
+        "step": 0,
+    }
     asyncckpt.load(out, tmp_path / "step_00000001")
     assert_same(expected, out)
 
@@ -63,7 +68,11 @@ def test_cuda_overlapped_staging(tmp_path):
         mgr.synchronize_staging()
         sd["w"].add_(1)  # optimizer.step()
         handle.wait()
-    out = {"w": torch.empty(4096, 1024, device="cuda"), "h": torch.empty(1000, dtype=torch.half, device="cuda"),
-           "cpu": torch.empty(10, dtype=torch.long), "step": 0}
+    out = {
+        "w": torch.empty(4096, 1024, device="cuda"),
+        "h": torch.empty(1000, dtype=torch.half, device="cuda"),
+        "cpu": torch.empty(10, dtype=torch.long),
+        "step": 0,
+    }
     asyncckpt.load(out, tmp_path / "step_00000001")
     assert_same(expected, {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in out.items()})

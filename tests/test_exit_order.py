@@ -87,8 +87,14 @@ def _run(tmp_path: Path, how: str, timeout: float = 120) -> tuple[Path, dict[str
     script.write_text(_SCRIPT)
     env = dict(os.environ, ASYNCCKPT_EXIT_TIMEOUT_S="60")
     env.pop("ASYNCCKPT_FAULT", None)
-    proc = subprocess.Popen([sys.executable, str(script), str(root), how], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(root), how],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     info: dict[str, Any] = {}
     try:
         try:
@@ -120,8 +126,7 @@ def _assert_exit_order(root: Path, info: dict[str, Any], err: str = "") -> None:
 
 
 @pytest.mark.timeout(240)
-def test_at_a_scripts_exit_the_save_commits_then_the_removal_finishes_then_the_worker_stops(
-        tmp_path: Path) -> None:
+def test_at_a_scripts_exit_the_save_commits_then_the_removal_finishes_then_the_worker_stops(tmp_path: Path) -> None:
     root, info, _ = _run(tmp_path, "main")
     _assert_exit_order(root, info)
     import asyncckpt
@@ -168,8 +173,14 @@ def test_ctrl_c_while_the_exit_waits_skips_to_stopping_the_worker(tmp_path: Path
     script.write_text(_INTERRUPTED)
     env = dict(os.environ, ASYNCCKPT_EXIT_TIMEOUT_S="60")
     env.pop("ASYNCCKPT_FAULT", None)
-    proc = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(root)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     worker = None
     try:
         assert proc.stdout is not None

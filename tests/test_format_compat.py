@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_same
 
 import asyncckpt
+
+from helpers import assert_same
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -80,16 +81,18 @@ def test_manager_resumes_and_saves_beside_the_old_steps(root: Path, expected: di
 
 
 def test_stock_dcp_loads_the_tensors(root: Path, expected: dict[str, Any]) -> None:
-    tensors = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()},
-               "tensors": {k: torch.zeros_like(v) for k, v in expected["tensors"].items()}}
+    tensors = {
+        "model": {k: torch.zeros_like(v) for k, v in expected["model"].items()},
+        "tensors": {k: torch.zeros_like(v) for k, v in expected["tensors"].items()},
+    }
     dcp.load(tensors, checkpoint_id=str(root / "step_00000002"))
     assert_same({"model": expected["model"], "tensors": expected["tensors"]}, tensors)
 
 
 def test_cli_lists_and_verifies(root: Path) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "asyncckpt", *args], capture_output=True,
-                              text=True, timeout=120)
+        return subprocess.run([sys.executable, "-m", "asyncckpt", *args], capture_output=True, text=True, timeout=120)
+
     ls = cli("ls", str(root))
     assert ls.returncode == 0, ls.stderr
     assert "step_00000001" in ls.stdout and "step_00000002" in ls.stdout

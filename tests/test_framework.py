@@ -24,12 +24,12 @@ from typing import Any
 
 import psutil
 import pytest
+from conftest import live_children
 
 import asyncckpt
 from asyncckpt.async_utils.callers import TERMINATE_GRACE_S, PersistentAsyncCaller, TemporalAsyncCaller
-from asyncckpt.errors import CheckpointException
 from asyncckpt.async_utils.request import AsyncRequest
-from conftest import live_children
+from asyncckpt.errors import CheckpointException
 
 TESTS_DIR = Path(__file__).resolve().parent
 #: A failed call must be reported within this many seconds (anchor failure 1: hang forever).
@@ -170,8 +170,15 @@ def make_queue(persistent):
 # --------------------------------------------------------------------------- AsyncRequest
 @pytest.mark.timeout(10)
 def test_async_request_is_a_namedtuple_with_megatron_fields_and_defaults():
-    assert AsyncRequest._fields == ("async_fn", "async_fn_args", "finalize_fns", "async_fn_kwargs",
-                                    "preload_fn", "is_frozen", "call_idx")
+    assert AsyncRequest._fields == (
+        "async_fn",
+        "async_fn_args",
+        "finalize_fns",
+        "async_fn_kwargs",
+        "preload_fn",
+        "is_frozen",
+        "call_idx",
+    )
     req = AsyncRequest(echo)
     assert isinstance(req, tuple)
     assert req.async_fn is echo
@@ -251,8 +258,9 @@ def test_results_are_keyed_by_call_idx_and_finalized_in_order(make_queue, persis
     got: list[Any] = []
     durations = [0.8, 0.05, 1.0]
     for i, seconds in enumerate(durations):
-        req = AsyncRequest(sleep_then_return, (seconds, f"value-{i}"),
-                           finalize_fns=[functools.partial(record_result, q, i, got)])
+        req = AsyncRequest(
+            sleep_then_return, (seconds, f"value-{i}"), finalize_fns=[functools.partial(record_result, q, i, got)]
+        )
         assert q.schedule_async_request(req) == i
     assert q.get_num_unfinalized_calls() == 3
     assert q.wait_local(1, timeout=20)
@@ -272,8 +280,9 @@ def test_results_are_keyed_by_call_idx_and_finalized_in_order(make_queue, persis
 def test_nonblocking_finalize_returns_nothing_while_a_call_runs(make_queue):
     q = make_queue()
     ran: list[Any] = []
-    q.schedule_async_request(AsyncRequest(sleep_then_return, (1.5, "late"),
-                                          finalize_fns=[functools.partial(ran.append, 0)]))
+    q.schedule_async_request(
+        AsyncRequest(sleep_then_return, (1.5, "late"), finalize_fns=[functools.partial(ran.append, 0)])
+    )
     t0 = time.monotonic()
     assert q.maybe_finalize_async_calls() == []
     assert q.maybe_finalize_async_calls(blocking=False, no_dist=True) == []
@@ -291,8 +300,9 @@ def test_until_limits_finalization_and_num_unfinalized_calls(make_queue):
     q = make_queue()
     got: list[Any] = []
     for i in range(3):
-        q.schedule_async_request(AsyncRequest(sleep_then_return, (0.05, i),
-                                              finalize_fns=[functools.partial(record_result, q, i, got)]))
+        q.schedule_async_request(
+            AsyncRequest(sleep_then_return, (0.05, i), finalize_fns=[functools.partial(record_result, q, i, got)])
+        )
     assert q.get_num_unfinalized_calls() == 3
     assert q.maybe_finalize_async_calls(blocking=True, until=1) == [0, 1]
     assert got == [(0, 0), (1, 1)]
@@ -311,7 +321,9 @@ def test_persistent_worker_never_imports_torch():
     try:
         assert "torch" in sys.modules  # the check means something only if the trainer has torch
         got: list[Any] = []
-        q.schedule_async_request(AsyncRequest(torch_is_imported, finalize_fns=[functools.partial(record_result, q, 0, got)]))
+        q.schedule_async_request(
+            AsyncRequest(torch_is_imported, finalize_fns=[functools.partial(record_result, q, 0, got)])
+        )
         assert q.maybe_finalize_async_calls(blocking=True) == [0]
         assert got == [(0, False)], "the persistent worker imported torch for a torch-free async_fn"
         q.close()
@@ -322,12 +334,18 @@ def test_persistent_worker_never_imports_torch():
 # --------------------------------------------------------------------------- failures
 FAILURES = {
     # mode: (request factory, texts expected in the cause, whether the persistent worker dies)
-    "raises": (lambda: AsyncRequest(raise_value_error, ("boom-raise",)),
-               ["ValueError: boom-raise", "Traceback", "raise_value_error"], False),
+    "raises": (
+        lambda: AsyncRequest(raise_value_error, ("boom-raise",)),
+        ["ValueError: boom-raise", "Traceback", "raise_value_error"],
+        False,
+    ),
     "sigkill": (lambda: AsyncRequest(kill_self_with_sigkill), ["SIGKILL"], True),
     "exit3": (lambda: AsyncRequest(exit_with_code_3), ["exited with code 3"], True),
-    "preload_raises": (lambda: AsyncRequest(echo, preload_fn=preload_raises),
-                       ["preload_fn", "RuntimeError: preload-bad", "Traceback"], False),
+    "preload_raises": (
+        lambda: AsyncRequest(echo, preload_fn=preload_raises),
+        ["preload_fn", "RuntimeError: preload-bad", "Traceback"],
+        False,
+    ),
 }
 
 
@@ -418,8 +436,9 @@ def test_background_blocking_poll_waits_for_finalize_fns_that_run(make_queue):
     q = make_queue(background_finalize=True)
     q.start()
     started, done = threading.Event(), list[Any]()
-    idx = q.schedule_async_request(AsyncRequest(echo, ("ok",), finalize_fns=[
-        functools.partial(_slow_finalize, started, done)]))
+    idx = q.schedule_async_request(
+        AsyncRequest(echo, ("ok",), finalize_fns=[functools.partial(_slow_finalize, started, done)])
+    )
     assert started.wait(timeout=FAIL_DEADLINE_S)
     assert q.is_pending(idx) and q.get_num_unfinalized_calls() == 1
     assert q.maybe_finalize_async_calls(blocking=True) == [idx]
@@ -460,8 +479,9 @@ def test_temporal_child_exiting_nonzero_after_reporting_success_is_a_failure():
     q = asyncckpt.AsyncCallsQueue(persistent=False)
     try:
         ran: list[Any] = []
-        q.schedule_async_request(AsyncRequest(succeed_then_exit_nonzero, (5, 0.3),
-                                              finalize_fns=[functools.partial(ran.append, 0)]))
+        q.schedule_async_request(
+            AsyncRequest(succeed_then_exit_nonzero, (5, 0.3), finalize_fns=[functools.partial(ran.append, 0)])
+        )
         t0 = time.monotonic()
         with pytest.raises(CheckpointException) as info:
             q.maybe_finalize_async_calls(blocking=True)
@@ -470,7 +490,9 @@ def test_temporal_child_exiting_nonzero_after_reporting_success_is_a_failure():
         assert "exited with code 5" in info.value.failures[0]
         assert ran == [], "a forked child that exited non-zero was finalized as a success"
         got: list[Any] = []
-        q.schedule_async_request(AsyncRequest(echo, ("next",), finalize_fns=[functools.partial(record_result, q, 1, got)]))
+        q.schedule_async_request(
+            AsyncRequest(echo, ("next",), finalize_fns=[functools.partial(record_result, q, 1, got)])
+        )
         assert q.maybe_finalize_async_calls(blocking=True) == [1]
         assert got == [(1, (("next",), {}))]
         q.close()
@@ -484,8 +506,11 @@ def test_persistent_worker_dying_between_calls_is_restarted():
     try:
         assert isinstance(q.caller, asyncckpt.PersistentAsyncCaller)  # persistent=True
         got: list[Any] = []
-        q.schedule_async_request(AsyncRequest(succeed_then_exit_nonzero, (5, 0.3),
-                                              finalize_fns=[functools.partial(record_result, q, 0, got)]))
+        q.schedule_async_request(
+            AsyncRequest(
+                succeed_then_exit_nonzero, (5, 0.3), finalize_fns=[functools.partial(record_result, q, 0, got)]
+            )
+        )
         assert q.maybe_finalize_async_calls(blocking=True) == [0]  # it returned before dying
         first_pid = got[0][1]
         deadline = time.monotonic() + FAIL_DEADLINE_S
@@ -506,7 +531,10 @@ def test_results_match_call_idx_across_a_failure(make_queue):
     q = make_queue()
     got: list[Any] = []
     plan: list[tuple[Callable[..., Any], tuple]] = [
-        (sleep_then_return, (0.3, "a")), (raise_value_error, ("middle",)), (sleep_then_return, (0.05, "c"))]
+        (sleep_then_return, (0.3, "a")),
+        (raise_value_error, ("middle",)),
+        (sleep_then_return, (0.05, "c")),
+    ]
     for i, (fn, args) in enumerate(plan):
         q.schedule_async_request(AsyncRequest(fn, args, finalize_fns=[functools.partial(record_result, q, i, got)]))
     with pytest.raises(CheckpointException) as info:
@@ -516,7 +544,9 @@ def test_results_match_call_idx_across_a_failure(make_queue):
     assert q.get_num_unfinalized_calls() == 1 and q.is_pending(2)
     assert q.maybe_finalize_async_calls(blocking=True) == [2]
     assert got == [(0, "a"), (2, "c")]
-    q.schedule_async_request(AsyncRequest(sleep_then_return, (0.0, "d"), finalize_fns=[functools.partial(record_result, q, 3, got)]))
+    q.schedule_async_request(
+        AsyncRequest(sleep_then_return, (0.0, "d"), finalize_fns=[functools.partial(record_result, q, 3, got)])
+    )
     assert q.maybe_finalize_async_calls(blocking=True) == [3]
     assert got[-1] == (3, "d")
     q.close()
@@ -528,8 +558,12 @@ def test_unpicklable_request_or_result_fails_the_call_not_the_schedule(make_queu
     ran: list[Any] = []
     local = []
     # A lambda runs in a forked child but cannot be sent to the persistent worker.
-    q.schedule_async_request(AsyncRequest(lambda: local.append(1) or "lambda ran",  # type: ignore[func-returns-value]
-                                          finalize_fns=[functools.partial(record_result, q, 0, ran)]))
+    q.schedule_async_request(
+        AsyncRequest(
+            lambda: local.append(1) or "lambda ran",  # type: ignore[func-returns-value]
+            finalize_fns=[functools.partial(record_result, q, 0, ran)],
+        )
+    )
     if persistent:
         with pytest.raises(CheckpointException, match="cannot be pickled") as info:
             q.maybe_finalize_async_calls(blocking=True)
@@ -554,8 +588,9 @@ def test_close_finalizes_pending_calls_then_stops_the_worker(make_queue, persist
     q = make_queue()
     got: list[Any] = []
     for i in range(2):
-        q.schedule_async_request(AsyncRequest(sleep_then_return, (0.3, f"v{i}"),
-                                              finalize_fns=[functools.partial(record_result, q, i, got)]))
+        q.schedule_async_request(
+            AsyncRequest(sleep_then_return, (0.3, f"v{i}"), finalize_fns=[functools.partial(record_result, q, i, got)])
+        )
     q.close()
     assert got == [(0, "v0"), (1, "v1")]
     assert q.closed and q.get_num_unfinalized_calls() == 0
@@ -573,7 +608,9 @@ def test_close_finalizes_pending_calls_then_stops_the_worker(make_queue, persist
 def test_close_raises_the_failure_of_a_pending_call_and_still_stops(make_queue, persistent):
     q = make_queue()
     got: list[Any] = []
-    q.schedule_async_request(AsyncRequest(raise_value_error, ("at-close",), finalize_fns=[functools.partial(got.append, 0)]))
+    q.schedule_async_request(
+        AsyncRequest(raise_value_error, ("at-close",), finalize_fns=[functools.partial(got.append, 0)])
+    )
     q.schedule_async_request(AsyncRequest(echo, ("after",), finalize_fns=[functools.partial(record_result, q, 1, got)]))
     with pytest.raises(CheckpointException, match="at-close") as info:
         q.close()
@@ -606,8 +643,9 @@ def test_close_abort_kills_the_worker_and_drops_pending_calls(make_queue, persis
     q.close(abort=True)
     elapsed = time.monotonic() - t0
     limit = TERMINATE_GRACE_S + 2.0 if ignore_sigterm else TERMINATE_GRACE_S
-    assert elapsed < limit, (f"close(abort=True) took {elapsed:.1f} s to stop {len(pids)} process(es) "
-                             f"(grace period {TERMINATE_GRACE_S} s)")
+    assert elapsed < limit, (
+        f"close(abort=True) took {elapsed:.1f} s to stop {len(pids)} process(es) (grace period {TERMINATE_GRACE_S} s)"
+    )
     for pid in pids:
         assert process_gone(pid, timeout=0.5), f"process {pid} that ran async_fn survived close(abort=True)"
     assert ran == [], "close(abort=True) finalized a call"
@@ -625,13 +663,17 @@ def test_close_abort_kills_the_worker_and_drops_pending_calls(make_queue, persis
 def test_context_manager_closes_and_aborts_on_error(persistent):
     got: list[Any] = []
     with asyncckpt.AsyncCallsQueue(persistent=persistent) as q:
-        q.schedule_async_request(AsyncRequest(echo, ("ok",), finalize_fns=[functools.partial(record_result, q, 0, got)]))
+        q.schedule_async_request(
+            AsyncRequest(echo, ("ok",), finalize_fns=[functools.partial(record_result, q, 0, got)])
+        )
     assert q.closed and got == [(0, (("ok",), {}))]
 
     ran: list[Any] = []
     with pytest.raises(KeyError):
         with asyncckpt.AsyncCallsQueue(persistent=persistent) as q2:
-            q2.schedule_async_request(AsyncRequest(sleep_then_return, (60, "x"), finalize_fns=[functools.partial(ran.append, 0)]))
+            q2.schedule_async_request(
+                AsyncRequest(sleep_then_return, (60, "x"), finalize_fns=[functools.partial(ran.append, 0)])
+            )
             raise KeyError("training failed")
     assert q2.closed and ran == []
     assert live_children() == []
@@ -681,8 +723,14 @@ def test_interpreter_exit_without_close_stops_the_worker(persistent, tmp_path):
     script = tmp_path / "exit_without_close.py"
     script.write_text(EXIT_SCRIPT.format(tests_dir=str(TESTS_DIR), marker=marker, persistent=persistent))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     worker_pid = None
     try:
         out, err = proc.communicate(timeout=45)
@@ -731,8 +779,12 @@ def test_result_sent_just_before_the_process_exits_is_not_lost(make_queue, persi
         q.schedule_async_request(AsyncRequest(return_pid))
         assert q.maybe_finalize_async_calls(blocking=True) == [0]
     idx = 1 if persistent else 0
-    assert q.schedule_async_request(AsyncRequest(sleep_then_return, (0.3, "ok"),
-                                                 finalize_fns=[functools.partial(record_result, q, idx, got)])) == idx
+    assert (
+        q.schedule_async_request(
+            AsyncRequest(sleep_then_return, (0.3, "ok"), finalize_fns=[functools.partial(record_result, q, idx, got)])
+        )
+        == idx
+    )
     if persistent:
         q.schedule_async_request(AsyncRequest(kill_self_with_sigkill))  # the worker dies after call 1
     _slow_is_alive(monkeypatch)
@@ -778,8 +830,13 @@ def main_module_file():
 def test_import_main_false_keeps_the_training_script_out_of_the_worker(tmp_path):
     script = tmp_path / "train_like.py"
     script.write_text(MAIN_SCRIPT.format(tests_dir=str(TESTS_DIR)))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     # The script ran once in the trainer, once more in the import_main=True worker only.
@@ -864,8 +921,9 @@ def test_temporal_child_never_runs_finalizers_of_the_parents_garbage(tmp_path):
         gc.collect()  # empty generations, so that the parent does not collect it first
         _GarbageWithFinalizer(str(marker))  # garbage in generation 0 at the fork
         got: list[Any] = []
-        q.schedule_async_request(AsyncRequest(allocate_containers, (200_000,),
-                                              finalize_fns=[functools.partial(record_result, q, 0, got)]))
+        q.schedule_async_request(
+            AsyncRequest(allocate_containers, (200_000,), finalize_fns=[functools.partial(record_result, q, 0, got)])
+        )
         assert gc.isenabled(), "the parent's GC must stay enabled"
         assert q.maybe_finalize_async_calls(blocking=True) == [0]
         child_pid, child_gc_enabled, child_frozen = got[0][1]

@@ -19,8 +19,6 @@ import traceback
 from typing import Any
 
 import pytest
-
-from dist_utils import run_ranks
 from test_framework import (
     FAIL_DEADLINE_S,
     echo,
@@ -34,8 +32,10 @@ from test_framework import (
     sleep_then_return,
 )
 
-from asyncckpt.errors import CheckpointException
 from asyncckpt.async_utils.request import AsyncRequest
+from asyncckpt.errors import CheckpointException
+
+from dist_utils import run_ranks
 
 WORLD_SIZE = 2
 
@@ -76,17 +76,26 @@ def _scenario_completion_sync(rank, persistent, tmpdir):
             seen.update(rank1_done=os.path.exists(marker), result=q.get_result(0))
 
         seconds = 0.05 if rank == 0 else 1.5
-        req = AsyncRequest(sleep_then_touch, (seconds, marker if rank == 1 else None, f"value-{rank}"),
-                           finalize_fns=[on_finalize])
+        req = AsyncRequest(
+            sleep_then_touch, (seconds, marker if rank == 1 else None, f"value-{rank}"), finalize_fns=[on_finalize]
+        )
         idx = q.schedule_async_request(req)
         local_done = q.wait_local(idx, timeout=30) if rank == 0 else None
         nonblocking = q.maybe_finalize_async_calls()
         unfinalized = q.get_num_unfinalized_calls()
         blocking = q.maybe_finalize_async_calls(blocking=True)
         gloo = q.sync.gloo
-        info = dict(idx=idx, local_done=local_done, nonblocking=nonblocking, unfinalized=unfinalized,
-                    blocking=blocking, seen=seen, sync=(q.sync.rank, q.sync.world_size, q.sync.active),
-                    gloo_backend=str(dist.get_backend(gloo)), gloo_is_default=gloo is dist.group.WORLD)
+        info = dict(
+            idx=idx,
+            local_done=local_done,
+            nonblocking=nonblocking,
+            unfinalized=unfinalized,
+            blocking=blocking,
+            seen=seen,
+            sync=(q.sync.rank, q.sync.world_size, q.sync.active),
+            gloo_backend=str(dist.get_backend(gloo)),
+            gloo_is_default=gloo is dist.group.WORLD,
+        )
         q.close()
         return info
     finally:
@@ -102,8 +111,11 @@ def _scenario_fifo_by_call_idx(rank, persistent, tmpdir):
         got: list[Any] = []
         idxs = []
         for i, seconds in enumerate(durations):
-            req = AsyncRequest(sleep_then_return, (seconds, f"rank{rank}-call{i}"),
-                               finalize_fns=[functools.partial(record_result, q, i, got)])
+            req = AsyncRequest(
+                sleep_then_return,
+                (seconds, f"rank{rank}-call{i}"),
+                finalize_fns=[functools.partial(record_result, q, i, got)],
+            )
             idxs.append(q.schedule_async_request(req))
         finalized = q.maybe_finalize_async_calls(blocking=True)
         q.close()
@@ -117,8 +129,13 @@ def _scenario_until(rank, persistent, tmpdir):
     try:
         got: list[Any] = []
         for i in range(3):
-            q.schedule_async_request(AsyncRequest(sleep_then_return, (0.05 * (rank + 1), i),
-                                                  finalize_fns=[functools.partial(record_result, q, i, got)]))
+            q.schedule_async_request(
+                AsyncRequest(
+                    sleep_then_return,
+                    (0.05 * (rank + 1), i),
+                    finalize_fns=[functools.partial(record_result, q, i, got)],
+                )
+            )
         before = q.get_num_unfinalized_calls()
         first = q.maybe_finalize_async_calls(blocking=True, until=1)
         middle = q.get_num_unfinalized_calls()
@@ -135,8 +152,10 @@ def _scenario_no_dist(rank, persistent, tmpdir):
     q = _queue(persistent)
     try:
         got: list[Any] = []
-        fn_args = [(sleep_then_return, (0.05, f"ok-{rank}")),
-                   (raise_value_error, ("rank1-no-dist",)) if rank == 1 else (sleep_then_return, (0.05, "ok-0"))]
+        fn_args = [
+            (sleep_then_return, (0.05, f"ok-{rank}")),
+            (raise_value_error, ("rank1-no-dist",)) if rank == 1 else (sleep_then_return, (0.05, "ok-0")),
+        ]
         for i, (fn, args) in enumerate(fn_args):
             q.schedule_async_request(AsyncRequest(fn, args, finalize_fns=[functools.partial(record_result, q, i, got)]))
         rank1_done = os.path.join(tmpdir, "rank1-finalized")
@@ -163,8 +182,7 @@ def _scenario_no_dist(rank, persistent, tmpdir):
                 f.write("done")
         left = q.get_num_unfinalized_calls()
         q.close()  # nothing pending on either rank: no collective
-        return dict(t0=t0, t1=t1, finalized=finalized, exc=_summary(exc), got=got, left=left,
-                    rank1_seen=rank1_seen)
+        return dict(t0=t0, t1=t1, finalized=finalized, exc=_summary(exc), got=got, left=left, rank1_seen=rank1_seen)
     finally:
         q.close(abort=True)
 
@@ -175,12 +193,21 @@ def _scenario_close(rank, persistent, tmpdir):
     try:
         got: list[Any] = []
         for i in range(2):
-            q.schedule_async_request(AsyncRequest(sleep_then_return, (0.3 if rank == 0 else 0.1, f"c{i}"),
-                                                  finalize_fns=[functools.partial(record_result, q, i, got)]))
+            q.schedule_async_request(
+                AsyncRequest(
+                    sleep_then_return,
+                    (0.3 if rank == 0 else 0.1, f"c{i}"),
+                    finalize_fns=[functools.partial(record_result, q, i, got)],
+                )
+            )
         q.close()
-        info = dict(got=got, closed=q.closed, left=q.get_num_unfinalized_calls(),
-                    worker_pid=q.caller.worker_pid if persistent else None,
-                    children=[p.pid for p in live_children()])
+        info = dict(
+            got=got,
+            closed=q.closed,
+            left=q.get_num_unfinalized_calls(),
+            worker_pid=q.caller.worker_pid if persistent else None,
+            children=[p.pid for p in live_children()],
+        )
         q.close()
         q.close(abort=True)
         try:
@@ -196,14 +223,26 @@ def _scenario_close(rank, persistent, tmpdir):
 def _failure_plan(rank):
     """(kind, failing rank, request on this rank) for each failure kind, in order."""
     return [
-        ("raises", 1, AsyncRequest(raise_value_error, ("rank1-boom",)) if rank == 1
-         else AsyncRequest(sleep_then_return, (0.2, "fine"))),
-        ("sigkill", 1, AsyncRequest(kill_self_with_sigkill) if rank == 1
-         else AsyncRequest(sleep_then_return, (0.2, "fine"))),
-        ("exit3", 0, AsyncRequest(exit_with_code_3) if rank == 0
-         else AsyncRequest(sleep_then_return, (0.2, "fine"))),
-        ("preload_raises", 0, AsyncRequest(echo, preload_fn=preload_raises) if rank == 0
-         else AsyncRequest(sleep_then_return, (0.2, "fine"))),
+        (
+            "raises",
+            1,
+            AsyncRequest(raise_value_error, ("rank1-boom",))
+            if rank == 1
+            else AsyncRequest(sleep_then_return, (0.2, "fine")),
+        ),
+        (
+            "sigkill",
+            1,
+            AsyncRequest(kill_self_with_sigkill) if rank == 1 else AsyncRequest(sleep_then_return, (0.2, "fine")),
+        ),
+        ("exit3", 0, AsyncRequest(exit_with_code_3) if rank == 0 else AsyncRequest(sleep_then_return, (0.2, "fine"))),
+        (
+            "preload_raises",
+            0,
+            AsyncRequest(echo, preload_fn=preload_raises)
+            if rank == 0
+            else AsyncRequest(sleep_then_return, (0.2, "fine")),
+        ),
     ]
 
 
@@ -228,13 +267,23 @@ def _scenario_failures(rank, persistent, tmpdir):
                 exc = e
             elapsed = time.monotonic() - t0
             got: list[Any] = []
-            nxt = q.schedule_async_request(AsyncRequest(return_pid, finalize_fns=[functools.partial(record_result, q, idx + 1, got)]))
+            nxt = q.schedule_async_request(
+                AsyncRequest(return_pid, finalize_fns=[functools.partial(record_result, q, idx + 1, got)])
+            )
             next_finalized = q.maybe_finalize_async_calls(blocking=True)
-            out[kind] = dict(idx=idx, schedule_s=schedule_s, exc=_summary(exc), elapsed=elapsed, ran=ran,
-                             next_idx=nxt, next_finalized=next_finalized, next_got=got,
-                             starts_before=starts_before,
-                             starts_after=q.caller.num_starts if persistent else None,
-                             left=q.get_num_unfinalized_calls())
+            out[kind] = dict(
+                idx=idx,
+                schedule_s=schedule_s,
+                exc=_summary(exc),
+                elapsed=elapsed,
+                ran=ran,
+                next_idx=nxt,
+                next_finalized=next_finalized,
+                next_got=got,
+                starts_before=starts_before,
+                starts_after=q.caller.num_starts if persistent else None,
+                left=q.get_num_unfinalized_calls(),
+            )
         q.close()
         return out
     finally:
@@ -250,8 +299,11 @@ def _scenario_stale_result(rank, persistent, tmpdir):
             q.schedule_async_request(AsyncRequest(echo))
             q.maybe_finalize_async_calls(blocking=True)
         ran: list[Any] = []
-        req = (AsyncRequest(raise_value_error, ("rank1-fast",)) if rank == 1
-               else AsyncRequest(sleep_then_return, (3.0, "stale")))
+        req = (
+            AsyncRequest(raise_value_error, ("rank1-fast",))
+            if rank == 1
+            else AsyncRequest(sleep_then_return, (3.0, "stale"))
+        )
         req.add_finalize_fn(functools.partial(ran.append, 0))
         idx = q.schedule_async_request(req)
         t0 = time.monotonic()
@@ -267,12 +319,25 @@ def _scenario_stale_result(rank, persistent, tmpdir):
         elapsed = time.monotonic() - t0
         still_running = q.caller.is_running(idx)
         got: list[Any] = []
-        q.schedule_async_request(AsyncRequest(sleep_then_return, (0.05, f"fresh-{rank}"),
-                                              finalize_fns=[functools.partial(record_result, q, idx + 1, got)]))
+        q.schedule_async_request(
+            AsyncRequest(
+                sleep_then_return,
+                (0.05, f"fresh-{rank}"),
+                finalize_fns=[functools.partial(record_result, q, idx + 1, got)],
+            )
+        )
         finalized = q.maybe_finalize_async_calls(blocking=True)
         q.close()
-        return dict(idx=idx, exc=_summary(exc), elapsed=elapsed, polls=polls, still_running=still_running,
-                    ran=ran, finalized=finalized, got=got)
+        return dict(
+            idx=idx,
+            exc=_summary(exc),
+            elapsed=elapsed,
+            polls=polls,
+            still_running=still_running,
+            ran=ran,
+            finalized=finalized,
+            got=got,
+        )
     finally:
         q.close(abort=True)
 
@@ -309,8 +374,10 @@ def rank_results(request, tmp_path_factory):
     """Run every scenario on 2 gloo ranks with one caller; ``{name: [rank0, rank1]}``."""
     tmpdir = str(tmp_path_factory.mktemp("ranks"))
     per_rank = run_ranks(_rank_main, WORLD_SIZE, request.param, tmpdir, timeout=40)
-    return {"persistent": request.param,
-            **{name: [per_rank[r][name] for r in range(WORLD_SIZE)] for name in per_rank[0]}}
+    return {
+        "persistent": request.param,
+        **{name: [per_rank[r][name] for r in range(WORLD_SIZE)] for name in per_rank[0]},
+    }
 
 
 def _values(rank_results, name):

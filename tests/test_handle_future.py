@@ -22,9 +22,10 @@ import textwrap
 import threading
 import time
 import types
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -125,8 +126,9 @@ def test_done_and_result_zero_never_commit(tmp_path: Path, foreground_queue: Asy
 
 
 @pytest.mark.timeout(60)
-def test_result_with_a_timeout_drives_a_queue_finalized_in_the_loop(tmp_path: Path,
-                                                                     foreground_queue: AsyncCallsQueue) -> None:
+def test_result_with_a_timeout_drives_a_queue_finalized_in_the_loop(
+    tmp_path: Path, foreground_queue: AsyncCallsQueue
+) -> None:
     """result(timeout) is the blocking path, as wait(): it finalizes, in one process."""
     handle = asyncckpt.save(STATE, tmp_path / "ckpt", async_op=True, calls_queue=foreground_queue)
     assert handle.result(timeout=30).path == (tmp_path / "ckpt").absolute()
@@ -135,8 +137,9 @@ def test_result_with_a_timeout_drives_a_queue_finalized_in_the_loop(tmp_path: Pa
 # ---------------------------------------------------------------- a fault while settling
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("caller", ["temporal", "persistent"])
-def test_a_fault_while_settling_still_completes_the_handle(tmp_path: Path, caller: str,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_fault_while_settling_still_completes_the_handle(
+    tmp_path: Path, caller: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The saver's settle step raises (failpoint ``settle:raise``, in the finalizer
     thread): the handle completes with a CheckpointException caused by that error,
     ``wait_all``/``close`` return instead of waiting forever, and ``close`` raises the
@@ -241,10 +244,13 @@ def test_a_call_idx_mismatch_is_a_checkpoint_error(tmp_path: Path, optimize: boo
     ``assert``, gone under ``python -O``, and the save then committed with another
     call's result), and the save is not committed."""
     target = tmp_path / "ckpt"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(asyncckpt.__file__).parents[1]),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable] + (["-O"] if optimize else []) + ["-c", _RACE_SCRIPT, str(target),
-                                                               str(Path(__file__).parent)]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(Path(asyncckpt.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    )
+    cmd = (
+        [sys.executable] + (["-O"] if optimize else []) + ["-c", _RACE_SCRIPT, str(target), str(Path(__file__).parent)]
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "RAISED CheckpointError" in proc.stdout and "another thread scheduled" in proc.stdout, proc.stdout
@@ -253,8 +259,9 @@ def test_a_call_idx_mismatch_is_a_checkpoint_error(tmp_path: Path, optimize: boo
 
 # ---------------------------------------------------------------- defect 7c
 @pytest.mark.timeout(60)
-def test_wait_raises_the_failure_of_an_earlier_call_that_is_not_a_save(tmp_path: Path,
-                                                                         foreground_queue: AsyncCallsQueue) -> None:
+def test_wait_raises_the_failure_of_an_earlier_call_that_is_not_a_save(
+    tmp_path: Path, foreground_queue: AsyncCallsQueue
+) -> None:
     """On a queue finalized in the training loop, ``wait()`` finalizes the calls before
     its save: the failure of one that is not a save (nobody else reports it) is raised
     (before: swallowed); the save itself still commits on the next wait."""
@@ -281,8 +288,9 @@ def test_close_raises_the_failure_of_a_call_that_is_not_a_save(tmp_path: Path) -
 
 # ---------------------------------------------------------------- a cache per saver
 @pytest.mark.timeout(120)
-def test_two_managers_saving_alternately_keep_their_metadata_reuse(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_managers_saving_alternately_keep_their_metadata_reuse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A model and an EMA manager save in turn: each reuses the ``.metadata`` bytes of
     its own previous commit, so only their first saves pickle it (the test hook: a spy
     on ``pickle.dumps`` of DCP ``Metadata`` in the commit). Before, one cache per
@@ -301,8 +309,10 @@ def test_two_managers_saving_alternately_keep_their_metadata_reuse(tmp_path: Pat
     monkeypatch.setattr(phases, "pickle", types.SimpleNamespace(dumps=dumps))
     model = {f"layer{i}": torch.full((64,), float(i)) for i in range(50)}
     ema = {"ema": {f"p{i}": torch.zeros(32) for i in range(30)}, "decay": 0.999}
-    with CheckpointManager(tmp_path / "model", persistent=False) as m, \
-            CheckpointManager(tmp_path / "ema", persistent=False) as e:
+    with (
+        CheckpointManager(tmp_path / "model", persistent=False) as m,
+        CheckpointManager(tmp_path / "ema", persistent=False) as e,
+    ):
         for step in range(1, 5):
             m.save(step, model).wait(timeout=30)
             e.save(step, ema).wait(timeout=30)

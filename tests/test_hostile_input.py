@@ -18,15 +18,17 @@ import dataclasses
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 import asyncckpt
-from helpers import assert_same, clone_state
 from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointException, CorruptCheckpointError
+
+from helpers import assert_same, clone_state
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -105,16 +107,34 @@ class Row:
 
 
 def _python_values() -> dict:
-    return {"w": torch.ones(3), "set": {1, 2, 3}, "bytes": b"\x00\xff\x10", "complex": 1 - 2.5j,
-            "tuple": (1, "a", None, 2.5), "od": collections.OrderedDict(b=1, a=2), "big": 2**100,
-            "neg0": -0.0, "bool": True, "none": None, "str": "é✓", "empty": {}, "elist": [],
-            "size": torch.Size([2, 3]), "dtype": torch.bfloat16, "device": torch.device("cpu")}
+    return {
+        "w": torch.ones(3),
+        "set": {1, 2, 3},
+        "bytes": b"\x00\xff\x10",
+        "complex": 1 - 2.5j,
+        "tuple": (1, "a", None, 2.5),
+        "od": collections.OrderedDict(b=1, a=2),
+        "big": 2**100,
+        "neg0": -0.0,
+        "bool": True,
+        "none": None,
+        "str": "é✓",
+        "empty": {},
+        "elist": [],
+        "size": torch.Size([2, 3]),
+        "dtype": torch.bfloat16,
+        "device": torch.device("cpu"),
+    }
 
 
 def _requires_grad() -> dict:
     x = torch.randn(4, requires_grad=True)
-    return {"leaf": x, "param": torch.nn.Parameter(torch.randn(2, 3)), "nonleaf": x * 2 + 1,
-            "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False)}
+    return {
+        "leaf": x,
+        "param": torch.nn.Parameter(torch.randn(2, 3)),
+        "nonleaf": x * 2 + 1,
+        "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False),
+    }
 
 
 def _same_tensor_twice() -> dict:
@@ -124,21 +144,38 @@ def _same_tensor_twice() -> dict:
 
 def _views_of_one_base() -> dict:
     base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
-    return {"base": base, "row": base[1], "cols": base[:, 1::2], "t": base.t(), "overlap": base[1:3, 2:5],
-            "flat": base.view(-1)[5:20], "expand": torch.ones(3).expand(4, 3),
-            "conj": torch.randn(3, dtype=torch.complex64).conj(), "neg": torch.randn(3).neg(),
-            "channels_last": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)}
+    return {
+        "base": base,
+        "row": base[1],
+        "cols": base[:, 1::2],
+        "t": base.t(),
+        "overlap": base[1:3, 2:5],
+        "flat": base.view(-1)[5:20],
+        "expand": torch.ones(3).expand(4, 3),
+        "conj": torch.randn(3, dtype=torch.complex64).conj(),
+        "neg": torch.randn(3).neg(),
+        "channels_last": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+    }
 
 
 def _zero_size() -> dict:
-    return {"e0": torch.empty(0), "e3": torch.empty(2, 0, 3, dtype=torch.bfloat16),
-            "ebool": torch.empty(0, dtype=torch.bool), "ec": torch.empty(0, 4, dtype=torch.complex128),
-            "scalar": torch.tensor(3.5), "only": [torch.empty(0, dtype=torch.int8)]}
+    return {
+        "e0": torch.empty(0),
+        "e3": torch.empty(2, 0, 3, dtype=torch.bfloat16),
+        "ebool": torch.empty(0, dtype=torch.bool),
+        "ec": torch.empty(0, 4, dtype=torch.complex128),
+        "scalar": torch.tensor(3.5),
+        "only": [torch.empty(0, dtype=torch.int8)],
+    }
 
 
 def _unicode_keys() -> dict:
-    return {"ключ✓": torch.arange(4), "键": {"値": torch.ones(2, dtype=torch.float16)}, "😀": "émoji",
-            "x" * 10_000: torch.zeros(1)}
+    return {
+        "ключ✓": torch.arange(4),
+        "键": {"値": torch.ones(2, dtype=torch.float16)},
+        "😀": "émoji",
+        "x" * 10_000: torch.zeros(1),
+    }
 
 
 #: 100,000 with ``ASYNCCKPT_LONG=1``; 20,000 in the default suite, enough to expose
@@ -154,16 +191,14 @@ ROWS = [
     # Non-tensor values.
     Row("python_values", _python_values, modes=("sync", "persistent")),
     Row("user_dataclass", lambda: {"w": torch.ones(2), "hp": Hyper(0.1, "adam")}, allow_pickle=True),
-    Row("unpicklable_lambda", lambda: {"w": torch.ones(2), "fn": lambda: 1}, "'fn'",
-        modes=("sync", "persistent")),
+    Row("unpicklable_lambda", lambda: {"w": torch.ones(2), "fn": lambda: 1}, "'fn'", modes=("sync", "persistent")),
     Row("unpicklable_lock", lambda: {"w": torch.ones(2), "cfg": {"lock": threading.Lock()}}, "'cfg.lock'"),
     Row("unpicklable_generator", lambda: {"w": torch.ones(2), "gen": _gen()}, "'gen'"),
     # Tensors that cannot be saved.
     Row("sparse", lambda: {"ok": torch.ones(2), "s": {"w": torch.eye(3).to_sparse()}}, "state_dict['s']['w']"),
     Row("sparse_csr", lambda: {"ok": torch.ones(2), "csr": torch.eye(3).to_sparse_csr()}, "state_dict['csr']"),
     Row("meta", lambda: {"ok": torch.ones(2), "m": torch.empty(3, device="meta")}, "state_dict['m']"),
-    Row("quantized", lambda: {"q": torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)},
-        "state_dict['q']"),
+    Row("quantized", lambda: {"q": torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)}, "state_dict['q']"),
     # Tensors that must round-trip.
     Row("requires_grad", _requires_grad, modes=("sync", "persistent")),
     Row("same_tensor_under_several_keys", _same_tensor_twice, modes=("sync", "persistent")),
@@ -184,10 +219,14 @@ ROWS = [
     Row("tiny_tensors_many", _tiny_tensors, timed=True),
     # Targets.
     Row("unicode_path", lambda: {"w": torch.randn(3)}, target="chéckpoint_✓/步骤", modes=("sync", "persistent")),
-    Row("relative_path", lambda: {"w": torch.randn(3)}, target="rel/ck", relative=True,
-        modes=("sync", "persistent")),
-    Row("existing_nonempty_target", lambda: {"w": torch.randn(3)}, "not an empty directory", existing=True,
-        modes=("sync", "persistent")),
+    Row("relative_path", lambda: {"w": torch.randn(3)}, target="rel/ck", relative=True, modes=("sync", "persistent")),
+    Row(
+        "existing_nonempty_target",
+        lambda: {"w": torch.randn(3)},
+        "not an empty directory",
+        existing=True,
+        modes=("sync", "persistent"),
+    ),
 ]
 
 CASES = [pytest.param(row, mode, id=f"{row.id}-{mode}") for row in ROWS for mode in row.modes]
@@ -198,8 +237,9 @@ TIMINGS: dict[str, tuple[float, float]] = {}
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("row,mode", CASES)
-def test_hostile_input(row: Row, mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_hostile_input(
+    row: Row, mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     if row.relative:
         monkeypatch.chdir(tmp_path)
         target: Path = Path(row.target)

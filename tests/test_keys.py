@@ -21,14 +21,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_same, clone_state, counting_plans, observing_loads
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
 from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointManager, CorruptCheckpointError
 from asyncckpt.format import manifest as commit
-from asyncckpt.loading.metadata import read_metadata
 from asyncckpt.format.records import RECORDS_NAME
+from asyncckpt.loading.metadata import read_metadata
+
+from helpers import assert_same, clone_state, counting_plans, observing_loads
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,12 +54,17 @@ def user_state(optimizer: str, seed: int = 0) -> dict[Any, Any]:
     """The most common state dict, plus non-tensor values under ``int`` keys (what an
     optimizer such as LBFGS keeps in its state) and an ``int`` key at the top level."""
     model, opt = trained(optimizer, seed)
-    return {"model": model.state_dict(), "optim": opt.state_dict(),
-            "extra": {3: "three", 10: {"n": 7, 2: 2.5}, "name": "run"}, 0: torch.arange(4)}
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "extra": {3: "three", 10: {"n": 7, 2: 2.5}, "name": "run"},
+        0: torch.arange(4),
+    }
 
 
 def fresh(state: dict[str, Any]) -> dict[str, Any]:
     """The same structure with every leaf changed (tensors zeroed, values replaced)."""
+
     def change(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             return torch.zeros_like(v)
@@ -67,6 +73,7 @@ def fresh(state: dict[str, Any]) -> dict[str, Any]:
         if isinstance(v, list):
             return [change(x) for x in v]
         return None
+
     return change(state)
 
 
@@ -92,8 +99,9 @@ class Holder:
 # ----------------------------------------------------------------------------- issue 24 item 1
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd-momentum"])
-def test_optimizer_state_dict_saves_and_loads_with_int_keys(tmp_path: Path, temporal_queue: AsyncCallsQueue,
-                                                           optimizer: str) -> None:
+def test_optimizer_state_dict_saves_and_loads_with_int_keys(
+    tmp_path: Path, temporal_queue: AsyncCallsQueue, optimizer: str
+) -> None:
     state = user_state(optimizer)
     assert all(type(k) is int for k in state["optim"]["state"]) and state["optim"]["state"]
     expected = clone_state(state)
@@ -147,7 +155,8 @@ def test_optimizer_state_dict_saves_and_loads_with_int_keys(tmp_path: Path, temp
     assert_same(expected["model"], target["model"])
     dcp_to_torch_save(ckpt, tmp_path / "stock.pt")
     assert set(torch.load(tmp_path / "stock.pt", weights_only=True)["optim"]["state"]) == {
-        str(k) for k in expected["optim"]["state"]}
+        str(k) for k in expected["optim"]["state"]
+    }
 
 
 def read_state_dict_no_warning(ckpt: Path, verify: bool) -> dict[str, Any]:
@@ -205,14 +214,18 @@ def test_manager_saves_steady_optimizer_state_and_resumes(tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("state, message", [
-    ({"d": {0: torch.ones(1), "0": torch.zeros(1)}}, r"state_dict\['d'\]: keys 0 and '0' would both be stored"),
-    ({"d": {1.5: torch.ones(1)}}, r"state_dict\['d'\]: key 1\.5 is a float; keys must be str or int"),
-    ({"d": {True: torch.ones(1)}}, r"state_dict\['d'\]: key True is a bool; keys must be str or int"),
-    ({"d": {(1, 2): 3}}, r"key \(1, 2\) is a tuple"),
-])
-def test_keys_that_cannot_round_trip_are_refused(tmp_path: Path, temporal_queue: AsyncCallsQueue,
-                                                 state: dict[str, Any], message: str) -> None:
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        ({"d": {0: torch.ones(1), "0": torch.zeros(1)}}, r"state_dict\['d'\]: keys 0 and '0' would both be stored"),
+        ({"d": {1.5: torch.ones(1)}}, r"state_dict\['d'\]: key 1\.5 is a float; keys must be str or int"),
+        ({"d": {True: torch.ones(1)}}, r"state_dict\['d'\]: key True is a bool; keys must be str or int"),
+        ({"d": {(1, 2): 3}}, r"key \(1, 2\) is a tuple"),
+    ],
+)
+def test_keys_that_cannot_round_trip_are_refused(
+    tmp_path: Path, temporal_queue: AsyncCallsQueue, state: dict[str, Any], message: str
+) -> None:
     with pytest.raises(CheckpointError, match=message):
         asyncckpt.save(state, tmp_path / "ckpt", async_op=False, calls_queue=temporal_queue)
     assert not (tmp_path / "ckpt").exists()
@@ -223,24 +236,44 @@ def test_cli_inspect_and_convert_give_the_int_keys(tmp_path: Path, temporal_queu
     state = user_state("adamw")
     ckpt = ckpt_of(tmp_path / "ckpt", state, temporal_queue)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "asyncckpt", "inspect", "--json", str(ckpt)], env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncckpt", "inspect", "--json", str(ckpt)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     paths = {e["fqn"]: e["path"] for e in json.loads(out.stdout)["entries"]}
     assert paths["optim.state.0.exp_avg"] == ["optim", "state", 0, "exp_avg"]
     assert paths["optim.param_groups.0.lr"] == ["optim", "param_groups", 0, "lr"]  # a list index
     assert paths["extra.10.2"] == ["extra", 10, 2] and paths["0"] == [0]
-    out = subprocess.run([sys.executable, "-m", "asyncckpt", "convert", str(ckpt), str(tmp_path / "c.pt")],
-                         env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncckpt", "convert", str(ckpt), str(tmp_path / "c.pt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert_same(state, torch.load(tmp_path / "c.pt", weights_only=True))
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("int_keys", [{"optim.state.0.step": [1]}, {"nope": [2]}, {"optim.state.0.step": [9]},
-                                      {"optim.state.0.step": "2"}, [], {"model.0.weight": [1]}])
-def test_int_keys_that_do_not_fit_the_metadata_are_refused(tmp_path: Path, temporal_queue: AsyncCallsQueue,
-                                                           int_keys: Any) -> None:
+@pytest.mark.parametrize(
+    "int_keys",
+    [
+        {"optim.state.0.step": [1]},
+        {"nope": [2]},
+        {"optim.state.0.step": [9]},
+        {"optim.state.0.step": "2"},
+        [],
+        {"model.0.weight": [1]},
+    ],
+)
+def test_int_keys_that_do_not_fit_the_metadata_are_refused(
+    tmp_path: Path, temporal_queue: AsyncCallsQueue, int_keys: Any
+) -> None:
     """The manifest's ``int_keys`` only turns ``str`` keys that are the ``str`` of an
     int back into ints, in entries the metadata has; anything else is corrupt."""
     ckpt = ckpt_of(tmp_path / "ckpt", user_state("adamw"), temporal_queue)

@@ -75,16 +75,18 @@ def _rank_keys(rank: int, world_size: int, root: str, persistent: bool) -> dict[
         dist.barrier()
         got = asyncckpt.read_state_dict(root_p / "good2")
         out["read_keys"] = (sorted(got["optim"]["state"]), sorted(got["rank0"]), sorted(got["rank1"]))
-        out["read_equal"] = all(torch.equal(got["optim"]["state"][k]["exp_avg"], v["exp_avg"])
-                                for k, v in state["optim"]["state"].items())
+        out["read_equal"] = all(
+            torch.equal(got["optim"]["state"][k]["exp_avg"], v["exp_avg"]) for k, v in state["optim"]["state"].items()
+        )
         loaded = _good_state(rank)
         for v in loaded["optim"]["state"].values():
             v["exp_avg"].zero_()
         loaded[f"rank{rank}"][rank].zero_()
         asyncckpt.load(loaded, root_p / "good2")
-        out["load_equal"] = (all(torch.equal(loaded["optim"]["state"][k]["exp_avg"], v["exp_avg"])
-                                 for k, v in state["optim"]["state"].items())
-                             and torch.equal(loaded[f"rank{rank}"][rank], torch.full((2,), rank)))
+        out["load_equal"] = all(
+            torch.equal(loaded["optim"]["state"][k]["exp_avg"], v["exp_avg"])
+            for k, v in state["optim"]["state"].items()
+        ) and torch.equal(loaded[f"rank{rank}"][rank], torch.full((2,), rank))
     finally:
         queue.close()
     return out
@@ -100,7 +102,7 @@ def test_entries_that_differ_across_ranks_are_refused_on_every_rank(tmp_path: Pa
         "rank of shape": r"'x' differs across ranks: a tensor float32\[4\] on rank 0, a tensor float32\[2x2\]",
         "dtype": r"'x' differs across ranks: a tensor float32\[3\] on rank 0, a tensor float64\[3\] on rank 1",
         "key type": r"'x\.0' differs across ranks: its dict keys at positions \[1\] are int on rank 0, "
-                    r"at \[\] on rank 1",
+        r"at \[\] on rank 1",
     }
     for rank, out in enumerate(results):
         for (name, async_op), message in out["errors"].items():

@@ -25,6 +25,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import CheckpointError, CheckpointException, CheckpointManager
+
 from helpers import finish_session
 
 CALLERS = ["persistent", "temporal"]
@@ -42,9 +43,14 @@ _PRELUDE = textwrap.dedent("""
 def _start(tmp_path: Path, body: str, root: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     script = tmp_path / "script.py"
     script.write_text(_PRELUDE + textwrap.dedent(body))
-    return subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True,
-                            env={**{k: v for k, v in os.environ.items() if k != "ASYNCCKPT_FAULT"}, **(env or {})})
+    return subprocess.Popen(
+        [sys.executable, str(script), str(root)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**{k: v for k, v in os.environ.items() if k != "ASYNCCKPT_FAULT"}, **(env or {})},
+    )
 
 
 def _hidden(root: Path) -> list[str]:
@@ -53,8 +59,9 @@ def _hidden(root: Path) -> list[str]:
 
 
 def _ls_partial(root: Path) -> list[str]:
-    proc = subprocess.run([sys.executable, "-m", "asyncckpt", "ls", str(root), "--json"], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncckpt", "ls", str(root), "--json"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     return [p["name"] for p in json.loads(proc.stdout)["partial"]]
 
@@ -75,8 +82,9 @@ def _loaded(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 # ------------------------------------------------------------------ a dropped manager (issue 24.2, 25.7)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("caller", CALLERS)
-def test_a_dropped_managers_handle_settles_committed(tmp_path: Path, caller: str,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dropped_managers_handle_settles_committed(
+    tmp_path: Path, caller: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`h = CheckpointManager(root).save(1, sd); h.wait()`: the manager is collected at
     once; the save still commits and the handle settles (it used to block forever)."""
     monkeypatch.setenv("ASYNCCKPT_FAULT", "mid_write:sleep=1")  # the manager is gone long before the commit
@@ -90,9 +98,9 @@ def test_a_dropped_managers_handle_settles_committed(tmp_path: Path, caller: str
 
 
 @pytest.mark.timeout(120)
-def test_a_save_of_a_dropped_manager_commits_without_its_handle(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_a_save_of_a_dropped_manager_commits_without_its_handle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A manager and the handle both dropped with the save in flight: it commits (nothing
     is "aborted"), and the worker is stopped afterwards (conftest's no_leaks)."""
     monkeypatch.setenv("ASYNCCKPT_FAULT", "mid_write:sleep=1")
@@ -118,8 +126,9 @@ def test_a_dropped_managers_overlapped_save_is_handed_to_the_writer(tmp_path: Pa
 
 
 @pytest.mark.timeout(120)
-def test_a_failed_save_of_a_dropped_manager_settles_and_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failed_save_of_a_dropped_manager_settles_and_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """The write of a dropped manager's save fails: its handle settles with the failure
     (no hang) and a warning names the step and its path."""
     monkeypatch.setenv("ASYNCCKPT_FAULT", "mid_write:raise")
@@ -151,8 +160,9 @@ def test_an_overlapped_save_dropped_by_abort_settles_failed(tmp_path: Path) -> N
 # ------------------------------------------------------------------ a crash inside `with` (issue 25.4)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("caller", CALLERS)
-def test_an_exception_in_the_with_block_keeps_the_staged_saves(tmp_path: Path, caller: str,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_exception_in_the_with_block_keeps_the_staged_saves(
+    tmp_path: Path, caller: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A training loop that crashes inside `with CheckpointManager(...)`: every save
     staged before the crash commits; the user's exception is the one raised."""
     monkeypatch.setenv("ASYNCCKPT_FAULT", "mid_write:sleep=0.5")  # both still writing at the crash
@@ -175,7 +185,9 @@ def test_an_exception_in_the_with_block_names_a_save_it_must_drop(tmp_path: Path
     crash is named (step and path) on stderr and dropped; the exit from the block is
     bounded; the crash's own exception reaches the user (a real process)."""
     root = tmp_path / "root"
-    proc = _start(tmp_path, """
+    proc = _start(
+        tmp_path,
+        """
         os.environ["ASYNCCKPT_FAULT"] = "mid_write:sleep=60"   # a temporal caller's child inherits it
         with asyncckpt.CheckpointManager(root + "/slow", persistent=False) as slow:
             slow.save(2, {"w": torch.ones(1 << 18)})
@@ -184,11 +196,16 @@ def test_an_exception_in_the_with_block_names_a_save_it_must_drop(tmp_path: Path
                 raise RuntimeError("the training loop crashed")
             finally:
                 print(json.dumps({"started": started}), flush=True)
-    """, root, env={"ASYNCCKPT_EXIT_TIMEOUT_S": "1"})
-    rc, out, err = finish_session(proc)
+    """,
+        root,
+        env={"ASYNCCKPT_EXIT_TIMEOUT_S": "1"},
+    )
+    rc, _out, err = finish_session(proc)
     assert rc == 1 and "RuntimeError: the training loop crashed" in err, err
-    assert (f"the save of step 2 ({root / 'slow' / 'step_00000002'}) was still pending when the "
-            f"`with CheckpointManager` block of {root / 'slow'} ended with RuntimeError and is lost") in err, err
+    assert (
+        f"the save of step 2 ({root / 'slow' / 'step_00000002'}) was still pending when the "
+        f"`with CheckpointManager` block of {root / 'slow'} ended with RuntimeError and is lost"
+    ) in err, err
     assert not (root / "slow" / "step_00000002").exists() and _hidden(root / "slow") == []
 
 
@@ -223,8 +240,9 @@ def test_sys_exit_in_the_with_block_keeps_the_staged_saves(tmp_path: Path, monke
 
 
 @pytest.mark.timeout(60)
-def test_the_preemption_budget_ending_the_with_block_drops_at_once(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_preemption_budget_ending_the_with_block_drops_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The interrupt of a spent preemption budget (a SystemExit subclass) is treated as
     Ctrl-C, not as a crash: the block does not wait the crash bound for a write that
     cannot finish in time; nothing partial is left."""
@@ -242,8 +260,9 @@ def test_the_preemption_budget_ending_the_with_block_drops_at_once(tmp_path: Pat
 
 
 @pytest.mark.timeout(120)
-def test_a_dropped_managers_root_stays_locked_until_its_save_settles(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dropped_managers_root_stays_locked_until_its_save_settles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A manager dropped with a save in flight keeps its root locked while that save may
     still commit (another job must not take the root then), and lets it go afterwards."""
     monkeypatch.setenv("ASYNCCKPT_FAULT", "mid_write:sleep=2")
@@ -270,8 +289,9 @@ def test_a_dropped_managers_root_stays_locked_until_its_save_settles(tmp_path: P
 # ------------------------------------------------------------------ one step saved twice (issue 25.8)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("caller", CALLERS)
-def test_a_step_saved_again_while_pending_is_refused_at_once(tmp_path: Path, caller: str,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_saved_again_while_pending_is_refused_at_once(
+    tmp_path: Path, caller: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """save(10) while save(10) is pending: CheckpointError naming step 10 at once, before
     anything is staged; the first commits and close() raises nothing (it used to raise
     FileNotFoundError/FileExistsError after the first commit removed the second's files)."""
@@ -304,7 +324,9 @@ def test_ctrl_c_during_a_synchronous_save_leaves_no_temporary_directory(tmp_path
     `.step_N.tmp-*` directory is left (`asyncckpt ls` lists nothing partial)."""
     root = tmp_path / "root"
     reached = tmp_path / "reached"
-    proc = _start(tmp_path, f"""
+    proc = _start(
+        tmp_path,
+        f"""
         mgr = asyncckpt.CheckpointManager(root)
         mgr.save(1, {{"w": torch.ones(1 << 18)}}, async_op=False)
         os.environ["ASYNCCKPT_FAULT"] = "mid_write:touch={reached};mid_write:sleep=60"
@@ -313,7 +335,9 @@ def test_ctrl_c_during_a_synchronous_save_leaves_no_temporary_directory(tmp_path
         except KeyboardInterrupt:
             print(json.dumps({{"interrupted": True, "steps": mgr.steps()}}), flush=True)
             raise
-    """, root)
+    """,
+        root,
+    )
     deadline = time.monotonic() + 60
     while not reached.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -333,7 +357,9 @@ def test_ctrl_c_after_the_commit_point_of_a_synchronous_save_reports_it_committe
     committed (its handle and callback), not as failed."""
     root = tmp_path / "root"
     marker = tmp_path / "renamed"
-    proc = _start(tmp_path, f"""
+    proc = _start(
+        tmp_path,
+        f"""
         outcomes = []
         manager = asyncckpt.CheckpointManager(root, callback=outcomes.append)
         handle = None
@@ -345,7 +371,9 @@ def test_ctrl_c_after_the_commit_point_of_a_synchronous_save_reports_it_committe
             print(json.dumps({{"interrupted": True, "steps": manager.steps(),
                               "callback": [type(o).__name__ for o in outcomes]}}), flush=True)
         manager.close()
-    """, root)
+    """,
+        root,
+    )
     try:
         deadline = time.monotonic() + 60
         while not marker.exists():
@@ -367,7 +395,9 @@ def test_an_exit_without_close_finishes_the_retention_removal(tmp_path: Path) ->
     (The old step holds many files, as a checkpoint of many ranks does, so that its
     removal takes longer than the rest of the exit.)"""
     root = tmp_path / "root"
-    proc = _start(tmp_path, """
+    proc = _start(
+        tmp_path,
+        """
         mgr = asyncckpt.CheckpointManager(root, keep_last=1)
         mgr.save(1, {"w": torch.ones(1 << 10)}).wait(timeout=60)
         extra = mgr.step_dir(1) / "extra"
@@ -376,8 +406,11 @@ def test_an_exit_without_close_finishes_the_retention_removal(tmp_path: Path) ->
             open(extra / str(i), "w").close()
         mgr.save(2, {"w": torch.ones(1 << 10)})
         print(json.dumps({}), flush=True)
-    """, root, env={"ASYNCCKPT_EXIT_TIMEOUT_S": "60"})
-    rc, out, err = finish_session(proc)
+    """,
+        root,
+        env={"ASYNCCKPT_EXIT_TIMEOUT_S": "60"},
+    )
+    rc, _out, err = finish_session(proc)
     assert rc == 0, err
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000002"]
     assert _hidden(root) == [] and _ls_partial(root) == []
@@ -385,7 +418,8 @@ def test_an_exit_without_close_finishes_the_retention_removal(tmp_path: Path) ->
 
 @pytest.mark.timeout(120)
 def test_an_exception_in_the_with_block_names_an_earlier_unreported_failure(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A save that failed before the crash and was never reported (no maybe_finalize
     since) is named when the block ends, step and path; the crash's exception is raised."""
     monkeypatch.setenv("ASYNCCKPT_FAULT", "mid_write:raise")
@@ -404,8 +438,9 @@ def test_an_exception_in_the_with_block_names_an_earlier_unreported_failure(
 
 
 @pytest.mark.timeout(120)
-def test_an_aborted_manager_on_a_shared_queue_leaves_its_handles_settling(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_aborted_manager_on_a_shared_queue_leaves_its_handles_settling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """close(abort=True) of a manager whose queue was passed in (and stays open): its
     save still pending on that queue settles with its real outcome (it used to be
     forgotten by the manager, and wait() blocked forever)."""

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import asyncckpt
+
 from dist_utils import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -43,8 +43,7 @@ from asyncckpt.lightning import STRUCTURE_KEY, AsyncckptCheckpointIO, replace_pa
 
 from helpers import bits
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
-                                        "ignore::FutureWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
 
 STEPS_PER_EPOCH = 8
 
@@ -77,10 +76,19 @@ def loader() -> DataLoader:
 
 def make_trainer(root: Path, max_steps: int, plugin: AsyncckptCheckpointIO, **ckpt: Any) -> lightning.Trainer:
     callbacks: list[lightning.Callback] = [ModelCheckpoint(dirpath=root, **ckpt)] if ckpt else []
-    return lightning.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, enable_progress_bar=False,
-                             logger=False, default_root_dir=root, enable_model_summary=False,
-                             enable_checkpointing=bool(ckpt), callbacks=callbacks, plugins=[plugin],
-                             deterministic=True)
+    return lightning.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        logger=False,
+        default_root_dir=root,
+        enable_model_summary=False,
+        enable_checkpointing=bool(ckpt),
+        callbacks=callbacks,
+        plugins=[plugin],
+        deterministic=True,
+    )
 
 
 def fresh_model() -> TinyModel:
@@ -115,8 +123,9 @@ def test_fit_saves_commits_prunes_and_resumes_bitwise(tmp_path: Path) -> None:
     root = tmp_path / "ckpts"
     every = STEPS_PER_EPOCH
     plugin = AsyncckptCheckpointIO()
-    trainer = make_trainer(root, 3 * every, plugin, every_n_train_steps=every, save_top_k=2, monitor="step",
-                           mode="max", save_last=True)
+    trainer = make_trainer(
+        root, 3 * every, plugin, every_n_train_steps=every, save_top_k=2, monitor="step", mode="max", save_last=True
+    )
     model = fresh_model()
     trainer.fit(model, loader())  # uninterrupted: 24 steps, saves at 8, 16, 24
     expected = {k: v.clone() for k, v in model.state_dict().items()}
@@ -172,20 +181,31 @@ class Pair(NamedTuple):
 
 def exotic_checkpoint() -> dict[Any, Any]:
     g = torch.Generator().manual_seed(3)
-    weights = collections.OrderedDict([("layer.weight", torch.randn(3, 2, generator=g)),
-                                       ("layer.bias", torch.randn(3, generator=g).to(torch.bfloat16))])
+    weights = collections.OrderedDict(
+        [
+            ("layer.weight", torch.randn(3, 2, generator=g)),
+            ("layer.bias", torch.randn(3, generator=g).to(torch.bfloat16)),
+        ]
+    )
     return {
         "epoch": 2,
         "global_step": 40,
         "pytorch-lightning_version": lightning.__version__,
         "state_dict": weights,
-        "optimizer_states": [{"state": {0: {"step": torch.tensor(40.0), "exp_avg": torch.randn(3, 2, generator=g)},
-                                        1: {}},
-                              "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0, 1]}]}],
+        "optimizer_states": [
+            {
+                "state": {0: {"step": torch.tensor(40.0), "exp_avg": torch.randn(3, 2, generator=g)}, 1: {}},
+                "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0, 1]}],
+            }
+        ],
         "lr_schedulers": [],
         "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 3}}}},
-        "callbacks": {"ModelCheckpoint{'monitor': None}": {"best_model_score": torch.tensor(0.25),
-                                                          "dirpath": pathlib.PosixPath("/tmp/run")}},
+        "callbacks": {
+            "ModelCheckpoint{'monitor': None}": {
+                "best_model_score": torch.tensor(0.25),
+                "dirpath": pathlib.PosixPath("/tmp/run"),
+            }
+        },
         "hyper_parameters": AttributeDict(lr=0.1, hidden=16, phase=Phase.MAIN, info=RunInfo("a", (1, 2))),
         "hparams_name": "kwargs",
         "pair": Pair(torch.arange(4), 5),
@@ -219,8 +239,11 @@ def test_lightning_checkpoint_dict_round_trips_exactly(tmp_path: Path) -> None:
 
 
 def test_weights_only_values_load_without_pickle_and_files_load_too(tmp_path: Path) -> None:
-    plain = {"state_dict": collections.OrderedDict(w=torch.ones(2, 2)), "epoch": 1,
-             "optimizer_states": [{"state": {0: {"m": torch.zeros(2)}}, "param_groups": [{"params": [0]}]}]}
+    plain = {
+        "state_dict": collections.OrderedDict(w=torch.ones(2, 2)),
+        "epoch": 1,
+        "optimizer_states": [{"state": {0: {"m": torch.zeros(2)}}, "param_groups": [{"params": [0]}]}],
+    }
     plugin = AsyncckptCheckpointIO(allow_pickle=False)
     try:
         plugin.save_checkpoint(plain, tmp_path / "a.ckpt")
@@ -310,12 +333,21 @@ def test_ddp_two_ranks_rank0_saves_alone(tmp_path: Path) -> None:
     every = STEPS_PER_EPOCH // 2  # DistributedSampler: 4 steps per epoch on each of 2 ranks
     plugin = AsyncckptCheckpointIO()
     trainer = lightning.Trainer(
-        max_steps=2 * every, accelerator="cpu", devices=2,
+        max_steps=2 * every,
+        accelerator="cpu",
+        devices=2,
         strategy=DDPStrategy(process_group_backend="gloo", start_method="forkserver"),
-        enable_progress_bar=False, logger=False, default_root_dir=root, enable_model_summary=False,
-        callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=1, monitor="step",
-                                   mode="max", save_last=True)],
-        plugins=[plugin])
+        enable_progress_bar=False,
+        logger=False,
+        default_root_dir=root,
+        enable_model_summary=False,
+        callbacks=[
+            ModelCheckpoint(
+                dirpath=root, every_n_train_steps=every, save_top_k=1, monitor="step", mode="max", save_last=True
+            )
+        ],
+        plugins=[plugin],
+    )
     model = fresh_model()
     trainer.fit(model, loader())
     names = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
@@ -335,10 +367,12 @@ def test_import_asyncckpt_never_imports_lightning() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, asyncckpt, asyncckpt.cli\n"
-            "for name in asyncckpt.__all__: getattr(asyncckpt, name)\n"
-            "found = sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning'))\n"
-            "assert not found, found\n")
+    code = (
+        "import sys, asyncckpt, asyncckpt.cli\n"
+        "for name in asyncckpt.__all__: getattr(asyncckpt, name)\n"
+        "found = sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning'))\n"
+        "assert not found, found\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
 

@@ -13,10 +13,11 @@ import gc
 import io
 import itertools
 import json
-import zlib
 import warnings
+import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -26,10 +27,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import asyncckpt
 from asyncckpt import CheckpointError, CorruptCheckpointError
 from asyncckpt.format import manifest as _commit
+from asyncckpt.format.records import RECORDS_NAME, parse_records, records_from_metadata
 from asyncckpt.loading.dcp import SafeLoadPlanner
 from asyncckpt.loading.direct import direct_load, plan_direct_load
 from asyncckpt.loading.metadata import read_metadata
-from asyncckpt.format.records import RECORDS_NAME, parse_records, records_from_metadata
+
 from dist_utils import run_ranks
 from helpers import assert_same, flip_byte, observing_loads, resign
 
@@ -42,14 +44,16 @@ def make_state() -> dict[str, Any]:
         "model": {
             "emb": torch.randn(300, 64, generator=g),
             "ln": {"weight": torch.randn(64, generator=g).half(), "bias": torch.randn(64, generator=g).bfloat16()},
-            "ids": torch.randint(-2**40, 2**40, (33,), generator=g),
+            "ids": torch.randint(-(2**40), 2**40, (33,), generator=g),
             "mask": torch.rand(17, generator=g) > 0.5,
             "big": torch.randn(1 << 19, generator=g),  # 2 MiB: a manifest segment of its own
             "scalar": torch.tensor(3.5, dtype=torch.float64),
             "empty": torch.zeros(0, 4),
         },
-        "optim": {"state": {"emb": {"step": torch.tensor(12.0), "exp_avg": torch.randn(300, 64, generator=g)}},
-                  "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": ["emb"]}]},
+        "optim": {
+            "state": {"emb": {"step": torch.tensor(12.0), "exp_avg": torch.randn(300, 64, generator=g)}},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": ["emb"]}],
+        },
         "many": {f"t{i}": torch.randn(5 + i % 7, generator=g) for i in range(1500)},
         "step": 41,
         "name": "run-a",
@@ -144,7 +148,9 @@ def test_inline_verification_refuses_a_corrupt_byte(ckpt: Path) -> None:
     with pytest.raises(CorruptCheckpointError) as info:
         counted_load(out, ckpt, verify="inline")
     assert "checksum mismatch" in str(info.value) and "'model.big'" in str(info.value)
-    assert info.value.path is not None and info.value.path.endswith(DATA) and out["step"] == -1  # values are placed last
+    assert (
+        info.value.path is not None and info.value.path.endswith(DATA) and out["step"] == -1
+    )  # values are placed last
     # Also when DCP's path is taken (a partial load): checked first, as verify=True.
     part = {"model": fresh(make_state()["model"])}
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
@@ -155,10 +161,14 @@ def test_inline_verification_refuses_a_corrupt_byte(ckpt: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("read_bytes,iov_max", [(5000, 1024), (64 << 20, 3), (1 << 20, 1)],
-                         ids=["odd-call-size", "few-buffers-per-call", "one-buffer-per-call"])
-def test_reads_gathered_across_records_and_segments(ckpt: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    read_bytes: int, iov_max: int) -> None:
+@pytest.mark.parametrize(
+    "read_bytes,iov_max",
+    [(5000, 1024), (64 << 20, 3), (1 << 20, 1)],
+    ids=["odd-call-size", "few-buffers-per-call", "one-buffer-per-call"],
+)
+def test_reads_gathered_across_records_and_segments(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, read_bytes: int, iov_max: int
+) -> None:
     """A file's reads are gathered into ``preadv`` calls across records and manifest
     segments: calls that end inside a segment, or a buffer, and calls cut by the buffer
     limit load bitwise, and a flipped byte is still found in its segment."""
@@ -192,8 +202,9 @@ def test_inline_verification_covers_the_bytes_between_records(ckpt: Path) -> Non
         content[lo:hi] = bytes(range(1, hi - lo + 1))
     (ckpt / DATA).write_bytes(bytes(content))
     manifest = json.loads((ckpt / ".manifest.json").read_text())
-    manifest["files"][DATA]["segments"] = [[o, n, zlib.crc32(content[o:o + n])]
-                                           for o, n, _ in manifest["files"][DATA]["segments"]]
+    manifest["files"][DATA]["segments"] = [
+        [o, n, zlib.crc32(content[o : o + n])] for o, n, _ in manifest["files"][DATA]["segments"]
+    ]
     (ckpt / ".manifest.json").write_text(json.dumps(manifest))
     state = make_state()
     out = fresh(state)
@@ -233,13 +244,13 @@ def test_unusual_states_go_dcps_way(ckpt: Path) -> None:
     # A key the checkpoint lacks: DCP's error, naming it.
     out = fresh(state)
     out["model"]["extra"] = torch.zeros(3)
-    with observing_loads() as loads, pytest.raises(CheckpointError, match="model.extra"):
+    with observing_loads() as loads, pytest.raises(CheckpointError, match=r"model\.extra"):
         asyncckpt.load(out, ckpt)
     assert loads.paths() == {"direct": 0, "dcp": 1}
     # Another shape: refused by DCP, naming the entry.
     out = fresh(state)
     out["model"]["emb"] = torch.zeros(301, 64)
-    with observing_loads() as loads, pytest.raises(CheckpointError, match="model.emb"):
+    with observing_loads() as loads, pytest.raises(CheckpointError, match=r"model\.emb"):
         asyncckpt.load(out, ckpt)
     assert loads.paths() == {"direct": 0, "dcp": 1}
     # Tied targets (one tensor under two keys): DCP's order of writes decides.
@@ -287,6 +298,7 @@ def gc_watch() -> Any:
     """Count the cyclic collections that start, with every allocation triggering one
     (threshold 1), restoring the collector's state and thresholds afterwards."""
     import gc
+
     started: list[int] = []
 
     def on_gc(phase: str, info: dict[str, int]) -> None:
@@ -354,8 +366,8 @@ def test_framing_check_ignores_only_the_crc_fields(ckpt: Path, fqn: str) -> None
     tensor_md = md.state_dict_metadata[fqn]
     assert isinstance(tensor_md, TensorStorageMetadata)
     framing = record_framing(tensor_md.properties.dtype, tuple(tensor_md.size))  # what our writer writes
-    record = (ckpt / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
-    head, tail = record[:len(framing.prefix)], record[len(framing.prefix) + framing.nbytes:]
+    record = (ckpt / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+    head, tail = record[: len(framing.prefix)], record[len(framing.prefix) + framing.nbytes :]
     assert head == framing.prefix and suffix_matches(memoryview(tail), framing)
     crc_bytes = {o + k for o in framing.crc_offsets for k in range(4)}
     if framing.nbytes:
@@ -402,7 +414,10 @@ def test_the_records_file_stands_for_the_metadata(ckpt: Path) -> None:
     metadata = read_metadata(ckpt)
     assert parsed is not None and parsed == records_from_metadata(metadata)
     assert set(parsed) == set(metadata.state_dict_metadata) and len(parsed) > 1500
-    assert parsed["model.ln.bias"][3:] == (torch.bfloat16, (64,)) and parsed["model.empty"][3:] == (torch.float32, (0, 4))
+    assert parsed["model.ln.bias"][3:] == (torch.bfloat16, (64,)) and parsed["model.empty"][3:] == (
+        torch.float32,
+        (0, 4),
+    )
     assert parsed["optim.param_groups.0.lr"][3:] == (None, None)  # a value
     for rows in obj["files"].values():
         assert [r[1] for r in rows] == sorted(r[1] for r in rows)
@@ -413,7 +428,7 @@ def test_the_records_file_stands_for_the_metadata(ckpt: Path) -> None:
 def _edit(obj: dict[str, Any], how: str) -> Any:
     rows = obj["files"][DATA]
     if how == "not json":
-        return b"{\"format\": "
+        return b'{"format": '
     if how == "another crc":
         obj["metadata_crc32"] ^= 1
     elif how == "another format":
@@ -443,9 +458,24 @@ def _edit(obj: dict[str, Any], how: str) -> Any:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["not json", "another crc", "another format", "another version", "an unlisted file",
-                                 "a path outside", "a short row", "a bool offset", "a negative length",
-                                 "an unknown dtype", "a shape of floats", "a value with a shape", "an fqn twice"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "not json",
+        "another crc",
+        "another format",
+        "another version",
+        "an unlisted file",
+        "a path outside",
+        "a short row",
+        "a bool offset",
+        "a negative length",
+        "an unknown dtype",
+        "a shape of floats",
+        "a value with a shape",
+        "an fqn twice",
+    ],
+)
 def test_records_that_cannot_stand_for_the_metadata_are_not_used(ckpt: Path, how: str) -> None:
     """The records file is a cache of ``.metadata``, never an authority: when it is not
     bound to these ``.metadata`` bytes or has any malformed field, the load (checksums
@@ -462,6 +492,7 @@ def test_records_bound_to_the_metadata_are_still_checked(ckpt: Path) -> None:
     """A records file that names the right CRC-32 but lies is held to the same checks as
     ``.metadata``: a record past the end of its file is refused, naming it; overlapping
     records or another dtype than the state's go DCP's way (which reads ``.metadata``)."""
+
     def rewrite(change: Callable[[list[list[Any]]], None]) -> None:
         obj = _records(ckpt)
         change(obj["files"][DATA])

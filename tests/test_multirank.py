@@ -25,8 +25,14 @@ WORKER = Path(__file__).with_name("_multirank_worker.py")
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _run(tmp_path: Path, scenario: str, *args: str, env: dict[int, dict[str, str]] | None = None,
-         world: int = 2, timeout: float = 150.0) -> list[dict[str, Any]]:
+def _run(
+    tmp_path: Path,
+    scenario: str,
+    *args: str,
+    env: dict[int, dict[str, str]] | None = None,
+    world: int = 2,
+    timeout: float = 150.0,
+) -> list[dict[str, Any]]:
     """Run ``scenario`` on ``world`` real rank processes; return each rank's report.
 
     Every process (and what it started: the background writers) is killed if the
@@ -38,16 +44,22 @@ def _run(tmp_path: Path, scenario: str, *args: str, env: dict[int, dict[str, str
     store = str(tmp_path / "store")
     procs: list[subprocess.Popen] = []
     logs = []
-    base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                OMP_NUM_THREADS="1")
+    base = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1"
+    )
     base.pop("ASYNCCKPT_FAULT", None)
     try:
         for rank in range(world):
             log = open(tmp_path / f"rank{rank}.log", "w+")
             logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(rank), str(world), store, str(out), *args],
-                env={**base, **((env or {}).get(rank, {}))}, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), scenario, str(rank), str(world), store, str(out), *args],
+                    env={**base, **((env or {}).get(rank, {}))},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         codes: list[int | None] = []
         for p in procs:
             try:
@@ -76,8 +88,10 @@ def _run(tmp_path: Path, scenario: str, *args: str, env: dict[int, dict[str, str
     for rank in range(world):
         path = out / f"rank{rank}.json"
         if not path.exists():
-            raise AssertionError(f"rank {rank} reported nothing (exit codes {codes}):\n"
-                                 + "\n".join(f"--- rank {r} ---\n{t}" for r, t in enumerate(texts)))
+            raise AssertionError(
+                f"rank {rank} reported nothing (exit codes {codes}):\n"
+                + "\n".join(f"--- rank {r} ---\n{t}" for r, t in enumerate(texts))
+            )
         reports.append({**json.loads(path.read_text()), "log": texts[rank]})
     return reports
 
@@ -177,8 +191,7 @@ def test_a_save_that_cannot_commit_at_destroy_process_group_is_named_as_lost(tmp
     [report] = _run(tmp_path, "destroy_foreground", str(root), world=1)
     assert report["outcomes"] == [{"state": "pending"}], report
     lost = [line for line in report["log"].splitlines() if "destroy_process_group()" in line]
-    assert lost and "step 2" in lost[0] and str(root / "step_00000002") in lost[0] and "lost" in lost[0], \
-        report["log"]
+    assert lost and "step 2" in lost[0] and str(root / "step_00000002") in lost[0] and "lost" in lost[0], report["log"]
 
 
 @pytest.mark.timeout(180)

@@ -28,13 +28,21 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_utils import run_ranks
-from helpers import assert_same, started_session
 
 import asyncckpt
-from asyncckpt import (AsyncckptError, CheckpointException, CheckpointManager, CheckpointNotFoundError,
-                       CorruptCheckpointError, PreemptionSave, read_state_dict)
+from asyncckpt import (
+    AsyncckptError,
+    CheckpointException,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    PreemptionSave,
+    read_state_dict,
+)
 from asyncckpt.errors import CheckpointPathError, InvalidArgumentError, RootInUseError, UnverifiableCheckpointError
+
+from dist_utils import run_ranks
+from helpers import assert_same, started_session
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,8 +51,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def state(seed: float = 1.0) -> dict[str, Any]:
-    return {"w": torch.arange(12, dtype=torch.float32) * seed, "nested": {"b": torch.ones(3, dtype=torch.int64)},
-            "epoch": 3}
+    return {
+        "w": torch.arange(12, dtype=torch.float32) * seed,
+        "nested": {"b": torch.ones(3, dtype=torch.int64)},
+        "epoch": 3,
+    }
 
 
 def zeros_like_state() -> dict[str, Any]:
@@ -203,9 +214,15 @@ def test_a_read_only_root_raises_a_permission_error_of_ours(tmp_path: Path) -> N
         env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_FAULT"}
         env["PYTHONPATH"] = str(REPO)
         env["HOME"] = str(base)
-        proc = subprocess.run([sys.executable, "-c", READ_ONLY_ROOT, str(ro)], capture_output=True, text=True,
-                              timeout=150, env=env, cwd=str(base),
-                              preexec_fn=_drop_permission_override if as_root else None)
+        proc = subprocess.run(
+            [sys.executable, "-c", READ_ONLY_ROOT, str(ro)],
+            capture_output=True,
+            text=True,
+            timeout=150,
+            env=env,
+            cwd=str(base),
+            preexec_fn=_drop_permission_override if as_root else None,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert proc.stdout.count("refused: CheckpointPathError") == 2 and "loaded 66.0" in proc.stdout, proc.stdout
     finally:
@@ -259,8 +276,13 @@ HOLDER = textwrap.dedent("""
 def test_another_process_holds_the_root_and_a_sigkilled_holder_is_taken_over(tmp_path: Path) -> None:
     root = tmp_path / "root"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    with started_session([sys.executable, "-c", HOLDER, str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, env=env) as holder:
+    with started_session(
+        [sys.executable, "-c", HOLDER, str(root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    ) as holder:
         assert holder.stdout.readline().strip() == "ready", holder.stderr.read()
         with pytest.raises(RootInUseError) as info:
             CheckpointManager(root, persistent=False)
@@ -273,8 +295,9 @@ def test_another_process_holds_the_root_and_a_sigkilled_holder_is_taken_over(tmp
         assert manager.steps() == [2]
     # and the other way round: this process holds it, a second process is refused
     with CheckpointManager(root, persistent=False):
-        proc = subprocess.run([sys.executable, "-c", HOLDER, str(root)], input="\n", capture_output=True,
-                              text=True, timeout=120, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-c", HOLDER, str(root)], input="\n", capture_output=True, text=True, timeout=120, env=env
+        )
         assert proc.returncode != 0 and "RootInUseError" in proc.stderr
         assert f"process {os.getpid()} on host {socket.gethostname()}" in proc.stderr
 
@@ -356,8 +379,9 @@ def test_a_checkpoint_of_a_root_that_lost_its_manifest_is_still_corrupt(tmp_path
 
 # ============================================================================ item 7: wording
 @pytest.mark.parametrize("async_op", [False, True])
-def test_a_failed_save_is_named_by_its_step_and_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      async_op: bool) -> None:
+def test_a_failed_save_is_named_by_its_step_and_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_op: bool
+) -> None:
     with CheckpointManager(tmp_path, persistent=False) as manager:
         for step in range(1, 10):  # the queue's call numbers drift from the steps
             manager.save(step, state(float(step)))
@@ -382,8 +406,12 @@ def test_the_new_errors_are_exported_and_pickle() -> None:
     for name in ("CheckpointPathError", "InvalidArgumentError", "RootInUseError", "UnverifiableCheckpointError"):
         assert issubclass(getattr(asyncckpt, name), AsyncckptError) and name in asyncckpt.__all__
     perm = CheckpointPathError.of(errno.EACCES, "cannot create the checkpoint root", "/r")
-    for exc in (perm, RootInUseError("in use", "/r", 12, "h"), CheckpointException(3, {0: "x"}, 10, "/r/s"),
-                UnverifiableCheckpointError("no manifest", "/c")):
+    for exc in (
+        perm,
+        RootInUseError("in use", "/r", 12, "h"),
+        CheckpointException(3, {0: "x"}, 10, "/r/s"),
+        UnverifiableCheckpointError("no manifest", "/c"),
+    ):
         copy = pickle.loads(pickle.dumps(exc))
         assert type(copy) is type(exc) and str(copy) == str(exc)
     assert isinstance(pickle.loads(pickle.dumps(perm)), PermissionError)
@@ -419,10 +447,16 @@ def test_ls_lists_the_checkpoints_of_a_lightning_dirpath(tmp_path: Path) -> None
     lightning.seed_everything(0)
     x = torch.randn(64, 4)
     trainer = lightning.Trainer(
-        max_steps=16, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
-        default_root_dir=tmp_path, enable_model_summary=False,
+        max_steps=16,
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        logger=False,
+        default_root_dir=tmp_path,
+        enable_model_summary=False,
         callbacks=[lightning.callbacks.ModelCheckpoint(dirpath=dirpath, every_n_train_steps=8, save_top_k=-1)],
-        plugins=[AsyncckptCheckpointIO()])
+        plugins=[AsyncckptCheckpointIO()],
+    )
     trainer.fit(Tiny(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
     names = sorted(p.name for p in dirpath.iterdir() if not p.name.startswith("."))
     assert names == ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt"], names

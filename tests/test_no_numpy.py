@@ -47,14 +47,27 @@ def test_two_ranks_save_without_numpy(tmp_path: Path) -> None:
     blocker = tmp_path / "blocker" / "numpy"
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text(
-        'raise ModuleNotFoundError("No module named \'numpy\' (blocked by the test)", name="numpy")\n')
+        'raise ModuleNotFoundError("No module named \'numpy\' (blocked by the test)", name="numpy")\n'
+    )
     script = tmp_path / "rank.py"
     script.write_text(_RANK_SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(blocker.parent), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(script), str(tmp_path / "ckpt")]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        str(tmp_path / "ckpt"),
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     rc, out, _ = finish_session(proc, 100)
     assert rc == 0, out
     assert out.count("torch object collectives: no numpy") == 2, out

@@ -60,8 +60,9 @@ def _names_both(exc: pytest.ExceptionInfo[ValueError], *names: str) -> None:
         assert name in str(exc.value), (name, str(exc.value))
 
 
-@pytest.mark.parametrize("given", [{"start_method": "forkserver"}, {"start_method": "spawn"},
-                                   {"import_main": False}, {"import_main": True}])
+@pytest.mark.parametrize(
+    "given", [{"start_method": "forkserver"}, {"start_method": "spawn"}, {"import_main": False}, {"import_main": True}]
+)
 def test_worker_options_without_a_worker_raise(given: dict) -> None:
     """``start_method`` / ``import_main`` with ``persistent=False`` (a child forked per
     call: there is no worker to start) were ignored."""
@@ -113,8 +114,9 @@ def test_manager_start_method_without_a_worker_raises_before_taking_the_root(tmp
         assert manager.steps() == [1]
 
 
-@pytest.mark.parametrize("given", [{"keep_last": 2}, {"options": SaveOptions()}, {"copy_threads": 2},
-                                   {"callback": print}])
+@pytest.mark.parametrize(
+    "given", [{"keep_last": 2}, {"options": SaveOptions()}, {"copy_threads": 2}, {"callback": print}]
+)
 def test_read_only_manager_with_save_options_raises(tmp_path: Path, given: dict) -> None:
     """A read-only manager never saves nor removes checkpoints: ``keep_last``, save
     options and ``callback`` were ignored."""

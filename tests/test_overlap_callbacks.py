@@ -15,6 +15,7 @@ import asyncckpt
 from asyncckpt.errors import CallbackError, CheckpointException
 from asyncckpt.io import writer
 from asyncckpt.testing import staging_buffers
+
 from helpers import assert_same, clone_state, count_calls, counting_calls, counting_plans
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,13 +61,13 @@ def test_overlap_staging_implicit_synchronize(tmp_path):
     states = [_state(s) for s in range(4)]
     with asyncckpt.CheckpointManager(tmp_path, overlap_staging=True, staging_buffers=2) as mgr:
         h0 = mgr.save(0, states[0])
-        h1 = mgr.save(1, states[1])        # synchronizes save 0
+        h1 = mgr.save(1, states[1])  # synchronizes save 0
         assert h0.call_idx is not None and h1.call_idx is None
         mgr.maybe_finalize(blocking=True)  # synchronizes save 1, commits both
         assert h1.done() and h0.done()
         h2 = mgr.save(2, states[2])
-        h2.wait()                           # synchronizes and commits
-        mgr.save(3, states[3])              # committed by close
+        h2.wait()  # synchronizes and commits
+        mgr.save(3, states[3])  # committed by close
     assert mgr.steps() == [0, 1, 2, 3]
     for s in range(4):
         assert_same(states[s], _load(tmp_path / f"step_{s:08d}", states[s]))
@@ -186,17 +187,23 @@ def test_threads_write_the_same_bytes(tmp_path, monkeypatch, copy_threads, write
     """Copies spread across threads and files written by several threads give the
     same files, byte for byte, as one thread each (small chunks force the paths)."""
     from asyncckpt.saving import staging
+
     monkeypatch.setattr(writer, "WRITE_CHUNK_BYTES", 64 << 10)  # sync saves write in this process
     monkeypatch.setattr(staging.StagingCopier, "CHUNK_BYTES", 48 << 10)
     monkeypatch.setattr(staging.StagingCopier, "PIECE_BYTES", 40 << 10)
     sd = _state(7, n=5, numel=300_000)
     files, used = {}, {}
-    for name, kw in (("one", dict(copy_threads=1, write_threads=1)),
-                     ("many", dict(copy_threads=copy_threads, write_threads=write_threads))):
+    for name, kw in (
+        ("one", dict(copy_threads=1, write_threads=1)),
+        ("many", dict(copy_threads=copy_threads, write_threads=write_threads)),
+    ):
         # Observed: the writer's threads write with pwrite (one thread: write), and the
         # copy threads' work is split by split_copies.
-        with (asyncckpt.CheckpointManager(tmp_path / name, **kw) as mgr, counting_calls(os, "pwrite") as pwrite,
-              counting_calls(staging, "split_copies") as split):
+        with (
+            asyncckpt.CheckpointManager(tmp_path / name, **kw) as mgr,
+            counting_calls(os, "pwrite") as pwrite,
+            counting_calls(staging, "split_copies") as split,
+        ):
             mgr.save(1, sd, async_op=False)
         used[name] = (pwrite.n > 0, split.n > 0)
         files[name] = (tmp_path / name / "step_00000001" / "__0_0.distcp").read_bytes()
@@ -213,22 +220,22 @@ def test_copier_memmoves_what_it_may_and_copies_the_rest_exactly(threads, monkey
     conjugate, negative, small and dtype-converting copies through torch; every
     destination ends bitwise equal to what ``copy_`` gives."""
     from asyncckpt.saving import staging
+
     monkeypatch.setattr(staging.StagingCopier, "PIECE_BYTES", 40 << 10)
     memmoves = count_calls(ctypes, "memmove", keep=lambda dst, src, n: n)  # observed, not replaced
     g = torch.Generator().manual_seed(0)
     big = staging.MEMMOVE_MIN_NUMEL
     srcs = [
-        torch.randn(big * 3, generator=g),                                   # memmove
-        torch.randn(big, 2, generator=g).t(),                                # strided: torch
-        torch.randn(big, dtype=torch.complex64, generator=g).conj(),         # conjugate view: torch
-        torch.randn(big, dtype=torch.complex64, generator=g).conj().imag,    # negative view: torch
-        torch.randn(7, generator=g),                                         # small: torch
-        torch.randint(0, 100, (big,), generator=g, dtype=torch.int64),        # memmove
-        torch.randn(big, dtype=torch.float64, generator=g),                  # into float32: torch
-        torch.randn(big * 5, generator=g).view(5, big).requires_grad_(),      # memmove, requires grad
+        torch.randn(big * 3, generator=g),  # memmove
+        torch.randn(big, 2, generator=g).t(),  # strided: torch
+        torch.randn(big, dtype=torch.complex64, generator=g).conj(),  # conjugate view: torch
+        torch.randn(big, dtype=torch.complex64, generator=g).conj().imag,  # negative view: torch
+        torch.randn(7, generator=g),  # small: torch
+        torch.randint(0, 100, (big,), generator=g, dtype=torch.int64),  # memmove
+        torch.randn(big, dtype=torch.float64, generator=g),  # into float32: torch
+        torch.randn(big * 5, generator=g).view(5, big).requires_grad_(),  # memmove, requires grad
     ]
-    dsts = [torch.zeros_like(s, dtype=torch.float32 if s.dtype == torch.float64 else None).contiguous()
-            for s in srcs]
+    dsts = [torch.zeros_like(s, dtype=torch.float32 if s.dtype == torch.float64 else None).contiguous() for s in srcs]
     expected = [torch.empty_like(d).copy_(s.detach()) for d, s in zip(dsts, srcs)]
     copier = staging.StagingCopier(threads)
     try:
@@ -238,8 +245,9 @@ def test_copier_memmoves_what_it_may_and_copies_the_rest_exactly(threads, monkey
         memmoves.restore()
     moved = memmoves.calls
     for i, (d, e) in enumerate(zip(dsts, expected)):
-        assert torch.equal(d.view(torch.uint8) if d.is_complex() else d, e.view(torch.uint8) if e.is_complex()
-                           else e), i
+        assert torch.equal(
+            d.view(torch.uint8) if d.is_complex() else d, e.view(torch.uint8) if e.is_complex() else e
+        ), i
     assert sum(moved) == (big * 3 + big * 5) * 4 + big * 8
     assert len(moved) == 3 if threads == 1 else len(moved) > 3  # threads take pieces
 
@@ -256,6 +264,7 @@ def test_write_threads_failure_removes_the_file(tmp_path, monkeypatch):
 
 def test_staging_copier_splits_by_bytes():
     from asyncckpt.saving.staging import StagingCopier, split_copies
+
     srcs = [torch.randn(1000), torch.randn(10), torch.randn(5000).view(50, 100).t()]
     dsts = [torch.empty(1000), torch.empty(10), torch.empty(100, 50)]
     groups = split_copies(dsts, srcs, 3, 400)
@@ -285,5 +294,5 @@ def test_prepare_formats_the_buffer_without_writing(tmp_path):
         with counting_plans() as plans:
             mgr.save(1, sd).wait()
         assert staging_buffers(mgr) == buffers  # the prepared buffer was used
-        assert plans.n == 0                     # and the prepared plan
+        assert plans.n == 0  # and the prepared plan
     assert_same(sd, _load(tmp_path / "step_00000001", sd))

@@ -23,6 +23,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import _faults
+
 from dist_utils import run_ranks
 from helpers import assert_same, clone_state
 
@@ -67,8 +68,12 @@ def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
 
 def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The model's parameters and the optimizer's state tensors (the live tensors)."""
-    optim = {f"{name}.{key}": value for name, p in model.named_parameters()
-             for key, value in opt.state.get(p, {}).items() if isinstance(value, torch.Tensor)}
+    optim = {
+        f"{name}.{key}": value
+        for name, p in model.named_parameters()
+        for key, value in opt.state.get(p, {}).items()
+        if isinstance(value, torch.Tensor)
+    }
     return {"model": model.state_dict(), "optim": optim}
 
 
@@ -121,16 +126,19 @@ def _step_before_synchronize(rank: int, world_size: int, root: str, kind: str) -
     finally:
         os.environ.pop(_faults.ENV, None)
     assert_same(expected, got)
-    assert not torch.equal(after["model"]["0.weight"], expected[f"rank{rank}"]["model"]["0.weight"]), \
+    assert not torch.equal(after["model"]["0.weight"], expected[f"rank{rank}"]["model"]["0.weight"]), (
         "the step did nothing"
+    )
     return True
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("world_size,kind", [(1, "adamw_fused"), (1, "adamw_foreach"), (1, "sgd_data"),
-                                             (2, "adamw_fused")])
+@pytest.mark.parametrize(
+    "world_size,kind", [(1, "adamw_fused"), (1, "adamw_foreach"), (1, "sgd_data"), (2, "adamw_fused")]
+)
 def test_an_optimizer_step_before_synchronize_staging_never_tears_the_checkpoint(
-        tmp_path: Path, world_size: int, kind: str) -> None:
+    tmp_path: Path, world_size: int, kind: str
+) -> None:
     """AdamW(fused=True) (no version bump), foreach AdamW (bumps: used to fail the save)
     and an SGD that updates through ``.data``, in one process, and a fused AdamW on two
     gloo ranks: the step right after ``save()`` waits for the copy; the committed
@@ -150,7 +158,7 @@ def test_flat_buffer_parameters_stepped_through_the_flat_parameter(tmp_path: Pat
     flat = torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params]))
     offset = 0
     for p in params:
-        p.data = flat.data[offset:offset + p.numel()].view_as(p)
+        p.data = flat.data[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
     opt = torch.optim.SGD([flat], lr=0.1, foreach=True)
     flat.grad = torch.randn_like(flat)
@@ -172,8 +180,10 @@ def test_one_step_waits_for_the_copies_of_several_managers(tmp_path: Path, slow_
     _backward(model)
     opt.step()
     _backward(model)
-    with asyncckpt.CheckpointManager(tmp_path / "a", overlap_staging=True) as a, \
-            asyncckpt.CheckpointManager(tmp_path / "b", overlap_staging=True) as b:
+    with (
+        asyncckpt.CheckpointManager(tmp_path / "a", overlap_staging=True) as a,
+        asyncckpt.CheckpointManager(tmp_path / "b", overlap_staging=True) as b,
+    ):
         expected = clone_state(_state(model, opt))
         a.save(1, {"model": model.state_dict()})
         b.save(1, {"optim": _state(model, opt)["optim"]})

@@ -23,10 +23,20 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
 import asyncckpt
-from asyncckpt import (AsyncCallsQueue, AsyncckptError, CallbackError, CheckpointError, CheckpointException,
-                       CheckpointManager, CorruptCheckpointError, RankFailure, SaveOptions)
+from asyncckpt import (
+    AsyncCallsQueue,
+    AsyncckptError,
+    CallbackError,
+    CheckpointError,
+    CheckpointException,
+    CheckpointManager,
+    CorruptCheckpointError,
+    RankFailure,
+    SaveOptions,
+)
 from asyncckpt.format.layout import RankLayout
 from asyncckpt.testing import pending_steps, staging_buffers
+
 from dist_utils import run_ranks
 
 
@@ -182,8 +192,8 @@ def test_failed_save_seen_through_wait_leaves_nothing(two_ranks: list[dict[str, 
     for r in two_ranks:
         assert r["failed_ranks"] == [1]
         assert r["failed_errno"] == errno.ENOSPC and r["failed_type"] == "OSError"
-        assert r["failed_pending"] == []       # the manager forgot it
-        assert r["failed_leftovers"] == []     # its temporary directory is gone, on every rank
+        assert r["failed_pending"] == []  # the manager forgot it
+        assert r["failed_leftovers"] == []  # its temporary directory is gone, on every rank
         assert r["failed_steps"] == []
 
 
@@ -206,7 +216,10 @@ def test_memory_guard_raises_on_every_rank_before_allocating(two_ranks: list[dic
 def test_memory_guard_names_both_sizes_and_can_be_turned_off(tmp_path: Path) -> None:
     state = {"w": torch.ones(1 << 20)}
     with CheckpointManager(tmp_path / "a", options=SaveOptions(staging_memory_limit=1e-6)) as mgr:
-        with pytest.raises(CheckpointError, match=r"new host buffer of 4,1\d\d,\d\d\d bytes, more than 1e-06 x the [\d,]+ bytes of memory available"):
+        with pytest.raises(
+            CheckpointError,
+            match=r"new host buffer of 4,1\d\d,\d\d\d bytes, more than 1e-06 x the [\d,]+ bytes of memory available",
+        ):
             mgr.save(1, state)
         with pytest.raises(CheckpointError, match="staging_memory_limit=None"):
             mgr.prepare(state)
@@ -334,8 +347,12 @@ def test_failed_save_leaves_nothing_however_observed(tmp_path: Path) -> None:
 
 def test_errors_share_one_base_class_and_pickle() -> None:
     failure = RankFailure.from_exception(OSError(errno.EACCES, "denied"), "write: ")
-    for exc in (CheckpointException(3, {1: failure}), CheckpointError("bad", {0: failure}),
-                CorruptCheckpointError("corrupt", "/x"), CallbackError("cb", [ValueError("v")])):
+    for exc in (
+        CheckpointException(3, {1: failure}),
+        CheckpointError("bad", {0: failure}),
+        CorruptCheckpointError("corrupt", "/x"),
+        CallbackError("cb", [ValueError("v")]),
+    ):
         assert isinstance(exc, AsyncckptError) and isinstance(exc, Exception)
         copy = pickle.loads(pickle.dumps(exc))
         assert type(copy) is type(exc) and str(copy) == str(exc)
@@ -443,7 +460,8 @@ def _bytes_at(buffer: Any, lo: int, hi: int) -> bytes:
 @pytest.mark.parametrize("madvise", [True, False], ids=["madv_populate_write", "older_kernel"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_new_buffer_is_allocated_by_its_first_copy_or_populate(
-        monkeypatch: pytest.MonkeyPatch, madvise: bool, threads: int) -> None:
+    monkeypatch: pytest.MonkeyPatch, madvise: bool, threads: int
+) -> None:
     """A new staging buffer holds no memory until the copy threads allocate it (each
     piece just before copying into it) or ``populate()`` does (``prepare()``, pinning),
     keeping the bytes already there; the same without MADV_POPULATE_WRITE (before
@@ -461,7 +479,7 @@ def test_a_new_buffer_is_allocated_by_its_first_copy_or_populate(
         assert not buf.populated and _allocated(buf) == 0
         views, off = [], 0
         for s, n in zip(srcs, sizes):
-            views.append(buf.u8[off:off + n].view(s.dtype))
+            views.append(buf.u8[off : off + n].view(s.dtype))
             off += n
         buf.write_bytes(buf.nbytes - 4, b"tail")
         copier.copy(views, srcs, populate=True)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import asyncckpt
+
 from dist_utils import free_port
 from helpers import process_group_gone, started_session
 
@@ -64,8 +65,12 @@ _SCRIPT = textwrap.dedent("""
 def _start(tmp_path: Path, args: list[str], env: dict[str, str] | None = None) -> Any:
     script = tmp_path / "preempt.py"
     script.write_text(_SCRIPT)
-    with started_session([sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=dict(os.environ, **(env or {}))) as proc:
+    with started_session(
+        [sys.executable, str(script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, **(env or {})),
+    ) as proc:
         yield proc
 
 
@@ -121,9 +126,23 @@ def test_sigterm_on_one_rank_stops_both_at_the_same_step(tmp_path: Path) -> None
     root = tmp_path / "root"
     port = str(free_port())
     with contextlib.ExitStack() as stack:
-        procs = [stack.enter_context(_start(tmp_path, [str(root), "5", "30", "-"], {
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(r), "WORLD_SIZE": "2",
-            "KILL_RANK": "1", "OMP_NUM_THREADS": "1"})) for r in range(2)]
+        procs = [
+            stack.enter_context(
+                _start(
+                    tmp_path,
+                    [str(root), "5", "30", "-"],
+                    {
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": port,
+                        "RANK": str(r),
+                        "WORLD_SIZE": "2",
+                        "KILL_RANK": "1",
+                        "OMP_NUM_THREADS": "1",
+                    },
+                )
+            )
+            for r in range(2)
+        ]
         outs = [p.communicate(timeout=90) for p in procs]
         assert [p.returncode for p in procs] == [143, 143], outs
     stops = [_lines(out)[0]["stop"] for out, _ in outs]
@@ -188,8 +207,9 @@ def test_sigterm_to_the_group_with_fork_started_dataloader_workers(tmp_path: Pat
     root = tmp_path / "root"
     script = tmp_path / "loader.py"
     script.write_text(_DATALOADER_SCRIPT)
-    with started_session([sys.executable, str(script), str(root)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE) as proc:
+    with started_session(
+        [sys.executable, str(script), str(root)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith("ready"):

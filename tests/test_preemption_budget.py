@@ -25,6 +25,7 @@ import torch
 
 import asyncckpt
 from asyncckpt.preemption import HARD_EXIT_SLACK_S
+
 from dist_utils import free_port
 from helpers import process_group_gone, started_session
 
@@ -82,8 +83,12 @@ _SCRIPT = textwrap.dedent("""
 def _start(tmp_path: Path, args: list[str], env: dict[str, str] | None = None) -> Any:
     script = tmp_path / "budget.py"
     script.write_text(_SCRIPT)
-    with started_session([sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=dict(os.environ, **(env or {}))) as proc:
+    with started_session(
+        [sys.executable, str(script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, **(env or {})),
+    ) as proc:
         yield proc
 
 
@@ -162,8 +167,9 @@ def test_a_fully_written_save_is_committed_when_the_budget_runs_out_during_its_c
     budget plus the abort's slack."""
     root = tmp_path / "root"
     marker = tmp_path / "written"
-    with _start(tmp_path, [str(root), "1", f"after_write:touch={marker}", "commit:sleep=3", "loop",
-                           str(marker)]) as proc:
+    with _start(
+        tmp_path, [str(root), "1", f"after_write:touch={marker}", "commit:sleep=3", "loop", str(marker)]
+    ) as proc:
         _wait_for(marker, proc)
         out, err, elapsed = _terminate(proc, 20)
         assert proc.returncode == 143, f"{out}\n{err}"
@@ -186,10 +192,23 @@ def test_two_ranks_one_waiting_in_save_the_other_in_reached_both_exit_within_the
     marker = tmp_path / "m"
     port = str(free_port())
     with contextlib.ExitStack() as stack:
-        procs = [stack.enter_context(_start(tmp_path, [str(root), "2", "mid_write:sleep=30", "-", "save_again",
-                                                       str(marker)], {
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(r), "WORLD_SIZE": "2",
-            "OMP_NUM_THREADS": "1", "STAGING_BUFFERS": str(1 + r)})) for r in range(2)]
+        procs = [
+            stack.enter_context(
+                _start(
+                    tmp_path,
+                    [str(root), "2", "mid_write:sleep=30", "-", "save_again", str(marker)],
+                    {
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": port,
+                        "RANK": str(r),
+                        "WORLD_SIZE": "2",
+                        "OMP_NUM_THREADS": "1",
+                        "STAGING_BUFFERS": str(1 + r),
+                    },
+                )
+            )
+            for r in range(2)
+        ]
         _wait_for(tmp_path / "saved2.1", procs[1])  # rank 1 went on to reached()
         time.sleep(0.5)
         assert not (tmp_path / "saved2.0").exists()  # rank 0 still waits for its buffer

@@ -21,13 +21,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_same, flip_byte
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
 from asyncckpt import AsyncCallsQueue, CheckpointError, CorruptCheckpointError, read_state_dict
 from asyncckpt.format import manifest as commit
 from asyncckpt.loading.metadata import read_metadata
+
+from helpers import assert_same, flip_byte
 
 DATA = "__0_0.distcp"
 
@@ -49,8 +50,10 @@ def nested_state(seed: int = 0) -> dict[str, Any]:
             "nothing": torch.empty(0, 4),
         },
         "optim": {
-            "state": {"0": {"step": torch.tensor(12.0), "exp_avg": torch.randn(16, 8, generator=g)},
-                      "1": {"step": torch.tensor(12.0), "exp_avg": torch.randn(16, generator=g)}},
+            "state": {
+                "0": {"step": torch.tensor(12.0), "exp_avg": torch.randn(16, 8, generator=g)},
+                "1": {"step": torch.tensor(12.0), "exp_avg": torch.randn(16, generator=g)},
+            },
             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0, 1], "name": None}],
         },
         "history": [torch.full((2,), 1.5), 7, "warmup"],
@@ -178,8 +181,7 @@ def _save_sharded_then_read_on_rank0(rank: int, world_size: int, root: str) -> A
     mesh = init_device_mesh("cpu", (world_size,))
     full = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)  # uneven shards: 4 + 3 rows
     state = {"model": {"w": distribute_tensor(full, mesh, [Shard(0)])}, "step": 5}
-    asyncckpt.save(state, Path(root) / "sharded", async_op=False,
-                   calls_queue=AsyncCallsQueue(persistent=False))
+    asyncckpt.save(state, Path(root) / "sharded", async_op=False, calls_queue=AsyncCallsQueue(persistent=False))
     got = None
     if rank == 0:  # one rank alone, the group initialized: no collective may be issued
         buf = io.BytesIO()
@@ -205,8 +207,13 @@ def test_cli_convert_of_a_stock_dcp_checkpoint(tmp_path: Path) -> None:
     ckpt, out, ref = tmp_path / "stock", tmp_path / "model.pt", tmp_path / "ref.pt"
     stock_dcp_save(state, ckpt)
     env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_FAULT"}
-    proc = subprocess.run([sys.executable, "-m", "asyncckpt", "convert", str(ckpt), str(out)],
-                          capture_output=True, text=True, timeout=60, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncckpt", "convert", str(ckpt), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {out}" in proc.stdout
     assert "asyncckpt: warning:" in proc.stderr and "checksums were not verified" in proc.stderr, proc.stderr

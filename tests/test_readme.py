@@ -26,6 +26,7 @@ killed with all its descendants at the end.
 The last test is the one-line error of a script without a ``__main__`` guard whose
 persistent worker re-imports it (see BOOTSTRAP_PATCH.md).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,21 +36,42 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
+
 from helpers import kill_process_tree, process_group_gone
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-CODE_FENCES = {"python": "python", "py": "python", "python3": "python", "bash": "bash", "sh": "bash",
-               "shell": "bash", "console": "bash"}
+CODE_FENCES = {
+    "python": "python",
+    "py": "python",
+    "python3": "python",
+    "bash": "bash",
+    "sh": "bash",
+    "shell": "bash",
+    "console": "bash",
+}
 
 # A tiny model on ~2 KB of text, for every scripts/train.py command (before its own arguments).
-TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--batch-size", "8",
-        "--data-mb", "0.002", "--quiet"]
+TINY = [
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--block-size",
+    "16",
+    "--batch-size",
+    "8",
+    "--data-mb",
+    "0.002",
+    "--quiet",
+]
 SCALE = 25  # step numbers of the training example, divided: 600 -> 24, 300 -> 12, 100 -> 4
 TRAIN_DEFAULTS = {"--steps": 600, "--ckpt-every": 100}  # train.py's defaults, scaled too
 
@@ -116,8 +138,9 @@ def run_in(d: Path, cmd: list[str], timeout: float) -> tuple[int, str]:
     Whatever of it is still alive a few seconds after it exits (or when it times out) is killed.
     """
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, cwd=d, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=d, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -146,8 +169,11 @@ SKIPPED_COMMANDS: dict[str, str] = {
 def _scale_train_args(args: str) -> str:
     """``scripts/train.py``'s arguments with TINY first and its step numbers divided by SCALE."""
     defaults = " ".join(f"{k} {v // SCALE}" for k, v in TRAIN_DEFAULTS.items())
-    scaled = re.sub(r"(--steps|--stop-at|--ckpt-every)(\s+|=)(\d+)",
-                    lambda m: f"{m.group(1)}{m.group(2)}{int(m.group(3)) // SCALE}", args)
+    scaled = re.sub(
+        r"(--steps|--stop-at|--ckpt-every)(\s+|=)(\d+)",
+        lambda m: f"{m.group(1)}{m.group(2)}{int(m.group(3)) // SCALE}",
+        args,
+    )
     return f"{shlex.join(TINY)} {defaults} {scaled}"
 
 
@@ -155,8 +181,11 @@ def as_run_here(code: str) -> str:
     """A bash block as this test runs it (see the module docstring)."""
     lines = []
     for line in code.splitlines():
-        kept = [part for part in line.split(" && ")
-                if not any(part.strip().startswith(prefix) for prefix in SKIPPED_COMMANDS)]
+        kept = [
+            part
+            for part in line.split(" && ")
+            if not any(part.strip().startswith(prefix) for prefix in SKIPPED_COMMANDS)
+        ]
         line = " && ".join(kept)
         line = re.sub(r"(scripts/train\.py)([^#]*)", lambda m: f"{m.group(1)} {_scale_train_args(m.group(2))} ", line)
         line = re.sub(r"step_(\d{8})", lambda m: f"step_{int(m.group(1)) // SCALE:08d}", line)
@@ -244,8 +273,11 @@ def check_lightning(d: Path, outs: list[str], pass_no: int) -> None:
 
 def check_megatron(d: Path, outs: list[str], pass_no: int) -> None:
     assert outs[0].split() == ["committed"] * 3, outs[0]
-    assert sorted(p.name for p in (d / "queue_out").glob("step_*.txt")) == ["step_0.txt", "step_100.txt",
-                                                                            "step_200.txt"]
+    assert sorted(p.name for p in (d / "queue_out").glob("step_*.txt")) == [
+        "step_0.txt",
+        "step_100.txt",
+        "step_200.txt",
+    ]
 
 
 def check_fsdp(d: Path, outs: list[str], pass_no: int) -> None:
@@ -268,8 +300,9 @@ PYTHON: dict[str, Python] = {
     "`CheckpointManager` in a training loop": Python(check_manager_loop, times=2),  # the 2nd run resumes
     "Overlapped staging, completion callbacks, a warm first save": Python(check_overlapped),
     # "Run this twice": preempted, then resumed; on the second pass, resumed both times.
-    "Preemption save on SIGTERM": Python(check_preemption, times=2,
-                                         exit_codes=lambda pass_no: (143, 0) if pass_no == 1 else (0, 0)),
+    "Preemption save on SIGTERM": Python(
+        check_preemption, times=2, exit_codes=lambda pass_no: (143, 0) if pass_no == 1 else (0, 0)
+    ),
     "With Lightning": Python(check_lightning),
     "The Megatron-style loop with `AsyncCallsQueue`": Python(check_megatron),
     "Sharded state (FSDP2 / DTensor) and resharding": Python(check_fsdp),  # torchrun, as its first line says
@@ -295,8 +328,9 @@ def test_every_block_is_run_or_skipped() -> None:
     handled = {(h, "python") for h in PYTHON} | {(h, "bash") for h in BASH} | set(SKIPPED_BLOCKS)
     assert not {(h, "python") for h in PYTHON} & set(SKIPPED_BLOCKS)
     assert not {(h, "bash") for h in BASH} & set(SKIPPED_BLOCKS)
-    assert set(found) - handled == set(), \
+    assert set(found) - handled == set(), (
         "a new README code block: add it to PYTHON / BASH (or SKIPPED_BLOCKS, with why)"
+    )
     assert handled <= set(found), "a block in PYTHON, BASH or SKIPPED_BLOCKS is no longer in README.md"
 
 
@@ -350,7 +384,7 @@ def test_readme_runs_in_order_twice(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- a script without a guard
 
-NO_GUARD = '''\
+NO_GUARD = """\
 from asyncckpt import AsyncCallsQueue, AsyncRequest
 
 def write_fn(path):
@@ -360,7 +394,7 @@ queue = AsyncCallsQueue(persistent=True)   # the worker re-imports this script: 
 for step in range(3):
     queue.schedule_async_request(AsyncRequest(write_fn, (f"step_{step}.txt",), []))
 queue.close()
-'''
+"""
 
 
 @pytest.mark.timeout(90)

@@ -25,6 +25,7 @@ import torch
 import asyncckpt
 from asyncckpt import CheckpointError, CheckpointManager
 from asyncckpt.testing import staging_buffers
+
 from helpers import finish_session
 
 _PRELUDE = textwrap.dedent("""
@@ -57,8 +58,13 @@ def run_script(body: str, root: Path, timeout: float = 90) -> dict[str, Any]:
     script = root.parent / "script.py"
     script.write_text(_PRELUDE + textwrap.dedent(body))
     root.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(root)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     rc, out, err = finish_session(proc, timeout)
     assert rc == 0, f"exit {rc}\n{out}\n{err}"
     return json.loads(out.strip().splitlines()[-1])
@@ -67,7 +73,8 @@ def run_script(body: str, root: Path, timeout: float = 90) -> dict[str, Any]:
 @pytest.mark.timeout(120)
 def test_ctrl_c_during_staging_drops_that_save_only(tmp_path: Path) -> None:
     """Row 1: SIGINT while save() copies the state; the user catches it and trains on."""
-    out = run_script("""
+    out = run_script(
+        """
         mgr = asyncckpt.CheckpointManager(root)
         mgr.save(1, state).wait(timeout=30)
         os.environ["ASYNCCKPT_FAULT"] = "stage:sleep=5"   # the staging copy, in this process
@@ -88,7 +95,9 @@ def test_ctrl_c_during_staging_drops_that_save_only(tmp_path: Path) -> None:
         mgr.close()
         out.update(close_s=time.monotonic() - t, steps=mgr.steps(), leftovers=leftovers())
         print(json.dumps(out))
-    """, tmp_path / "root")
+    """,
+        tmp_path / "root",
+    )
     assert out["interrupted"] and out["after_s"] < 3, out
     assert out["steps"] == [1, 3] and out["leftovers"] == [], out
     assert out["reported"] == ["preload_fn raised KeyboardInterrupt: ", "KeyboardInterrupt"], out
@@ -98,7 +107,8 @@ def test_ctrl_c_during_staging_drops_that_save_only(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_ctrl_c_during_close_aborts_within_a_second(tmp_path: Path) -> None:
     """Row 2: SIGINT during close() while a write of 8 s runs."""
-    out = run_script("""
+    out = run_script(
+        """
         mgr = worker_with_fault("mid_write:sleep=8")
         pid = mgr.queue.caller.worker_pid
         mgr.save(1, state)
@@ -118,7 +128,9 @@ def test_ctrl_c_during_close_aborts_within_a_second(tmp_path: Path) -> None:
             out["worker_alive"] = False
         out.update(steps=mgr.steps(), leftovers=leftovers())
         print(json.dumps(out))
-    """, tmp_path / "root")
+    """,
+        tmp_path / "root",
+    )
     assert out["interrupted"] and out["after_s"] < 2.5, out
     assert not out["worker_alive"] and out["steps"] == [] and out["leftovers"] == [], out
 
@@ -127,7 +139,8 @@ def test_ctrl_c_during_close_aborts_within_a_second(tmp_path: Path) -> None:
 def test_ctrl_c_while_the_commit_runs_settles_the_handle(tmp_path: Path) -> None:
     """Row 3: SIGINT during maybe_finalize(blocking=True) while the commit runs: the
     commit runs in the finalizer thread and completes; the handle settles."""
-    out = run_script("""
+    out = run_script(
+        """
         mgr = asyncckpt.CheckpointManager(root)
         os.environ["ASYNCCKPT_FAULT"] = "commit:sleep=2"   # the coordinator's commit, in this process
         handle = mgr.save(1, state)
@@ -142,7 +155,9 @@ def test_ctrl_c_while_the_commit_runs_settles_the_handle(tmp_path: Path) -> None
         out.update(done=handle.done(), steps=mgr.steps(), leftovers=leftovers())
         mgr.close()
         print(json.dumps(out))
-    """, tmp_path / "root")
+    """,
+        tmp_path / "root",
+    )
     assert out["interrupted"] and not out["done_then"], out
     assert out["done"] and out["steps"] == [1] and out["leftovers"] == [], out
 
@@ -151,7 +166,8 @@ def test_ctrl_c_while_the_commit_runs_settles_the_handle(tmp_path: Path) -> None
 def test_fork_during_a_save_leaves_the_parent_unaffected(tmp_path: Path) -> None:
     """Row 4: user code forks while a save is written; the child exits normally (its
     exit hooks and garbage collection run): the parent's save still commits."""
-    out = run_script("""
+    out = run_script(
+        """
         mgr = worker_with_fault("mid_write:sleep=2")
         handle = mgr.save(1, state)
         time.sleep(0.5)
@@ -170,14 +186,15 @@ def test_fork_during_a_save_leaves_the_parent_unaffected(tmp_path: Path) -> None
         mgr.close()
         out.update(steps=mgr.steps(), leftovers=leftovers())
         print(json.dumps(out))
-    """, tmp_path / "root")
+    """,
+        tmp_path / "root",
+    )
     assert out["child_status"] == 0 and out["committed"] is True, out
     assert out["steps"] == [1, 2] and out["leftovers"] == [], out
 
 
 @pytest.mark.timeout(60)
-def test_sync_save_behind_pending_saves_keeps_latest_monotonic(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sync_save_behind_pending_saves_keeps_latest_monotonic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Row 9: a synchronous save while an asynchronous one is pending commits after it."""
     monkeypatch.setenv("ASYNCCKPT_FAULT", "mid_write:sleep=1")
     mgr = CheckpointManager(tmp_path / "root")
@@ -264,8 +281,10 @@ def test_inodes_running_out_after_the_commit_point_is_a_warning_on_a_committed_s
                 (fillers / str(n)).touch()
                 n += 1
             # exactly enough inodes for step 3's directory and files, none for `latest`'s new file
-            with pytest.warns(RuntimeWarning, match="step_00000003 is committed, but `latest` could not be updated"
-                              ".*No space left on device"):
+            with pytest.warns(
+                RuntimeWarning,
+                match="step_00000003 is committed, but `latest` could not be updated.*No space left on device",
+            ):
                 handle = mgr.save(3, {"w": torch.full((1000,), 3.0)})
                 assert handle.wait().bytes > 0 and handle.exception() is None  # a success
             assert os.statvfs(root).f_ffree == 0
@@ -307,14 +326,18 @@ def _staging_bytes_held(pid: int, slab_ids: tuple[str, ...]) -> int:
 def test_fork_started_dataloader_workers_do_not_keep_staging_memory(tmp_path: Path) -> None:
     """Row 5: DataLoader(num_workers=2, persistent_workers=True) forked after the first
     save inherits the staging buffer; manager.close() still frees its memory."""
-    from torch.utils.data import DataLoader, TensorDataset
-
     import psutil
+    from torch.utils.data import DataLoader, TensorDataset
 
     mgr = CheckpointManager(tmp_path / "root")
     mgr.save(1, {"w": torch.ones(4 << 20)}).wait(timeout=30)  # a 16 MiB staging buffer
-    loader = DataLoader(TensorDataset(torch.arange(64)), batch_size=8, num_workers=2, persistent_workers=True,
-                        multiprocessing_context="fork")
+    loader = DataLoader(
+        TensorDataset(torch.arange(64)),
+        batch_size=8,
+        num_workers=2,
+        persistent_workers=True,
+        multiprocessing_context="fork",
+    )
     me = psutil.Process()
     children = {p.pid for p in me.children()}
     batches = iter(loader)
@@ -478,11 +501,14 @@ def test_stateful_objects_use_the_protocol_on_both_sides(tmp_path: Path, async_o
 def test_pending_saves_commit_at_interpreter_exit(tmp_path: Path) -> None:
     """Row 11: three asyncckpt.save(..., async_op=True) whose handles are dropped, then a
     normal exit: all three are committed."""
-    out = run_script("""
+    out = run_script(
+        """
         for i in range(3):
             asyncckpt.save(state, os.path.join(root, f"ck{i}"), async_op=True)
         print(json.dumps({}))
-    """, tmp_path / "root")
+    """,
+        tmp_path / "root",
+    )
     assert out == {}
     for i in range(3):
         asyncckpt.verify(tmp_path / "root" / f"ck{i}")
@@ -495,17 +521,19 @@ def test_a_save_lost_at_exit_is_named(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
     script = tmp_path / "script.py"
-    script.write_text(_PRELUDE + textwrap.dedent("""
+    script.write_text(
+        _PRELUDE
+        + textwrap.dedent("""
         os.environ["ASYNCCKPT_FAULT"] = "mid_write:sleep=30"   # the default queue's worker inherits it
         asyncckpt.save(state, os.path.join(root, "held"), async_op=True)
         time.sleep(0.5)
-    """))
+    """)
+    )
     env = dict(os.environ, ASYNCCKPT_EXIT_TIMEOUT_S="1")
     import time
 
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, env=env,
-                          timeout=60)
+    proc = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert time.monotonic() - started < 20
     assert f"the save of {root / 'held'} was still pending at interpreter exit and is lost" in proc.stderr

@@ -26,8 +26,9 @@ import stat
 import time
 import warnings
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -37,6 +38,7 @@ import asyncckpt
 import asyncckpt.io.commit as commit_mod
 from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointManager, CorruptCheckpointError
 from asyncckpt.loading.metadata import read_metadata
+
 from helpers import resign
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -117,8 +119,15 @@ def test_load_refuses_metadata_path_outside(tmp_path: Path, ckpt: Path, kind: st
     outside = tmp_path / "outside.distcp"
     outside.write_bytes((ckpt / DATA).read_bytes())  # a perfectly readable copy: only the path is wrong
     (ckpt / "sub").mkdir()
-    name = {"dotdot": "../outside.distcp", "absolute": str(outside), "subdir": f"sub/{DATA}", "parent": "..",
-            "empty": "", "nul": DATA + "\x00", "backslash": f"..\\{DATA}"}[kind]
+    name = {
+        "dotdot": "../outside.distcp",
+        "absolute": str(outside),
+        "subdir": f"sub/{DATA}",
+        "parent": "..",
+        "empty": "",
+        "nul": DATA + "\x00",
+        "backslash": f"..\\{DATA}",
+    }[kind]
 
     def edit(md: Any) -> None:
         storage_info(md, "w").relative_path = name
@@ -139,8 +148,7 @@ def test_load_refuses_metadata_path_outside(tmp_path: Path, ckpt: Path, kind: st
 def test_load_refuses_manifest_path_outside(tmp_path: Path, ckpt: Path, kind: str) -> None:
     outside = tmp_path / "outside"
     outside.write_bytes(b"secret")
-    name = {"dotdot": "../outside", "absolute": str(outside), "subdir": "sub/x", "parent": "..",
-            "nul": "x\x00"}[kind]
+    name = {"dotdot": "../outside", "absolute": str(outside), "subdir": "sub/x", "parent": "..", "nul": "x\x00"}[kind]
     manifest = json.loads((ckpt / ".manifest.json").read_text())
     manifest["files"][name] = {"size": 6, "segments": [[0, 6, zlib.crc32(b"secret")]]}
     (ckpt / ".manifest.json").write_text(json.dumps(manifest))
@@ -195,6 +203,7 @@ def test_metadata_record_past_end_or_unlisted_file_refused(tmp_path: Path, ckpt:
 
     # A data file inside the directory, but not covered by the manifest (not checksummed).
     (ckpt / "extra.distcp").write_bytes((ckpt / DATA).read_bytes())
+
     def point_w_at_extra(md: Any) -> None:
         storage_info(md, "w").offset = 0
         storage_info(md, "w").relative_path = "extra.distcp"
@@ -212,9 +221,11 @@ def test_metadata_unpickler_allows_only_dcp_classes(tmp_path: Path, ckpt: Path, 
     if payload == "reduce_open":
         blob = pickle.dumps(Evil(marker))
     elif payload == "eval":
+
         class _Eval:
             def __reduce__(self) -> tuple:
                 return (eval, (f"open({str(marker)!r}, 'w')",))
+
         blob = pickle.dumps(_Eval())
     else:
         blob = pickle.dumps({"storage_data": {}})  # only allowed types, but not a Metadata
@@ -311,15 +322,27 @@ def test_crafted_reduce_in_a_value_runs_only_with_allow_pickle(tmp_path: Path, c
 
 @pytest.mark.timeout(60)
 def test_plain_values_load_by_default(tmp_path: Path, temporal_queue: AsyncCallsQueue) -> None:
-    state: dict[str, Any] = {"i": 3, "big": -2**80, "f": 0.5, "s": "str", "none": None, "b": True, "list": [1, "a", None],
-             "tuple": (1, 2.0), "dict": {"x": 1}, "t": torch.arange(3), "bytes": b"\x00", "c": 1j}
+    state: dict[str, Any] = {
+        "i": 3,
+        "big": -(2**80),
+        "f": 0.5,
+        "s": "str",
+        "none": None,
+        "b": True,
+        "list": [1, "a", None],
+        "tuple": (1, 2.0),
+        "dict": {"x": 1},
+        "t": torch.arange(3),
+        "bytes": b"\x00",
+        "c": 1j,
+    }
     asyncckpt.save(state, tmp_path / "ck", calls_queue=temporal_queue)
     out: dict[str, Any] = {k: torch.zeros(3, dtype=torch.int64) if k == "t" else None for k in state}
     out["list"] = [None, None, None]
     out["dict"] = {"x": None}
     asyncckpt.load(out, tmp_path / "ck")
     for k, v in state.items():
-        assert (torch.equal(out[k], v) if k == "t" else (type(out[k]) is type(v) and out[k] == v)), k
+        assert torch.equal(out[k], v) if k == "t" else (type(out[k]) is type(v) and out[k] == v), k
 
 
 @pytest.mark.timeout(60)
@@ -341,6 +364,7 @@ def test_foreign_tensor_record_loads_with_weights_only(tmp_path: Path, ckpt: Pat
         def edit(md: Any) -> None:
             info = storage_info(md, "w")
             info.offset, info.length = offsets[i]
+
         return edit
 
     edit_metadata(ckpt, point_w_at(0))
@@ -452,8 +476,9 @@ def test_temporary_names_are_random_and_not_world_writable(tmp_path: Path, monke
 # ----------------------------------------------------------------------------- (d) lock, latest
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("target_exists", [True, False], ids=["to_file", "dangling"])
-def test_lock_and_latest_symlinks_are_not_followed(tmp_path: Path, temporal_queue: AsyncCallsQueue,
-                                                   target_exists: bool) -> None:
+def test_lock_and_latest_symlinks_are_not_followed(
+    tmp_path: Path, temporal_queue: AsyncCallsQueue, target_exists: bool
+) -> None:
     root = tmp_path / "root"
     root.mkdir()
     outside = tmp_path / "outside"

@@ -44,8 +44,9 @@ def _model() -> nn.Module:
     """The same weights on every rank and world size. Shard sizes on 2 and 3 ranks are
     uneven (dims 3 and 1), and some ranks hold empty shards (dim 0 of size 1)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
-                         nn.Linear(256, 3), nn.Linear(3, 1))
+    return nn.Sequential(
+        nn.Linear(IN, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 3), nn.Linear(3, 1)
+    )
 
 
 def _fsdp(rank: int, train_steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -208,8 +209,10 @@ def test_fsdp_state_saves_async_each_rank_its_shards(fsdp_saved: tuple[Path, lis
         assert 0.4 * full_bytes < res["local_bytes"] < 0.6 * full_bytes, res
         assert res["staged_bytes"] < 0.6 * full_bytes, res
 
-    for path, nbytes in ((root / "save_w2", results[0]["bytes_save"]),
-                         (root / "mgr_w2" / "step_00000003", results[0]["bytes_mgr"])):
+    for path, nbytes in (
+        (root / "save_w2", results[0]["bytes_save"]),
+        (root / "mgr_w2" / "step_00000003", results[0]["bytes_mgr"]),
+    ):
         sizes = _sizes(path)
         assert sorted(sizes) == sorted(DATA_FILES), sizes
         total = sum(sizes.values())
@@ -223,14 +226,17 @@ def test_fsdp_state_saves_async_each_rank_its_shards(fsdp_saved: tuple[Path, lis
             assert 0.4 * total < size < 0.6 * total, (path, sizes)
             assert res["local_bytes"] <= size < res["local_bytes"] + 0.1 * full_bytes, (path, rank, size, res)
             assert res["staged_bytes"] < size + 2 * 4096
-        print(f"FSDP2 {path.relative_to(root)}: full state {full_bytes} B, written {total} B "
-              f"({total / full_bytes:.3f}x), per rank {[sizes[f] for f in DATA_FILES]}, "
-              f"local shards {[r['local_bytes'] for r in results]} B, staged {[r['staged_bytes'] for r in results]} B")
+        print(
+            f"FSDP2 {path.relative_to(root)}: full state {full_bytes} B, written {total} B "
+            f"({total / full_bytes:.3f}x), per rank {[sizes[f] for f in DATA_FILES]}, "
+            f"local shards {[r['local_bytes'] for r in results]} B, staged {[r['staged_bytes'] for r in results]} B"
+        )
 
 
 # ----------------------------------------------------------------------------- resharding on load
-def _rank_reshard(rank: int, world_size: int, root: str, loads: list[tuple[str, str, str]],
-                  save: tuple[str, str, str] | None) -> dict[str, Any]:
+def _rank_reshard(
+    rank: int, world_size: int, root: str, loads: list[tuple[str, str, str]], save: tuple[str, str, str] | None
+) -> dict[str, Any]:
     """Load each ``(how, checkpoint, reference)`` of ``loads`` into a fresh FSDP2 model +
     Adam on ``world_size`` ranks and compare the full state with the reference; then
     (``save``: ``(how, target, reference)``) train one more step and save."""
@@ -294,9 +300,11 @@ def test_resharding_fsdp_model_and_adam_state(fsdp_saved: tuple[Path, list[dict[
             assert cmp["mismatch"] == [], (src, world_size, load)
             assert cmp["tensors"] == 32, cmp  # 8 parameters, 8 x (exp_avg, exp_avg_sq, step)
             assert cmp["max_abs_diff"] == 0.0
-            report.append(f"reshard {src} -> {world_size} ranks ({load['how']}, {load['ckpt']}, step "
-                          f"{load['step']}): {cmp['tensors']} full tensors compared, "
-                          f"max abs diff {cmp['max_abs_diff']}, bit-identical")
+            report.append(
+                f"reshard {src} -> {world_size} ranks ({load['how']}, {load['ckpt']}, step "
+                f"{load['step']}): {cmp['tensors']} full tensors compared, "
+                f"max abs diff {cmp['max_abs_diff']}, bit-identical"
+            )
 
     # 2 -> 1 (asyncckpt.load), then save on 1 rank (manager) for 1 -> 2.
     res = _run(_rank_reshard, 1, str(root), [("load", "save_w2", "ref_w2.pt")], ("manager", "mgr_w1", "ref_w1.pt"))
@@ -308,8 +316,9 @@ def test_resharding_fsdp_model_and_adam_state(fsdp_saved: tuple[Path, list[dict[
     check(2, res)
     assert sorted(_sizes(root / "save_w3")) == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
     # 1 -> 2 and 3 -> 2.
-    res = _run(_rank_reshard, 2, str(root), [("manager", "mgr_w1", "ref_w1.pt"), ("load", "save_w3", "ref_w3.pt")],
-               None)
+    res = _run(
+        _rank_reshard, 2, str(root), [("manager", "mgr_w1", "ref_w1.pt"), ("load", "save_w3", "ref_w3.pt")], None
+    )
     check((1, 3), res)
     print("\nresharding report (FSDP2 model + Adam after 3-4 steps, full tensors vs plain-tensor reference):")
     print("\n".join("  " + line for line in report))
@@ -349,10 +358,23 @@ def _rank_save_ddp(rank: int, world_size: int, root: str) -> dict[str, Any]:
             state = {"model": msd, "optim": osd, "step": step}
             out["state_bytes"] = sum(v.nbytes for v in _leaves(state).values() if isinstance(v, torch.Tensor))
             snapshot = _map_tensors(state, lambda t: t.detach().clone())
-            handles = [("save", root_p / f"save_{step}",
-                        planned("save", lambda: asyncckpt.save(state, root_p / f"save_{step}", async_op=True,
-                                                               calls_queue=queue))),
-                       ("manager", manager.step_dir(step), planned("manager", lambda: manager.save(step, state)))]
+            handles = [
+                (
+                    "save",
+                    root_p / f"save_{step}",
+                    planned(
+                        "save",
+                        lambda state=state, step=step: asyncckpt.save(
+                            state, root_p / f"save_{step}", async_op=True, calls_queue=queue
+                        ),
+                    ),
+                ),
+                (
+                    "manager",
+                    manager.step_dir(step),
+                    planned("manager", lambda state=state, step=step: manager.save(step, state)),
+                ),
+            ]
             _train(model, optim, 1, rank, dim=256)  # mutate while the writes are in flight
             out["mutated"] = len(_compare(snapshot, state)["mismatch"])
             for name, path, handle in handles:
@@ -392,5 +414,7 @@ def test_ddp_replicated_state_is_written_once(tmp_path: Path) -> None:
         # ...split between the ranks (DCP's dedup balances the write load).
         for size in sizes.values():
             assert 0.3 * nbytes < size < 0.7 * nbytes, (name, step, sizes)
-        print(f"DDP {name} step {step}: state {state_bytes} B, written {nbytes} B ({nbytes / state_bytes:.3f}x), "
-              f"per rank {[sizes[f] for f in DATA_FILES]}")
+        print(
+            f"DDP {name} step {step}: state {state_bytes} B, written {nbytes} B ({nbytes / state_bytes:.3f}x), "
+            f"per rank {[sizes[f] for f in DATA_FILES]}"
+        )

@@ -26,6 +26,7 @@ The disk stays bounded: keep_last=2 (manager) or the test deleting old checkpoin
 The figures (RSS / fds at start, after warm-up, at the end; stall and write medians)
 are printed; run with ``-s`` to see them.
 """
+
 from __future__ import annotations
 
 import collections
@@ -103,10 +104,15 @@ class Probe:
     shm: set[str]
 
     def line(self) -> str:
-        w = (f"worker pid {self.worker_pid} RSS {self.worker_rss / MiB:.1f} MiB fds {self.worker_fds}"
-             if self.worker_rss is not None else "no worker")
-        return (f"{self.label:>9s} (save {self.save:3d}): RSS {self.rss / MiB:7.1f} MiB, fds {self.fds:3d} | {w} | "
-                f"children {len(self.children)}, /dev/shm entries {len(self.shm)}")
+        w = (
+            f"worker pid {self.worker_pid} RSS {self.worker_rss / MiB:.1f} MiB fds {self.worker_fds}"
+            if self.worker_rss is not None
+            else "no worker"
+        )
+        return (
+            f"{self.label:>9s} (save {self.save:3d}): RSS {self.rss / MiB:7.1f} MiB, fds {self.fds:3d} | {w} | "
+            f"children {len(self.children)}, /dev/shm entries {len(self.shm)}"
+        )
 
 
 def probe(label: str, save: int, caller: Any) -> Probe:
@@ -129,11 +135,15 @@ class SoakResult:
     max_dirs: int = 0  # most checkpoint directories seen on disk at once
 
     def report(self, title: str) -> str:
-        lines = [(f"{title}: {SAVES} saves of {STATE_BYTES / MiB:.0f} MiB in {self.wall_s:.1f} s "
-                 f"({self.wall_s / SAVES:.3f} s per save); stall median {statistics.median(self.stalls) * 1e3:.1f} ms "
-                 f"(max {max(self.stalls) * 1e3:.1f}); write median {statistics.median(self.writes) * 1e3:.1f} ms; "
-                 f"save-to-commit median {statistics.median(self.totals) * 1e3:.1f} ms; "
-                 f"at most {self.max_dirs} checkpoint directories on disk")]
+        lines = [
+            (
+                f"{title}: {SAVES} saves of {STATE_BYTES / MiB:.0f} MiB in {self.wall_s:.1f} s "
+                f"({self.wall_s / SAVES:.3f} s per save); stall median {statistics.median(self.stalls) * 1e3:.1f} ms "
+                f"(max {max(self.stalls) * 1e3:.1f}); write median {statistics.median(self.writes) * 1e3:.1f} ms; "
+                f"save-to-commit median {statistics.median(self.totals) * 1e3:.1f} ms; "
+                f"at most {self.max_dirs} checkpoint directories on disk"
+            )
+        ]
         lines += ["  " + p.line() for p in self.probes]
         return "\n".join(lines)
 
@@ -148,9 +158,11 @@ def assert_flat(res: SoakResult, warm: Probe, end: Probe) -> None:
         assert end.worker_pid == warm.worker_pid, f"the worker was restarted{msg}"
         assert end.worker_rss is not None and end.worker_fds is not None
         assert end.worker_rss - warm.worker_rss < RSS_TOLERANCE, (
-            f"worker RSS grew by {(end.worker_rss - warm.worker_rss) / MiB:.1f} MiB{msg}")
+            f"worker RSS grew by {(end.worker_rss - warm.worker_rss) / MiB:.1f} MiB{msg}"
+        )
         assert abs(end.worker_fds - warm.worker_fds) <= FD_TOLERANCE, (
-            f"worker fds {warm.worker_fds} -> {end.worker_fds}{msg}")
+            f"worker fds {warm.worker_fds} -> {end.worker_fds}{msg}"
+        )
 
 
 def check_last(path: Path, state: dict[str, Any]) -> None:
@@ -191,8 +203,13 @@ def test_soak_checkpoint_manager(tmp_path: Path, capfd: pytest.CaptureFixture[st
                 if i + 1 == WARMUP or (i + 1) % 100 == 0 or i + 1 == SAVES:
                     mgr.maybe_finalize(blocking=True)
                     gc.collect()  # garbage of earlier tests (their fds) is not this soak's
-                    res.probes.append(probe("warm-up" if i + 1 == WARMUP else "end" if i + 1 == SAVES
-                                            else "progress", i + 1, mgr.queue.caller))
+                    res.probes.append(
+                        probe(
+                            "warm-up" if i + 1 == WARMUP else "end" if i + 1 == SAVES else "progress",
+                            i + 1,
+                            mgr.queue.caller,
+                        )
+                    )
             res.wall_s = time.perf_counter() - t0
             assert mgr.steps() == [SAVES - 2, SAVES - 1]
             for h in handles:
@@ -256,8 +273,13 @@ def test_soak_save_with_explicit_queue(tmp_path: Path, capfd: pytest.CaptureFixt
                     shutil.rmtree(committed.popleft().checkpoint_dir)
                 if blocking:
                     gc.collect()  # garbage of earlier tests (their fds) is not this soak's
-                    res.probes.append(probe("warm-up" if i + 1 == WARMUP else "end" if i + 1 == SAVES
-                                            else "progress", i + 1, queue.caller))
+                    res.probes.append(
+                        probe(
+                            "warm-up" if i + 1 == WARMUP else "end" if i + 1 == SAVES else "progress",
+                            i + 1,
+                            queue.caller,
+                        )
+                    )
             res.wall_s = time.perf_counter() - t0
             assert not pending and len(res.totals) == SAVES
             assert last is not None
@@ -265,7 +287,9 @@ def test_soak_save_with_explicit_queue(tmp_path: Path, capfd: pytest.CaptureFixt
             queue.close()
         warm = next(p for p in res.probes if p.label == "warm-up")
         end = next(p for p in res.probes if p.label == "end")
-        print("\n" + res.report(f"asyncckpt.save + explicit queue, {'persistent' if persistent else 'temporal'} caller"))
+        print(
+            "\n" + res.report(f"asyncckpt.save + explicit queue, {'persistent' if persistent else 'temporal'} caller")
+        )
         assert not [str(w.message) for w in caught], [f"{w.category.__name__}: {w.message}" for w in caught]
         assert_flat(res, warm, end)
         assert res.max_dirs <= 4

@@ -15,17 +15,19 @@ import collections
 import json
 import math
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_sharded import _compare, _fsdp, _local, _map_tensors, _train
 
 import asyncckpt
+
 from dist_utils import preload_forkserver, run_ranks
 from helpers import count_calls, count_plans, counting_calls, counting_plans, observing_loads
-from test_sharded import _compare, _fsdp, _local, _map_tensors, _train
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -45,10 +47,15 @@ class _Counter:
 
 
 def _base() -> dict[str, Any]:
-    return {"model": {"w": torch.arange(12.0).view(3, 4), "b": torch.ones(4)},
-            "optim": {"state": {"0": {"step": torch.tensor(3.0), "m": torch.zeros(3, 4)}},
-                      "groups": [{"lr": 0.1, "params": ["0"]}]},
-            "list": [torch.ones(2), torch.zeros(2)], "step": 7}
+    return {
+        "model": {"w": torch.arange(12.0).view(3, 4), "b": torch.ones(4)},
+        "optim": {
+            "state": {"0": {"step": torch.tensor(3.0), "m": torch.zeros(3, 4)}},
+            "groups": [{"lr": 0.1, "params": ["0"]}],
+        },
+        "list": [torch.ones(2), torch.zeros(2)],
+        "step": 7,
+    }
 
 
 def _empty_like(state: Any) -> Any:
@@ -169,6 +176,7 @@ def test_unchanged_plain_values_reuse_their_bytes_and_every_change_is_saved(tmp_
         ("betas by one ulp", lambda: group.update(betas=(0.9, math.nextafter(0.95, 1.0)))),
         ("params entry replaced in place", lambda: group["params"].__setitem__(0, "renamed")),
     ]
+
     def saved(step: int) -> int:  # how many values the save pickled afresh
         with counting_calls(torch, "save", this_thread=True) as pickled:
             mgr.save(step, state).wait()
@@ -197,8 +205,23 @@ def test_unchanged_plain_values_reuse_their_bytes_and_every_change_is_saved(tmp_
 def test_plain_key_is_exact_about_types_and_refuses_what_it_cannot_see() -> None:
     from asyncckpt.saving.planning import plain_key
 
-    values = [1, 1.0, True, 0.0, -0.0, float("nan"), "1", b"1", None, (1,), [1], {"a": 1}, {"a": 1.0},
-              [[1], [1]], 1 + 0j]
+    values = [
+        1,
+        1.0,
+        True,
+        0.0,
+        -0.0,
+        float("nan"),
+        "1",
+        b"1",
+        None,
+        (1,),
+        [1],
+        {"a": 1},
+        {"a": 1.0},
+        [[1], [1]],
+        1 + 0j,
+    ]
     keys = [plain_key(v) for v in values]
     assert all(k is not None for k in keys)
     assert len(set(keys)) == len(values)  # no two of them alike
@@ -225,9 +248,12 @@ def test_structure_signature_is_exact_and_validates() -> None:
     # int keys (an optimizer's state) are accepted, and differ from their str.
     assert structure_signature({"s": {0: t}}) != structure_signature({"s": {"0": t}})
     # What validate_state_dict refuses, the signature refuses with the same message.
-    for bad, words in (({1.5: torch.ones(1)}, "keys must be str or int"), ({0: 1, "0": 2}, "would both be stored"),
-                       ({"m": torch.ones(2, device="meta")}, "meta"),
-                       ({"s": torch.ones(2).to_sparse()}, "sparse")):
+    for bad, words in (
+        ({1.5: torch.ones(1)}, "keys must be str or int"),
+        ({0: 1, "0": 2}, "would both be stored"),
+        ({"m": torch.ones(2, device="meta")}, "meta"),
+        ({"s": torch.ones(2).to_sparse()}, "sparse"),
+    ):
         with pytest.raises(CheckpointError, match=words):
             structure_signature(bad)
     cyc: dict[str, Any] = {"a": {}}
@@ -305,9 +331,14 @@ def test_metadata_bytes_are_reused_and_exact(tmp_path: Path, monkeypatch: pytest
 
     from torch.distributed.checkpoint.metadata import Metadata
 
-    state: dict[str, Any] = {"layers": [{"w": torch.full((64,), float(i)), "b": torch.zeros(3)} for i in range(200)], "step": 0}
-    with (asyncckpt.CheckpointManager(tmp_path) as mgr,
-          counting_calls(pickle, "dumps", when=lambda obj, *a, **k: isinstance(obj, Metadata)) as pickled):
+    state: dict[str, Any] = {
+        "layers": [{"w": torch.full((64,), float(i)), "b": torch.zeros(3)} for i in range(200)],
+        "step": 0,
+    }
+    with (
+        asyncckpt.CheckpointManager(tmp_path) as mgr,
+        counting_calls(pickle, "dumps", when=lambda obj, *a, **k: isinstance(obj, Metadata)) as pickled,
+    ):
         for step in range(1, 4):
             state["step"] = step
             state["layers"][0]["w"].fill_(step)
@@ -358,6 +389,7 @@ def _rank_collectives(rank: int, world_size: int, root: str) -> dict[str, Any]:
             if threading.current_thread() is main:
                 calls.append(_name)
             return _orig(self, *args, **kwargs)
+
         setattr(SyncGroup, name, spy)
     out: dict[str, Any] = {"calls": {}, "plans": {}, "error": None, "mismatch": {}}
     mgr = asyncckpt.CheckpointManager(Path(root) / "m")
@@ -425,8 +457,14 @@ def _rank_layout_exchange(rank: int, world_size: int, root: str) -> dict[str, An
     def token_only(_group: Any, obj: Any, *args: Any, **kwargs: Any) -> bool:
         """A commit's gather of this rank's ``((layout token, layout or None), result)``
         that carries the token only."""
-        return (isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], tuple) and len(obj[0]) == 2
-                and isinstance(obj[0][0], int) and obj[0][1] is None)
+        return (
+            isinstance(obj, tuple)
+            and len(obj) == 2
+            and isinstance(obj[0], tuple)
+            and len(obj[0]) == 2
+            and isinstance(obj[0][0], int)
+            and obj[0][1] is None
+        )
 
     sent = count_calls(SyncGroup, "all_gather_object", when=token_only)  # in this rank's process, left on
     mgr = asyncckpt.CheckpointManager(Path(root) / "x")
@@ -442,8 +480,10 @@ def _rank_layout_exchange(rank: int, world_size: int, root: str) -> dict[str, An
         out["token_only"][step] = sent.n
         _assert_loads_equal(mgr.step_dir(step), state)
         metadata = pickle.loads((mgr.step_dir(step) / ".metadata").read_bytes())
-        out["storage_data"][step] = {(i.fqn, i.offset and tuple(i.offset)): (s.relative_path, s.offset, s.length)
-                                     for i, s in metadata.storage_data.items()}
+        out["storage_data"][step] = {
+            (i.fqn, i.offset and tuple(i.offset)): (s.relative_path, s.offset, s.length)
+            for i, s in metadata.storage_data.items()
+        }
 
     try:
         state = {**_base(), f"own{rank}": torch.full((5,), float(rank))}

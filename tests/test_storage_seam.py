@@ -13,15 +13,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_same, clone_state
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
 import asyncckpt
+from asyncckpt._fs import remove_checkpoint
 from asyncckpt.dist import SyncGroup
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import build_layout
 from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME
-from asyncckpt._fs import remove_checkpoint
 from asyncckpt.io.storage import LOCAL, LocalStorage, Storage
 from asyncckpt.io.writer import WriteTask
 from asyncckpt.loading.dcp import SafeFileSystemReader, SafeLoadPlanner
@@ -31,14 +30,20 @@ from asyncckpt.root import LEFTOVER_RE, CheckpointRoot
 from asyncckpt.saving.planning import plan_save
 from asyncckpt.saving.staging import StagingBuffer
 
+from helpers import assert_same, clone_state
+
 REPO = Path(__file__).resolve().parent.parent
 DATA = "__0_0.distcp"
 
 
 def _state() -> dict[str, Any]:
     gen = torch.Generator().manual_seed(3)
-    return {"w": torch.randn(300, 70, generator=gen), "b": torch.arange(17, dtype=torch.int16),
-            "empty": torch.zeros(0), "meta": {"step": 5, "name": "x"}}
+    return {
+        "w": torch.randn(300, 70, generator=gen),
+        "b": torch.arange(17, dtype=torch.int16),
+        "empty": torch.zeros(0),
+        "meta": {"step": 5, "name": "x"},
+    }
 
 
 def _save_through(storage: Storage, state: dict[str, Any], final_dir: Path) -> dict[str, Any]:
@@ -53,8 +58,9 @@ def _save_through(storage: Storage, state: dict[str, Any], final_dir: Path) -> d
         buffer.format(layout)
         for slot in layout.tensors:
             if slot.nbytes:
-                buffer.u8[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(
-                    planned.data[slot.item])
+                buffer.u8[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(
+                    planned.data[slot.item]
+                )
         for blob in layout.blobs:
             buffer.write_bytes(blob.offset, planned.data[blob.item])
         result = storage.write_rank(WriteTask(str(tmp_dir), buffer.ref, layout.files, (buffer.slab_id,)))
@@ -63,8 +69,13 @@ def _save_through(storage: Storage, state: dict[str, Any], final_dir: Path) -> d
     metadata = planned.metadata
     metadata.storage_data = dict(layout.storage_data)
     metadata.version = CURRENT_DCP_VERSION
-    return storage.commit(tmp_dir, final_dir, pickle.dumps(metadata), result.files,
-                          {"world_size": 1, "step": None, "save_token": planned.token})
+    return storage.commit(
+        tmp_dir,
+        final_dir,
+        pickle.dumps(metadata),
+        result.files,
+        {"world_size": 1, "step": None, "save_token": planned.token},
+    )
 
 
 @pytest.mark.timeout(60)
@@ -79,10 +90,11 @@ def test_the_local_tier_writes_the_bytes_a_save_writes(tmp_path: Path) -> None:
     seam, api = (tmp_path / "seam" / DATA).read_bytes(), (tmp_path / "api" / DATA).read_bytes()
     records = sorted((i.offset, i.length) for i in read_metadata(tmp_path / "seam").storage_data.values())
     assert len(seam) == len(api) and records == sorted(
-        (i.offset, i.length) for i in read_metadata(tmp_path / "api").storage_data.values())
+        (i.offset, i.length) for i in read_metadata(tmp_path / "api").storage_data.values()
+    )
     # Every record byte for byte (the alignment padding between records is not
     # written by the writer: a reused staging buffer leaves what it held there).
-    assert [seam[o:o + n] for o, n in records] == [api[o:o + n] for o, n in records]
+    assert [seam[o : o + n] for o, n in records] == [api[o : o + n] for o, n in records]
     assert asyncckpt.verify(tmp_path / "seam")["files"] == manifest["files"]
     theirs = LOCAL.read_manifest(tmp_path / "api")["files"][DATA]
     assert manifest["files"][DATA]["size"] == theirs["size"]
@@ -126,8 +138,10 @@ def test_the_local_tier_is_picklable_and_torch_free(tmp_path: Path) -> None:
     fresh interpreter without importing torch."""
     payload = pickle.dumps(LOCAL.write_rank)
     assert pickle.loads(payload).__self__ == LocalStorage()
-    code = ("import pickle, sys; fn = pickle.loads(sys.stdin.buffer.read()); "
-            "assert fn.__name__ == 'write_rank'; print('torch' in sys.modules)")
+    code = (
+        "import pickle, sys; fn = pickle.loads(sys.stdin.buffer.read()); "
+        "assert fn.__name__ == 'write_rank'; print('torch' in sys.modules)"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr.decode()
@@ -171,12 +185,12 @@ def test_the_load_side_reads_through_the_tier(tmp_path: Path) -> None:
     assert METADATA_NAME in tier.opened and DATA in tier.opened
 
     tier = _Recording()
-    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"step": 0, "name": ""}
-           for k, v in state.items()}
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"step": 0, "name": ""} for k, v in state.items()}
     plan = plan_direct_load(out, metadata)
     assert plan is not None
-    direct_load(plan, str(ckpt), LOCAL.read_manifest(ckpt)["files"], decode=SafeLoadPlanner().decode_value,
-                storage=tier)
+    direct_load(
+        plan, str(ckpt), LOCAL.read_manifest(ckpt)["files"], decode=SafeLoadPlanner().decode_value, storage=tier
+    )
     assert tier.opened == [DATA]
     assert_same(state, out)
 
@@ -201,7 +215,11 @@ def test_a_root_scan_names_every_directory_by_kind(tmp_path: Path) -> None:
     (root.path / ".hidden").mkdir()
     os.symlink(root.path / "step_00000002", root.path / "step_00000009")
     found = [(e.name, e.step, e.kind) for e in root.scan()]
-    assert found == [(".step_00000001.deleting-0a1b", 1, "deleting"), (".step_00000006.tmp-0a1b", 6, "temporary"),
-                     ("epoch=0-step=3.ckpt", None, "committed"), ("step_00000002", 2, "committed"),
-                     ("step_00000005", 5, "uncommitted")]
+    assert found == [
+        (".step_00000001.deleting-0a1b", 1, "deleting"),
+        (".step_00000006.tmp-0a1b", 6, "temporary"),
+        ("epoch=0-step=3.ckpt", None, "committed"),
+        ("step_00000002", 2, "committed"),
+        ("step_00000005", 5, "uncommitted"),
+    ]
     assert root.steps() == [2]

@@ -3,6 +3,7 @@
 Each test runs the script in subprocesses with a tiny model and a tiny slice of the corpus,
 so the whole file takes a minute or two on 2 CPU cores.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,38 +14,65 @@ import queue
 import re
 import shutil
 import signal
-import subprocess
 import struct
+import subprocess
 import sys
 import termios
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
+import torch
+
 from dist_utils import free_port
 from helpers import kill_process_tree, process_group_gone, started_session
-import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
 # ~2 KB of text in 16-byte windows = 124 windows = 15 steps per epoch at batch 8:
 # the runs below cross epoch boundaries, so the data position is exercised too.
-TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
-        "--batch-size", "8", "--data-mb", "0.002", "--dropout", "0.1", "--lr", "3e-3"]
+TINY = [
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--block-size",
+    "16",
+    "--batch-size",
+    "8",
+    "--data-mb",
+    "0.002",
+    "--dropout",
+    "0.1",
+    "--lr",
+    "3e-3",
+]
 STEPS, HALF = 24, 11  # "2K steps straight" vs "K steps, exit, resume to 2K"
-COMMIT_RE = re.compile(r"^checkpoint step (\d+) committed \| \S+/step_\d{8} \| stall [\d.]+ ms \| write [\d.]+ s \| "
-                       r"[\d.]+ MB at [\d.]+ GB/s$", re.M)
+COMMIT_RE = re.compile(
+    r"^checkpoint step (\d+) committed \| \S+/step_\d{8} \| stall [\d.]+ ms \| write [\d.]+ s \| "
+    r"[\d.]+ MB at [\d.]+ GB/s$",
+    re.M,
+)
 # One stall figure per checkpoint (the loop blocked in state_dict() + save()), printed
 # when it is staged and again when it is committed, with the checkpoint's directory.
-STAGED_STALL_RE = re.compile(r"^checkpoint step (\d+) staged in ([\d.]+) ms \(stall\), "
-                             r"writing (\S+) in the background$", re.M)
+STAGED_STALL_RE = re.compile(
+    r"^checkpoint step (\d+) staged in ([\d.]+) ms \(stall\), "
+    r"writing (\S+) in the background$",
+    re.M,
+)
 COMMIT_STALL_RE = re.compile(r"^checkpoint step (\d+) committed \| (\S+) \| stall ([\d.]+) ms \|", re.M)
 # --log-every N: one line per N steps
 STEP_RE = re.compile(r"^step\s+(\d+)/(\d+) \| loss \d+\.\d+ \| lr ", re.M)
 # the default when stderr is not a terminal: one line per 10% of the steps
-PROGRESS_RE = re.compile(r"^step (\d+)/(\d+) \((\d+)%\) \| loss \d+\.\d+ \| [\d.]+ steps/s"
-                         r"(?: \| last ckpt stall [\d.]+ ms)?$", re.M)
+PROGRESS_RE = re.compile(
+    r"^step (\d+)/(\d+) \((\d+)%\) \| loss \d+\.\d+ \| [\d.]+ steps/s"
+    r"(?: \| last ckpt stall [\d.]+ ms)?$",
+    re.M,
+)
 
 
 def _env() -> dict[str, str]:
@@ -59,8 +87,9 @@ def _popen(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> Iter
         yield proc
 
 
-def run(args: list[str], cwd: Path, *, timeout: float = 90, launcher: list[str] | None = None,
-        expect_rc: int = 0) -> str:
+def run(
+    args: list[str], cwd: Path, *, timeout: float = 90, launcher: list[str] | None = None, expect_rc: int = 0
+) -> str:
     """Run the script to completion, check its exit code and return its output."""
     cmd = [*(launcher or [sys.executable]), str(SCRIPT), *args]
     with _popen(cmd, cwd) as proc:
@@ -135,8 +164,9 @@ def test_progress_bar_on_a_terminal(tmp_path: Path) -> None:
             while chunk := os.read(master, 4096):
                 terminal.append(chunk)
 
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=slave, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=slave, text=True, start_new_session=True
+    )
     os.close(slave)
     reader = threading.Thread(target=read_terminal, daemon=True)
     reader.start()
@@ -219,17 +249,20 @@ def long_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d / "final.pt"
 
 
-def _run_until_signal(cmd: list[str], cwd: Path, sig: signal.Signals, to_group: bool,
-                      target: Any = None) -> tuple[int, str, float]:
+def _run_until_signal(
+    cmd: list[str], cwd: Path, sig: signal.Signals, to_group: bool, target: Any = None
+) -> tuple[int, str, float]:
     """Start ``cmd``; once a checkpoint is committed, send ``sig`` (to the process group,
     or to ``target(proc)``'s pid, default the main process); return (exit code, output,
     seconds from the signal to the exit). The run's processes must all be gone."""
     lines: queue.Queue[str | None] = queue.Queue()
     with _popen(cmd, cwd) as proc:
+
         def pump() -> None:
             for line in proc.stdout:  # type: ignore[union-attr]
                 lines.put(line)
             lines.put(None)
+
         threading.Thread(target=pump, daemon=True).start()
         out, deadline = "", time.monotonic() + 60
 
@@ -267,14 +300,19 @@ def _run_until_signal(cmd: list[str], cwd: Path, sig: signal.Signals, to_group: 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("sig,to_group,extra", [
-    # Ctrl-C: the terminal signals the whole foreground process group; stop and abort
-    (signal.SIGINT, True, []),
-    # Slurm / systemd: every process of the job, the writer included; the opt-out
-    (signal.SIGTERM, True, ["--no-preemption-save"]),
-], ids=["SIGINT-to-group", "SIGTERM-no-preemption-save"])
-def test_signal_stops_cleanly_and_resumes(tmp_path: Path, sig: signal.Signals, to_group: bool,
-                                          extra: list[str]) -> None:
+@pytest.mark.parametrize(
+    "sig,to_group,extra",
+    [
+        # Ctrl-C: the terminal signals the whole foreground process group; stop and abort
+        (signal.SIGINT, True, []),
+        # Slurm / systemd: every process of the job, the writer included; the opt-out
+        (signal.SIGTERM, True, ["--no-preemption-save"]),
+    ],
+    ids=["SIGINT-to-group", "SIGTERM-no-preemption-save"],
+)
+def test_signal_stops_cleanly_and_resumes(
+    tmp_path: Path, sig: signal.Signals, to_group: bool, extra: list[str]
+) -> None:
     rc, out, elapsed = _run_until_signal([sys.executable, str(SCRIPT), *LONG_ARGS, *extra], tmp_path, sig, to_group)
     assert rc == 128 + sig, f"exit code {rc}\n{out}"
     assert f"received {sig.name}: stopping at step" in out, out
@@ -291,16 +329,22 @@ def test_signal_stops_cleanly_and_resumes(tmp_path: Path, sig: signal.Signals, t
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("to_group,extra", [
-    (True, []),  # Slurm / systemd: every process of the job, the writer included
-    (False, ["--temporal"]),  # Kubernetes / docker stop: the main process only
-], ids=["SIGTERM-to-group", "SIGTERM-temporal"])
+@pytest.mark.parametrize(
+    "to_group,extra",
+    [
+        (True, []),  # Slurm / systemd: every process of the job, the writer included
+        (False, ["--temporal"]),  # Kubernetes / docker stop: the main process only
+    ],
+    ids=["SIGTERM-to-group", "SIGTERM-temporal"],
+)
 def test_sigterm_is_a_preemption_save_and_resume_is_bitwise_identical(
-        long_reference: Path, tmp_path: Path, to_group: bool, extra: list[str]) -> None:
+    long_reference: Path, tmp_path: Path, to_group: bool, extra: list[str]
+) -> None:
     """Issue 12: SIGTERM at step K commits step K (the ranks' agreed step), exit 143;
     --resume continues from K, bitwise equal to an uninterrupted run."""
-    rc, out, elapsed = _run_until_signal([sys.executable, str(SCRIPT), *LONG_ARGS, *extra], tmp_path,
-                                         signal.SIGTERM, to_group)
+    rc, out, elapsed = _run_until_signal(
+        [sys.executable, str(SCRIPT), *LONG_ARGS, *extra], tmp_path, signal.SIGTERM, to_group
+    )
     assert rc == 143, f"exit code {rc}\n{out}"
     m = re.search(r"^received SIGTERM: preemption save of step (\d+)$", out, re.M)
     assert m, out
@@ -324,16 +368,26 @@ def test_sigterm_to_one_of_two_ranks_is_a_preemption_save_of_an_agreed_step(tmp_
     (tmp_path / "b").mkdir()
     # the reference run writes with forked children (cheaper to start; the writer cannot change
     # the parameters, see test_resume_is_bitwise_identical), the interrupted one with the worker
-    out = run([*args, "--temporal", "--stop-at", str(stop_at), "--save-final", "final.pt"], tmp_path / "a",
-              launcher=torchrun(2))
+    out = run(
+        [*args, "--temporal", "--stop-at", str(stop_at), "--save-final", "final.pt"],
+        tmp_path / "a",
+        launcher=torchrun(2),
+    )
     assert "world size 2" in out and f"summary: {stop_at} steps" in out, out
     assert len(re.findall(r"^checkpoint step 50 committed", out, re.M)) == 1, out  # rank 0 prints, once
     port = str(free_port())
     with contextlib.ExitStack() as stack:
         ranks = []
         for rank in range(2):  # started directly, without torchrun: each rank's own exit code
-            env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank),
-                       WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+            env = dict(
+                _env(),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE="2",
+                LOCAL_WORLD_SIZE="2",
+            )
             ranks.append(stack.enter_context(_popen([sys.executable, str(SCRIPT), *args], tmp_path / "b", env)))
         out = ""
         for line in ranks[0].stdout:  # type: ignore[union-attr]
@@ -348,8 +402,9 @@ def test_sigterm_to_one_of_two_ranks_is_a_preemption_save_of_an_agreed_step(tmp_
     assert m, out
     k = int(m.group(1))
     assert f"preemption checkpoint step {k} committed in" in out and k < stop_at, out
-    out = run([*args, "--resume", "--stop-at", str(stop_at), "--save-final", "final.pt"], tmp_path / "b",
-              launcher=torchrun(2))
+    out = run(
+        [*args, "--resume", "--stop-at", str(stop_at), "--save-final", "final.pt"], tmp_path / "b", launcher=torchrun(2)
+    )
     assert f"resumed from step {k}" in out, out
     # per-rank dropout RNG streams differ; restoring the wrong one would change the parameters
     assert_same_params(tmp_path / "a" / "final.pt", tmp_path / "b" / "final.pt")
@@ -375,12 +430,20 @@ def losses(out: str) -> dict[int, float]:
 def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """On 2 ranks with --fsdp: a straight run of 12 steps, and a run stopped at step 6."""
     straight_dir, stopped_dir = tmp_path_factory.mktemp("fsdp_straight"), tmp_path_factory.mktemp("fsdp_stopped")
-    straight_out = run([*FSDP, "--batch-size", "3", "--temporal", "--save-final", "final.pt"], straight_dir,
-                       launcher=torchrun(2))
-    stopped_out = run([*FSDP, "--batch-size", "3", "--stop-at", "6", "--save-final", "at6.pt"], stopped_dir,
-                      launcher=torchrun(2))
-    return {"final": straight_dir / "final.pt", "straight_out": straight_out, "straight_dir": straight_dir,
-            "at6": stopped_dir / "at6.pt", "ckpts": stopped_dir / "checkpoints", "stopped_out": stopped_out}
+    straight_out = run(
+        [*FSDP, "--batch-size", "3", "--temporal", "--save-final", "final.pt"], straight_dir, launcher=torchrun(2)
+    )
+    stopped_out = run(
+        [*FSDP, "--batch-size", "3", "--stop-at", "6", "--save-final", "at6.pt"], stopped_dir, launcher=torchrun(2)
+    )
+    return {
+        "final": straight_dir / "final.pt",
+        "straight_out": straight_out,
+        "straight_dir": straight_dir,
+        "at6": stopped_dir / "at6.pt",
+        "ckpts": stopped_dir / "checkpoints",
+        "stopped_out": stopped_out,
+    }
 
 
 def _resume_dir(fsdp_runs: dict[str, Any], tmp_path: Path) -> Path:

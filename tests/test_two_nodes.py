@@ -12,6 +12,7 @@ addition depends on the layout; scripts/train.py's ``settle_ddp_buckets``.)
 Every agent runs in a session of its own; whatever of it is left (ranks, checkpoint
 workers) is killed when the test ends, also on failure.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,23 +24,57 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from dist_utils import free_port
 from helpers import started_session
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
 # A tiny model on ~4 KB of text: 249 windows of 16 bytes, 7 steps of 4 x 8 windows per
 # epoch, so the runs below cross epoch boundaries (the data position is checkpointed too).
-TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--batch-size", "8",
-        "--data-mb", "0.004", "--dropout", "0.1", "--lr", "3e-3", "--quiet"]
+TINY = [
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--block-size",
+    "16",
+    "--batch-size",
+    "8",
+    "--data-mb",
+    "0.004",
+    "--dropout",
+    "0.1",
+    "--lr",
+    "3e-3",
+    "--quiet",
+]
 # --temporal: a forked writer per save, no extra interpreter per rank to start.
 RUN = [*TINY, "--temporal", "--steps", "40", "--ckpt-every", "20"]
 
 
 def agent_cmd(port: int) -> list[str]:
     """One of the two torchrun agents ("nodes") of 2 ranks each, meeting at 127.0.0.1:``port``."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-            "--rdzv-conf", "join_timeout=60", "--max-restarts", "0"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "two-nodes",
+        "--rdzv-conf",
+        "join_timeout=60",
+        "--max-restarts",
+        "0",
+    ]
 
 
 def run_two_agents(args: list[str], cwd: Path, timeout: float = 60) -> str:
@@ -53,9 +88,17 @@ def run_two_agents(args: list[str], cwd: Path, timeout: float = 60) -> str:
             procs = []
             for log in logs:
                 out = stack.enter_context(open(log, "w"))
-                procs.append(stack.enter_context(started_session(
-                    [*agent_cmd(port), str(SCRIPT), *args], cwd=cwd, env=env, stdout=out,
-                    stderr=subprocess.STDOUT)))
+                procs.append(
+                    stack.enter_context(
+                        started_session(
+                            [*agent_cmd(port), str(SCRIPT), *args],
+                            cwd=cwd,
+                            env=env,
+                            stdout=out,
+                            stderr=subprocess.STDOUT,
+                        )
+                    )
+                )
             deadline = time.monotonic() + timeout
             for proc in procs:
                 try:
@@ -68,8 +111,7 @@ def run_two_agents(args: list[str], cwd: Path, timeout: float = 60) -> str:
             return text
         if "EADDRINUSE" not in text and "address already in use" not in text.lower():
             break
-    pytest.fail(f"scripts/train.py {' '.join(args)} on two agents: exit codes "
-                f"{[p.returncode for p in procs]}\n{text}")
+    pytest.fail(f"scripts/train.py {' '.join(args)} on two agents: exit codes {[p.returncode for p in procs]}\n{text}")
 
 
 @pytest.mark.timeout(180)

@@ -12,11 +12,11 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
 import asyncckpt
-from asyncckpt.saving.planning import plan_save
 from asyncckpt.dist import SyncGroup
-from asyncckpt.saving.staging import StagingBuffer
-from asyncckpt.io import writer
 from asyncckpt.format.layout import build_layout
+from asyncckpt.io import writer
+from asyncckpt.saving.planning import plan_save
+from asyncckpt.saving.staging import StagingBuffer
 
 
 @pytest.mark.timeout(60)
@@ -25,11 +25,11 @@ def test_overlapped_checksums_give_valid_records_and_segments(tmp_path, monkeypa
     monkeypatch.setattr(writer, "WRITE_CHUNK_BYTES", chunk)
     gen = torch.Generator().manual_seed(0)
     state: dict[str, Any] = {
-        "big": torch.randn(3 << 18, generator=gen),        # 3 MiB: a segment of its own
+        "big": torch.randn(3 << 18, generator=gen),  # 3 MiB: a segment of its own
         "empty": torch.zeros(0),
         "small": torch.randint(0, 100, (17,), generator=gen),
         "bf16": torch.randn(5, 7, generator=gen).to(torch.bfloat16),
-        "big2": torch.randn(1 << 18, generator=gen),       # exactly 1 MiB
+        "big2": torch.randn(1 << 18, generator=gen),  # exactly 1 MiB
         "meta": {"step": 3},
     }
     planned, _ = plan_save(state, str(tmp_path / "x"), SyncGroup(None), 0)
@@ -42,8 +42,9 @@ def test_overlapped_checksums_give_valid_records_and_segments(tmp_path, monkeypa
             slab.write_bytes(offset, framing)
         for slot in layout.tensors:
             if slot.nbytes:
-                slab.u8[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(
-                    planned.data[slot.item])
+                slab.u8[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(
+                    planned.data[slot.item]
+                )
         for blob in layout.blobs:
             slab.write_bytes(blob.offset, planned.data[blob.item])
         task = writer.WriteTask(str(tmp_path / "out"), slab.ref, layout.files, (slab.slab_id,))
@@ -56,14 +57,14 @@ def test_overlapped_checksums_give_valid_records_and_segments(tmp_path, monkeypa
     pos = 0
     for offset, length, crc in result.files[0].segments:
         assert offset == pos
-        assert zlib.crc32(data[offset:offset + length]) == crc
+        assert zlib.crc32(data[offset : offset + length]) == crc
         pos += length
     assert pos == len(data)
     assert any(length == 3 << 20 for _, length, _ in result.files[0].segments)
     # Every tensor record is a valid zip (zipfile checks each CRC-32) that torch.load reads.
     for index, info in layout.storage_data.items():
         item = next(it for it in items if it.index == index)
-        blob = data[info.offset:info.offset + info.length]
+        blob = data[info.offset : info.offset + info.length]
         if item.type == WriteItemType.BYTE_IO:
             continue
         assert zipfile.ZipFile(io.BytesIO(blob)).testzip() is None

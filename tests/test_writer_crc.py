@@ -9,14 +9,14 @@ import os
 import random
 import struct
 import zlib
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from asyncckpt.format import crc as crc_mod
-from asyncckpt.io import writer
 from asyncckpt.format.filespec import CrcPatch, FileSpec, pack_patches
+from asyncckpt.io import writer
 from asyncckpt.io.writer import BIG_SEGMENT_BYTES, COMBINE_MIN_BYTES, WriteTask, crc32_combine, write_rank_files
 from asyncckpt.saving.staging import StagingBuffer
 
@@ -38,8 +38,16 @@ def _write(image: bytes, patches: list[CrcPatch], out: Path) -> tuple[tuple[tupl
 @pytest.mark.timeout(60)
 def test_crc32_combine_matches_zlib() -> None:
     rng = random.Random(3)
-    for n1, n2 in [(0, 0), (0, 1), (1, 0), (7, 3), (100, COMBINE_MIN_BYTES), (5, COMBINE_MIN_BYTES + 1),
-                   (4096, BIG_SEGMENT_BYTES - 64), (3, 12345)]:
+    for n1, n2 in [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (7, 3),
+        (100, COMBINE_MIN_BYTES),
+        (5, COMBINE_MIN_BYTES + 1),
+        (4096, BIG_SEGMENT_BYTES - 64),
+        (3, 12345),
+    ]:
         a, b = rng.randbytes(n1), rng.randbytes(n2)
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), n2) == zlib.crc32(a + b), (n1, n2)
         start = rng.getrandbits(32)
@@ -50,8 +58,15 @@ def test_crc32_combine_matches_zlib() -> None:
 def test_segments_and_patched_crcs_match_zlib(tmp_path: Path) -> None:
     rng = random.Random(5)
     # 70 KiB and 300 KiB repeat often enough to get tables (merged CRCs); the others not.
-    sizes = [10, COMBINE_MIN_BYTES - 64, COMBINE_MIN_BYTES, 200 << 10, BIG_SEGMENT_BYTES - 64, BIG_SEGMENT_BYTES,
-             3 << 20] + rng.sample([64, 70 << 10, 300 << 10] * 40, 120)
+    sizes = [
+        10,
+        COMBINE_MIN_BYTES - 64,
+        COMBINE_MIN_BYTES,
+        200 << 10,
+        BIG_SEGMENT_BYTES - 64,
+        BIG_SEGMENT_BYTES,
+        3 << 20,
+    ] + rng.sample([64, 70 << 10, 300 << 10] * 40, 120)
     image = bytearray()
     patches = []
     for n in sizes:
@@ -66,12 +81,14 @@ def test_segments_and_patched_crcs_match_zlib(tmp_path: Path) -> None:
     assert len(data) == len(image)
     pos = 0
     for offset, length, crc in segments:
-        assert offset == pos and zlib.crc32(data[offset:offset + length]) == crc, (offset, length)
+        assert offset == pos and zlib.crc32(data[offset : offset + length]) == crc, (offset, length)
         pos = offset + length
     assert pos == len(image) and len(segments) > 3
     for p in patches:
-        expected = zlib.crc32(image[p.data_offset:p.data_offset + p.data_nbytes])
-        assert data[p.data_offset:p.data_offset + p.data_nbytes] == image[p.data_offset:p.data_offset + p.data_nbytes]
+        expected = zlib.crc32(image[p.data_offset : p.data_offset + p.data_nbytes])
+        assert (
+            data[p.data_offset : p.data_offset + p.data_nbytes] == image[p.data_offset : p.data_offset + p.data_nbytes]
+        )
         for f in p.patch_offsets:
             assert struct.unpack_from("<I", data, f)[0] == expected
 
@@ -105,7 +122,7 @@ def test_many_record_sizes_checksum_each_byte_once(tmp_path: Path, monkeypatch: 
     assert checksummed[0] == len(image), f"{checksummed[0] / len(image):.2f} checksums per byte"
     pos = 0
     for offset, length, crc in segments:
-        assert offset == pos and zlib.crc32(data[offset:offset + length]) == crc
+        assert offset == pos and zlib.crc32(data[offset : offset + length]) == crc
         pos = offset + length
     assert pos == len(image)
 
@@ -119,7 +136,7 @@ def test_crc_chain_equals_zlib_over_ranges() -> None:
     with crc_mod.CrcChain() as chain:
         for lo, hi in ranges:
             view = memoryview(data)[lo:hi]
-            chain.update([view[:len(view) // 3], view[len(view) // 3:]])
+            chain.update([view[: len(view) // 3], view[len(view) // 3 :]])
             chain.end((lo, hi))
         got = chain.take() + chain.close()
     assert got == [(((lo, hi), None), zlib.crc32(data[lo:hi])) for lo, hi in ranges]
@@ -128,12 +145,20 @@ def test_crc_chain_equals_zlib_over_ranges() -> None:
     mv = memoryview(data)
     with crc_mod.CrcChain() as chain:
         chain.feed([([mv[0:1]], ((0, 1), 5)), ([mv[1:30_000]], None)])
-        chain.feed([([mv[30_000:70_000]], ((1, 70_000), zlib.crc32(data[1:70_000]))),
-                    ([mv[70_001:1 << 20]], ((70_001, 1 << 20), None)), ([], ((7, 7), 0))])
+        chain.feed(
+            [
+                ([mv[30_000:70_000]], ((1, 70_000), zlib.crc32(data[1:70_000]))),
+                ([mv[70_001 : 1 << 20]], ((70_001, 1 << 20), None)),
+                ([], ((7, 7), 0)),
+            ]
+        )
         fed = chain.close()
-    assert fed == [(((0, 1), 5), zlib.crc32(data[0:1])),
-                   (((1, 70_000), zlib.crc32(data[1:70_000])), zlib.crc32(data[1:70_000])),
-                   (((70_001, 1 << 20), None), zlib.crc32(data[70_001:1 << 20])), (((7, 7), 0), 0)]
+    assert fed == [
+        (((0, 1), 5), zlib.crc32(data[0:1])),
+        (((1, 70_000), zlib.crc32(data[1:70_000])), zlib.crc32(data[1:70_000])),
+        (((70_001, 1 << 20), None), zlib.crc32(data[70_001 : 1 << 20])),
+        (((7, 7), 0), 0),
+    ]
 
 
 @pytest.mark.timeout(120)

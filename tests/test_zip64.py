@@ -30,20 +30,28 @@ import torch.distributed.checkpoint as dcp
 import asyncckpt
 from asyncckpt import CheckpointError, CorruptCheckpointError
 from asyncckpt.dist import SyncGroup
-from asyncckpt.saving.planning import plan_save
-from asyncckpt.loading import dcp as dcp_mod
-from asyncckpt.loading import framing as framing_mod
-from asyncckpt.loading.metadata import read_metadata
 from asyncckpt.format.layout import build_layout, record_framing
 from asyncckpt.format.torchsave import MAX_RECORD_BYTES, ZIP64_LIMIT, TensorFraming, tensor_framing
 from asyncckpt.io.writer import unpack_patches
+from asyncckpt.loading import dcp as dcp_mod
+from asyncckpt.loading import framing as framing_mod
+from asyncckpt.loading.metadata import read_metadata
+from asyncckpt.saving.planning import plan_save
+
 from helpers import closing_queue, observing_loads
 
 LONG = os.environ.get("ASYNCCKPT_LONG") == "1"
 needs_long = pytest.mark.skipif(not LONG, reason="set ASYNCCKPT_LONG=1 (writes ~4.3 GB per case, ~9 GB of memory)")
 
-NAMES = [b"archive/data.pkl", b"archive/.format_version", b"archive/.storage_alignment", b"archive/byteorder",
-         b"archive/data/0", b"archive/version", b"archive/.data/serialization_id"]
+NAMES = [
+    b"archive/data.pkl",
+    b"archive/.format_version",
+    b"archive/.storage_alignment",
+    b"archive/byteorder",
+    b"archive/data/0",
+    b"archive/version",
+    b"archive/.data/serialization_id",
+]
 SID = "0123456789" * 4
 START = bytes(range(1, 65))  # the first and last 64 data bytes of the sparse archives
 END = bytes(range(201, 137, -1))
@@ -75,7 +83,7 @@ def _extras(blob: bytes) -> dict[int, bytes]:
     out, pos = {}, 0
     while pos < len(blob):
         tag, n = struct.unpack_from("<HH", blob, pos)
-        out[tag] = blob[pos + 4:pos + 4 + n]
+        out[tag] = blob[pos + 4 : pos + 4 + n]
         pos += 4 + n
     assert pos == len(blob), "extra fields overrun"
     return out
@@ -105,8 +113,9 @@ def test_large_framing_structure(tmp_path: Path, case: str) -> None:
                 assert info.compress_type == zipfile.ZIP_STORED and info.compress_size == info.file_size
                 # Central directory: zip64 extra iff a size or the offset does not fit 32 bits.
                 central = _extras(info.extra)
-                assert central.get(1) == _zip64_fields(info.file_size, info.header_offset, info.file_size), \
+                assert central.get(1) == _zip64_fields(info.file_size, info.header_offset, info.file_size), (
                     info.filename
+                )
                 # Local header: zip64 extra first (compressed size 0, as miniz writes it before
                 # the data), then the FB padding; 32-bit sizes and CRC 0; data 64-byte aligned.
                 f.seek(info.header_offset)
@@ -118,8 +127,8 @@ def test_large_framing_structure(tmp_path: Path, case: str) -> None:
                 expected = _zip64_fields(info.file_size, info.header_offset, 0)
                 if expected is not None:
                     assert local_extra[:4] == struct.pack("<HH", 1, len(expected))
-                    assert local_extra[4:4 + len(expected)] == expected
-                    assert local_extra[4 + len(expected):6 + len(expected)] == b"FB"
+                    assert local_extra[4 : 4 + len(expected)] == expected
+                    assert local_extra[4 + len(expected) : 6 + len(expected)] == b"FB"
                 else:
                     assert local_extra[:2] == b"FB"
                 assert set(_extras(local_extra)) <= {1, 0x4246}
@@ -185,8 +194,12 @@ def test_layout_places_records_after_a_zip64_record(tmp_path: Path) -> None:
     """The layout of a state with a >4 GiB tensor (an expanded view: nothing allocated)
     between small ones: each item is its own archive; the items after it start past 4 GiB."""
     big = (1 << 32) + 100
-    state = {"a": torch.arange(5, dtype=torch.float32), "emb": torch.zeros(1, dtype=torch.uint8).expand(big),
-             "z": torch.ones(3, dtype=torch.int64), "step": 7}
+    state = {
+        "a": torch.arange(5, dtype=torch.float32),
+        "emb": torch.zeros(1, dtype=torch.uint8).expand(big),
+        "z": torch.ones(3, dtype=torch.int64),
+        "step": 7,
+    }
     planned, _ = plan_save(state, str(tmp_path / "x"), SyncGroup(None), 0)
     items = list(planned.plan.items)
     blobs = {i: len(d) for i, d in enumerate(planned.data) if isinstance(d, bytes)}
@@ -227,7 +240,7 @@ def _tamper_padding(ckpt: Path, fqn: str, dtype: torch.dtype, shape: tuple[int, 
     info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
     prefix = record_framing(dtype, shape).prefix
     at = prefix.rindex(b"FB") + 4
-    assert prefix[at:at + 1] == b"Z"
+    assert prefix[at : at + 1] == b"Z"
     with open(ckpt / info.relative_path, "r+b") as f:
         f.seek(info.offset + at)
         f.write(b"Y")
@@ -282,15 +295,15 @@ def _fill(u8: torch.Tensor) -> None:
     block = _block()
     for k, lo in enumerate(range(0, u8.numel(), _BLOCK)):
         hi = min(lo + _BLOCK, u8.numel())
-        torch.bitwise_xor(block[:hi - lo], k & 0xFF, out=u8[lo:hi])
+        torch.bitwise_xor(block[: hi - lo], k & 0xFF, out=u8[lo:hi])
 
 
 def _assert_filled(u8: torch.Tensor) -> None:
     block, expected = _block(), torch.empty(_BLOCK, dtype=torch.uint8)
     for k, lo in enumerate(range(0, u8.numel(), _BLOCK)):
         hi = min(lo + _BLOCK, u8.numel())
-        torch.bitwise_xor(block[:hi - lo], k & 0xFF, out=expected[:hi - lo])
-        assert torch.equal(u8[lo:hi], expected[:hi - lo]), f"bytes {lo}..{hi} differ"
+        torch.bitwise_xor(block[: hi - lo], k & 0xFF, out=expected[: hi - lo])
+        assert torch.equal(u8[lo:hi], expected[: hi - lo]), f"bytes {lo}..{hi} differ"
 
 
 def _crc_of_file_range(path: Path, offset: int, length: int) -> int:
@@ -298,7 +311,7 @@ def _crc_of_file_range(path: Path, offset: int, length: int) -> int:
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)
         while length:
-            n = f.readinto(memoryview(buf)[:min(length, _BLOCK)])
+            n = f.readinto(memoryview(buf)[: min(length, _BLOCK)])
             assert n > 0
             crc = zlib.crc32(memoryview(buf)[:n], crc)
             length -= n
@@ -389,8 +402,10 @@ def test_zip64_round_trip(tmp_path: Path, mode: str) -> None:
             calls.append(ok and framing.nbytes == nbytes)
             return ok
 
-        out: dict[str, Any] = {"model": {"emb": torch.empty(shape, dtype=torch.float32), "bias": torch.zeros(7)},
-                               "step": None}
+        out: dict[str, Any] = {
+            "model": {"emb": torch.empty(shape, dtype=torch.float32), "bias": torch.zeros(7)},
+            "step": None,
+        }
         dcp_mod.read_record = spy
         try:
             started = time.monotonic()
@@ -403,8 +418,9 @@ def test_zip64_round_trip(tmp_path: Path, mode: str) -> None:
         # zip64 framing: the direct load path reads it straight into the target (its
         # framing checked against ours), never DCP's path (whose raw record read the
         # spy sees).
-        assert loads.paths() == {"direct": 1, "dcp": 0}, \
+        assert loads.paths() == {"direct": 1, "dcp": 0}, (
             f"the zip64 checkpoint was loaded by {loads.paths()}, not the direct path alone"
+        )
         assert not calls, "DCP's path read records of the zip64 checkpoint"
         assert out["step"] == 3 and torch.equal(out["model"]["bias"], torch.arange(7, dtype=torch.float32))
         _assert_filled(out["model"]["emb"].view(-1).view(torch.uint8))
@@ -431,8 +447,10 @@ def test_zip64_round_trip(tmp_path: Path, mode: str) -> None:
             _assert_filled(out["model"]["emb"].view(-1).view(torch.uint8))
             del out
         figures["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        print(f"\n[zip64 round trip {mode}] tensor {nbytes} bytes, data files {data_bytes} bytes; "
-              + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()))
+        print(
+            f"\n[zip64 round trip {mode}] tensor {nbytes} bytes, data files {data_bytes} bytes; "
+            + ", ".join(f"{k} {v:.2f}" for k, v in figures.items())
+        )
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)
         gc.collect()

@@ -27,7 +27,8 @@ import pickle
 import signal
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from asyncckpt.async_utils.processes import TERMINATE_GRACE_S
 from asyncckpt.async_utils.processes import terminate as _terminate
@@ -231,7 +232,7 @@ class TemporalAsyncCaller(AsyncCaller):
                 daemon=True,
             )
             proc.start()
-        except Exception as exc:  # e.g. fork failed (ENOMEM, EAGAIN)
+        except Exception as exc:  # noqa: BLE001 - e.g. fork failed (ENOMEM, EAGAIN)
             self._record(CallOutcome(call_idx, False, _format_exception(exc, "could not fork a child: ")))
             return
         finally:
@@ -273,11 +274,13 @@ class TemporalAsyncCaller(AsyncCaller):
             del self._children[call_idx]
             exit_text = _describe_exit(proc.pid, proc.exitcode)
             if reported is None:
-                outcome = CallOutcome(call_idx, False,
-                                      RankFailure(f"forked child {exit_text} without reporting a result"))
+                outcome = CallOutcome(
+                    call_idx, False, RankFailure(f"forked child {exit_text} without reporting a result")
+                )
             elif proc.exitcode != 0 and reported.ok:
-                outcome = reported._replace(ok=False, value=None,
-                                            error=RankFailure(f"forked child reported success but {exit_text}"))
+                outcome = reported._replace(
+                    ok=False, value=None, error=RankFailure(f"forked child reported success but {exit_text}")
+                )
             else:
                 outcome = reported
             self._record(outcome)
@@ -309,14 +312,14 @@ class TemporalAsyncCaller(AsyncCaller):
 
 # --------------------------------------------------------------------------- persistent
 
+
 class _Worker:
     """One incarnation of the persistent worker: process + its two pipes."""
 
     def __init__(self, ctx: Any, import_main: bool) -> None:
         task_r, self.task_w = ctx.Pipe(duplex=False)
         self.result_r, result_w = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=_persistent_worker_main, args=(task_r, result_w),
-                                name=_WORKER_NAME, daemon=True)
+        self.proc = ctx.Process(target=_persistent_worker_main, args=(task_r, result_w), name=_WORKER_NAME, daemon=True)
         try:
             if import_main:
                 self.proc.start()
@@ -374,9 +377,11 @@ class PersistentAsyncCaller(AsyncCaller):
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', not {start_method!r}")
         if import_main is False and start_method != "spawn":
-            raise ValueError(f"import_main=False cannot be honoured with start_method={start_method!r}: the "
-                             "fork server imports the main script itself; use start_method='spawn' for a "
-                             "worker without the main script, or leave import_main out")
+            raise ValueError(
+                f"import_main=False cannot be honoured with start_method={start_method!r}: the "
+                "fork server imports the main script itself; use start_method='spawn' for a "
+                "worker without the main script, or leave import_main out"
+            )
         self.start_method = start_method
         self.import_main = import_main is not False
         self._ctx = mp.get_context(start_method)
@@ -414,17 +419,23 @@ class PersistentAsyncCaller(AsyncCaller):
     def schedule(self, call_idx: int, async_fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         try:
             payload = pickle.dumps((async_fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:
-            self._record(CallOutcome(call_idx, False, _format_exception(
-                exc, "the request cannot be pickled for the persistent worker: ")))
+        except Exception as exc:  # noqa: BLE001 - an unpicklable request fails its call
+            self._record(
+                CallOutcome(
+                    call_idx, False, _format_exception(exc, "the request cannot be pickled for the persistent worker: ")
+                )
+            )
             return
         self.poll()  # reaps a dead worker (not under the lock)
         with self._lock:
             try:
                 worker = self._ensure_worker()
-            except Exception as exc:
-                self._record(CallOutcome(call_idx, False, self._start_failure or _format_exception(
-                    exc, "could not start the worker: ")))
+            except Exception as exc:  # noqa: BLE001 - a worker that cannot start fails the call
+                self._record(
+                    CallOutcome(
+                        call_idx, False, self._start_failure or _format_exception(exc, "could not start the worker: ")
+                    )
+                )
                 return
             worker.inflight.append(call_idx)
             try:
@@ -490,9 +501,17 @@ class PersistentAsyncCaller(AsyncCaller):
             if worker.proc.exitcode == _NO_MAIN_GUARD_EXIT and self.import_main:
                 self._start_failure = _no_main_guard_failure()
             for call_idx in worker.inflight:
-                self._record(CallOutcome(call_idx, False, self._start_failure or RankFailure(
-                    f"the persistent worker {text} while call {call_idx} was in flight (it is restarted for "
-                    "the next call)")))
+                self._record(
+                    CallOutcome(
+                        call_idx,
+                        False,
+                        self._start_failure
+                        or RankFailure(
+                            f"the persistent worker {text} while call {call_idx} was in flight (it is restarted for "
+                            "the next call)"
+                        ),
+                    )
+                )
             worker.inflight.clear()
             worker.close_pipes()
             self._dying.remove(worker)

@@ -30,7 +30,8 @@ import logging
 import queue as _queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from asyncckpt.async_utils.callers import (
     WAIT_SLICE_S,
@@ -92,8 +93,9 @@ class _Book:
         self.owned: set[int] = set()
         self.background = False
 
-    def local_status(self, call_idx: int, request: AsyncRequest, blocking: bool,
-                     stop: threading.Event | None = None) -> tuple[int, RankFailure | None]:
+    def local_status(
+        self, call_idx: int, request: AsyncRequest, blocking: bool, stop: threading.Event | None = None
+    ) -> tuple[int, RankFailure | None]:
         """This rank's status of ``call_idx`` (waiting for it with ``blocking``)."""
         with self.cond:
             failure = self.preload_failures.get(call_idx)
@@ -144,8 +146,10 @@ class _Book:
         except Exception as exc:  # noqa: BLE001 - reported as the call's failure
             return CheckpointException(call_idx, {rank: RankFailure.from_exception(exc, "a finalize function raised ")})
         except BaseException as exc:
-            self.settle(call_idx, CheckpointException(
-                call_idx, {rank: RankFailure.from_exception(exc, "finalize interrupted: ")}))
+            self.settle(
+                call_idx,
+                CheckpointException(call_idx, {rank: RankFailure.from_exception(exc, "finalize interrupted: ")}),
+            )
             raise
         finally:
             self.results.pop(call_idx, None)
@@ -227,7 +231,8 @@ class _Finalizer:
                 if _FAILED in statuses:
                     causes = sync.all_gather_object(cause)
                     exc: CheckpointException | None = CheckpointException(
-                        call_idx, {r: c for r, c in enumerate(causes) if c is not None})
+                        call_idx, {r: c for r, c in enumerate(causes) if c is not None}
+                    )
                     if book.claim(call_idx) is not None:
                         book.settle(call_idx, exc)
                     continue
@@ -239,8 +244,9 @@ class _Finalizer:
                 why = RankFailure.from_exception(error, "the background finalizer failed: ")
                 if book.claim(call_idx) is not None:
                     book.settle(call_idx, CheckpointException(call_idx, {sync.rank: why}))
-                book.drop_all(sync.rank, "the background finalizer stopped after an earlier failure:\n" + why,
-                              settler_gone=True)
+                book.drop_all(
+                    sync.rank, "the background finalizer stopped after an earlier failure:\n" + why, settler_gone=True
+                )
                 self.stop.set()
                 return
 
@@ -300,17 +306,24 @@ class AsyncCallsQueue:
         background_finalize: bool = False,
     ) -> None:
         self._closed = True  # until constructed: __del__ then does nothing
-        given = [f"{name}={value!r}" for name, value in (("start_method", start_method), ("import_main", import_main))
-                 if value is not None]
+        given = [
+            f"{name}={value!r}"
+            for name, value in (("start_method", start_method), ("import_main", import_main))
+            if value is not None
+        ]
         if given and caller is not None:
-            raise ValueError(f"{' and '.join(given)} cannot be combined with caller=: the caller already decides "
-                             "how calls run")
+            raise ValueError(
+                f"{' and '.join(given)} cannot be combined with caller=: the caller already decides how calls run"
+            )
         if given and not persistent:
-            raise ValueError(f"{' and '.join(given)} need persistent=True: the persistent=False caller forks a "
-                             "child per call, with no worker to start")
+            raise ValueError(
+                f"{' and '.join(given)} need persistent=True: the persistent=False caller forks a "
+                "child per call, with no worker to start"
+            )
         if caller is None:
-            caller = (PersistentAsyncCaller(start_method or "spawn", import_main) if persistent
-                      else TemporalAsyncCaller())
+            caller = (
+                PersistentAsyncCaller(start_method or "spawn", import_main) if persistent else TemporalAsyncCaller()
+            )
         self.caller = caller
         self.persistent = isinstance(caller, PersistentAsyncCaller)
         self.background_finalize = bool(background_finalize)
@@ -365,8 +378,7 @@ class AsyncCallsQueue:
             self._finalizer = _Finalizer(self._book, SyncGroup.private(self._process_group))
 
     # ------------------------------------------------------------------ scheduling
-    def schedule_async_request(self, async_request: AsyncRequest, *,
-                               on_settled: SettleCallback | None = None) -> int:
+    def schedule_async_request(self, async_request: AsyncRequest, *, on_settled: SettleCallback | None = None) -> int:
         """Run ``preload_fn`` here, then start ``async_fn`` in the background.
 
         Args:
@@ -410,7 +422,7 @@ class AsyncCallsQueue:
             if request.async_fn is not None:
                 self.caller.schedule(call_idx, request.async_fn, tuple(args), dict(request.async_fn_kwargs or {}))
                 started = True
-        except BaseException as exc:  # noqa: BLE001 - recorded against the call, on this rank
+        except BaseException as exc:
             if not started:
                 with book.cond:
                     book.preload_failures[call_idx] = RankFailure.from_exception(exc, "preload_fn raised ")
@@ -456,8 +468,10 @@ class AsyncCallsQueue:
         """
         if self.background_finalize:
             if no_dist:
-                raise ValueError("no_dist=True cannot be combined with background_finalize=True: the "
-                                 "background finalizer decides on every rank's status, collectively")
+                raise ValueError(
+                    "no_dist=True cannot be combined with background_finalize=True: the "
+                    "background finalizer decides on every rank's status, collectively"
+                )
             return self._harvest(blocking, until)
         finalized: list[int] = []
         sync = None if no_dist else self.sync
@@ -500,8 +514,10 @@ class AsyncCallsQueue:
         out: list[int] = []
         with book.cond:
             if blocking:
+
                 def settled() -> bool:
                     return not book.unsettled(until)
+
                 while not book.cond.wait_for(settled, timeout=1.0):
                     if self._finalizer is None or not self._finalizer.thread.is_alive():
                         break
@@ -605,8 +621,11 @@ class AsyncCallsQueue:
             else:
                 self.caller.close(abort=abort)
             rank = self._sync.rank if self._sync is not None else 0
-            book.drop_all(rank, "dropped by close(abort=True) before it was finalized",
-                          settler_gone=self._finalizer is None or not self._finalizer.thread.is_alive())
+            book.drop_all(
+                rank,
+                "dropped by close(abort=True) before it was finalized",
+                settler_gone=self._finalizer is None or not self._finalizer.thread.is_alive(),
+            )
         if first_error is not None:
             raise first_error
 
@@ -616,13 +635,15 @@ class AsyncCallsQueue:
         try:
             pending = self.get_num_unfinalized_calls()
             if pending:
-                _log.warning("an AsyncCallsQueue with %d unfinalized call(s) was dropped without close(): "
-                             "they are aborted", pending)
+                _log.warning(
+                    "an AsyncCallsQueue with %d unfinalized call(s) was dropped without close(): they are aborted",
+                    pending,
+                )
             self.close(abort=True)
         except Exception:  # noqa: BLE001 - nothing to report to at collection time
             pass
 
-    def __enter__(self) -> "AsyncCallsQueue":
+    def __enter__(self) -> AsyncCallsQueue:
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:

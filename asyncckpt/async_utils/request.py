@@ -9,7 +9,8 @@ The shape is Megatron-core's ``dist_checkpointing.strategies.async_utils.AsyncRe
 from __future__ import annotations
 
 from collections import namedtuple
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 __all__ = ["AsyncRequest"]
 
@@ -63,7 +64,7 @@ class AsyncRequest(_AsyncRequestBase):
         preload_fn: Callable[[], Any] | None = None,
         is_frozen: bool = False,
         call_idx: int = 0,
-    ) -> "AsyncRequest":
+    ) -> AsyncRequest:
         fns: Sequence[Callable[[], Any]] = tuple(finalize_fns) if is_frozen else list(finalize_fns)
         return super().__new__(
             cls,
@@ -86,7 +87,7 @@ class AsyncRequest(_AsyncRequestBase):
             raise RuntimeError("cannot add a finalize function to a frozen AsyncRequest")
         self.finalize_fns.append(fn)
 
-    def freeze(self) -> "AsyncRequest":
+    def freeze(self) -> AsyncRequest:
         """Return a frozen copy (finalize_fns become an immutable tuple)."""
         return self._replace(is_frozen=True, finalize_fns=tuple(self.finalize_fns))
 

@@ -22,7 +22,8 @@ import struct
 import sys
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from asyncckpt.errors import RankFailure
 
@@ -77,15 +78,21 @@ def _run_call(call_idx: int, fn: Callable[..., Any], args: tuple, kwargs: dict) 
 def _dump_outcome(outcome: CallOutcome) -> bytes:
     try:
         return pickle.dumps(outcome)
-    except Exception as exc:  # the return value of async_fn is not picklable
-        bad = CallOutcome(outcome.call_idx, False, _format_exception(
-                          exc, "the return value of async_fn cannot be pickled: "), None, outcome.started,
-                          outcome.finished)
+    except Exception as exc:  # noqa: BLE001 - the return value of async_fn is not picklable
+        bad = CallOutcome(
+            outcome.call_idx,
+            False,
+            _format_exception(exc, "the return value of async_fn cannot be pickled: "),
+            None,
+            outcome.started,
+            outcome.finished,
+        )
         return pickle.dumps(bad)
 
 
-def _temporal_child_main(conn: Any, call_idx: int, fn: Callable[..., Any], args: tuple, kwargs: dict,
-                         gc_enabled: bool) -> None:
+def _temporal_child_main(
+    conn: Any, call_idx: int, fn: Callable[..., Any], args: tuple, kwargs: dict, gc_enabled: bool
+) -> None:
     # Forked with the cyclic GC off (TemporalAsyncCaller._schedule): every object this
     # child inherited goes to the permanent generation before it is turned back on, so
     # that it collects only its own garbage, never the trainer's (whose finalizers free
@@ -138,10 +145,11 @@ def _persistent_worker_main(task_conn: Any, result_conn: Any) -> None:
         if call_idx == _STOP:
             break
         try:
-            fn, args, kwargs = pickle.loads(memoryview(data)[_HEADER.size:])
+            fn, args, kwargs = pickle.loads(memoryview(data)[_HEADER.size :])
         except BaseException as exc:  # noqa: BLE001
-            outcome = CallOutcome(call_idx, False,
-                                  _format_exception(exc, "the worker could not unpickle the request: "))
+            outcome = CallOutcome(
+                call_idx, False, _format_exception(exc, "the worker could not unpickle the request: ")
+            )
         else:
             del data
             outcome = _run_call(call_idx, fn, args, kwargs)
@@ -173,9 +181,11 @@ def _exit_if_importing_main_in_worker() -> None:
 
 def _no_main_guard_failure() -> RankFailure:
     main = getattr(sys.modules.get("__main__"), "__file__", None) or "the main module"
-    return RankFailure(f"the persistent worker could not start: it re-imports {main} (import_main=True), whose "
-                       "top-level code started a worker again; put the script's code that runs (training, "
-                       "saving) under 'if __name__ == \"__main__\":'")
+    return RankFailure(
+        f"the persistent worker could not start: it re-imports {main} (import_main=True), whose "
+        "top-level code started a worker again; put the script's code that runs (training, "
+        "saving) under 'if __name__ == \"__main__\":'"
+    )
 
 
 @contextlib.contextmanager
@@ -188,8 +198,9 @@ def _main_module_hidden() -> Any:
     """
     main = sys.modules.get("__main__")
     with _main_lock:
-        saved: dict[str, Any] = {k: main.__dict__[k] for k in ("__file__", "__spec__")
-                                 if main is not None and k in main.__dict__}
+        saved: dict[str, Any] = {
+            k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__
+        }
         try:
             if main is not None:
                 main.__dict__.pop("__file__", None)

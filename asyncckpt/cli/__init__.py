@@ -25,13 +25,12 @@ with the restricted unpickler of :mod:`asyncckpt.loading.metadata`; ``convert`` 
 has a manifest, ``weights_only`` values).
 """
 
-
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from asyncckpt import __version__
 from asyncckpt.cli.commands import (
@@ -84,73 +83,108 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Inspect, verify, convert and clean asyncckpt / torch.distributed.checkpoint checkpoints.",
         epilog="Exit status: 0 success, 1 a problem was found (corrupt or missing checkpoint, failed "
-               f"verification), 2 usage error, {EXIT_UNVERIFIABLE} (verify) nothing failed but some checkpoint "
-               "has no manifest and could not be verified (a stock torch.distributed.checkpoint directory). "
-               f"`{PROG} SUBCOMMAND --help` describes each subcommand.")
+        f"verification), 2 usage error, {EXIT_UNVERIFIABLE} (verify) nothing failed but some checkpoint "
+        "has no manifest and could not be verified (a stock torch.distributed.checkpoint directory). "
+        f"`{PROG} SUBCOMMAND --help` describes each subcommand.",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
 
-    p = sub.add_parser("ls", parents=[common], help="list the checkpoints of a CheckpointManager root",
-                       description="List the committed checkpoints of a CheckpointManager root (step, "
-                                   "size, commit time, which one `latest` names, the newest committed "
-                                   "step) and leftovers of saves that never committed. ROOT may also be "
-                                   "a single checkpoint directory, or a Lightning dirpath holding "
-                                   "checkpoints of asyncckpt.lightning (epoch=0-step=16.ckpt; the step "
-                                   "is Lightning's global_step).")
+    p = sub.add_parser(
+        "ls",
+        parents=[common],
+        help="list the checkpoints of a CheckpointManager root",
+        description="List the committed checkpoints of a CheckpointManager root (step, "
+        "size, commit time, which one `latest` names, the newest committed "
+        "step) and leftovers of saves that never committed. ROOT may also be "
+        "a single checkpoint directory, or a Lightning dirpath holding "
+        "checkpoints of asyncckpt.lightning (epoch=0-step=16.ckpt; the step "
+        "is Lightning's global_step).",
+    )
     p.add_argument("root", metavar="ROOT", help="a CheckpointManager root (or one checkpoint directory)")
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("inspect", parents=[common], help="list the entries of a checkpoint",
-                       description="List every entry (FQN) of a checkpoint: kind (tensor / bytes), dtype, "
-                                   "global shape, bytes, and the data file(s) holding it; then totals. "
-                                   ".metadata is read with a restricted unpickler.")
+    p = sub.add_parser(
+        "inspect",
+        parents=[common],
+        help="list the entries of a checkpoint",
+        description="List every entry (FQN) of a checkpoint: kind (tensor / bytes), dtype, "
+        "global shape, bytes, and the data file(s) holding it; then totals. "
+        ".metadata is read with a restricted unpickler.",
+    )
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint directory")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("verify", parents=[common], help="check sizes and CRC-32s against the manifest",
-                       description="Check every file's size and CRC-32s against the checkpoint's manifest. "
-                                   "Prints OK, FAILED or UNVERIFIABLE per checkpoint. A CheckpointManager "
-                                   "root stands for all its committed checkpoints.",
-                       epilog=f"Exit status: 0 all verified; 1 some checkpoint failed (corrupt, missing "
-                              f"files, or a checkpoint of an asyncckpt root that lost its manifest); 2 usage "
-                              f"error; {EXIT_UNVERIFIABLE} none failed, but some had no manifest and could not "
-                              "be verified (a stock torch.distributed.checkpoint directory: UNVERIFIABLE, "
-                              "'no manifest: not verifiable').")
+    p = sub.add_parser(
+        "verify",
+        parents=[common],
+        help="check sizes and CRC-32s against the manifest",
+        description="Check every file's size and CRC-32s against the checkpoint's manifest. "
+        "Prints OK, FAILED or UNVERIFIABLE per checkpoint. A CheckpointManager "
+        "root stands for all its committed checkpoints.",
+        epilog=f"Exit status: 0 all verified; 1 some checkpoint failed (corrupt, missing "
+        f"files, or a checkpoint of an asyncckpt root that lost its manifest); 2 usage "
+        f"error; {EXIT_UNVERIFIABLE} none failed, but some had no manifest and could not "
+        "be verified (a stock torch.distributed.checkpoint directory: UNVERIFIABLE, "
+        "'no manifest: not verifiable').",
+    )
     p.add_argument("checkpoints", metavar="CKPT", nargs="+", help="checkpoint directories")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--progress", dest="progress", action="store_const", const=True, default=None,
-                       help="show a progress bar (bytes) on stderr (default: for checkpoints over "
-                            f"{PROGRESS_MIN_BYTES >> 20} MiB when stderr is a terminal)")
-    group.add_argument("--no-progress", dest="progress", action="store_const", const=False,
-                       help="never show a progress bar")
+    group.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_const",
+        const=True,
+        default=None,
+        help="show a progress bar (bytes) on stderr (default: for checkpoints over "
+        f"{PROGRESS_MIN_BYTES >> 20} MiB when stderr is a terminal)",
+    )
+    group.add_argument(
+        "--no-progress", dest="progress", action="store_const", const=False, help="never show a progress bar"
+    )
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("convert", parents=[common], help="write a checkpoint as one torch.save file",
-                       description="Write a checkpoint as one torch.save file (nested as saved, like "
-                                   "torch.distributed.checkpoint.format_utils.dcp_to_torch_save), loading "
-                                   "it safely: restricted metadata unpickling, paths checked, CRC-32s "
-                                   "verified (an asyncckpt checkpoint; a stock torch.distributed.checkpoint "
-                                   "directory has no manifest and is converted unverified, with a "
-                                   "warning), non-tensor values with weights_only=True. Written to a "
-                                   "temporary file, then renamed.")
-    p.add_argument("checkpoint", metavar="CKPT",
-                   help="a committed asyncckpt checkpoint or a stock torch.distributed.checkpoint directory")
+    p = sub.add_parser(
+        "convert",
+        parents=[common],
+        help="write a checkpoint as one torch.save file",
+        description="Write a checkpoint as one torch.save file (nested as saved, like "
+        "torch.distributed.checkpoint.format_utils.dcp_to_torch_save), loading "
+        "it safely: restricted metadata unpickling, paths checked, CRC-32s "
+        "verified (an asyncckpt checkpoint; a stock torch.distributed.checkpoint "
+        "directory has no manifest and is converted unverified, with a "
+        "warning), non-tensor values with weights_only=True. Written to a "
+        "temporary file, then renamed.",
+    )
+    p.add_argument(
+        "checkpoint",
+        metavar="CKPT",
+        help="a committed asyncckpt checkpoint or a stock torch.distributed.checkpoint directory",
+    )
     p.add_argument("out", metavar="OUT", help="the torch.save file to write (e.g. model.pt)")
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
-    p.add_argument("--allow-pickle", action="store_true",
-                   help="unpickle non-tensor values of any class: this can run code chosen by whoever "
-                        "wrote the checkpoint; only for checkpoints you trust")
-    p.add_argument("--no-verify", dest="verify", action="store_false",
-                   help="skip the size and CRC-32 checks before loading")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="unpickle non-tensor values of any class: this can run code chosen by whoever "
+        "wrote the checkpoint; only for checkpoints you trust",
+    )
+    p.add_argument(
+        "--no-verify", dest="verify", action="store_false", help="skip the size and CRC-32 checks before loading"
+    )
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("clean", parents=[common], help="remove directories of saves that never committed",
-                       description="Find directories of saves that never committed in a CheckpointManager "
-                                   "root (.step_N.tmp-*, .step_N.deleting-*, step_N without a committed "
-                                   "manifest) and print them. Dry run unless --yes: nothing is removed. "
-                                   "Committed checkpoints and `latest` are never touched. Do not clean a "
-                                   "root a running job saves into (a temporary directory may be a save "
-                                   "in progress).")
+    p = sub.add_parser(
+        "clean",
+        parents=[common],
+        help="remove directories of saves that never committed",
+        description="Find directories of saves that never committed in a CheckpointManager "
+        "root (.step_N.tmp-*, .step_N.deleting-*, step_N without a committed "
+        "manifest) and print them. Dry run unless --yes: nothing is removed. "
+        "Committed checkpoints and `latest` are never touched. Do not clean a "
+        "root a running job saves into (a temporary directory may be a save "
+        "in progress).",
+    )
     p.add_argument("root", metavar="ROOT", help="a CheckpointManager root")
     p.add_argument("-y", "--yes", "--force", dest="yes", action="store_true", help="remove them")
     p.set_defaults(func=cmd_clean)

@@ -16,9 +16,10 @@ import os
 import secrets
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence, TextIO
+from typing import Any, TextIO
 
 from asyncckpt import root as _root
 from asyncckpt._fs import fsync_directory
@@ -35,8 +36,20 @@ from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, is_committed
 from asyncckpt.io.storage import LOCAL
 
-__all__ = ["PROG", "EXIT_UNVERIFIABLE", "PROGRESS_MIN_BYTES", "inspect_checkpoint", "convert_to_torch_save",
-           "remove_partial", "emit_json", "cmd_ls", "cmd_inspect", "cmd_verify", "cmd_convert", "cmd_clean"]
+__all__ = [
+    "PROG",
+    "EXIT_UNVERIFIABLE",
+    "PROGRESS_MIN_BYTES",
+    "inspect_checkpoint",
+    "convert_to_torch_save",
+    "remove_partial",
+    "emit_json",
+    "cmd_ls",
+    "cmd_inspect",
+    "cmd_verify",
+    "cmd_convert",
+    "cmd_clean",
+]
 
 PROG = "asyncckpt"
 
@@ -51,7 +64,7 @@ PROGRESS_MIN_BYTES = 256 << 20
 def _iso(ts: float | None) -> str | None:
     if ts is None:
         return None
-    return datetime.datetime.fromtimestamp(ts, tz=datetime.timezone.utc).astimezone().isoformat(timespec="seconds")
+    return datetime.datetime.fromtimestamp(ts, tz=datetime.UTC).astimezone().isoformat(timespec="seconds")
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
@@ -62,7 +75,6 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequenc
         parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(parts).rstrip())
     return "\n".join(lines)
-
 
 
 # ----------------------------------------------------------------------------- inspect
@@ -110,7 +122,8 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     storage: dict[str, list[dict[str, Any]]] = {}
     for index, info in metadata.storage_data.items():
         storage.setdefault(index.fqn, []).append(
-            {"file": info.relative_path, "offset": info.offset, "length": info.length})
+            {"file": info.relative_path, "offset": info.offset, "length": info.length}
+        )
     entries = []
     for fqn, md in metadata.state_dict_metadata.items():
         records = sorted(storage.get(fqn, []), key=lambda r: (r["file"], r["offset"]))
@@ -121,11 +134,16 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
             numel = 1
             for s in shape:
                 numel *= s
-            entry = {"fqn": fqn, "kind": "tensor", "dtype": str(dtype).replace("torch.", "", 1),
-                     "shape": shape, "bytes": numel * dtype.itemsize, "chunks": len(md.chunks)}
+            entry = {
+                "fqn": fqn,
+                "kind": "tensor",
+                "dtype": str(dtype).replace("torch.", "", 1),
+                "shape": shape,
+                "bytes": numel * dtype.itemsize,
+                "chunks": len(md.chunks),
+            }
         else:
-            entry = {"fqn": fqn, "kind": "bytes", "dtype": None, "shape": None, "bytes": stored,
-                     "chunks": len(records)}
+            entry = {"fqn": fqn, "kind": "bytes", "dtype": None, "shape": None, "bytes": stored, "chunks": len(records)}
         entry["path"] = list(paths[fqn][0])
         entry["stored_bytes"] = stored
         entry["files"] = records
@@ -182,11 +200,20 @@ def _verify_targets(arg: str) -> list[Path]:
 
 
 def _verify_one(path: Path, progress: bool | None) -> dict[str, Any]:
-    result: dict[str, Any] = {"path": str(path), "ok": False, "files": None, "bytes": None,
-                              "error": None, "file": None, "verifiable": True}
+    result: dict[str, Any] = {
+        "path": str(path),
+        "ok": False,
+        "files": None,
+        "bytes": None,
+        "error": None,
+        "file": None,
+        "verifiable": True,
+    }
     if _root.is_stock_dcp(path):  # not ours, nothing wrong with it known: its own exit status
-        result.update(verifiable=False, error="no manifest: not verifiable (a stock "
-                                              "torch.distributed.checkpoint directory has no checksums)")
+        result.update(
+            verifiable=False,
+            error="no manifest: not verifiable (a stock torch.distributed.checkpoint directory has no checksums)",
+        )
         return result
     try:
         manifest = LOCAL.read_manifest(path)
@@ -195,8 +222,18 @@ def _verify_one(path: Path, progress: bool | None) -> dict[str, Any]:
         if show:
             from tqdm import tqdm
 
-            with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=path.name,
-                      file=sys.stderr, leave=False, disable=False, mininterval=0.2) as bar:
+            with tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc=path.name,
+                file=sys.stderr,
+                leave=False,
+                disable=False,
+                mininterval=0.2,
+            ) as bar:
+
                 def advance(n: int) -> None:
                     bar.update(n)
 
@@ -207,14 +244,19 @@ def _verify_one(path: Path, progress: bool | None) -> dict[str, Any]:
         result["error"] = str(exc)
         result["file"] = exc.path
         return result
-    result.update(ok=True, files=len(manifest["files"]),
-                  bytes=sum(e["size"] for e in manifest["files"].values()))
+    result.update(ok=True, files=len(manifest["files"]), bytes=sum(e["size"] for e in manifest["files"].values()))
     return result
 
 
 # ----------------------------------------------------------------------------- convert
-def convert_to_torch_save(checkpoint_dir: str | os.PathLike, out: str | os.PathLike, *, force: bool = False,
-                          allow_pickle: bool = False, verify: bool = True) -> dict[str, Any]:
+def convert_to_torch_save(
+    checkpoint_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    force: bool = False,
+    allow_pickle: bool = False,
+    verify: bool = True,
+) -> dict[str, Any]:
     """Write a checkpoint as one ``torch.save`` file, like DCP's ``dcp_to_torch_save``.
 
     The state_dict is read with :func:`asyncckpt.read_state_dict` (nested as saved,
@@ -300,8 +342,14 @@ def convert_to_torch_save(checkpoint_dir: str | os.PathLike, out: str | os.PathL
         fsync_directory(dst.parent)
     finally:
         tmp.unlink(missing_ok=True)
-    return {"source": str(src), "output": str(dst), "entries": entries, "bytes": dst.stat().st_size,
-            "verified": verify and has_manifest, "warnings": notes}
+    return {
+        "source": str(src),
+        "output": str(dst),
+        "entries": entries,
+        "bytes": dst.stat().st_size,
+        "verified": verify and has_manifest,
+        "warnings": notes,
+    }
 
 
 # ----------------------------------------------------------------------------- clean
@@ -338,16 +386,21 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
     scan = scan_root(args.root)
     latest_committed = any(c.latest for c in scan.checkpoints)
     if args.json:
-        emit_json({
-            "root": scan.root,
-            "is_checkpoint": scan.is_checkpoint,
-            "latest": scan.latest,
-            "latest_is_committed": latest_committed,
-            "newest_step": scan.newest_step,
-            "checkpoints": [{**asdict(c), "size": human_bytes(c.bytes), "committed_at": _iso(c.committed_unix_s)}
-                            for c in scan.checkpoints],
-            "partial": [{**asdict(p), "size": human_bytes(p.bytes)} for p in scan.partial],
-        }, out)
+        emit_json(
+            {
+                "root": scan.root,
+                "is_checkpoint": scan.is_checkpoint,
+                "latest": scan.latest,
+                "latest_is_committed": latest_committed,
+                "newest_step": scan.newest_step,
+                "checkpoints": [
+                    {**asdict(c), "size": human_bytes(c.bytes), "committed_at": _iso(c.committed_unix_s)}
+                    for c in scan.checkpoints
+                ],
+                "partial": [{**asdict(p), "size": human_bytes(p.bytes)} for p in scan.partial],
+            },
+            out,
+        )
         return 0
     if scan.is_checkpoint:
         print(f"{scan.root} is a checkpoint directory", file=out)
@@ -364,11 +417,18 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
                 notes.append("newest")
             if c.error:
                 notes.append(f"manifest unreadable: {c.error}")
-            rows.append(["-" if c.step is None else c.step, c.name, human_bytes(c.bytes), c.bytes,
-                         _iso(c.committed_unix_s) or "-", "-" if c.world_size is None else c.world_size,
-                         ", ".join(notes)])
-        print(_table(["STEP", "NAME", "SIZE", "BYTES", "COMMITTED", "WORLD", ""], rows, right=(0, 2, 3, 5)),
-              file=out)
+            rows.append(
+                [
+                    "-" if c.step is None else c.step,
+                    c.name,
+                    human_bytes(c.bytes),
+                    c.bytes,
+                    _iso(c.committed_unix_s) or "-",
+                    "-" if c.world_size is None else c.world_size,
+                    ", ".join(notes),
+                ]
+            )
+        print(_table(["STEP", "NAME", "SIZE", "BYTES", "COMMITTED", "WORLD", ""], rows, right=(0, 2, 3, 5)), file=out)
     else:
         print("no committed checkpoints", file=out)
     if not scan.is_checkpoint:
@@ -377,8 +437,11 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
         elif latest_committed:
             print(f"latest: {scan.latest} (newest committed step: {scan.newest_step})", file=out)
         else:
-            print(f"latest: {scan.latest} (NOT a committed checkpoint in this root; "
-                  f"newest committed step: {scan.newest_step})", file=out)
+            print(
+                f"latest: {scan.latest} (NOT a committed checkpoint in this root; "
+                f"newest committed step: {scan.newest_step})",
+                file=out,
+            )
     if scan.partial:
         print(f"partial (never committed; `{PROG} clean {scan.root}` lists what it would remove):", file=out)
         rows = [[p.name, human_bytes(p.bytes), PARTIAL_DESCRIPTION[p.kind]] for p in scan.partial]
@@ -395,17 +458,32 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     rows = []
     for e in info["entries"]:
         files = sorted({r["file"] for r in e["files"]})
-        rows.append([e["fqn"], e["kind"], e["dtype"] or "-",
-                     "(" + ", ".join(map(str, e["shape"])) + ("," if len(e["shape"]) == 1 else "") + ")"
-                     if e["shape"] is not None else "-",
-                     e["bytes"], human_bytes(e["bytes"]), ", ".join(files)])
+        rows.append(
+            [
+                e["fqn"],
+                e["kind"],
+                e["dtype"] or "-",
+                "(" + ", ".join(map(str, e["shape"])) + ("," if len(e["shape"]) == 1 else "") + ")"
+                if e["shape"] is not None
+                else "-",
+                e["bytes"],
+                human_bytes(e["bytes"]),
+                ", ".join(files),
+            ]
+        )
     print(f"checkpoint: {info['path']}" + ("" if info["committed"] else "  (no asyncckpt manifest)"), file=out)
     print(_table(["FQN", "KIND", "DTYPE", "SHAPE", "BYTES", "SIZE", "FILES"], rows, right=(4, 5)), file=out)
     t = info["totals"]
-    print(f"entries: {t['entries']} ({t['tensors']} tensor{'' if t['tensors'] == 1 else 's'}, "
-          f"{t['values']} other value{'' if t['values'] == 1 else 's'})", file=out)
-    print(f"tensor bytes: {t['tensor_bytes']} ({human_bytes(t['tensor_bytes'])}); "
-          f"other values: {t['value_bytes']} ({human_bytes(t['value_bytes'])})", file=out)
+    print(
+        f"entries: {t['entries']} ({t['tensors']} tensor{'' if t['tensors'] == 1 else 's'}, "
+        f"{t['values']} other value{'' if t['values'] == 1 else 's'})",
+        file=out,
+    )
+    print(
+        f"tensor bytes: {t['tensor_bytes']} ({human_bytes(t['tensor_bytes'])}); "
+        f"other values: {t['value_bytes']} ({human_bytes(t['value_bytes'])})",
+        file=out,
+    )
     print(f"data files: {t['files']} ({human_bytes(t['file_bytes'])}): {', '.join(t['file_sizes'])}", file=out)
     ws = "-" if info["world_size"] is None else info["world_size"]
     step = "-" if info["step"] is None else info["step"]
@@ -420,9 +498,18 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
             targets = _verify_targets(arg)
         except CliError as exc:
             shown = str(Path(arg).absolute())
-            message = str(exc)[len(shown) + 2:] if str(exc).startswith(shown + ": ") else str(exc)
-            results.append({"path": shown, "ok": False, "files": None, "bytes": None, "error": message,
-                            "file": None, "verifiable": True})
+            message = str(exc)[len(shown) + 2 :] if str(exc).startswith(shown + ": ") else str(exc)
+            results.append(
+                {
+                    "path": shown,
+                    "ok": False,
+                    "files": None,
+                    "bytes": None,
+                    "error": message,
+                    "file": None,
+                    "verifiable": True,
+                }
+            )
             if not args.json:
                 print(f"FAILED  {shown}: {message}", file=out)
             continue
@@ -440,21 +527,33 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     failed = [r for r in results if not r["ok"] and r["verifiable"]]
     unverifiable = [r for r in results if not r["verifiable"]]
     if args.json:
-        emit_json({"ok": not failed and not unverifiable, "checked": len(results), "failed": len(failed),
-                    "unverifiable": len(unverifiable), "results": results}, out)
+        emit_json(
+            {
+                "ok": not failed and not unverifiable,
+                "checked": len(results),
+                "failed": len(failed),
+                "unverifiable": len(unverifiable),
+                "results": results,
+            },
+            out,
+        )
     if failed:
         print(f"{PROG}: error: {len(failed)} of {len(results)} checkpoint(s) failed verification", file=sys.stderr)
         return 1
     if unverifiable:
-        print(f"{PROG}: warning: {len(unverifiable)} of {len(results)} checkpoint(s) have no manifest and "
-              f"could not be verified (exit status {EXIT_UNVERIFIABLE})", file=sys.stderr)
+        print(
+            f"{PROG}: warning: {len(unverifiable)} of {len(results)} checkpoint(s) have no manifest and "
+            f"could not be verified (exit status {EXIT_UNVERIFIABLE})",
+            file=sys.stderr,
+        )
         return EXIT_UNVERIFIABLE
     return 0
 
 
 def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
-    info = convert_to_torch_save(args.checkpoint, args.out, force=args.force, allow_pickle=args.allow_pickle,
-                                 verify=args.verify)
+    info = convert_to_torch_save(
+        args.checkpoint, args.out, force=args.force, allow_pickle=args.allow_pickle, verify=args.verify
+    )
     for note in info["warnings"]:  # e.g. a stock DCP checkpoint: no checksums to verify
         print(f"{PROG}: warning: {note}", file=sys.stderr)
     if args.json:
@@ -478,8 +577,15 @@ def cmd_clean(args: argparse.Namespace, out: TextIO) -> int:
                 failed = True
         actions.append(action)
     if args.json:
-        emit_json({"root": scan.root, "dry_run": not args.yes, "partial": actions,
-                    "removed": [a["name"] for a in actions if a["result"] == "removed"]}, out)
+        emit_json(
+            {
+                "root": scan.root,
+                "dry_run": not args.yes,
+                "partial": actions,
+                "removed": [a["name"] for a in actions if a["result"] == "removed"],
+            },
+            out,
+        )
     elif not actions:
         print(f"nothing to clean in {scan.root}", file=out)
     else:
@@ -487,13 +593,14 @@ def cmd_clean(args: argparse.Namespace, out: TextIO) -> int:
         print(_table(["NAME", "SIZE", "WHAT", "RESULT"], rows, right=(1,)), file=out)
         if not args.yes:
             total = sum(a["bytes"] for a in actions)
-            print(f"dry run: nothing was removed; pass --yes to remove these {len(actions)} "
-                  f"director{'y' if len(actions) == 1 else 'ies'} ({human_bytes(total)}).\n"
-                  "Committed checkpoints and `latest` are never touched. Do not clean a root that a job\n"
-                  "is saving into: a temporary directory may be a save in progress.", file=out)
+            print(
+                f"dry run: nothing was removed; pass --yes to remove these {len(actions)} "
+                f"director{'y' if len(actions) == 1 else 'ies'} ({human_bytes(total)}).\n"
+                "Committed checkpoints and `latest` are never touched. Do not clean a root that a job\n"
+                "is saving into: a temporary directory may be a save in progress.",
+                file=out,
+            )
     if failed:
         print(f"{PROG}: error: some directories could not be removed", file=sys.stderr)
         return 1
     return 0
-
-

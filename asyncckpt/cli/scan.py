@@ -19,13 +19,11 @@ from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, is_committed
 from asyncckpt.io.commit import read_latest
 from asyncckpt.io.storage import LOCAL
 
-__all__ = ["CliError", "CheckpointEntry", "PartialDir", "RootScan", "scan_root", "human_bytes",
-           "PARTIAL_DESCRIPTION"]
+__all__ = ["CliError", "CheckpointEntry", "PartialDir", "RootScan", "scan_root", "human_bytes", "PARTIAL_DESCRIPTION"]
 
 
 class CliError(Exception):
     """An expected failure: reported as ``asyncckpt: error: <message>``, exit status 1."""
-
 
 
 def human_bytes(n: int | float) -> str:
@@ -36,7 +34,6 @@ def human_bytes(n: int | float) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
-
 
 
 def _tree_bytes(path: Path) -> int:
@@ -168,10 +165,15 @@ def _checkpoint_entry(path: Path, step: int | None) -> CheckpointEntry:
         committed: float | None = os.stat(path / MANIFEST_NAME, follow_symlinks=False).st_mtime
     except OSError:
         committed = None
-    return CheckpointEntry(name=path.name, path=str(path), step=step,
-                           bytes=_tree_bytes(path) if nbytes is None else nbytes,
-                           committed_unix_s=committed, world_size=world_size, error=error)
-
+    return CheckpointEntry(
+        name=path.name,
+        path=str(path),
+        step=step,
+        bytes=_tree_bytes(path) if nbytes is None else nbytes,
+        committed_unix_s=committed,
+        world_size=world_size,
+        error=error,
+    )
 
 
 def scan_root(root: str | os.PathLike) -> RootScan:
@@ -233,5 +235,3 @@ def _require_checkpoint_dir(path: Path) -> None:
     except (CliError, OSError):
         pass
     raise CliError(f"{path} is not a checkpoint directory (no {METADATA_NAME}){hint}")
-
-

@@ -77,14 +77,14 @@ class CrcChain:
     def raise_mismatch(self, error: Any, final: bool = False) -> None:
         """Raise ``error(tag, actual)`` for the first finished range whose CRC is not its
         ``expected`` one; ``final``: wait for the helper first (:meth:`close`)."""
-        for (tag, expected), actual in (self.close() if final else self.take()):
+        for (tag, expected), actual in self.close() if final else self.take():
             if expected is not None and actual != expected:
                 raise error(tag, actual)
 
     def take(self) -> list[tuple[Any, int]]:
         """The ranges finished since the last call, as ``((tag, expected), crc32)`` in order."""
         with self._lock:
-            out, self._taken = self._done[self._taken:], len(self._done)
+            out, self._taken = self._done[self._taken :], len(self._done)
         return out
 
     def close(self) -> list[tuple[Any, int]]:

@@ -42,8 +42,9 @@ def unpack_patches(packed: bytes) -> list[CrcPatch]:
     """The inverse of :func:`pack_patches`."""
     flat = array.array("q")
     flat.frombytes(packed)
-    return [CrcPatch(flat[i], flat[i + 1], tuple(f for f in flat[i + 2:i + 4] if f >= 0))
-            for i in range(0, len(flat), 4)]
+    return [
+        CrcPatch(flat[i], flat[i + 1], tuple(f for f in flat[i + 2 : i + 4] if f >= 0)) for i in range(0, len(flat), 4)
+    ]
 
 
 class FileSpec(NamedTuple):

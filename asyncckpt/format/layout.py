@@ -158,8 +158,10 @@ def build_layout(rank: int, items: list[WriteItem], blobs: dict[int, int]) -> Ra
         patches.append(CrcPatch(data, framing.nbytes, tuple(end + o for o in framing.crc_offsets)))
         pos = end + len(framing.suffix)
         if pos > _MAX_FILE_BYTES:
-            raise CheckpointError(f"state_dict entry {item.index.fqn!r} cannot be saved: {name} would be "
-                                  f"{pos} bytes, more than a file offset addresses")
+            raise CheckpointError(
+                f"state_dict entry {item.index.fqn!r} cannot be saved: {name} would be "
+                f"{pos} bytes, more than a file offset addresses"
+            )
         storage_data[item.index] = _StorageInfo(name, start, pos - start)
     files = (FileSpec(name, 0, pos, pack_patches(patches)),)
     return RankLayout(

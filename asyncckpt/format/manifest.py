@@ -14,9 +14,10 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from asyncckpt._fs import open_no_follow
 from asyncckpt.errors import CorruptCheckpointError
@@ -85,9 +86,16 @@ def manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
 def is_plain_name(name: Any) -> bool:
     """True for a non-empty ``str`` naming an entry of a directory and nothing else: no
     ``/``, ``\\`` or NUL, not ``.``/``..``, not absolute."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-            and "\x00" not in name and os.sep not in name and not os.path.isabs(name)
-            and (os.altsep is None or os.altsep not in name))
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\x00" not in name
+        and os.sep not in name
+        and not os.path.isabs(name)
+        and (os.altsep is None or os.altsep not in name)
+    )
 
 
 def _is_uint(value: Any) -> bool:
@@ -111,20 +119,26 @@ def read_manifest(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         with open(fd, "rb") as f:
             manifest = json.loads(f.read())
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path} is missing: {checkpoint_dir} is not a committed checkpoint",
-                                     str(path)) from None
+        raise CorruptCheckpointError(
+            f"{path} is missing: {checkpoint_dir} is not a committed checkpoint", str(path)
+        ) from None
     except (OSError, ValueError) as exc:
         raise CorruptCheckpointError(f"{path} cannot be read: {exc}", str(path)) from exc
-    if (not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT
-            or not isinstance(manifest.get("files"), dict)):
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != MANIFEST_FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
         raise CorruptCheckpointError(f"{path} is not an asyncckpt manifest", str(path))
     for name, entry in manifest["files"].items():
         if not is_plain_name(name):
             raise CorruptCheckpointError(f"{path} names a file outside the checkpoint: {name!r}", str(path))
         segments = entry.get("segments") if isinstance(entry, dict) else None
-        if (not _is_uint(entry.get("size") if isinstance(entry, dict) else None) or not isinstance(segments, list)
-                or not all(isinstance(seg, list) and len(seg) == 3 and all(_is_uint(v) for v in seg)
-                           for seg in segments)):
+        if (
+            not _is_uint(entry.get("size") if isinstance(entry, dict) else None)
+            or not isinstance(segments, list)
+            or not all(isinstance(seg, list) and len(seg) == 3 and all(_is_uint(v) for v in seg) for seg in segments)
+        ):
             raise CorruptCheckpointError(f"{path}: malformed entry for {name!r}", str(path))
     return manifest
 
@@ -134,8 +148,12 @@ def is_committed(checkpoint_dir: Path) -> bool:
     return (checkpoint_dir / MANIFEST_NAME).is_file() and (checkpoint_dir / METADATA_NAME).is_file()
 
 
-def verify_checkpoint(checkpoint_dir: str | os.PathLike, names: Iterable[str] | None = None,
-                      on_bytes: Callable[[int], None] | None = None, threads: int | None = None) -> dict[str, Any]:
+def verify_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    names: Iterable[str] | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    threads: int | None = None,
+) -> dict[str, Any]:
     """Check sizes and CRC-32 checksums of a checkpoint's files against its manifest.
 
     Each file is read sequentially by one thread (files in parallel) into a few
@@ -180,8 +198,7 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike, names: Iterable[str] | 
             fds.append(fd)
             size = os.fstat(fd).st_size
             if size != entry["size"]:
-                raise CorruptCheckpointError(
-                    f"{path} has {size} bytes, the manifest says {entry['size']}", str(path))
+                raise CorruptCheckpointError(f"{path} has {size} bytes, the manifest says {entry['size']}", str(path))
             expected_pos = 0
             for k, (offset, length, crc) in enumerate(entry["segments"]):
                 if offset != expected_pos:
@@ -250,7 +267,9 @@ def _check_segments(work: list, on_bytes: Callable[[int], None] | None, threads:
             path, offset, length, expected = segment
             return CorruptCheckpointError(
                 f"{path}: checksum mismatch in bytes [{offset}, {offset + length}) "
-                f"(crc32 {actual:08x}, manifest {expected:08x})", str(path))
+                f"(crc32 {actual:08x}, manifest {expected:08x})",
+                str(path),
+            )
 
         # No larger than the file's bytes: allocating the full ring would cost more
         # than checking a small .metadata file.
@@ -265,7 +284,7 @@ def _check_segments(work: list, on_bytes: Callable[[int], None] | None, threads:
                     if pending[turn] is not None:
                         pending[turn].result()  # the helper is done with this buffer
                     buf = ring[turn]
-                    n = os.preadv(fd, [buf[:min(end - pos, chunk)]], pos)
+                    n = os.preadv(fd, [buf[: min(end - pos, chunk)]], pos)
                     if n <= 0:
                         raise CorruptCheckpointError(f"{path} is truncated", str(path))
                     pending[turn] = chain.update([buf[:n]])
@@ -278,5 +297,9 @@ def _check_segments(work: list, on_bytes: Callable[[int], None] | None, threads:
                 chain.raise_mismatch(bad)
             chain.raise_mismatch(bad, final=True)
 
-    run_in_order(sorted(by_file.items()), check_file,
-                 min(4, os.cpu_count() or 1) if threads is None else threads, "asyncckpt-verify")
+    run_in_order(
+        sorted(by_file.items()),
+        check_file,
+        min(4, os.cpu_count() or 1) if threads is None else threads,
+        "asyncckpt-verify",
+    )

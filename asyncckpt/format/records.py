@@ -35,8 +35,15 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from asyncckpt.format.manifest import RECORDS_NAME, is_plain_name
 
-__all__ = ["RECORDS_NAME", "RECORDS_FORMAT", "Record", "records_from_metadata", "records_json", "records_file",
-           "parse_records"]
+__all__ = [
+    "RECORDS_NAME",
+    "RECORDS_FORMAT",
+    "Record",
+    "records_from_metadata",
+    "records_json",
+    "records_file",
+    "parse_records",
+]
 
 RECORDS_FORMAT = "asyncckpt.records"
 RECORDS_VERSION = 1
@@ -61,8 +68,14 @@ def records_from_metadata(metadata: Metadata) -> dict[str, Record] | None:
     out: dict[str, Record] = {}
     for index, info in metadata.storage_data.items():
         fqn, md = index.fqn, md_all.get(index.fqn)
-        if (fqn in out or info.transform_descriptors or type(info.offset) is not int
-                or type(info.length) is not int or info.offset < 0 or info.length < 0):
+        if (
+            fqn in out
+            or info.transform_descriptors
+            or type(info.offset) is not int
+            or type(info.length) is not int
+            or info.offset < 0
+            or info.length < 0
+        ):
             return None
         if type(md) is bytes_md:
             if index.offset is not None:
@@ -71,8 +84,13 @@ def records_from_metadata(metadata: Metadata) -> dict[str, Record] | None:
         elif type(md) is tensor_md:
             shape = tuple(md.size)
             chunks = md.chunks
-            if (len(chunks) != 1 or any(chunks[0].offsets) or tuple(chunks[0].sizes) != shape
-                    or index.offset is None or any(index.offset)):
+            if (
+                len(chunks) != 1
+                or any(chunks[0].offsets)
+                or tuple(chunks[0].sizes) != shape
+                or index.offset is None
+                or any(index.offset)
+            ):
                 return None
             out[fqn] = (info.relative_path, info.offset, info.length, md.properties.dtype, shape)
         else:
@@ -86,7 +104,8 @@ def records_json(records: Mapping[str, Record]) -> str:
     files: dict[str, list[list[Any]]] = {}
     for fqn, (name, offset, length, dtype, shape) in records.items():
         files.setdefault(name, []).append(
-            [fqn, offset, length, None if dtype is None else str(dtype), None if shape is None else list(shape)])
+            [fqn, offset, length, None if dtype is None else str(dtype), None if shape is None else list(shape)]
+        )
     for rows in files.values():
         rows.sort(key=lambda row: row[1])
     return json.dumps(dict(sorted(files.items())), separators=(",", ":"))
@@ -94,8 +113,10 @@ def records_json(records: Mapping[str, Record]) -> str:
 
 def records_file(files_json: str, metadata_crc32: int) -> bytes:
     """The records file's bytes, bound to the ``.metadata`` whose CRC-32 is given."""
-    return (f'{{"format":"{RECORDS_FORMAT}","version":{RECORDS_VERSION},'
-            f'"metadata_crc32":{metadata_crc32},"files":{files_json}}}').encode()
+    return (
+        f'{{"format":"{RECORDS_FORMAT}","version":{RECORDS_VERSION},'
+        f'"metadata_crc32":{metadata_crc32},"files":{files_json}}}'
+    ).encode()
 
 
 def parse_records(data: bytes, metadata_crc32: int, listed: Mapping[str, Any]) -> dict[str, Record] | None:
@@ -108,9 +129,14 @@ def parse_records(data: bytes, metadata_crc32: int, listed: Mapping[str, Any]) -
         obj = json.loads(data)
     except (ValueError, RecursionError):
         return None
-    if (type(obj) is not dict or obj.get("format") != RECORDS_FORMAT or obj.get("version") != RECORDS_VERSION
-            or type(obj.get("metadata_crc32")) is not int or obj["metadata_crc32"] != metadata_crc32
-            or type(obj.get("files")) is not dict):
+    if (
+        type(obj) is not dict
+        or obj.get("format") != RECORDS_FORMAT
+        or obj.get("version") != RECORDS_VERSION
+        or type(obj.get("metadata_crc32")) is not int
+        or obj["metadata_crc32"] != metadata_crc32
+        or type(obj.get("files")) is not dict
+    ):
         return None
     out: dict[str, Record] = {}
     for name, rows in obj["files"].items():
@@ -120,8 +146,14 @@ def parse_records(data: bytes, metadata_crc32: int, listed: Mapping[str, Any]) -
             if type(row) is not list or len(row) != 5:
                 return None
             fqn, offset, length, dtype, shape = row
-            if (type(fqn) is not str or fqn in out or type(offset) is not int or type(length) is not int
-                    or offset < 0 or length < 0):
+            if (
+                type(fqn) is not str
+                or fqn in out
+                or type(offset) is not int
+                or type(length) is not int
+                or offset < 0
+                or length < 0
+            ):
                 return None
             if dtype is None:
                 if shape is not None:

@@ -217,17 +217,34 @@ class _Archive:
         for record, crc in zip(self.records, self.crcs):
             zip64 = _zip64_extra(record.size, record.offset, record.size)
             crc_fields.append(len(out) + 16)
-            out += _CENTRAL.pack(0x02014B50, 0, 0, record.flags, 0, 0, 0, crc, min(record.size, ZIP64_LIMIT),
-                                 min(record.size, ZIP64_LIMIT), len(record.name), len(zip64), 0, 0, 0, 0,
-                                 min(record.offset, ZIP64_LIMIT))
+            out += _CENTRAL.pack(
+                0x02014B50,
+                0,
+                0,
+                record.flags,
+                0,
+                0,
+                0,
+                crc,
+                min(record.size, ZIP64_LIMIT),
+                min(record.size, ZIP64_LIMIT),
+                len(record.name),
+                len(zip64),
+                0,
+                0,
+                0,
+                0,
+                min(record.offset, ZIP64_LIMIT),
+            )
             out += record.name + zip64
         cd_size = len(out)
         eocd64_offset = cd_offset + cd_size
         n = len(self.records)
         out += _EOCD64.pack(0x06064B50, 44, 0x031E, 0x2D, 0, 0, n, n, cd_size, cd_offset)
         out += _LOCATOR.pack(0x07064B50, 0, eocd64_offset, 1)
-        out += _EOCD.pack(0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF), min(cd_size, ZIP64_LIMIT),
-                          min(cd_offset, ZIP64_LIMIT), 0)
+        out += _EOCD.pack(
+            0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF), min(cd_size, ZIP64_LIMIT), min(cd_offset, ZIP64_LIMIT), 0
+        )
         self.cursor += len(out)
         return bytes(out), crc_fields
 
@@ -257,8 +274,9 @@ def tensor_framing(dtype: torch.dtype, shape: tuple[int, ...], serialization_id:
         numel *= size
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes > MAX_RECORD_BYTES:
-        raise ValueError(f"a tensor of {nbytes} bytes is larger than the largest record asyncckpt writes "
-                         f"({MAX_RECORD_BYTES} bytes)")
+        raise ValueError(
+            f"a tensor of {nbytes} bytes is larger than the largest record asyncckpt writes ({MAX_RECORD_BYTES} bytes)"
+        )
     sid = serialization_id.encode("ascii")
     if len(sid) != 40:
         raise ValueError("serialization_id must be 40 ASCII characters")

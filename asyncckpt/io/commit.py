@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from filelock import FileLock
 
@@ -115,11 +116,14 @@ def _check_present(tmp_dir: Path, final_dir: Path, files: list[FileResult]) -> N
             raise CorruptCheckpointError(
                 f"{f.name} is missing from the temporary directory {tmp_dir} although the manifest lists it "
                 f"(did every rank write into the same directory?); {final_dir} is not committed",
-                str(path)) from None
+                str(path),
+            ) from None
         if not stat.S_ISREG(st.st_mode) or st.st_size != f.nbytes:
             raise CorruptCheckpointError(
                 f"{f.name} in {tmp_dir} has {st.st_size} bytes, its writer wrote {f.nbytes}; "
-                f"{final_dir} is not committed", str(path))
+                f"{final_dir} is not committed",
+                str(path),
+            )
 
 
 def _lock_path(root: Path) -> str:

@@ -36,9 +36,10 @@ Torch-free.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Protocol
 
 from asyncckpt import _fs
 from asyncckpt.format import manifest as _manifest
@@ -72,8 +73,15 @@ class Storage(Protocol):
         """
         ...
 
-    def commit(self, tmp_dir: Path, final_dir: Path, metadata_bytes: bytes, files: Iterable[FileResult],
-               info: dict[str, Any], records: bytes | None = None) -> dict[str, Any]:
+    def commit(
+        self,
+        tmp_dir: Path,
+        final_dir: Path,
+        metadata_bytes: bytes,
+        files: Iterable[FileResult],
+        info: dict[str, Any],
+        records: bytes | None = None,
+    ) -> dict[str, Any]:
         """(coordinator only) Commit the save whose files every rank wrote into
         ``tmp_dir``: it becomes visible as ``final_dir``, atomically.
 
@@ -109,8 +117,13 @@ class Storage(Protocol):
         """
         ...
 
-    def verify(self, checkpoint_dir: str | os.PathLike, names: Iterable[str] | None = None,
-               on_bytes: Callable[[int], None] | None = None, threads: int | None = None) -> dict[str, Any]:
+    def verify(
+        self,
+        checkpoint_dir: str | os.PathLike,
+        names: Iterable[str] | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        threads: int | None = None,
+    ) -> dict[str, Any]:
         """Check a checkpoint's files (``names``: only those) against its manifest's
         sizes and CRC-32s; ``on_bytes(n)`` after each ``n`` bytes checked.
 
@@ -163,8 +176,15 @@ class LocalStorage:
     def write_rank(self, task: WriteTask) -> RankWriteResult:
         return _writer.write_rank_files(task)
 
-    def commit(self, tmp_dir: Path, final_dir: Path, metadata_bytes: bytes, files: Iterable[FileResult],
-               info: dict[str, Any], records: bytes | None = None) -> dict[str, Any]:
+    def commit(
+        self,
+        tmp_dir: Path,
+        final_dir: Path,
+        metadata_bytes: bytes,
+        files: Iterable[FileResult],
+        info: dict[str, Any],
+        records: bytes | None = None,
+    ) -> dict[str, Any]:
         return _commit.commit_directory(tmp_dir, final_dir, metadata_bytes, files, info, records)
 
     def discard(self, tmp_dir: Path) -> None:
@@ -173,8 +193,13 @@ class LocalStorage:
     def read_manifest(self, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         return _manifest.read_manifest(checkpoint_dir)
 
-    def verify(self, checkpoint_dir: str | os.PathLike, names: Iterable[str] | None = None,
-               on_bytes: Callable[[int], None] | None = None, threads: int | None = None) -> dict[str, Any]:
+    def verify(
+        self,
+        checkpoint_dir: str | os.PathLike,
+        names: Iterable[str] | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        threads: int | None = None,
+    ) -> dict[str, Any]:
         return _manifest.verify_checkpoint(checkpoint_dir, names, on_bytes, threads)
 
     def exists(self, checkpoint_dir: str | os.PathLike, name: str) -> bool:

@@ -25,8 +25,7 @@ from asyncckpt._fs import fsync_directory
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.filespec import CrcPatch, FileSpec, unpack_patches
 
-__all__ = ["SlabRef", "WriteTask", "FileResult", "RankWriteResult", "write_rank_files",
-           "drop_cached_pages"]
+__all__ = ["SlabRef", "WriteTask", "FileResult", "RankWriteResult", "write_rank_files", "drop_cached_pages"]
 
 #: Bytes per ``os.write`` call.
 WRITE_CHUNK_BYTES = 64 << 20
@@ -221,8 +220,9 @@ def crc32_combine(crc1: int, crc2: int, n2: int) -> int:
     return t0[crc1 & 0xFF] ^ t1[(crc1 >> 8) & 0xFF] ^ t2[(crc1 >> 16) & 0xFF] ^ t3[crc1 >> 24] ^ crc2
 
 
-def _checksum_and_patch(image: memoryview, patches: tuple[CrcPatch, ...],
-                        progress: _Progress | None = None) -> tuple[tuple[int, int, int], ...]:
+def _checksum_and_patch(
+    image: memoryview, patches: tuple[CrcPatch, ...], progress: _Progress | None = None
+) -> tuple[tuple[int, int, int], ...]:
     """CRC every tensor record, patch the zip fields, and cut the file into segments.
 
     A record's data CRC (for its zip fields) is merged into its segment's with
@@ -232,17 +232,17 @@ def _checksum_and_patch(image: memoryview, patches: tuple[CrcPatch, ...],
     seg_start, seg_crc, pos = 0, 0, 0
     for i, patch in enumerate(patches):
         end = patch.data_offset + patch.data_nbytes
-        data = image[patch.data_offset:end]
+        data = image[patch.data_offset : end]
         crc = crc32(data)
         if patch.data_nbytes >= BIG_SEGMENT_BYTES:
-            seg_crc = crc32(image[pos:patch.data_offset], seg_crc)
+            seg_crc = crc32(image[pos : patch.data_offset], seg_crc)
             if patch.data_offset > seg_start:
                 segments.append((seg_start, patch.data_offset - seg_start, seg_crc))
             segments.append((patch.data_offset, patch.data_nbytes, crc))
             seg_start, seg_crc = end, 0
         else:
             if _combinable(patch.data_nbytes):
-                seg_crc = crc32_combine(crc32(image[pos:patch.data_offset], seg_crc), crc, patch.data_nbytes)
+                seg_crc = crc32_combine(crc32(image[pos : patch.data_offset], seg_crc), crc, patch.data_nbytes)
             else:
                 seg_crc = crc32(image[pos:end], seg_crc)
             if end - seg_start >= MAX_SEGMENT_BYTES:  # segments stay short enough to check in parallel
@@ -259,8 +259,7 @@ def _checksum_and_patch(image: memoryview, patches: tuple[CrcPatch, ...],
     return tuple(segments)
 
 
-def _write_file(fd: int, image: memoryview, patches: tuple[CrcPatch, ...], first: bool,
-                threads: int = 1) -> tuple:
+def _write_file(fd: int, image: memoryview, patches: tuple[CrcPatch, ...], first: bool, threads: int = 1) -> tuple:
     """Checksum (a helper thread) and write (``threads`` threads) one file image, overlapped.
 
     ``crc32``, ``os.write`` and ``os.pwrite`` release the GIL, so the checksum
@@ -317,8 +316,10 @@ def _write_file(fd: int, image: memoryview, patches: tuple[CrcPatch, ...], first
                     errors.append(exc)
                     progress.fail(exc)  # the other writers stop waiting
 
-            writers = [threading.Thread(target=run, args=(bounds[k], bounds[k + 1]), name=f"asyncckpt-write-{k}",
-                                        daemon=True) for k in range(threads)]
+            writers = [
+                threading.Thread(target=run, args=(bounds[k], bounds[k + 1]), name=f"asyncckpt-write-{k}", daemon=True)
+                for k in range(threads)
+            ]
             for w in writers:
                 w.start()
             for w in writers:
@@ -335,7 +336,7 @@ def _write_file(fd: int, image: memoryview, patches: tuple[CrcPatch, ...], first
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     total = 0
     while total < len(data):
-        n = os.pwrite(fd, data[total:total + WRITE_CHUNK_BYTES], offset + total)
+        n = os.pwrite(fd, data[total : total + WRITE_CHUNK_BYTES], offset + total)
         if n <= 0:
             raise OSError(f"os.pwrite wrote {n} bytes")
         total += n
@@ -344,7 +345,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 def _write_all(fd: int, data: memoryview) -> None:
     view, total = data, 0
     while total < len(data):
-        n = os.write(fd, view[total:total + WRITE_CHUNK_BYTES])
+        n = os.write(fd, view[total : total + WRITE_CHUNK_BYTES])
         if n <= 0:
             raise OSError(f"os.write wrote {n} bytes")
         total += n
@@ -388,13 +389,14 @@ def write_rank_files(task: WriteTask) -> RankWriteResult:
     try:
         with memoryview(mapped) as slab_view:
             for spec in task.files:
-                image = slab_view[spec.slab_offset:spec.slab_offset + spec.nbytes]
+                image = slab_view[spec.slab_offset : spec.slab_offset + spec.nbytes]
                 path = os.path.join(task.directory, spec.name)
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
                 created.append(path)
                 try:
-                    segments = _write_file(fd, image, tuple(unpack_patches(spec.patches)), first=not results,
-                                           threads=task.threads)
+                    segments = _write_file(
+                        fd, image, tuple(unpack_patches(spec.patches)), first=not results, threads=task.threads
+                    )
                     if task.fsync:
                         os.fsync(fd)
                         if task.drop_cache:

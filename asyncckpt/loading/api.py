@@ -62,7 +62,9 @@ def verify(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     if is_stock_dcp(path):
         raise UnverifiableCheckpointError(
             f"{path}: no manifest: not verifiable (a stock torch.distributed.checkpoint directory; "
-            "its files carry no checksums)", str(path))
+            "its files carry no checksums)",
+            str(path),
+        )
     return LOCAL.verify(checkpoint_dir)
 
 
@@ -139,10 +141,11 @@ def load(
     except (CheckpointError, OSError) as exc:
         if isinstance(exc, CheckpointNotFoundError) or path.is_dir():
             raise
-        raise CheckpointNotFoundError("the checkpoint does not exist, or was removed while it was being "
-                                      "loaded (e.g. by retention): load a newer step", str(path)) from exc
-
-
+        raise CheckpointNotFoundError(
+            "the checkpoint does not exist, or was removed while it was being "
+            "loaded (e.g. by retention): load a newer step",
+            str(path),
+        ) from exc
 
 
 class _Stock(Exception):
@@ -161,8 +164,7 @@ def _raise_first(failures: dict[int, RankFailure], path: Path) -> None:
     raise CheckpointError(message)
 
 
-def _load(state_dict: dict[str, Any], path: Path, process_group: Any, verify: bool | str,
-          allow_pickle: bool) -> None:
+def _load(state_dict: dict[str, Any], path: Path, process_group: Any, verify: bool | str, allow_pickle: bool) -> None:
     if verify not in (True, False, "inline"):
         raise ValueError(f"verify must be True, False or 'inline', not {verify!r}")
     # The direct path runs with the cyclic garbage collector off, and every object it
@@ -175,8 +177,9 @@ def _load(state_dict: dict[str, Any], path: Path, process_group: Any, verify: bo
         _load_dcp(state_dict, process_group, *fallback)
 
 
-def _load_direct(state_dict: dict[str, Any], path: Path, process_group: Any, verify: bool | str,
-                 allow_pickle: bool) -> tuple[SafeFileSystemReader, SafeLoadPlanner, Path] | None:
+def _load_direct(
+    state_dict: dict[str, Any], path: Path, process_group: Any, verify: bool | str, allow_pickle: bool
+) -> tuple[SafeFileSystemReader, SafeLoadPlanner, Path] | None:
     """Load on the direct path, or, when a rank cannot take it, check the files (with
     ``verify``) and return what DCP's path needs (the same on every rank)."""
     sync = SyncGroup(process_group)
@@ -190,12 +193,11 @@ def _load_direct(state_dict: dict[str, Any], path: Path, process_group: Any, ver
         if stock:
             raise _Stock
         manifest = LOCAL.read_manifest(path)  # also refuses names outside the directory
-        share = sorted(manifest["files"])[sync.rank::sync.world_size]
+        share = sorted(manifest["files"])[sync.rank :: sync.world_size]
         if verify is True:
             LOCAL.verify(path, share)
         elif verify == "inline":  # the data files as they are read
-            LOCAL.verify(path, [n for n in (METADATA_NAME, RECORDS_NAME)
-                                if n in manifest["files"]])
+            LOCAL.verify(path, [n for n in (METADATA_NAME, RECORDS_NAME) if n in manifest["files"]])
         # Where each entry lies: from the records file when it stands for this
         # .metadata (JSON, no unpickling), else from .metadata.
         records = reader.read_records(manifest["files"])
@@ -212,10 +214,13 @@ def _load_direct(state_dict: dict[str, Any], path: Path, process_group: Any, ver
         _raise_first(sync.gather_failures(failure), path)  # the error funnel: the same error on every rank
     if any(f[2] for f in flags):
         if not all(f[2] for f in flags):
-            raise CorruptCheckpointError(f"{path}: some ranks see a {MANIFEST_NAME} and some do not",
-                                         str(path))
-        warnings.warn(f"{path} has no {MANIFEST_NAME} (a stock torch.distributed.checkpoint "
-                      "directory): loaded without checksum verification", UserWarning, stacklevel=4)
+            raise CorruptCheckpointError(f"{path}: some ranks see a {MANIFEST_NAME} and some do not", str(path))
+        warnings.warn(
+            f"{path} has no {MANIFEST_NAME} (a stock torch.distributed.checkpoint "
+            "directory): loaded without checksum verification",
+            UserWarning,
+            stacklevel=4,
+        )
         return reader, planner, path
     direct = all(f[1] for f in flags)
     if verify == "inline" and not direct:  # DCP's path checks first
@@ -229,8 +234,13 @@ def _load_direct(state_dict: dict[str, Any], path: Path, process_group: Any, ver
     if direct:
         assert plan is not None
         try:
-            direct_load(plan, str(path), manifest["files"] if verify == "inline" else None,
-                        decode=planner.decode_value, storage=LOCAL)
+            direct_load(
+                plan,
+                str(path),
+                manifest["files"] if verify == "inline" else None,
+                decode=planner.decode_value,
+                storage=LOCAL,
+            )
         except (CheckpointError, OSError) as exc:
             failure = RankFailure.from_exception(exc)
         failures = sync.gather_failures(failure)
@@ -240,8 +250,9 @@ def _load_direct(state_dict: dict[str, Any], path: Path, process_group: Any, ver
     return reader, planner, path
 
 
-def _load_dcp(state_dict: dict[str, Any], process_group: Any, reader: SafeFileSystemReader,
-              planner: SafeLoadPlanner, path: Path) -> None:
+def _load_dcp(
+    state_dict: dict[str, Any], process_group: Any, reader: SafeFileSystemReader, planner: SafeLoadPlanner, path: Path
+) -> None:
     try:
         with warnings.catch_warnings():
             # Without a process group DCP warns that it loads in a single process: intended.

@@ -20,7 +20,8 @@ import io
 import os
 import pickle
 import warnings
-from typing import Any, Iterable, Mapping, cast
+from collections.abc import Iterable, Mapping
+from typing import Any, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -60,6 +61,7 @@ __all__ = ["SafeLoadPlanner", "SafeFileSystemReader", "set_value"]
 _SMALL_RECORD_BYTES = 1 << 20
 #: Records with at least this many data bytes are read straight into the destination.
 _DIRECT_READ_BYTES = 64 << 10
+
 
 def _weights_only_reason(exc: BaseException) -> str:
     text = str(exc)
@@ -108,11 +110,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                     f"state_dict entry {fqn!r} holds a pickled object that weights_only loading refuses "
                     f"({_weights_only_reason(exc)}); load with allow_pickle=True only if you trust where the "
                     "checkpoint comes from (unpickling can run arbitrary code), or allowlist its classes with "
-                    "torch.serialization.safe_globals([...])") from None
+                    "torch.serialization.safe_globals([...])"
+                ) from None
             raise CorruptCheckpointError(f"state_dict entry {fqn!r} cannot be unpickled: {exc}") from exc
         except Exception as exc:
             raise CorruptCheckpointError(
-                f"state_dict entry {fqn!r} cannot be read: {type(exc).__name__}: {exc}") from exc
+                f"state_dict entry {fqn!r} cannot be read: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def set_value(self, read_item: ReadItem, obj: Any) -> None:
         """Put a decoded non-tensor value into the state_dict (as ``load_bytes`` does, but
@@ -167,13 +171,12 @@ def _as_listed(data: bytes, entry: Any, whole_crc: int | None) -> bool:
             if offset == 0 and length == len(data) and whole_crc is not None:
                 actual = whole_crc
             else:
-                actual = crc32(memoryview(data)[offset:offset + length])
+                actual = crc32(memoryview(data)[offset : offset + length])
             if actual != crc:
                 return False
     except (KeyError, TypeError, ValueError):
         return False
     return True
-
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -192,8 +195,7 @@ class SafeFileSystemReader(FileSystemReader):
         storage: the tier the checkpoint is read from.
     """
 
-    def __init__(self, path: str | os.PathLike, _extension_registry: Any = None, *,
-                 storage: Storage = LOCAL) -> None:
+    def __init__(self, path: str | os.PathLike, _extension_registry: Any = None, *, storage: Storage = LOCAL) -> None:
         super().__init__(path, _extension_registry)
         self._metadata: Metadata | None = None
         self.storage = storage
@@ -232,8 +234,7 @@ class SafeFileSystemReader(FileSystemReader):
         for name in sorted({info.relative_path for info in metadata.storage_data.values()}):
             if name not in listed:
                 path = os.path.join(os.fspath(self.path), name)
-                raise CorruptCheckpointError(
-                    f"{METADATA_NAME} names {name!r}, a file the manifest does not list", path)
+                raise CorruptCheckpointError(f"{METADATA_NAME} names {name!r}, a file the manifest does not list", path)
 
     def read_records(self, manifest_files: Mapping[str, Any]) -> dict[str, Record] | None:
         """The records of the records file (:mod:`asyncckpt.format.records`), when the
@@ -273,11 +274,16 @@ class SafeFileSystemReader(FileSystemReader):
         finally:
             os.close(dir_fd)
         metadata_crc = crc32(data[METADATA_NAME])
-        if not (_as_listed(data[RECORDS_NAME], manifest_files[RECORDS_NAME], None)
-                and _as_listed(data[METADATA_NAME], manifest_files[METADATA_NAME], metadata_crc)):
-            warnings.warn(f"{self.path}: {RECORDS_NAME} or {METADATA_NAME} does not match the manifest's "
-                          f"checksum; {RECORDS_NAME} ignored, {METADATA_NAME} read instead", UserWarning,
-                          stacklevel=2)
+        if not (
+            _as_listed(data[RECORDS_NAME], manifest_files[RECORDS_NAME], None)
+            and _as_listed(data[METADATA_NAME], manifest_files[METADATA_NAME], metadata_crc)
+        ):
+            warnings.warn(
+                f"{self.path}: {RECORDS_NAME} or {METADATA_NAME} does not match the manifest's "
+                f"checksum; {RECORDS_NAME} ignored, {METADATA_NAME} read instead",
+                UserWarning,
+                stacklevel=2,
+            )
             return None
         return parse_records(data[RECORDS_NAME], metadata_crc, manifest_files)
 
@@ -314,7 +320,7 @@ class SafeFileSystemReader(FileSystemReader):
                 if info.length <= _SMALL_RECORD_BYTES:
                     buf = pread(fd, info.length, info.offset, path)
                     view = memoryview(buf)
-                    ok = view[:head_n] == framing.prefix and suffix_matches(view[head_n + data_n:], framing)
+                    ok = view[:head_n] == framing.prefix and suffix_matches(view[head_n + data_n :], framing)
                     if ok:
                         return tensor_from(buf, head_n, data_n, spec[0], spec[1])
                     view.release()
@@ -382,7 +388,8 @@ class SafeFileSystemReader(FileSystemReader):
                     info = self.storage_data[req.storage_index]
                     data = pread(fds[name], info.length, info.offset, os.path.join(root, name))
                     stream = self.transforms.transform_load_stream(
-                        req, info.transform_descriptors or (), io.BytesIO(data))
+                        req, info.transform_descriptors or (), io.BytesIO(data)
+                    )
                     value = io.BytesIO(stream.read())
                     if decode is not None:
                         decoded.append((req, decode(req, value)))
@@ -399,12 +406,15 @@ class SafeFileSystemReader(FileSystemReader):
                     if taken:
                         planner.commit_tensor(req, target)
                         continue
-                    tensor = narrow_tensor_by_index(self._read_tensor(fds[name], path, req, raw=taken is not None),
-                                                    req.storage_offsets, req.lengths)
+                    tensor = narrow_tensor_by_index(
+                        self._read_tensor(fds[name], path, req, raw=taken is not None), req.storage_offsets, req.lengths
+                    )
                     if target.size() != tensor.size():
                         raise CorruptCheckpointError(
                             f"{path}: entry {req.storage_index.fqn!r} has size {tuple(tensor.size())}, "
-                            f"expected {tuple(target.size())}", path)
+                            f"expected {tuple(target.size())}",
+                            path,
+                        )
                     target.copy_(tensor)
                     planner.commit_tensor(req, target)
         finally:
@@ -421,4 +431,3 @@ class SafeFileSystemReader(FileSystemReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
-

@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import itertools
 import os
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -89,8 +91,7 @@ def _plain_tensor(obj: Any) -> bool:
     return type(obj) in (torch.Tensor, torch.nn.Parameter) and not obj.is_meta and obj.layout == torch.strided
 
 
-def plan_direct_load(state_dict: dict[str, Any], metadata: Metadata | Mapping[str, Record] | None
-                     ) -> DirectPlan | None:
+def plan_direct_load(state_dict: dict[str, Any], metadata: Metadata | Mapping[str, Record] | None) -> DirectPlan | None:
     """Map every entry of ``state_dict`` to its record, or ``None`` if the checkpoint or
     the state is not the common case that :func:`direct_load` handles.
 
@@ -156,7 +157,7 @@ def _plan_direct(state_dict: dict[str, Any], records: Mapping[str, Record]) -> D
         return None  # tied or overlapping tensors: DCP's order of writes decides
     for entries in files.values():
         entries.sort(key=lambda e: e.offset)
-        if any(a.offset + a.length > b.offset for a, b in zip(entries, entries[1:])):
+        if any(a.offset + a.length > b.offset for a, b in itertools.pairwise(entries)):
             return None
     return DirectPlan(files, mappings, nbytes, state_dict)
 
@@ -170,7 +171,7 @@ def _preadv_all(fd: int, views: list[memoryview], offset: int, path: str) -> Non
     """
     i, pos = 0, offset
     while i < len(views):
-        batch = views[i:i + _IOV_MAX]
+        batch = views[i : i + _IOV_MAX]
         want = sum(len(v) for v in batch)
         got = os.preadv(fd, batch, pos) if want else 0
         if got < want:  # short (rare): finish the batch buffer by buffer
@@ -276,7 +277,7 @@ def _unit_views(unit: _Unit, landings: list[_Landing]) -> list[memoryview]:
                 if lo > pos:
                     parts.append(lo - pos)
                     gaps += lo - pos
-                parts.append(piece[lo - start:hi - start])
+                parts.append(piece[lo - start : hi - start])
                 pos = hi
             start = end
     if unit.hi > pos:
@@ -288,7 +289,7 @@ def _unit_views(unit: _Unit, landings: list[_Landing]) -> list[memoryview]:
     for part in parts:
         if isinstance(part, int):
             assert scratch is not None
-            views.append(scratch[cursor:cursor + part])
+            views.append(scratch[cursor : cursor + part])
             cursor += part
         else:
             views.append(part)
@@ -307,13 +308,17 @@ def _read_file(fd: int, path: str, reads: list[tuple[_Unit, list[_Landing]]], no
         CorruptCheckpointError: a read came short, or a unit's CRC-32 is not the
             manifest's (naming the bytes and the entries in them, plus ``note``).
     """
+
     def mismatch(read: tuple[_Unit, list[_Landing]], crc: int) -> CorruptCheckpointError:
         unit, landings = read
         keys = [la.entry.fqn for la in landings]
         return CorruptCheckpointError(
             f"{path}: checksum mismatch in bytes [{unit.lo}, {unit.hi}) (crc32 {crc:08x}, "
             f"manifest {unit.crc:08x}), holding state_dict entries {keys[:4]}"
-            + (f" and {len(keys) - 4} more" if len(keys) > 4 else "") + note, path)
+            + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+            + note,
+            path,
+        )
 
     lo = n = count = 0  # the call being gathered: file bytes [lo, lo + n) in count buffers
     # Its buffers, per read: (the read, its buffers in this call, whether it ends in it).
@@ -323,8 +328,13 @@ def _read_file(fd: int, path: str, reads: list[tuple[_Unit, list[_Landing]]], no
         nonlocal lo, n, count
         _preadv_all(fd, [v for _, views, _ in parts for v in views], lo, path)
         if chain is not None:
-            chain.feed([(views, (read, read[0].crc) if last else None)
-                        for read, views, last in parts if read[0].crc is not None])
+            chain.feed(
+                [
+                    (views, (read, read[0].crc) if last else None)
+                    for read, views, last in parts
+                    if read[0].crc is not None
+                ]
+            )
             chain.raise_mismatch(mismatch)
         parts.clear()
         lo, n, count = lo + n, 0, 0
@@ -339,8 +349,9 @@ def _read_file(fd: int, path: str, reads: list[tuple[_Unit, list[_Landing]]], no
                 lo = unit.lo
             views: list[memoryview] = []
             for v in _unit_views(unit, read[1]):
-                for piece in (v,) if len(v) <= _READ_BYTES else (v[i:i + _READ_BYTES]
-                                                                 for i in range(0, len(v), _READ_BYTES)):
+                for piece in (
+                    (v,) if len(v) <= _READ_BYTES else (v[i : i + _READ_BYTES] for i in range(0, len(v), _READ_BYTES))
+                ):
                     if n and (n + len(piece) > _READ_BYTES or count >= _IOV_MAX):
                         parts.append((read, views, False))
                         views = []
@@ -377,8 +388,15 @@ def _checked_segments(manifest_files: dict[str, Any], name: str, path: str, size
     return entry["segments"]
 
 
-def direct_load(plan: DirectPlan, root: str, manifest_files: dict[str, Any] | None, *,
-                decode: Any, threads: int | None = None, storage: Storage = LOCAL) -> None:
+def direct_load(
+    plan: DirectPlan,
+    root: str,
+    manifest_files: dict[str, Any] | None,
+    *,
+    decode: Any,
+    threads: int | None = None,
+    storage: Storage = LOCAL,
+) -> None:
     """Read ``plan``'s records into their targets: the direct path of ``asyncckpt.load``.
 
     Per data file, the records are read in file order with few large ``preadv`` calls
@@ -426,23 +444,30 @@ def direct_load(plan: DirectPlan, root: str, manifest_files: dict[str, Any] | No
             if last.offset + last.length > size:
                 raise CorruptCheckpointError(
                     f"{path}: entry {last.fqn!r} lies past the end of the file (up to byte "
-                    f"{last.offset + last.length}, the file has {size} bytes)", path)
+                    f"{last.offset + last.length}, the file has {size} bytes)",
+                    path,
+                )
             units = _units(entries, segments)
             # The reads holding a value go first, before any target is written: the
             # tensors in them land in temporaries.
-            value_units = {i for e in entries if e.framing is None
-                           for i, u in enumerate(units) if u.lo < e.offset + e.length and u.hi > e.offset}
+            value_units = {
+                i
+                for e in entries
+                if e.framing is None
+                for i, u in enumerate(units)
+                if u.lo < e.offset + e.length and u.hi > e.offset
+            }
             # The framing of all tensor records in one buffer (a slice each).
-            frames = memoryview(bytearray(sum(len(e.framing.prefix) + len(e.framing.suffix)
-                                              for e in entries if e.framing is not None)))
+            frames = memoryview(
+                bytearray(sum(len(e.framing.prefix) + len(e.framing.suffix) for e in entries if e.framing is not None))
+            )
             landings = []
             pos = 0
             with gc_paused():  # thousands of ctypes views: no full collection in between
                 for e in entries:
                     n = 0 if e.framing is None else len(e.framing.prefix) + len(e.framing.suffix)
-                    direct = not any(units[i].lo < e.offset + e.length and units[i].hi > e.offset
-                                     for i in value_units)
-                    landings.append(_land(e, direct, frames[pos:pos + n]))
+                    direct = not any(units[i].lo < e.offset + e.length and units[i].hi > e.offset for i in value_units)
+                    landings.append(_land(e, direct, frames[pos : pos + n]))
                     pos += n
             all_landings += [(name, la) for la in landings]
             k = 0
@@ -470,8 +495,11 @@ def direct_load(plan: DirectPlan, root: str, manifest_files: dict[str, Any] | No
 
         # 1. Values (and the tensors sharing their reads, into temporaries), decoded.
         run(value_work)
-        values = [(la.entry.fqn, decode(la.entry.fqn, io.BytesIO(la.head)))
-                  for _, la in all_landings if la.entry.framing is None]
+        values = [
+            (la.entry.fqn, decode(la.entry.fqn, io.BytesIO(la.head)))
+            for _, la in all_landings
+            if la.entry.framing is None
+        ]
         # 2. Tensors, straight into their targets where they can.
         run(tensor_work, "; tensors of the state_dict may already hold bytes of this checkpoint")
         # 3. Framing check (a record not in our framing is read the general way);
@@ -504,6 +532,7 @@ def _load_foreign(fd: int, path: str, entry: _Entry) -> torch.Tensor:
     tensor = torch_load_tensor(RecordStream(fd, entry.offset, entry.length), path, entry.fqn)
     assert entry.target is not None
     if tensor.size() != entry.target.size():
-        raise CorruptCheckpointError(f"{path}: entry {entry.fqn!r} has size {tuple(tensor.size())}, "
-                                     f"expected {tuple(entry.target.size())}", path)
+        raise CorruptCheckpointError(
+            f"{path}: entry {entry.fqn!r} has size {tuple(tensor.size())}, expected {tuple(entry.target.size())}", path
+        )
     return tensor

@@ -22,8 +22,16 @@ from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import record_framing
 from asyncckpt.format.torchsave import TensorFraming
 
-__all__ = ["pread_into", "pread", "RecordStream", "writer_framing", "suffix_matches", "tensor_from", "read_record",
-           "torch_load_tensor"]
+__all__ = [
+    "pread_into",
+    "pread",
+    "RecordStream",
+    "writer_framing",
+    "suffix_matches",
+    "tensor_from",
+    "read_record",
+    "torch_load_tensor",
+]
 
 
 def pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
@@ -150,9 +158,11 @@ def torch_load_tensor(stream: Any, path: str, fqn: str) -> torch.Tensor:
     except Exception as exc:
         raise CorruptCheckpointError(
             f"{path}: the record of {fqn!r} is not a tensor archive: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", path) from exc
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            path,
+        ) from exc
     if not isinstance(tensor, torch.Tensor):
-        raise CorruptCheckpointError(f"{path}: the record of {fqn!r} holds a {type(tensor).__name__}, not a tensor",
-                                     path)
+        raise CorruptCheckpointError(
+            f"{path}: the record of {fqn!r} holds a {type(tensor).__name__}, not a tensor", path
+        )
     return tensor
-

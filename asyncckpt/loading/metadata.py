@@ -26,7 +26,8 @@ import os
 import pathlib
 import pickle
 import stat
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import metadata as _md
@@ -40,9 +41,19 @@ from asyncckpt.io.storage import LOCAL, Storage
 __all__ = ["METADATA_NAME", "gc_paused", "check_file_name", "validate_metadata", "read_metadata"]
 
 _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
-    **{("torch.distributed.checkpoint.metadata", name): getattr(_md, name) for name in (
-        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")},
+    **{
+        ("torch.distributed.checkpoint.metadata", name): getattr(_md, name)
+        for name in (
+            "Metadata",
+            "StorageMeta",
+            "MetadataIndex",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        )
+    },
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
@@ -110,7 +121,6 @@ def check_file_name(name: Any, where: str) -> str:
     return name
 
 
-
 def validate_metadata(metadata: Any, path: str) -> Metadata:
     """``metadata`` if it is DCP ``Metadata`` whose every entry is well-formed and names a
     plain file name (``path``: where it was read, for the messages).
@@ -132,12 +142,12 @@ def validate_metadata(metadata: Any, path: str) -> Metadata:
         name = info.relative_path
         if type(name) is not str or name not in names:
             names.add(check_file_name(name, path))
-        if (not isinstance(info.offset, int) or not isinstance(info.length, int)
-                or info.offset < 0 or info.length < 0):
+        if not isinstance(info.offset, int) or not isinstance(info.length, int) or info.offset < 0 or info.length < 0:
             raise CorruptCheckpointError(f"{path}: entry {index.fqn!r} has a bad offset or length", path)
         descriptors = info.transform_descriptors
-        if descriptors is not None and (not isinstance(descriptors, (list, tuple))
-                                        or not all(isinstance(d, str) for d in descriptors)):
+        if descriptors is not None and (
+            not isinstance(descriptors, (list, tuple)) or not all(isinstance(d, str) for d in descriptors)
+        ):
             raise CorruptCheckpointError(f"{path}: entry {index.fqn!r} has malformed transform descriptors", path)
     return metadata
 
@@ -146,7 +156,7 @@ def _check_data_files(metadata: Metadata, root: str, dir_fd: int) -> None:
     """Every record lies in a regular file (not a symlink) of the directory ``root``."""
     real_root = os.path.realpath(root)
     ends: dict[str, int] = {}
-    for index, info in metadata.storage_data.items():
+    for info in metadata.storage_data.values():
         end = info.offset + info.length
         if end > ends.get(info.relative_path, -1):
             ends[info.relative_path] = end
@@ -164,7 +174,8 @@ def _check_data_files(metadata: Metadata, root: str, dir_fd: int) -> None:
             raise CorruptCheckpointError(f"{path} resolves outside the checkpoint directory", path)
         if end > st.st_size:
             raise CorruptCheckpointError(
-                f"{path} has {st.st_size} bytes but {METADATA_NAME} places a record up to byte {end}", path)
+                f"{path} has {st.st_size} bytes but {METADATA_NAME} places a record up to byte {end}", path
+            )
 
 
 def read_metadata(checkpoint_dir: str | os.PathLike, storage: Storage = LOCAL) -> Metadata:
@@ -197,8 +208,7 @@ def read_metadata(checkpoint_dir: str | os.PathLike, storage: Storage = LOCAL) -
         except CheckpointError:
             raise
         except Exception as exc:
-            raise CorruptCheckpointError(f"{path} cannot be read safely: {type(exc).__name__}: {exc}",
-                                         path) from exc
+            raise CorruptCheckpointError(f"{path} cannot be read safely: {type(exc).__name__}: {exc}", path) from exc
         finally:
             os.close(fd)
         validate_metadata(metadata, path)
@@ -206,4 +216,3 @@ def read_metadata(checkpoint_dir: str | os.PathLike, storage: Storage = LOCAL) -
     finally:
         os.close(dir_fd)
     return metadata
-

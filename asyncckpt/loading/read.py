@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import (
@@ -44,8 +45,12 @@ def _entry_path(fqn: str, planner_data: Any, limit: int, where: str) -> tuple[st
     path = planner_data.get(fqn) if isinstance(planner_data, dict) else None
     if path is None:
         return (fqn,)
-    if (not isinstance(path, (tuple, list)) or not path or not isinstance(path[0], str)
-            or not all(isinstance(p, str) or (type(p) is int and 0 <= p < limit) for p in path)):
+    if (
+        not isinstance(path, (tuple, list))
+        or not path
+        or not isinstance(path[0], str)
+        or not all(isinstance(p, str) or (type(p) is int and 0 <= p < limit) for p in path)
+    ):
         raise CorruptCheckpointError(f"{where}: malformed planner_data for entry {fqn!r}: {path!r}", where)
     return tuple(path)
 
@@ -64,9 +69,12 @@ def manifest_int_keys(manifest: Mapping[str, Any] | None, where: str) -> dict[st
     out: dict[str, frozenset[int]] = {}
     if type(found) is dict:
         for fqn, positions in found.items():
-            if (type(positions) is not list or not positions
-                    or not all(type(i) is int and 0 <= i for i in positions)
-                    or len(set(positions)) != len(positions)):
+            if (
+                type(positions) is not list
+                or not positions
+                or not all(type(i) is int and 0 <= i for i in positions)
+                or len(set(positions)) != len(positions)
+            ):
                 break
             out[fqn] = frozenset(positions)
         else:
@@ -74,8 +82,9 @@ def manifest_int_keys(manifest: Mapping[str, Any] | None, where: str) -> dict[st
     raise CorruptCheckpointError(f"{where}: malformed int_keys in the manifest", where)
 
 
-def typed_entry_paths(metadata: Metadata, int_keys: Mapping[str, frozenset[int]], where: str
-                      ) -> dict[str, tuple[tuple[str | int, ...], frozenset[int]]]:
+def typed_entry_paths(
+    metadata: Metadata, int_keys: Mapping[str, frozenset[int]], where: str
+) -> dict[str, tuple[tuple[str | int, ...], frozenset[int]]]:
     """Every entry's nested path, with its keys of the types they were saved with: each
     entry's ``planner_data`` path (DCP's: ``str`` dict keys, ``int`` list indices) with
     the ``str`` keys at the positions ``int_keys`` names turned back into ``int``; and
@@ -89,8 +98,8 @@ def typed_entry_paths(metadata: Metadata, int_keys: Mapping[str, frozenset[int]]
     unknown = set(int_keys) - set(metadata.state_dict_metadata)
     if unknown:
         raise CorruptCheckpointError(
-            f"{where}: the manifest's int_keys names {sorted(unknown)[0]!r}, an entry the metadata does not have",
-            where)
+            f"{where}: the manifest's int_keys names {sorted(unknown)[0]!r}, an entry the metadata does not have", where
+        )
     out: dict[str, tuple[tuple[str | int, ...], frozenset[int]]] = {}
     for fqn in metadata.state_dict_metadata:
         path = _entry_path(fqn, metadata.planner_data, limit, where)
@@ -102,23 +111,24 @@ def typed_entry_paths(metadata: Metadata, int_keys: Mapping[str, frozenset[int]]
                 value = int_key(item) if isinstance(item, str) else None
                 if value is None:
                     raise CorruptCheckpointError(
-                        f"{where}: the manifest's int_keys for entry {fqn!r} does not fit its path {path!r}", where)
+                        f"{where}: the manifest's int_keys for entry {fqn!r} does not fit its path {path!r}", where
+                    )
                 typed[i] = value
             path = tuple(typed)
         out[fqn] = (path, ints)
     return out
 
 
-def _place(root: dict[str, Any], path: tuple[str | int, ...], ints: frozenset[int], value: Any, fqn: str,
-           where: str) -> None:
+def _place(
+    root: dict[str, Any], path: tuple[str | int, ...], ints: frozenset[int], value: Any, fqn: str, where: str
+) -> None:
     """Put ``value`` at ``path`` in ``root``, creating dicts (``str`` keys, and ``int``
     keys at the positions ``ints``) and lists (other ``int`` indices) on the way, as
     DCP's ``set_element`` does, but refusing a path that runs through a value or lands
     on an entry already placed."""
 
     def bad() -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"{where}: planner_data is inconsistent at entry {fqn!r} (path {path!r})", where)
+        return CorruptCheckpointError(f"{where}: planner_data is inconsistent at entry {fqn!r} (path {path!r})", where)
 
     def is_key(depth: int) -> bool:  # path[depth] is a dict key (not a list index)
         return isinstance(path[depth], str) or depth in ints
@@ -164,8 +174,9 @@ def _fill_holes(value: Any) -> None:
                 stack.append(child)
 
 
-def _nest(flat: dict[str, Any], metadata: Metadata, int_keys: Mapping[str, frozenset[int]],
-          where: str) -> dict[str, Any]:
+def _nest(
+    flat: dict[str, Any], metadata: Metadata, int_keys: Mapping[str, frozenset[int]], where: str
+) -> dict[str, Any]:
     paths = typed_entry_paths(metadata, int_keys, where)
     out: dict[str, Any] = {}
     for fqn, value in flat.items():
@@ -175,8 +186,9 @@ def _nest(flat: dict[str, Any], metadata: Metadata, int_keys: Mapping[str, froze
     return out
 
 
-def read_state_dict(checkpoint_dir: str | os.PathLike, *, verify: bool = True,
-                    allow_pickle: bool = False) -> dict[str, Any]:
+def read_state_dict(
+    checkpoint_dir: str | os.PathLike, *, verify: bool = True, allow_pickle: bool = False
+) -> dict[str, Any]:
     """Read a whole checkpoint into a new nested dict, like ``torch.load`` does for a file.
 
     No template is needed: the structure is rebuilt from the DCP metadata, as
@@ -242,14 +254,21 @@ def read_state_dict(checkpoint_dir: str | os.PathLike, *, verify: bool = True,
     reader = SafeFileSystemReader(str(path), storage=LOCAL)
     manifest: dict[str, Any] | None = None
     if LOCAL.exists(path, MANIFEST_NAME):
-        manifest = (LOCAL.verify(path) if verify  # also refuses names outside the directory
-                    else LOCAL.read_manifest(path))
+        manifest = (
+            LOCAL.verify(path)
+            if verify  # also refuses names outside the directory
+            else LOCAL.read_manifest(path)
+        )
         reader.check_manifest(manifest["files"])  # reads and checks .metadata
     elif is_in_root(path):  # a step of an asyncckpt root that lost its manifest: ours, damaged
         LOCAL.read_manifest(path)  # raises CorruptCheckpointError (missing)
     elif verify:
-        warnings.warn(f"{path} has no {MANIFEST_NAME} (a stock torch.distributed.checkpoint "
-                      "directory?): its checksums were not verified", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"{path} has no {MANIFEST_NAME} (a stock torch.distributed.checkpoint "
+            "directory?): its checksums were not verified",
+            UserWarning,
+            stacklevel=2,
+        )
     metadata = reader.read_metadata()
     where = str(path / METADATA_NAME)
     int_keys = manifest_int_keys(manifest, str(path / MANIFEST_NAME))

@@ -17,7 +17,7 @@ from asyncckpt.saving.saver import Saver
 #: The savers of each queue, one per distinct SaveOptions: a call's options= decide
 #: which saver runs it and never change another saver's (its staging buffers, copy
 #: threads and plan cache stay those of its options).
-_savers: "weakref.WeakKeyDictionary[AsyncCallsQueue, dict[SaveOptions, Saver]]" = weakref.WeakKeyDictionary()
+_savers: weakref.WeakKeyDictionary[AsyncCallsQueue, dict[SaveOptions, Saver]] = weakref.WeakKeyDictionary()
 _default_queues: dict[int, tuple[Any, AsyncCallsQueue]] = {}
 _module_lock = threading.Lock()
 
@@ -48,8 +48,9 @@ def default_calls_queue(process_group: Any = None) -> AsyncCallsQueue:
         hit = _default_queues.get(id(process_group))
         if hit is not None and hit[0] is process_group and not hit[1].closed:
             return hit[1]
-        queue = AsyncCallsQueue(persistent=True, process_group=process_group, import_main=False,
-                                background_finalize=True)
+        queue = AsyncCallsQueue(
+            persistent=True, process_group=process_group, import_main=False, background_finalize=True
+        )
         _default_queues[id(process_group)] = (process_group, queue)
         return queue
 
@@ -129,5 +130,12 @@ def save(
         with other.lock:
             other.synchronize_staging()
     with saver.lock:
-        return saver.save(state_dict, checkpoint_dir, async_op=async_op, process_group=process_group,
-                          coordinator_rank=coordinator_rank, callback=callback, step=step)
+        return saver.save(
+            state_dict,
+            checkpoint_dir,
+            async_op=async_op,
+            process_group=process_group,
+            coordinator_rank=coordinator_rank,
+            callback=callback,
+            step=step,
+        )

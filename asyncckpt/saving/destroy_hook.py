@@ -32,9 +32,14 @@ def settle_pending_before_destroy(group: Any) -> None:
     named at once. The wait is bounded by the group's collective timeout (at least
     torch's default, 30 minutes): a peer that is gone fails the commit much sooner.
     """
-    settle_pending(_group_timeout_s, "at destroy_process_group()",
-                   "; call close() or wait() before destroying the process group", "the process group's timeout",
-                   group=... if group is None else group, announce=True)
+    settle_pending(
+        _group_timeout_s,
+        "at destroy_process_group()",
+        "; call close() or wait() before destroying the process group",
+        "the process group's timeout",
+        group=... if group is None else group,
+        announce=True,
+    )
 
 
 call_before_destroy(settle_pending_before_destroy)

@@ -1,4 +1,5 @@
-"""The layout exchange: the coordinator's cache of every rank's file layout, and the wire protocol that sends a rank's layout only when it changed."""
+"""The layout exchange: the coordinator's cache of every rank's file layout, and the
+wire protocol that sends a rank's layout only when it changed."""
 
 from __future__ import annotations
 
@@ -88,8 +89,10 @@ class _LayoutExchange:
         for rank, (token, _) in enumerate(gathered):
             held = self._held.get(rank)
             if held is None or held[0] != token:
-                raise CheckpointError(f"the coordinator does not hold rank {rank}'s file layout "
-                                      f"(token {token:016x}); the next save sends every layout again")
+                raise CheckpointError(
+                    f"the coordinator does not hold rank {rank}'s file layout "
+                    f"(token {token:016x}); the next save sends every layout again"
+                )
             merged.update(held[1])
         self._merged = (tokens, merged)
         return merged
@@ -97,5 +100,3 @@ class _LayoutExchange:
     def forget_sent(self) -> None:
         """After a failed commit: send the next layout in full."""
         self._sent = None
-
-

@@ -14,8 +14,9 @@ whole interface between the two.
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 __all__ = ["SaveTimings", "SaveResult", "SaveCallback", "SaveDriver", "SaveHandle"]
 
@@ -239,10 +240,8 @@ class SaveHandle(concurrent.futures.Future[SaveResult]):
         return result.timings
 
     def __repr__(self) -> str:
-        state = ("pending" if not self.done()
-                 else "failed" if super().exception(timeout=0) is not None else "committed")
+        state = "pending" if not self.done() else "failed" if super().exception(timeout=0) is not None else "committed"
         return f"SaveHandle({str(self.checkpoint_dir)!r}, {state})"
 
     def __reduce__(self) -> Any:
         raise TypeError("a SaveHandle belongs to the process that saved; it cannot be pickled")
-

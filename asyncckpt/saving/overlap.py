@@ -39,8 +39,11 @@ class _Overlapped:
     def __init__(self, save: SaveInFlight, run: Any, event: Any = None) -> None:
         self.save = save
         data = save.planned.data
-        self.watched = [(item, data[item], data[item]._version) for item, _ in save.buffer.views
-                        if not _small(data[item])] if save.buffer is not None else []
+        self.watched = (
+            [(item, data[item], data[item]._version) for item, _ in save.buffer.views if not _small(data[item])]
+            if save.buffer is not None
+            else []
+        )
         self.error: BaseException | None = None
         self._event = event  # the D2H copies' CUDA event, or None
         self._lock = threading.Lock()
@@ -85,10 +88,11 @@ class _Overlapped:
         items = self.save.planned.plan.items
         changed = [items[item].index.fqn for item, tensor, version in self.watched if tensor._version != version]
         if changed:
-            shown = ", ".join(repr(k) for k in changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+            shown = ", ".join(repr(k) for k in changed[:8]) + (
+                f" and {len(changed) - 8} more" if len(changed) > 8 else ""
+            )
             raise CheckpointError(
                 f"overlapped staging: {shown} changed in place before synchronize_staging(); the checkpoint "
                 "would mix two steps, so it is not written. Call synchronize_staging() before the state "
-                "changes (before optimizer.step()), or save without overlap_staging")
-
-
+                "changes (before optimizer.step()), or save without overlap_staging"
+            )

@@ -8,7 +8,8 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from asyncckpt import _exit
 from asyncckpt._exit import EXIT_TIMEOUT_ENV, exit_timeout
@@ -26,12 +27,12 @@ class _Savers(weakref.WeakSet["Saver"]):
     """Every saver of this process. Adding one arms the exit registry (its pending
     saves are settled at exit); a forked child forgets its parent's."""
 
-    def add(self, item: "Saver") -> None:
+    def add(self, item: Saver) -> None:
         _exit.arm()
         super().add(item)
 
 
-_live_savers: "_Savers" = _Savers()
+_live_savers: _Savers = _Savers()
 
 
 def _describe_save(record: SaveInFlight) -> str:
@@ -39,8 +40,9 @@ def _describe_save(record: SaveInFlight) -> str:
     return f"step {record.step} ({record.final_dir})" if record.step is not None else str(record.final_dir)
 
 
-def _settle_or_name(pending: list[tuple[bool, SaveInFlight]], timeout: float, when: str,
-                    hint: str = "", bound: str = EXIT_TIMEOUT_ENV) -> list[SaveInFlight]:
+def _settle_or_name(
+    pending: list[tuple[bool, SaveInFlight]], timeout: float, when: str, hint: str = "", bound: str = EXIT_TIMEOUT_ENV
+) -> list[SaveInFlight]:
     """Wait up to ``timeout`` seconds in all for the saves finalized in the background
     (``(True, record)``) to settle, then name each one still pending and each failed
     one (a warning on logger ``asyncckpt``, shown on stderr); ``bound`` names where
@@ -55,18 +57,38 @@ def _settle_or_name(pending: list[tuple[bool, SaveInFlight]], timeout: float, wh
         handle = record.handle
         if not handle.done():
             lost.append(record)
-            why = (f"waited {time.monotonic() - started:.0f} s, {bound}" if background
-                   else "its queue is finalized in the training loop")
-            _log.warning("asyncckpt: the save of %s was still pending %s and is lost (not committed; %s)%s",
-                         _describe_save(record), when, why, hint)
+            why = (
+                f"waited {time.monotonic() - started:.0f} s, {bound}"
+                if background
+                else "its queue is finalized in the training loop"
+            )
+            _log.warning(
+                "asyncckpt: the save of %s was still pending %s and is lost (not committed; %s)%s",
+                _describe_save(record),
+                when,
+                why,
+                hint,
+            )
         elif handle.exception() is not None:
-            _log.warning("asyncckpt: the save of %s, pending %s, failed: %s", _describe_save(record), when,
-                         str(handle.exception()).splitlines()[0])
+            _log.warning(
+                "asyncckpt: the save of %s, pending %s, failed: %s",
+                _describe_save(record),
+                when,
+                str(handle.exception()).splitlines()[0],
+            )
     return lost
 
 
-def settle_pending(timeout: Callable[[AsyncCallsQueue], float], when: str, hint: str, bound: str, *,
-                   group: Any = ..., abort_lost: bool = False, announce: bool = False) -> list[SaveInFlight]:
+def settle_pending(
+    timeout: Callable[[AsyncCallsQueue], float],
+    when: str,
+    hint: str,
+    bound: str,
+    *,
+    group: Any = ...,
+    abort_lost: bool = False,
+    announce: bool = False,
+) -> list[SaveInFlight]:
     """Let the pending saves of every saver of this process (only those of queues on
     ``group``, when given) commit, then name each one lost or failed.
 
@@ -114,8 +136,12 @@ def settle_pending(timeout: Callable[[AsyncCallsQueue], float], when: str, hint:
     if not pending:
         return []
     if announce:
-        _log.info("asyncckpt: %s, waiting for %d pending save(s) to commit: %s", when, len(pending),
-                  ", ".join(_describe_save(record) for _, record in pending))
+        _log.info(
+            "asyncckpt: %s, waiting for %d pending save(s) to commit: %s",
+            when,
+            len(pending),
+            ", ".join(_describe_save(record) for _, record in pending),
+        )
     try:
         lost = _settle_or_name(pending, bound_s, when, hint, bound)
     except BaseException:  # Ctrl-C, the preemption budget: drop them all at once
@@ -143,16 +169,20 @@ def _settle_pending_at_exit() -> None:
     pending saves is aborted at once. The workers are stopped later (phase
     ``STOP_WORKERS``)."""
     bound = 0.0 if _exit.interrupted() else exit_timeout()  # after Ctrl-C: name and abort at once
-    settle_pending(lambda _queue: bound, "at interpreter exit", "; call close() or wait() before exiting",
-                   EXIT_TIMEOUT_ENV, abort_lost=True)
+    settle_pending(
+        lambda _queue: bound,
+        "at interpreter exit",
+        "; call close() or wait() before exiting",
+        EXIT_TIMEOUT_ENV,
+        abort_lost=True,
+    )
 
 
 _exit.register(_exit.COMMIT_SAVES, _settle_pending_at_exit, forget=_live_savers.clear)
 
 
 # ====================================================================== a dropped manager
-def release_when_settled(saver: Saver, queue: AsyncCallsQueue | None,
-                         then: Callable[[], None] | None = None) -> None:
+def release_when_settled(saver: Saver, queue: AsyncCallsQueue | None, then: Callable[[], None] | None = None) -> None:
     """What a ``CheckpointManager`` collected without ``close()`` leaves to do (and
     ``close()`` itself, for saves still pending on a queue passed in).
 
@@ -174,8 +204,9 @@ def release_when_settled(saver: Saver, queue: AsyncCallsQueue | None,
         if then is not None:
             then()
         return
-    threading.Thread(target=_finish_dropped, args=(saver, queue, then), name="asyncckpt-dropped-manager",
-                     daemon=True).start()
+    threading.Thread(
+        target=_finish_dropped, args=(saver, queue, then), name="asyncckpt-dropped-manager", daemon=True
+    ).start()
 
 
 def _finish_dropped(saver: Saver, queue: AsyncCallsQueue | None, then: Callable[[], None] | None) -> None:
@@ -199,20 +230,22 @@ def _settle_dropped(saver: Saver, queue: AsyncCallsQueue | None) -> None:
         return  # the process exits: its exit named what is lost, and stops the worker
     for record in records:
         if record.handle.exception() is not None:
-            _log.warning("asyncckpt: the save of %s, pending when its CheckpointManager was dropped without "
-                         "close(), failed: %s", _describe_save(record),
-                         str(record.handle.exception()).splitlines()[0])
+            _log.warning(
+                "asyncckpt: the save of %s, pending when its CheckpointManager was dropped without close(), failed: %s",
+                _describe_save(record),
+                str(record.handle.exception()).splitlines()[0],
+            )
     overlapped = saver._overlapped
     if overlapped is not None:  # a queue passed in: its owner's thread schedules on it, not this one
-        _log.warning("asyncckpt: the save of %s is dropped: it was never handed to the writer (its "
-                     "CheckpointManager was closed with abort=True, or dropped without close(), before "
-                     "synchronize_staging())", _describe_save(overlapped.save))
+        _log.warning(
+            "asyncckpt: the save of %s is dropped: it was never handed to the writer (its "
+            "CheckpointManager was closed with abort=True, or dropped without close(), before "
+            "synchronize_staging())",
+            _describe_save(overlapped.save),
+        )
     saver.release()
     if queue is not None:
         try:
             queue.close()
         except Exception as exc:  # noqa: BLE001 - nobody left to raise it to
-            _log.warning("asyncckpt: closing the queue of a CheckpointManager dropped without close() failed: %s",
-                         exc)
-
-
+            _log.warning("asyncckpt: closing the queue of a CheckpointManager dropped without close() failed: %s", exc)

@@ -32,8 +32,9 @@ import os
 import pickle
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -58,12 +59,24 @@ from asyncckpt.saving.staging import StagingBuffer, StagingCopier, StagingPool
 
 _log = logging.getLogger("asyncckpt")
 
+
 # ====================================================================== the phases
-def plan(state_dict: dict[str, Any], final_dir: Path, handle: SaveHandle, *, sync: SyncGroup,
-         coordinator_rank: int, step: int | None = None, root: CheckpointRoot | None = None,
-         cache: PlanCache | None = None, layouts: _LayoutCache | None = None,
-         check_target: bool = True, check_layout: Callable[[RankLayout], None] | None = None,
-         in_flight: Callable[[Path], bool] | None = None, storage: Storage = LOCAL) -> SaveInFlight:
+def plan(
+    state_dict: dict[str, Any],
+    final_dir: Path,
+    handle: SaveHandle,
+    *,
+    sync: SyncGroup,
+    coordinator_rank: int,
+    step: int | None = None,
+    root: CheckpointRoot | None = None,
+    cache: PlanCache | None = None,
+    layouts: _LayoutCache | None = None,
+    check_target: bool = True,
+    check_layout: Callable[[RankLayout], None] | None = None,
+    in_flight: Callable[[Path], bool] | None = None,
+    storage: Storage = LOCAL,
+) -> SaveInFlight:
     """Phase 1, plan: validate, plan and lay out one save (all ranks, collective).
 
     Call sequence:
@@ -101,10 +114,12 @@ def plan(state_dict: dict[str, Any], final_dir: Path, handle: SaveHandle, *, syn
             raise CheckpointError(
                 f"{what} is already being saved to {final_dir}: an earlier save of it is still pending, "
                 f"and a checkpoint is written once. Wait for it (handle.wait() or maybe_finalize(blocking=True)) "
-                f"or save under another {'step' if step is not None else 'path'}")
+                f"or save under another {'step' if step is not None else 'path'}"
+            )
         if final_dir.exists() and (not final_dir.is_dir() or any(final_dir.iterdir())):
-            raise FileExistsError(f"{final_dir} exists and is not an empty directory; "
-                                  "a checkpoint never overwrites one")
+            raise FileExistsError(
+                f"{final_dir} exists and is not an empty directory; a checkpoint never overwrites one"
+            )
 
     layouts = layouts if layouts is not None else _LayoutCache()
 
@@ -121,16 +136,33 @@ def plan(state_dict: dict[str, Any], final_dir: Path, handle: SaveHandle, *, syn
         raise CheckpointError(
             "the ranks passed different checkpoints to save(), so none is written: "
             + "; ".join(f"rank {r}: {t}" for r, t in enumerate(targets))
-            + ". Every rank must save the same step into the same directory")
+            + ". Every rank must save the same step into the same directory"
+        )
 
     with sync.describing(f"the plan of the save of {what}"):
-        planned, layout = plan_save(state_dict, str(final_dir), sync, coordinator_rank,
-                                    precheck if check_target else None, cache, finish=finish,
-                                    agree=_target_ints(step, final_dir) if check_target else (),
-                                    on_disagree=disagree)
-    return SaveInFlight(final_dir=final_dir, tmp_dir=storage.temporary_dir(final_dir, planned.token),
-                        step=step, sync=sync, coordinator_rank=coordinator_rank, planned=planned,
-                        layout=layout, handle=handle, root=root, storage=storage)
+        planned, layout = plan_save(
+            state_dict,
+            str(final_dir),
+            sync,
+            coordinator_rank,
+            precheck if check_target else None,
+            cache,
+            finish=finish,
+            agree=_target_ints(step, final_dir) if check_target else (),
+            on_disagree=disagree,
+        )
+    return SaveInFlight(
+        final_dir=final_dir,
+        tmp_dir=storage.temporary_dir(final_dir, planned.token),
+        step=step,
+        sync=sync,
+        coordinator_rank=coordinator_rank,
+        planned=planned,
+        layout=layout,
+        handle=handle,
+        root=root,
+        storage=storage,
+    )
 
 
 def _target_ints(step: int | None, final_dir: Path) -> tuple[int, int]:
@@ -138,13 +170,20 @@ def _target_ints(step: int | None, final_dir: Path) -> tuple[int, int]:
     of the target directory's path."""
     digest = hashlib.blake2b(os.fsencode(final_dir), digest_size=8).digest()
     wide = step is not None and not -1 <= step < (1 << 63)
-    return (-1 if step is None or wide else step,
-            int.from_bytes(digest, "big") >> 1)
+    return (-1 if step is None or wide else step, int.from_bytes(digest, "big") >> 1)
 
 
-def stage(save: SaveInFlight, buffer: StagingBuffer, copier: StagingCopier, *, cpu: bool = True,
-          cuda: bool = True, synchronize: bool = True, select: Callable[[torch.Tensor], bool] | None = None,
-          blobs: bool = True) -> None:
+def stage(
+    save: SaveInFlight,
+    buffer: StagingBuffer,
+    copier: StagingCopier,
+    *,
+    cpu: bool = True,
+    cuda: bool = True,
+    synchronize: bool = True,
+    select: Callable[[torch.Tensor], bool] | None = None,
+    blobs: bool = True,
+) -> None:
     """Phase 2, stage: copy this rank's data into ``buffer`` (each rank, no collective).
 
     Tensors go through the buffer's views in one batched copy (``torch._foreach_copy_``
@@ -166,8 +205,7 @@ def stage(save: SaveInFlight, buffer: StagingBuffer, copier: StagingCopier, *, c
     buffer.format(save.layout)
     pairs = [(dst, data[item]) for item, dst in buffer.views if select is None or select(data[item])]
     # A new buffer's pages are allocated by the copy threads, each just before its piece.
-    copier.copy([dst for dst, _ in pairs], [src for _, src in pairs], cpu=cpu, cuda=cuda,
-                populate=not buffer.populated)
+    copier.copy([dst for dst, _ in pairs], [src for _, src in pairs], cpu=cpu, cuda=cuda, populate=not buffer.populated)
     if cpu:
         buffer.populated = True
     if cpu and blobs:
@@ -181,13 +219,25 @@ def stage(save: SaveInFlight, buffer: StagingBuffer, copier: StagingCopier, *, c
 def write_task(save: SaveInFlight, pool: StagingPool, options: SaveOptions) -> WriteTask:
     """What the writer needs (picklable, torch-free): the staged buffer and the files."""
     assert save.buffer is not None
-    return WriteTask(str(save.tmp_dir), save.buffer.ref, save.layout.files, pool.live_slab_ids,
-                     umask=current_umask(), threads=options.write_threads, drop_cache=options.drop_page_cache)
+    return WriteTask(
+        str(save.tmp_dir),
+        save.buffer.ref,
+        save.layout.files,
+        pool.live_slab_ids,
+        umask=current_umask(),
+        threads=options.write_threads,
+        drop_cache=options.drop_page_cache,
+    )
 
 
-def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
-           pending_steps: Iterable[int] = (), exchange: _LayoutExchange | None = None,
-           metadata_pickle: MetadataPickle | None = None) -> SaveTimings:
+def commit(
+    save: SaveInFlight,
+    result: RankWriteResult,
+    sync: SyncGroup,
+    pending_steps: Iterable[int] = (),
+    exchange: _LayoutExchange | None = None,
+    metadata_pickle: MetadataPickle | None = None,
+) -> SaveTimings:
     """Phase 4, commit: make the checkpoint visible, atomically (all ranks, collective).
 
     Call sequence (``sync`` is the finalizer's group in the background):
@@ -258,12 +308,19 @@ def commit(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup,
         if not coordinator:
             return _outcome_from_disk(save, result, sync, started, exc)
         if failure is None:  # renamed: committed, whatever the other ranks heard
-            _log.warning("asyncckpt: %s is committed; the other ranks could not be told (%s)", save.final_dir,
-                         str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+            _log.warning(
+                "asyncckpt: %s is committed; the other ranks could not be told (%s)",
+                save.final_dir,
+                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+            )
     if failure is not None:
         exchange.forget_sent()
-        raise CheckpointException(save.call_idx if save.call_idx is not None else -1,
-                                  {save.coordinator_rank: failure}, save.step, save.final_dir)
+        raise CheckpointException(
+            save.call_idx if save.call_idx is not None else -1,
+            {save.coordinator_rank: failure},
+            save.step,
+            save.final_dir,
+        )
     write_s = max(r.write_s for _, r in gathered)
     nbytes = sum(r.nbytes for _, r in gathered)
     return save.finish_timings(write_s, time.monotonic() - started, nbytes)
@@ -287,8 +344,9 @@ def _committed_on_disk(save: SaveInFlight, result: RankWriteResult, started: flo
     return save.finish_timings(result.write_s, time.monotonic() - started, nbytes)
 
 
-def _outcome_from_disk(save: SaveInFlight, result: RankWriteResult, sync: SyncGroup, started: float,
-                       cause: BaseException) -> SaveTimings:
+def _outcome_from_disk(
+    save: SaveInFlight, result: RankWriteResult, sync: SyncGroup, started: float, cause: BaseException
+) -> SaveTimings:
     """(a rank other than the coordinator, whose commit collective broke) The outcome as
     the disk has it: wait until the coordinator decided (the temporary directory is
     gone: renamed or discarded; at most :data:`OUTCOME_WAIT_S` and the group's
@@ -305,18 +363,22 @@ def _outcome_from_disk(save: SaveInFlight, result: RankWriteResult, sync: SyncGr
     name = f"step {save.step} ({save.final_dir})" if save.step is not None else str(save.final_dir)
     timings = _committed_on_disk(save, result, started)
     if timings is not None:
-        _log.warning("asyncckpt: the commit of %s broke on this rank (%s); the coordinator committed it",
-                     name, why)
+        _log.warning("asyncckpt: the commit of %s broke on this rank (%s); the coordinator committed it", name, why)
         return timings
     if save.tmp_dir.exists():
-        text = (f"the commit of {name} broke on this rank ({why}) and the coordinator (rank "
-                f"{save.coordinator_rank}) did not decide within {limit:g} s: it is not committed now "
-                f"(a checkpoint that appears there later is complete)")
+        text = (
+            f"the commit of {name} broke on this rank ({why}) and the coordinator (rank "
+            f"{save.coordinator_rank}) did not decide within {limit:g} s: it is not committed now "
+            f"(a checkpoint that appears there later is complete)"
+        )
     else:
-        text = (f"the commit of {name} broke on this rank ({why}); the coordinator (rank "
-                f"{save.coordinator_rank}) did not commit it")
-    raise CheckpointException(save.call_idx if save.call_idx is not None else -1,
-                              {sync.rank: RankFailure(text)}) from cause
+        text = (
+            f"the commit of {name} broke on this rank ({why}); the coordinator (rank "
+            f"{save.coordinator_rank}) did not commit it"
+        )
+    raise CheckpointException(
+        save.call_idx if save.call_idx is not None else -1, {sync.rank: RankFailure(text)}
+    ) from cause
 
 
 class MetadataPickle:
@@ -350,14 +412,21 @@ class MetadataPickle:
         sid = meta.save_id.encode() if meta is not None and isinstance(meta.save_id, str) else None
         with self._lock:
             key = self._key
-            if (key is not None and cid is not None and sid is not None
-                    and key[0] is metadata.state_dict_metadata and key[1] == metadata.planner_data
-                    and key[2] == metadata.storage_data and key[3] == metadata.version
-                    and key[4] == (meta.load_id, list(meta.modules)) and len(cid) == self._at[1]
-                    and len(sid) == self._at[3]):
+            if (
+                key is not None
+                and cid is not None
+                and sid is not None
+                and key[0] is metadata.state_dict_metadata
+                and key[1] == metadata.planner_data
+                and key[2] == metadata.storage_data
+                and key[3] == metadata.version
+                and key[4] == (meta.load_id, list(meta.modules))
+                and len(cid) == self._at[1]
+                and len(sid) == self._at[3]
+            ):
                 patched = bytearray(self._data)
-                patched[self._at[0]:self._at[0] + len(cid)] = cid
-                patched[self._at[2]:self._at[2] + len(sid)] = sid
+                patched[self._at[0] : self._at[0] + len(cid)] = cid
+                patched[self._at[2] : self._at[2] + len(sid)] = sid
                 return bytes(patched), self._records_file(self._records, patched)
         data = pickle.dumps(metadata)
         found = _records.records_from_metadata(metadata)
@@ -366,8 +435,13 @@ class MetadataPickle:
             self._key = None
             self._records = records
             if cid is not None and sid is not None and cid != sid and data.count(cid) == 1 and data.count(sid) == 1:
-                self._key = (metadata.state_dict_metadata, metadata.planner_data, dict(metadata.storage_data),
-                             metadata.version, (meta.load_id, list(meta.modules)))
+                self._key = (
+                    metadata.state_dict_metadata,
+                    metadata.planner_data,
+                    dict(metadata.storage_data),
+                    metadata.version,
+                    (meta.load_id, list(meta.modules)),
+                )
                 self._data = data
                 self._at = (data.find(cid), len(cid), data.find(sid), len(sid))
         return data, self._records_file(records, data)
@@ -375,6 +449,3 @@ class MetadataPickle:
     @staticmethod
     def _records_file(records: str | None, data: bytes | bytearray) -> bytes | None:
         return None if records is None else _records.records_file(records, crc32(data))
-
-
-

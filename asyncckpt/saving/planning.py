@@ -15,7 +15,8 @@ import pickle
 import secrets
 import sys
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, TypeGuard
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -57,8 +58,10 @@ def _tensor_problem(t: torch.Tensor) -> str | None:
     if t.numel():
         extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
         if t.untyped_storage().nbytes() < extent * t.element_size():
-            return ("the tensor's storage is smaller than its shape needs (freed or resized storage, "
-                    "e.g. an FSDP-managed parameter outside its forward pass)")
+            return (
+                "the tensor's storage is smaller than its shape needs (freed or resized storage, "
+                "e.g. an FSDP-managed parameter outside its forward pass)"
+            )
     return None
 
 
@@ -99,7 +102,7 @@ def validate_state_dict(state_dict: Any, max_depth: int = 200) -> None:
             raise CheckpointError(f"{_path_str(path[:5])}...: nesting deeper than {max_depth} levels")
         if isinstance(value, (Mapping, list)):
             if id(value) in above:
-                at = _path_str(path[:above.index(id(value))])
+                at = _path_str(path[: above.index(id(value))])
                 raise CheckpointError(f"{_path_str(path)}: a cycle; this container is {at} itself")
             above = above + (id(value),)
         if isinstance(value, Mapping):
@@ -107,13 +110,15 @@ def validate_state_dict(state_dict: Any, max_depth: int = 200) -> None:
                 if type(k) is not str and type(k) is not int:
                     raise CheckpointError(
                         f"{_path_str(path)}: key {k!r} is a {type(k).__name__}; keys must be str or int "
-                        "(torch.distributed.checkpoint names entries by str paths)")
+                        "(torch.distributed.checkpoint names entries by str paths)"
+                    )
                 stack.append((path + (k,), v, above))
             clash = _key_clash(value.keys())
             if clash is not None:
                 raise CheckpointError(
                     f"{_path_str(path)}: keys {clash!r} and {str(clash)!r} would both be stored as "
-                    f"{str(clash)!r} (torch.distributed.checkpoint names entries by str paths)")
+                    f"{str(clash)!r} (torch.distributed.checkpoint names entries by str paths)"
+                )
         elif isinstance(value, list):
             for i, v in enumerate(value):
                 stack.append((path + (i,), v, above))
@@ -209,14 +214,18 @@ def check_plans_agree(plans: list[SavePlan], int_keys: list[dict[str, tuple[int,
             if first[0] == rank:
                 continue
             if first[2] != what:
-                return (f"state_dict entry {fqn!r} differs across ranks: {_describe_item(first[1])} on rank "
-                        f"{first[0]}, {_describe_item(item)} on rank {rank} (a plain tensor saved by several "
-                        "ranks must be the same on each; per-rank state needs per-rank keys, sharded state "
-                        "DTensors)")
+                return (
+                    f"state_dict entry {fqn!r} differs across ranks: {_describe_item(first[1])} on rank "
+                    f"{first[0]}, {_describe_item(item)} on rank {rank} (a plain tensor saved by several "
+                    "ranks must be the same on each; per-rank state needs per-rank keys, sharded state "
+                    "DTensors)"
+                )
             if first[3] != ints:
-                return (f"state_dict entry {fqn!r} differs across ranks: its dict keys at positions "
-                        f"{list(first[3])} are int on rank {first[0]}, at {list(ints)} on rank {rank} "
-                        "(the others str)")
+                return (
+                    f"state_dict entry {fqn!r} differs across ranks: its dict keys at positions "
+                    f"{list(first[3])} are int on rank {first[0]}, at {list(ints)} on rank {rank} "
+                    "(the others str)"
+                )
     return None
 
 
@@ -307,9 +316,14 @@ def _fast_ok(v: torch.Tensor) -> bool:
     """The common case of :func:`_tensor_problem` (a dense, contiguous CPU/CUDA tensor
     with all its storage), cheaply (about 0.7 µs: ``device.type`` alone costs 0.4, so
     the flags are read instead); ``False``: ask :func:`_tensor_problem`."""
-    return (v.layout is _STRIDED and (v.is_cpu or v.is_cuda) and not v.is_quantized and not v.is_nested
-            and v.is_contiguous()
-            and v.untyped_storage().nbytes() >= v.storage_offset() * v.itemsize + v.nbytes)
+    return (
+        v.layout is _STRIDED
+        and (v.is_cpu or v.is_cuda)
+        and not v.is_quantized
+        and not v.is_nested
+        and v.is_contiguous()
+        and v.untyped_storage().nbytes() >= v.storage_offset() * v.itemsize + v.nbytes
+    )
 
 
 def _dtensor_structure(v: Any) -> tuple:
@@ -336,8 +350,7 @@ def _dtensor_class() -> type | None:
     return None
 
 
-def _walk(value: Any, sig: list, above: set[int], depth: int, max_depth: int,
-          dtensor: type | None = None) -> Any:
+def _walk(value: Any, sig: list, above: set[int], depth: int, max_depth: int, dtensor: type | None = None) -> Any:
     """Append the structure of the container ``value`` to ``sig``, checking every tensor.
 
     Returns ``None``; ``_NOT_CACHEABLE`` (a tensor subclass other than DTensor); or
@@ -524,8 +537,9 @@ def _pickled(item: Any, obj: Any) -> bytes:
         torch.save(obj, buf)
         return buf.getvalue()
     except Exception as exc:
-        raise CheckpointError(f"state_dict entry {item.index.fqn!r} cannot be pickled: "
-                              f"{type(exc).__name__}: {exc}") from exc
+        raise CheckpointError(
+            f"state_dict entry {item.index.fqn!r} cannot be pickled: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _resolve(plan: SavePlan, lookup: Any) -> list[Any]:
@@ -534,16 +548,24 @@ def _resolve(plan: SavePlan, lookup: Any) -> list[Any]:
         try:
             obj = lookup(item)
         except Exception as exc:
-            raise CheckpointError(f"state_dict entry {item.index.fqn!r} cannot be resolved: "
-                                  f"{type(exc).__name__}: {exc}") from exc
+            raise CheckpointError(
+                f"state_dict entry {item.index.fqn!r} cannot be resolved: {type(exc).__name__}: {exc}"
+            ) from exc
         data.append(_pickled(item, obj) if item.type == WriteItemType.BYTE_IO else obj.detach())
     return data
 
 
-def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, coordinator_rank: int,
-              precheck: Callable[[], None] | None = None, cache: PlanCache | None = None,
-              finish: Callable[[SavePlanResult], Any] | None = None, agree: tuple[int, ...] = (),
-              on_disagree: Callable[[list[list[int]]], None] | None = None) -> tuple[SavePlanResult, Any]:
+def plan_save(
+    state_dict: dict[str, Any],
+    checkpoint_id: str,
+    sync: SyncGroup,
+    coordinator_rank: int,
+    precheck: Callable[[], None] | None = None,
+    cache: PlanCache | None = None,
+    finish: Callable[[SavePlanResult], Any] | None = None,
+    agree: tuple[int, ...] = (),
+    on_disagree: Callable[[list[list[int]]], None] | None = None,
+) -> tuple[SavePlanResult, Any]:
     """Validate, plan collectively (or reuse the cached plan), and resolve this rank's data.
 
     Call sequence (all ranks, every step a collective on ``sync`` except where said):
@@ -597,10 +619,15 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
             validate_state_dict(state_dict)
         if is_coordinator and precheck is not None:
             precheck()
-    except Exception as exc:  # reported on every rank below
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
         failure = _describe(exc)
-    cached = (failure is None and cache is not None and signature is not None
-              and cache.signature is not None and signature == cache.signature)
+    cached = (
+        failure is None
+        and cache is not None
+        and signature is not None
+        and cache.signature is not None
+        and signature == cache.signature
+    )
     storage_meta = StorageMeta(checkpoint_id=checkpoint_id, save_id=uuid.uuid4().hex)
     hit: tuple[SavePlanResult, Any] | None = None
     data: list[Any] = []
@@ -608,10 +635,11 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
         assert cache is not None and cache.plan is not None and cache.metadata is not None
         try:
             data = _resolve_cached(cache, state_dict)
-            result = SavePlanResult(cache.plan, data, dataclasses.replace(cache.metadata, storage_meta=storage_meta),
-                                    "", cache.int_keys)  # the token comes with the all_gather
+            result = SavePlanResult(
+                cache.plan, data, dataclasses.replace(cache.metadata, storage_meta=storage_meta), "", cache.int_keys
+            )  # the token comes with the all_gather
             hit = (result, finish(result) if finish is not None else None)
-        except Exception as exc:  # reported on every rank below
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
             failure = _describe(exc)
     token_parts = [secrets.randbits(63), secrets.randbits(63)] if is_coordinator else [0, 0]
     gathered = sync.all_gather_ints([failure is not None, cached, *token_parts, *agree])
@@ -643,7 +671,7 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
             ints = int_positions(path, typed[fqn])
             if ints:
                 local_ints[fqn] = ints
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
         failure = _describe(exc)
     gathered_plans = sync.all_gather_object((failure, local_plan, local_ints))
     _raise_errors(sync, [f for f, _, _ in gathered_plans])
@@ -662,7 +690,7 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
     plan = planner.finish_plan(global_plans[sync.rank])
     try:
         data = _resolve(plan, planner.resolve_data)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
         failure = _describe(exc)
     if cache is not None:
         # A state that cannot be cached (or failed) leaves no plan to reuse.
@@ -682,7 +710,7 @@ def plan_save(state_dict: dict[str, Any], checkpoint_id: str, sync: SyncGroup, c
     if failure is None and finish is not None:
         try:
             finished = finish(result)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
             failure = _describe(exc)
     # A failure of this rank's resolve or finish: still symmetric, every rank learns it.
     failures = sync.gather_failures(failure)

@@ -64,8 +64,12 @@ class SaveInFlight:
     def finish_timings(self, write_s: float, finalize_s: float, nbytes: int) -> SaveTimings:
         """Set and return :attr:`timings`, the save being committed now."""
         total = time.monotonic() - self.started
-        self.timings = SaveTimings(stall_s=self.stall_s, write_s=write_s, finalize_s=finalize_s, total_s=total,
-                                   bytes=nbytes, gbps=nbytes / write_s / 1e9 if write_s > 0 else 0.0)
+        self.timings = SaveTimings(
+            stall_s=self.stall_s,
+            write_s=write_s,
+            finalize_s=finalize_s,
+            total_s=total,
+            bytes=nbytes,
+            gbps=nbytes / write_s / 1e9 if write_s > 0 else 0.0,
+        )
         return self.timings
-
-

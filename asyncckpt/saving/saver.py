@@ -64,7 +64,7 @@ class _SaveLink:
     """The :class:`~asyncckpt.saving.handle.SaveDriver` of one save: what its handle
     asks of the saver (the handle imports nothing of this module)."""
 
-    def __init__(self, saver: "Saver") -> None:
+    def __init__(self, saver: Saver) -> None:
         self._saver = saver
         self.record: SaveInFlight | None = None  # set once planned
 
@@ -109,8 +109,9 @@ class Saver:
         root: the checkpoint root of a ``CheckpointManager`` (``latest``, retention).
     """
 
-    def __init__(self, queue: AsyncCallsQueue, options: SaveOptions | None = None,
-                 root: CheckpointRoot | None = None) -> None:
+    def __init__(
+        self, queue: AsyncCallsQueue, options: SaveOptions | None = None, root: CheckpointRoot | None = None
+    ) -> None:
         self.options = options or SaveOptions()
         self._queue_ref = weakref.ref(queue)
         self.root = root
@@ -187,16 +188,26 @@ class Saver:
             raise CheckpointError(
                 f"staging this rank's state needs a new host buffer of {need:,} bytes, more than "
                 f"{limit:g} x the {available:,} bytes of memory available; free memory, use fewer "
-                "staging_buffers, or pass SaveOptions(staging_memory_limit=None) to skip this check")
+                "staging_buffers, or pass SaveOptions(staging_memory_limit=None) to skip this check"
+            )
 
     def _buffer_for(self, save: SaveInFlight) -> StagingBuffer:
         queue = self.queue
-        return self.pool.acquire(save.layout.slab_nbytes, save.layout.key,
-                                 queue.caller.is_running, lambda idx: queue.wait_local(idx))
+        return self.pool.acquire(
+            save.layout.slab_nbytes, save.layout.key, queue.caller.is_running, lambda idx: queue.wait_local(idx)
+        )
 
-    def save(self, state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike, *, async_op: bool,
-             process_group: Any, coordinator_rank: int, step: int | None = None,
-             callback: SaveCallback | None = None) -> SaveHandle:
+    def save(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_dir: str | os.PathLike,
+        *,
+        async_op: bool,
+        process_group: Any,
+        coordinator_rank: int,
+        step: int | None = None,
+        callback: SaveCallback | None = None,
+    ) -> SaveHandle:
         """Save ``state_dict`` (see :func:`asyncckpt.save`); the caller holds :attr:`lock`."""
         started = time.monotonic()
         self.synchronize_staging()  # an earlier overlapped save is scheduled first
@@ -207,9 +218,19 @@ class Saver:
         sync = SyncGroup(process_group)
         link = _SaveLink(self)
         handle = SaveHandle(final_dir, step, link)
-        record = plan(state_dict, final_dir, handle, sync=sync, coordinator_rank=coordinator_rank, step=step,
-                      root=self.root, cache=self.plan_cache, layouts=self.layouts,
-                      check_layout=self._check_memory, in_flight=self._in_flight)
+        record = plan(
+            state_dict,
+            final_dir,
+            handle,
+            sync=sync,
+            coordinator_rank=coordinator_rank,
+            step=step,
+            root=self.root,
+            cache=self.plan_cache,
+            layouts=self.layouts,
+            check_layout=self._check_memory,
+            in_flight=self._in_flight,
+        )
         record.started, record.callback = started, callback
         link.record = record
         if not async_op:
@@ -223,8 +244,12 @@ class Saver:
             stage(record, buffer, self.copier, cpu=False, synchronize=False)
             stage(record, buffer, self.copier, cuda=False, synchronize=False, select=_small, blobs=False)
             self._overlapped = _Overlapped(
-                record, lambda: stage(record, buffer, self.copier, cuda=False, synchronize=False,
-                                      select=lambda t: not _small(t)), self.copier.event)
+                record,
+                lambda: stage(
+                    record, buffer, self.copier, cuda=False, synchronize=False, select=lambda t: not _small(t)
+                ),
+                self.copier.event,
+            )
             record.stall_s += time.monotonic() - started
             return handle
         self._schedule(record, lambda: self._stage_now(record))
@@ -262,14 +287,19 @@ class Saver:
                 with self._state:
                     self._records.remove(record)
                 record.call_idx = None
-                self._settle(record, CheckpointError(f"the save of {_describe_save(record)} was not scheduled: "
-                                                     f"{type(exc).__name__}: {exc}"))
+                self._settle(
+                    record,
+                    CheckpointError(
+                        f"the save of {_describe_save(record)} was not scheduled: {type(exc).__name__}: {exc}"
+                    ),
+                )
             raise
         if scheduled != call_idx:
             raise CheckpointError(
                 f"the save of {_describe_save(record)} was scheduled as call {scheduled} of its queue, not "
                 f"{call_idx}: another thread scheduled on the same AsyncCallsQueue at the same time. Schedule "
-                "on one queue from one thread (this save fails at its commit)")
+                "on one queue from one thread (this save fails at its commit)"
+            )
         if record.buffer is not None:
             self.pool.lease(record.buffer, call_idx)
 
@@ -279,8 +309,14 @@ class Saver:
         if record.call_idx is None:
             raise CheckpointError(f"the save of {_describe_save(record)} was committed before it was scheduled")
         result: RankWriteResult = queue.get_result(record.call_idx)
-        commit(record, result, queue.finalize_sync, [s for s in self.pending_steps() if s != record.step],
-               self.layout_exchange, self.metadata_pickle)
+        commit(
+            record,
+            result,
+            queue.finalize_sync,
+            [s for s in self.pending_steps() if s != record.step],
+            self.layout_exchange,
+            self.metadata_pickle,
+        )
 
     def _save_sync(self, record: SaveInFlight, started: float) -> None:
         """A synchronous save: the same phases in this thread, after the pending saves.
@@ -315,8 +351,9 @@ class Saver:
             if result is not None and _committed_on_disk(record, result, started) is not None:
                 self._settle(record, None)  # interrupted after the commit point: committed, as on disk
                 raise
-            interrupted = CheckpointException(-1, {sync.rank: RankFailure.from_exception(exc, "interrupted: ")},
-                                              record.step, record.final_dir)
+            interrupted = CheckpointException(
+                -1, {sync.rank: RankFailure.from_exception(exc, "interrupted: ")}, record.step, record.final_dir
+            )
             self._settle(record, interrupted)  # the coordinator removes its files: it did not commit
             raise
         self._settle(record, error)
@@ -336,9 +373,17 @@ class Saver:
             self.synchronize_staging()
             sync = SyncGroup(process_group)
             handle = SaveHandle(Path(""), None)
-            record = plan(state_dict, Path(""), handle, sync=sync, coordinator_rank=coordinator_rank,
-                          cache=self.plan_cache, layouts=self.layouts, check_target=False,
-                          check_layout=self._check_memory)
+            record = plan(
+                state_dict,
+                Path(""),
+                handle,
+                sync=sync,
+                coordinator_rank=coordinator_rank,
+                cache=self.plan_cache,
+                layouts=self.layouts,
+                check_target=False,
+                check_layout=self._check_memory,
+            )
             buffer = self._buffer_for(record)
             buffer.populate(self.copier)  # the allocation a first save would pay
             buffer.format(record.layout)
@@ -411,15 +456,18 @@ class Saver:
             outcome = CheckpointException(
                 record.call_idx if record.call_idx is not None else -1,
                 {record.sync.rank: RankFailure.from_exception(error, f"settling the save ({done}) raised ")},
-                record.step, record.final_dir)
+                record.step,
+                record.final_dir,
+            )
             outcome.__cause__ = error
         finally:
             record.planned = record.planned._replace(data=[])
             if isinstance(outcome, SaveResult):
                 handle.set_result(outcome)
             else:  # never None here: every path above set it
-                handle.set_exception(outcome or CheckpointError(f"the save of {_describe_save(record)} "
-                                                                "was settled without an outcome"))
+                handle.set_exception(
+                    outcome or CheckpointError(f"the save of {_describe_save(record)} was settled without an outcome")
+                )
         if interrupt is not None:
             raise interrupt
 
@@ -429,7 +477,7 @@ class Saver:
             return
         try:
             callback(outcome)
-        except Exception as error:  # reported by raise_callback_errors, never swallowed
+        except Exception as error:  # noqa: BLE001 - reported by raise_callback_errors, never swallowed
             _log.error("the completion callback of the save of %s raised", record.final_dir, exc_info=error)
             with self._state:
                 self._callback_errors.append((record.handle, error))
@@ -515,8 +563,10 @@ class Saver:
         with self._state:
             errors, self._callback_errors = self._callback_errors, []
         for handle, error in errors:
-            exc.add_note(f"the completion callback of the save of {handle.checkpoint_dir} also raised "
-                         f"{type(error).__name__}: {error}")
+            exc.add_note(
+                f"the completion callback of the save of {handle.checkpoint_dir} also raised "
+                f"{type(error).__name__}: {error}"
+            )
 
     def raise_callback_errors(self) -> None:
         """Raise :class:`CallbackError` for the callbacks that raised since the last call."""
@@ -525,8 +575,9 @@ class Saver:
         if not errors:
             return
         lines = [f"{h.checkpoint_dir} (committed): {type(e).__name__}: {e}" for h, e in errors]
-        raise CallbackError("a completion callback raised: " + "; ".join(lines), [e for _, e in errors]) \
-            from errors[0][1]
+        raise CallbackError("a completion callback raised: " + "; ".join(lines), [e for _, e in errors]) from errors[0][
+            1
+        ]
 
     def busy(self) -> bool:
         """True while a save of this saver is being staged (overlapped) or is pending."""
@@ -557,11 +608,21 @@ class Saver:
         lost = _settle_or_name([(background, record) for record in pending], timeout, when)
         named = {id(record) for record in pending}
         with self._state:  # failed before, never reported (no maybe_finalize since): named too
-            earlier = [(record, exc) for record in self._records if id(record) not in named and record.handle.done() and not record.reported
-                       and (exc := record.handle.exception(timeout=0)) is not None]
+            earlier = [
+                (record, exc)
+                for record in self._records
+                if id(record) not in named
+                and record.handle.done()
+                and not record.reported
+                and (exc := record.handle.exception(timeout=0)) is not None
+            ]
         for record, exc in earlier:
-            _log.warning("asyncckpt: the save of %s failed (not reported before %s): %s", _describe_save(record),
-                         when.removeprefix("when "), str(exc).splitlines()[0])
+            _log.warning(
+                "asyncckpt: the save of %s failed (not reported before %s): %s",
+                _describe_save(record),
+                when.removeprefix("when "),
+                str(exc).splitlines()[0],
+            )
         return lost
 
     def release(self) -> None:
@@ -574,12 +635,14 @@ class Saver:
             pending.wait_copied()  # optimizers stop waiting for it
             record = pending.save
             record.planned.data.clear()
-            self._settle(record, CheckpointError(
-                f"the save of {_describe_save(record)} was dropped before it was handed to the writer (its "
-                "manager was closed with abort=True or released before synchronize_staging()); it is not saved"))
+            self._settle(
+                record,
+                CheckpointError(
+                    f"the save of {_describe_save(record)} was dropped before it was handed to the writer (its "
+                    "manager was closed with abort=True or released before synchronize_staging()); it is not saved"
+                ),
+            )
         self.copier.close()
         queue = self._queue_ref()
         self.pool.release_all(queue.caller.is_running if queue is not None else None)
         self.layouts.clear()
-
-

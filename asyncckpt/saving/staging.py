@@ -28,16 +28,16 @@ import os
 import threading
 import uuid
 import weakref
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 from asyncckpt.io import writer as _writer
 from asyncckpt.io.writer import SlabRef
 
-__all__ = ["StagingBuffer", "StagingPool", "StagingCopier", "watch_copy", "unwatch_copy",
-           "wait_pending_copies"]
+__all__ = ["StagingBuffer", "StagingPool", "StagingCopier", "watch_copy", "unwatch_copy", "wait_pending_copies"]
 
 _PAGE = mmap.PAGESIZE
 
@@ -158,8 +158,11 @@ class StagingBuffer:
         for offset, framing in layout.static:
             self.write_bytes(offset, framing)
         u8 = self.u8
-        self.views = [(slot.item, u8[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape))
-                      for slot in layout.tensors if slot.nbytes]
+        self.views = [
+            (slot.item, u8[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape))
+            for slot in layout.tensors
+            if slot.nbytes
+        ]
         self.layout_key = layout.key
 
     def populate(self, copier: StagingCopier) -> None:
@@ -203,7 +206,7 @@ class StagingBuffer:
 
     def write_bytes(self, offset: int, data: bytes | memoryview) -> None:
         """Copy ``data`` into the slab at ``offset`` (bytes)."""
-        self._mm[offset:offset + len(data)] = data
+        self._mm[offset : offset + len(data)] = data
 
     def release(self, free_memory: bool = True) -> None:
         """Unmap and close; with ``free_memory`` (only when no write reads the buffer any
@@ -385,8 +388,15 @@ class StagingCopier:
         self._stream: Any = None
         self._event: Any = None
 
-    def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *,
-             cpu: bool = True, cuda: bool = True, populate: bool = False) -> None:
+    def copy(
+        self,
+        dsts: Sequence[torch.Tensor],
+        srcs: Sequence[torch.Tensor],
+        *,
+        cpu: bool = True,
+        cuda: bool = True,
+        populate: bool = False,
+    ) -> None:
         """Start copying ``srcs[i]`` into ``dsts[i]`` (equal shapes and dtypes).
 
         CPU copies are complete on return; CUDA copies may still run until
@@ -437,9 +447,13 @@ class StagingCopier:
             self._event = torch.cuda.Event()
             self._event.record(stream)
 
-    def run(self, items: list[Any], fn: Callable[..., None],
-            first: Callable[[], None] | None = None,
-            others: Sequence[Callable[[], None] | None] = ()) -> None:
+    def run(
+        self,
+        items: list[Any],
+        fn: Callable[..., None],
+        first: Callable[[], None] | None = None,
+        others: Sequence[Callable[[], None] | None] = (),
+    ) -> None:
         """Call ``fn(*item)`` for every item, on this thread and the copy threads, which take
         the items one at a time from a shared list (a thread on a busy core simply takes
         fewer). ``first`` runs on this thread and each of ``others`` on a copy thread
@@ -484,8 +498,15 @@ class StagingCopier:
         small_d: list[torch.Tensor] = []
         small_s: list[torch.Tensor] = []
         for d, s in zip(dsts, srcs):
-            if (s.numel() >= MEMMOVE_MIN_NUMEL and s.dtype == d.dtype and s.shape == d.shape
-                    and s.is_contiguous() and d.is_contiguous() and not s.is_conj() and not s.is_neg()):
+            if (
+                s.numel() >= MEMMOVE_MIN_NUMEL
+                and s.dtype == d.dtype
+                and s.shape == d.shape
+                and s.is_contiguous()
+                and d.is_contiguous()
+                and not s.is_conj()
+                and not s.is_neg()
+            ):
                 moves.append((d.data_ptr(), s.data_ptr(), s.numel() * s.element_size()))
             else:
                 small_d.append(d)
@@ -531,8 +552,9 @@ def _copy_no_grad(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         torch._foreach_copy_(dsts, srcs)
 
 
-def split_copies(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], n: int,
-                 chunk: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+def split_copies(
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], n: int, chunk: int
+) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
     """The copies ``dsts[i] <- srcs[i]`` as ``n`` groups ``(dsts, srcs)`` of about equal
     bytes, one per copy thread, in order; contiguous pairs of more than ``chunk`` bytes
     are cut into flat chunks of ``chunk`` bytes (views of the same memory)."""
@@ -543,7 +565,7 @@ def split_copies(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], n: 
             fd, fs = d.view(-1), s.view(-1)
             step = max(1, chunk // s.element_size())
             for i in range(0, fs.numel(), step):
-                pieces.append((fd[i:i + step], fs[i:i + step], min(step, fs.numel() - i) * s.element_size()))
+                pieces.append((fd[i : i + step], fs[i : i + step], min(step, fs.numel() - i) * s.element_size()))
         else:
             pieces.append((d, s, nbytes))
     total = sum(p[2] for p in pieces) or 1
@@ -598,6 +620,7 @@ def watch_copy(copy: Any) -> None:
         _pending_copies.add(copy)
         if _hook_handle is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
+
             _hook_handle = register_optimizer_step_pre_hook(_optimizer_step_pre_hook)
 
 

@@ -10,6 +10,7 @@ from benchmark.common import GiB
 
 def render_png(res: dict[str, Any], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -18,13 +19,28 @@ def render_png(res: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(2, 1, figsize=(max(10, 2.4 * len(wl) + 5), 10))
     width = 0.8 / (len(names) + 1)
     cmap = plt.get_cmap("tab20")
-    for ax, (key, limkey, title, limname, color) in zip(axes, (
+    for ax, (key, limkey, title, limname, color) in zip(
+        axes,
+        (
             ("stall_s", "memcpy_s", "stall per save (training thread blocked)", "memcpy (limit)", "black"),
-            ("committed_s", "raw_write_fsync_s", "time until committed (durable)", "raw write+fsync (limit)",
-             "dimgray"))):
+            (
+                "committed_s",
+                "raw_write_fsync_s",
+                "time until committed (durable)",
+                "raw write+fsync (limit)",
+                "dimgray",
+            ),
+        ),
+    ):
         xs = range(len(wl))
-        ax.bar([x - 0.4 + width / 2 for x in xs], [w["limits"][limkey] * 1e3 for w in wl], width,
-               color=color, hatch="//" if color != "black" else None, label=limname)
+        ax.bar(
+            [x - 0.4 + width / 2 for x in xs],
+            [w["limits"][limkey] * 1e3 for w in wl],
+            width,
+            color=color,
+            hatch="//" if color != "black" else None,
+            label=limname,
+        )
         for j, n in enumerate(names):
             vals = [w["systems"][n][key] * 1e3 if n in w["systems"] else 0 for w in wl]
             ax.bar([x - 0.4 + width * (j + 1.5) for x in xs], vals, width, color=cmap(j % 20), label=n)
@@ -32,8 +48,13 @@ def render_png(res: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("ms (log scale)")
         ax.set_title(title)
         ax.set_xticks(list(xs))
-        ax.set_xticklabels([f"{w['name']}\n" + (f"{w['bytes'] / GiB:.2f} GiB" if w["bytes"] >= GiB // 4
-                                                 else f"{w['bytes'] / 1e6:.1f} MB") for w in wl])
+        ax.set_xticklabels(
+            [
+                f"{w['name']}\n"
+                + (f"{w['bytes'] / GiB:.2f} GiB" if w["bytes"] >= GiB // 4 else f"{w['bytes'] / 1e6:.1f} MB")
+                for w in wl
+            ]
+        )
         ax.grid(axis="y", which="both", alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     h1, l1 = axes[1].get_legend_handles_labels()

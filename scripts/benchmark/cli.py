@@ -33,63 +33,119 @@ from benchmark.workloads import DEFAULT_WORKLOADS, QUICK_WORKLOADS, SIZES_WARMUP
 def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
     """The command line, with --quick's smaller defaults applied (see ``--help``)."""
     import benchmark
-    p = argparse.ArgumentParser(prog=prog, description=benchmark.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", default=None,
-                   help="comma-separated: SIZE/NTENSORS, sizesN[:LO-HI] (N tensors of N distinct sizes, 64K-1M "
-                        f"unless given), 'llm', 'fsdp2' or 'train' (default {DEFAULT_WORKLOADS})")
-    p.add_argument("--systems", default=None,
-                   help=f"comma-separated keys of {SYSTEM_KEYS}, for every workload (default: all but "
-                        "ack-prepare on the synthetic states and train; dcp-async-thread-stager, ack-persistent and "
-                        "ack-prepare on llm and fsdp2; dcp-async-thread-stager and ack-persistent on sizesN)")
-    p.add_argument("--llm-config", default=None,
-                   help="the llm / fsdp2 GPT's size as n_layer=24,n_embd=560,n_head=8,block_size=128 (default those: "
-                        "~1 GiB of params + AdamW state in 1172 tensors; --quick: a tiny one)")
+
+    p = argparse.ArgumentParser(
+        prog=prog, description=benchmark.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help="comma-separated: SIZE/NTENSORS, sizesN[:LO-HI] (N tensors of N distinct sizes, 64K-1M "
+        f"unless given), 'llm', 'fsdp2' or 'train' (default {DEFAULT_WORKLOADS})",
+    )
+    p.add_argument(
+        "--systems",
+        default=None,
+        help=f"comma-separated keys of {SYSTEM_KEYS}, for every workload (default: all but "
+        "ack-prepare on the synthetic states and train; dcp-async-thread-stager, ack-persistent and "
+        "ack-prepare on llm and fsdp2; dcp-async-thread-stager and ack-persistent on sizesN)",
+    )
+    p.add_argument(
+        "--llm-config",
+        default=None,
+        help="the llm / fsdp2 GPT's size as n_layer=24,n_embd=560,n_head=8,block_size=128 (default those: "
+        "~1 GiB of params + AdamW state in 1172 tensors; --quick: a tiny one)",
+    )
     p.add_argument("--reps", type=int, default=3, help="saves after the first, per system (%(default)s)")
     p.add_argument("--big-reps", type=int, default=2, help="the same for states >= 2 GiB (%(default)s)")
-    p.add_argument("--llm-reps", type=int, default=5,
-                   help="saves after the first, per system, on llm and fsdp2 (%(default)s: their stalls vary "
-                        "more on a shared machine)")
-    p.add_argument("--sizes-warmup", type=int, default=SIZES_WARMUP,
-                   help="saves after the first and before the measured ones on the sizesN workloads (%(default)s: "
-                        "past the 33 records of a size after which asyncckpt's writer merges its CRC)")
-    p.add_argument("--load-reps", type=int, default=None,
-                   help="loads per method (default: 5; cold reads of this disk vary up to 3x)")
-    p.add_argument("--techniques", default="1G/16,1G/4096",
-                   help="workloads on which asyncckpt's techniques are measured one by one ('' for none)")
+    p.add_argument(
+        "--llm-reps",
+        type=int,
+        default=5,
+        help="saves after the first, per system, on llm and fsdp2 (%(default)s: their stalls vary "
+        "more on a shared machine)",
+    )
+    p.add_argument(
+        "--sizes-warmup",
+        type=int,
+        default=SIZES_WARMUP,
+        help="saves after the first and before the measured ones on the sizesN workloads (%(default)s: "
+        "past the 33 records of a size after which asyncckpt's writer merges its CRC)",
+    )
+    p.add_argument(
+        "--load-reps",
+        type=int,
+        default=None,
+        help="loads per method (default: 5; cold reads of this disk vary up to 3x)",
+    )
+    p.add_argument(
+        "--techniques",
+        default="1G/16,1G/4096",
+        help="workloads on which asyncckpt's techniques are measured one by one ('' for none)",
+    )
     p.add_argument("--technique-reps", type=int, default=2, help="saves after the first, per variant (%(default)s)")
-    p.add_argument("--train-steps", type=int, default=96,
-                   help="steps per training run at least (%(default)s), rounded up to a whole number of "
-                        "checkpoints at each K")
-    p.add_argument("--train-min-checkpoints", type=int, default=24,
-                   help="checkpoints per training run at least: a sparse K runs more steps (%(default)s: 384 "
-                        "steps at K = 16, whose 6 checkpoints in 96 steps cost less than the runs' own spread)")
+    p.add_argument(
+        "--train-steps",
+        type=int,
+        default=96,
+        help="steps per training run at least (%(default)s), rounded up to a whole number of checkpoints at each K",
+    )
+    p.add_argument(
+        "--train-min-checkpoints",
+        type=int,
+        default=24,
+        help="checkpoints per training run at least: a sparse K runs more steps (%(default)s: 384 "
+        "steps at K = 16, whose 6 checkpoints in 96 steps cost less than the runs' own spread)",
+    )
     p.add_argument("--train-reps", type=int, default=3, help="interleaved training runs per system (%(default)s)")
-    p.add_argument("--train-every", default="1,4,16",
-                   help="checkpoint every K steps, for each K of this comma-separated list (the issue's K = 1, 4, "
-                        "16); 'auto': a calibrated K where torch.save costs >= 50 %% and FACTOR*K (%(default)s)")
-    p.add_argument("--train-sparse-factor", type=int, default=4,
-                   help="with --train-every auto: also measure a checkpoint every FACTOR*K steps (1: not) "
-                        "(%(default)s)")
-    p.add_argument("--train-batch", type=int, default=1,
-                   help="sequences per step (%(default)s: the example's model at its default size, with a "
-                        "batch small enough that torch.save can cost >= 50 %%)")
+    p.add_argument(
+        "--train-every",
+        default="1,4,16",
+        help="checkpoint every K steps, for each K of this comma-separated list (the issue's K = 1, 4, "
+        "16); 'auto': a calibrated K where torch.save costs >= 50 %% and FACTOR*K (%(default)s)",
+    )
+    p.add_argument(
+        "--train-sparse-factor",
+        type=int,
+        default=4,
+        help="with --train-every auto: also measure a checkpoint every FACTOR*K steps (1: not) (%(default)s)",
+    )
+    p.add_argument(
+        "--train-batch",
+        type=int,
+        default=1,
+        help="sequences per step (%(default)s: the example's model at its default size, with a "
+        "batch small enough that torch.save can cost >= 50 %%)",
+    )
     p.add_argument("--no-train", action="store_true", help="skip the training-loop measurement")
-    p.add_argument("--lightning-mb", type=int, default=256,
-                   help="MiB of the Lightning checkpoint compared with Lightning's AsyncCheckpointIO "
-                        "(scripts/bench_lightning.py; needs the lightning extra; 0 to skip) (%(default)s)")
+    p.add_argument(
+        "--lightning-mb",
+        type=int,
+        default=256,
+        help="MiB of the Lightning checkpoint compared with Lightning's AsyncCheckpointIO "
+        "(scripts/bench_lightning.py; needs the lightning extra; 0 to skip) (%(default)s)",
+    )
     p.add_argument("--no-memory", action="store_true", help="do not sample memory")
-    p.add_argument("--share-dcp-daemon", action="store_true",
-                   help="keep DCP's process-executor daemon between systems (faster; its memory is then "
-                        "counted only where it was started; default with --quick)")
-    p.add_argument("--dir", default=None, help="directory to write into (default: a new temp dir under "
-                                                 f"{tempfile.gettempdir()}, removed at the end)")
+    p.add_argument(
+        "--share-dcp-daemon",
+        action="store_true",
+        help="keep DCP's process-executor daemon between systems (faster; its memory is then "
+        "counted only where it was started; default with --quick)",
+    )
+    p.add_argument(
+        "--dir",
+        default=None,
+        help=f"directory to write into (default: a new temp dir under {tempfile.gettempdir()}, removed at the end)",
+    )
     p.add_argument("--json", default="bench_results.json", help="JSON output (%(default)s)")
     p.add_argument("--png", default=None, help="PNG chart (default: bench_results.png; '' for none)")
     p.add_argument("--md", default=None, help="also write the markdown here")
     p.add_argument("--quick", action="store_true", help="smoke run: a few MiB, 2 reps, tiny training run (< 60 s)")
-    p.add_argument("--render", metavar="JSON", help="measure nothing: print the markdown (and --md, --png) of "
-                                                    "an earlier run's JSON")
+    p.add_argument(
+        "--render",
+        metavar="JSON",
+        help="measure nothing: print the markdown (and --md, --png) of an earlier run's JSON",
+    )
     args = p.parse_args(argv)
     if args.render:
         return args
@@ -116,8 +172,14 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     return args
 
 
-def run_workload(spec: str, systems: list[System], args: argparse.Namespace, llm_cfg: dict[str, int] | None,
-                 base: Path, sampler: MemorySampler) -> tuple[dict[str, Any], list[str]]:
+def run_workload(
+    spec: str,
+    systems: list[System],
+    args: argparse.Namespace,
+    llm_cfg: dict[str, int] | None,
+    base: Path,
+    sampler: MemorySampler,
+) -> tuple[dict[str, Any], list[str]]:
     """One workload (not fsdp2): each system's saves between raw writes + fsyncs of the
     same bytes, the memcpy limit before and after, the loads of the kept checkpoints,
     and asyncckpt's techniques where --techniques names it.
@@ -146,8 +208,17 @@ def run_workload(spec: str, systems: list[System], args: argparse.Namespace, llm
         log(f"  {s.name}")
         if s.key == "ack-prepare":
             s.prepare_sd = sd  # type: ignore[attr-defined]
-        r = run_system(s, sd, wdir / s.key, saves, sampler, nbytes, keep_last=s.loadable, warmup=warmup,
-                       interleave=(lambda: raw_write(host, raw_path)) if info.get("interleave_raw") else None)
+        r = run_system(
+            s,
+            sd,
+            wdir / s.key,
+            saves,
+            sampler,
+            nbytes,
+            keep_last=s.loadable,
+            warmup=warmup,
+            interleave=(lambda: raw_write(host, raw_path)) if info.get("interleave_raw") else None,
+        )
         raw_times.append(raw_write(host, raw_path))
         r["raw_write_before_s"], r["raw_write_after_s"] = raw_times[-2], raw_times[-1]
         r["raw_write_adjacent_s"] = (raw_times[-2] + raw_times[-1]) / 2
@@ -155,12 +226,18 @@ def run_workload(spec: str, systems: list[System], args: argparse.Namespace, llm
             kept[s.key] = Path(r.pop("_last_path"))
         w["systems"][s.name] = r
     memcpy_times += bench_memcpy(sd, 3)
-    w["limits"].update({
-        "memcpy_s": min(memcpy_times), "memcpy_all_s": memcpy_times,
-        "raw_write_fsync_s": med(raw_times), "raw_write_fsync_all_s": raw_times})
+    w["limits"].update(
+        {
+            "memcpy_s": min(memcpy_times),
+            "memcpy_all_s": memcpy_times,
+            "raw_write_fsync_s": med(raw_times),
+            "raw_write_fsync_all_s": raw_times,
+        }
+    )
     log("  loads")
-    w["loads"] = bench_loads(sd, kept, raw_path, min(args.load_reps, reps) if nbytes >= 2 * GiB
-                             else args.load_reps, host)
+    w["loads"] = bench_loads(
+        sd, kept, raw_path, min(args.load_reps, reps) if nbytes >= 2 * GiB else args.load_reps, host
+    )
     w["limits"]["raw_read_cold_s"] = w["loads"]["raw read (cold cache)"]["s"]
     w["limits"]["raw_read_warm_s"] = w["loads"]["raw read (warm cache)"]["s"]
     for path in kept.values():
@@ -235,11 +312,21 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             free_memory()
         if not args.no_train:
             log("training loop")
-            every = (None if args.train_every.strip() == "auto"
-                     else [int(k) for k in args.train_every.split(",") if k.strip()])
-            res["training"] = bench_training(base / "train", args.train_steps, args.train_reps, every,
-                                             args.train_batch, None, args.train_sparse_factor,
-                                             args.train_min_checkpoints)
+            every = (
+                None
+                if args.train_every.strip() == "auto"
+                else [int(k) for k in args.train_every.split(",") if k.strip()]
+            )
+            res["training"] = bench_training(
+                base / "train",
+                args.train_steps,
+                args.train_reps,
+                every,
+                args.train_batch,
+                None,
+                args.train_sparse_factor,
+                args.train_min_checkpoints,
+            )
         if args.lightning_mb:
             try:
                 import bench_lightning
@@ -247,8 +334,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 res["skipped"].append(f"Lightning plugins: {exc}")
             else:
                 log("Lightning: AsyncckptCheckpointIO against AsyncCheckpointIO")
-                res["lightning"] = bench_lightning.run(reps=args.reps, size_mb=args.lightning_mb,
-                                                       directory=base / "lightning")
+                res["lightning"] = bench_lightning.run(
+                    reps=args.reps, size_mb=args.lightning_mb, directory=base / "lightning"
+                )
                 res["lightning_md"] = bench_lightning.render_markdown(res["lightning"])
     finally:
         sampler.close()

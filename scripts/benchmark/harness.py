@@ -22,10 +22,20 @@ from benchmark.memory import MemorySampler
 from benchmark.systems import Asyncckpt, Pending, System, manager_params, param_default
 
 
-def run_system(system: System, sd: Any, root: Path, saves: int, sampler: MemorySampler, nbytes: int,
-               keep_last: bool = False, interval_s: float | None = None, cleanup: bool = True,
-               before: Callable[[], None] | None = None, warmup: int = 0,
-               interleave: Callable[[], float] | None = None) -> dict[str, Any]:
+def run_system(
+    system: System,
+    sd: Any,
+    root: Path,
+    saves: int,
+    sampler: MemorySampler,
+    nbytes: int,
+    keep_last: bool = False,
+    interval_s: float | None = None,
+    cleanup: bool = True,
+    before: Callable[[], None] | None = None,
+    warmup: int = 0,
+    interleave: Callable[[], float] | None = None,
+) -> dict[str, Any]:
     """``saves`` saves of ``sd`` (the first one cold) with one system.
 
     Default protocol: save, wait until staged (stall), mutate, wait until committed,
@@ -108,19 +118,30 @@ def run_system(system: System, sd: Any, root: Path, saves: int, sampler: MemoryS
         system.close()
     free_memory()
     out: dict[str, Any] = {
-        "first_stall_s": stalls[0], "stall_s": med(stalls[m:]), "mean_stall_s": statistics.fmean(stalls[m:]),
-        "returns_s": med(returns[m:]), "stalls_s": stalls, "warmup_saves": warmup,
-        "maybe_finalize_s": med(polls) if polls else None, "maybe_finalize_max_s": max(polls) if polls else None,
+        "first_stall_s": stalls[0],
+        "stall_s": med(stalls[m:]),
+        "mean_stall_s": statistics.fmean(stalls[m:]),
+        "returns_s": med(returns[m:]),
+        "stalls_s": stalls,
+        "warmup_saves": warmup,
+        "maybe_finalize_s": med(polls) if polls else None,
+        "maybe_finalize_max_s": max(polls) if polls else None,
         "maybe_finalize_calls": len(polls),
-        "peak_extra_bytes": peak, "peak_extra_ratio": peak / nbytes,
+        "peak_extra_bytes": peak,
+        "peak_extra_ratio": peak / nbytes,
     }
     if interval_s is None:
-        out.update({
-            "first_committed_s": committed[0], "committed_s": med(committed[m:]),
-            "gbps": nbytes / med(committed[m:]) / 1e9, "committed_all_s": committed,
-            "extra_after_first_bytes": after[0], "extra_after_last_bytes": after[-1],
-            "extra_after_each_bytes": after,
-        })
+        out.update(
+            {
+                "first_committed_s": committed[0],
+                "committed_s": med(committed[m:]),
+                "gbps": nbytes / med(committed[m:]) / 1e9,
+                "committed_all_s": committed,
+                "extra_after_first_bytes": after[0],
+                "extra_after_last_bytes": after[-1],
+                "extra_after_each_bytes": after,
+            }
+        )
         if len(phases) == saves:  # asyncckpt: its own account of each save
             out.update({k: med([ph[k] for ph in phases[m:]]) for k in ("write_s", "finalize_s", "total_s")})
             out["phases_all"] = phases
@@ -136,8 +157,10 @@ def run_system(system: System, sd: Any, root: Path, saves: int, sampler: MemoryS
 
 # ============================================================================ loads
 
-def bench_loads(sd: Any, kept: dict[str, Path], raw_path: Path, reps: int,
-                host: list[torch.Tensor] | None = None) -> dict[str, dict[str, Any]]:
+
+def bench_loads(
+    sd: Any, kept: dict[str, Path], raw_path: Path, reps: int, host: list[torch.Tensor] | None = None
+) -> dict[str, dict[str, Any]]:
     """Load times, each from a cold page cache (the files' pages dropped before each).
     The raw read reads into ``host`` (default: the state's own tensors)."""
     host = list(tensors_of(sd)) if host is None else host
@@ -155,8 +178,9 @@ def bench_loads(sd: Any, kept: dict[str, Path], raw_path: Path, reps: int,
     if "dcp" in kept:
         loads.append(("dcp.load (dcp.save checkpoint)", kept["dcp"], lambda p: dcp.load(sd, checkpoint_id=str(p))))
     if "torch.save" in kept:
-        loads.append(("torch.load (torch.save file)", kept["torch.save"],
-                      lambda p: torch.load(p, weights_only=True, mmap=False)))
+        loads.append(
+            ("torch.load (torch.save file)", kept["torch.save"], lambda p: torch.load(p, weights_only=True, mmap=False))
+        )
     times: dict[str, list[float]] = {name: [] for name, _, _ in loads}
     for _ in range(reps):  # round-robin: every method sees the same drift of the disk
         for name, path, fn in loads:
@@ -176,8 +200,10 @@ def bench_loads(sd: Any, kept: dict[str, Path], raw_path: Path, reps: int,
 
 # ============================================================================ techniques
 
-def bench_techniques(sd: Any, root: Path, saves: int, sampler: MemorySampler, nbytes: int,
-                     write_time: float) -> tuple[dict[str, dict[str, Any]], list[str]]:
+
+def bench_techniques(
+    sd: Any, root: Path, saves: int, sampler: MemorySampler, nbytes: int, write_time: float
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """asyncckpt's techniques, one at a time, against the persistent default."""
     params = manager_params()
     out: dict[str, dict[str, Any]] = {}
@@ -193,8 +219,12 @@ def bench_techniques(sd: Any, root: Path, saves: int, sampler: MemorySampler, nb
         out[name] = run_system(sysm, sd, root / "tech", saves, sampler, nbytes)
 
     defaults = {n: param_default(n) for n in ("staging_buffers", "copy_threads", "write_threads", "plan_cache")}
-    variant("default (persistent, buffers reused; "
-            + ", ".join(f"{k}={v}" for k, v in defaults.items() if v is not inspect.Parameter.empty) + ")", [])
+    variant(
+        "default (persistent, buffers reused; "
+        + ", ".join(f"{k}={v}" for k, v in defaults.items() if v is not inspect.Parameter.empty)
+        + ")",
+        [],
+    )
     # (a) fresh staging buffers: a new manager for every save (its worker is started
     # before the save, as CheckpointManager does, so only the buffer is cold).
     log("  technique: fresh buffers (new CheckpointManager per save)")
@@ -216,8 +246,13 @@ def bench_techniques(sd: Any, root: Path, saves: int, sampler: MemorySampler, nb
         remove(mgr.step_dir(i))
     peak = sampler.peak() - base
     out["fresh buffers (new manager per save)"] = {
-        "stall_s": med(stalls), "first_stall_s": stalls[0], "committed_s": med(committed),
-        "peak_extra_bytes": peak, "peak_extra_ratio": peak / nbytes, "stalls_s": stalls}
+        "stall_s": med(stalls),
+        "first_stall_s": stalls[0],
+        "committed_s": med(committed),
+        "peak_extra_bytes": peak,
+        "peak_extra_ratio": peak / nbytes,
+        "stalls_s": stalls,
+    }
     free_memory()
     # (b) copy threads, (c) writer threads: 1 and one per CPU, whichever is not the default
     for knob in ("copy_threads", "write_threads"):

@@ -29,8 +29,11 @@ def bench_memcpy(sd: Any, reps: int, before: Callable[[], None] | None = None) -
     cuda = any(t.is_cuda for t in src)
     for d, s in zip(dst, src):
         d.copy_(s)  # warm: pages faulted in
-    moves = [(d.data_ptr(), s.data_ptr(), s.numel() * s.element_size()) for d, s in zip(dst, src)
-             if not cuda and s.is_contiguous()]
+    moves = [
+        (d.data_ptr(), s.data_ptr(), s.numel() * s.element_size())
+        for d, s in zip(dst, src)
+        if not cuda and s.is_contiguous()
+    ]
     times = []
     for _ in range(reps):
         before()

@@ -47,8 +47,15 @@ LLM_FULL = {"n_layer": 24, "n_head": 8, "n_embd": 560, "block_size": 128}
 LLM_TINY = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 32}
 
 #: What the fsdp2 ranks import, once, in the forkserver they fork from.
-RANK_PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
-                "torch.distributed.fsdp", "asyncckpt.manager", "asyncckpt.saving.saver", "asyncckpt.loading.api")
+RANK_PRELOAD = (
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "asyncckpt.manager",
+    "asyncckpt.saving.saver",
+    "asyncckpt.loading.api",
+)
 
 #: asyncckpt and DCP, the systems the LLM workloads compare (keys of benchmark.systems).
 LLM_SYSTEMS = ("dcp-async-thread-stager", "ack-persistent", "ack-prepare")
@@ -88,6 +95,7 @@ def build_llm(cfg: dict[str, int], fsdp: bool = False, rank: int = 0) -> tuple[A
     model = train.GPT(train.GPTConfig(cfg["block_size"], cfg["n_layer"], cfg["n_head"], cfg["n_embd"], 0.0)).to(dev)
     if fsdp:
         from torch.distributed.fsdp import fully_shard
+
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
@@ -106,14 +114,17 @@ def build_llm(cfg: dict[str, int], fsdp: bool = False, rank: int = 0) -> tuple[A
 def local_tensors(sd: Any) -> list[torch.Tensor]:
     """The rank's own bytes: DTensors' local shards, plain tensors as they are."""
     from torch.distributed.tensor import DTensor
+
     return [t.to_local() if isinstance(t, DTensor) else t for t in tensors_of(sd)]
 
 
 # ============================================================================ fsdp2 ranks
 
+
 def _concurrent_raw_write(host: list[torch.Tensor], path: Path) -> float:
     """Both ranks write + fsync their local bytes at once (started by a barrier)."""
     import torch.distributed as dist
+
     dist.barrier()
     return raw_write(host, path)
 
@@ -122,6 +133,7 @@ def _memcpy_alone(local: list[torch.Tensor], rank: int, world_size: int) -> list
     """The memcpy of this rank's bytes while the other ranks wait (shown beside the
     limit, which is every rank copying at once, as every rank stages at once)."""
     import torch.distributed as dist
+
     times: list[float] = []
     for r in range(world_size):
         dist.barrier()
@@ -131,8 +143,9 @@ def _memcpy_alone(local: list[torch.Tensor], rank: int, world_size: int) -> list
     return times
 
 
-def fsdp_rank(rank: int, world_size: int, cfg: dict[str, int], reps: int, directory: str,
-              systems: tuple[str, ...]) -> dict[str, Any]:
+def fsdp_rank(
+    rank: int, world_size: int, cfg: dict[str, int], reps: int, directory: str, systems: tuple[str, ...]
+) -> dict[str, Any]:
     """One rank of the ``fsdp2`` workload: each system's saves, then its limits.
 
     Returns this rank's figures: ``bytes`` (local), ``limits`` (``memcpy_s`` best of
@@ -169,8 +182,7 @@ def fsdp_rank(rank: int, world_size: int, cfg: dict[str, int], reps: int, direct
         if rank == 0:
             log(f"  {system.name} ({world_size} ranks)")
         dist.barrier()
-        r = run_system(system, sd, root / key, reps + 1, sampler, nbytes, cleanup=False,
-                             before=dist.barrier)
+        r = run_system(system, sd, root / key, reps + 1, sampler, nbytes, cleanup=False, before=dist.barrier)
         dist.barrier()  # every rank committed: the coordinator removes the steps
         if rank == 0:
             shutil.rmtree(root / key, ignore_errors=True)
@@ -180,21 +192,31 @@ def fsdp_rank(rank: int, world_size: int, cfg: dict[str, int], reps: int, direct
         out["systems"][system.name] = r
     memcpy_times += bench_memcpy(local, 3, before=dist.barrier)
     raw_path.unlink(missing_ok=True)
-    out["limits"] = {"memcpy_s": min(memcpy_times), "memcpy_all_s": memcpy_times,
-                     "memcpy_alone_s": min(alone_times),
-                     "raw_write_fsync_s": med(raw_times), "raw_write_fsync_all_s": raw_times}
+    out["limits"] = {
+        "memcpy_s": min(memcpy_times),
+        "memcpy_all_s": memcpy_times,
+        "memcpy_alone_s": min(alone_times),
+        "raw_write_fsync_s": med(raw_times),
+        "raw_write_fsync_all_s": raw_times,
+    }
     return out
 
 
 def _rank_entry(rank: int, world_size: int, port: int, args: tuple, out: Any) -> None:
     import torch.distributed as dist
+
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # as torchrun sets it (all ranks on this node)
     try:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(model_device(rank))
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=300))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=300),
+        )
         try:
             out.put((rank, True, fsdp_rank(rank, world_size, *args)))
         finally:
@@ -209,8 +231,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_fsdp(cfg: dict[str, int], reps: int, directory: Path, world_size: int = 2,
-             systems: tuple[str, ...] = LLM_SYSTEMS, timeout_s: float = 1200.0) -> dict[str, Any]:
+def run_fsdp(
+    cfg: dict[str, int],
+    reps: int,
+    directory: Path,
+    world_size: int = 2,
+    systems: tuple[str, ...] = LLM_SYSTEMS,
+    timeout_s: float = 1200.0,
+) -> dict[str, Any]:
     """The ``fsdp2`` workload on ``world_size`` ranks (processes forked from a forkserver;
     gloo on 127.0.0.1, a free port).
 
@@ -233,8 +261,10 @@ def run_fsdp(cfg: dict[str, int], reps: int, directory: Path, world_size: int = 
     # Ranks share this machine's cores: one compute thread each (set before spawning,
     # inherited; restored below).
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // world_size))
-    procs = [ctx.Process(target=_rank_entry, args=(r, world_size, port, (cfg, reps, str(directory), systems), out))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_rank_entry, args=(r, world_size, port, (cfg, reps, str(directory), systems), out))
+        for r in range(world_size)
+    ]
     results: dict[int, tuple[bool, Any]] = {}
     try:
         for p in procs:
@@ -280,6 +310,7 @@ def run_fsdp(cfg: dict[str, int], reps: int, directory: Path, world_size: int = 
 def _kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and its descendants (a rank and the writer processes it started)."""
     import signal
+
     kids: list[int] = []
     stack = [pid]
     while stack:
@@ -321,23 +352,32 @@ def aggregate(ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def render_fsdp(f: dict[str, Any], reps: int) -> list[str]:
     """Markdown lines of the fsdp2 workload."""
     ranks = f["ranks"]
-    L = [f"## fsdp2: the llm workload under FSDP2, {len(ranks)} ranks ({f['label']})\n",
-         "Per rank: " + "; ".join(
-             f"rank {r['rank']} {r['bytes'] / GiB:.3f} GiB local in {r['tensors']} tensors, memcpy "
-             f"{fmt_ms(r['limits']['memcpy_s'])} ms (every rank at once; alone "
-             f"{fmt_ms(r['limits'].get('memcpy_alone_s'))} ms), raw write+fsync "
-             f"{fmt_ms(r['limits']['raw_write_fsync_s'])} ms"
-             for r in ranks)
-         + f". Medians of {reps} saves after the first, the ranks starting each save together (a barrier, "
-           "as a training step's collectives leave them); every figure is the largest over the ranks of the "
-           "rank's own median (ratios: of the rank's own ratio to its local memcpy / the raw writes right "
-           "before and after the system, every rank copying / writing at once).\n",
-         ("| system | stall (ms) | stall / memcpy | first stall (ms) | committed (ms) | committed / raw write "
-          "around it | stall per rank (ms) |"),
-         "|---|---:|---:|---:|---:|---:|---:|"]
+    L = [
+        f"## fsdp2: the llm workload under FSDP2, {len(ranks)} ranks ({f['label']})\n",
+        "Per rank: "
+        + "; ".join(
+            f"rank {r['rank']} {r['bytes'] / GiB:.3f} GiB local in {r['tensors']} tensors, memcpy "
+            f"{fmt_ms(r['limits']['memcpy_s'])} ms (every rank at once; alone "
+            f"{fmt_ms(r['limits'].get('memcpy_alone_s'))} ms), raw write+fsync "
+            f"{fmt_ms(r['limits']['raw_write_fsync_s'])} ms"
+            for r in ranks
+        )
+        + f". Medians of {reps} saves after the first, the ranks starting each save together (a barrier, "
+        "as a training step's collectives leave them); every figure is the largest over the ranks of the "
+        "rank's own median (ratios: of the rank's own ratio to its local memcpy / the raw writes right "
+        "before and after the system, every rank copying / writing at once).\n",
+        (
+            "| system | stall (ms) | stall / memcpy | first stall (ms) | committed (ms) | committed / raw write "
+            "around it | stall per rank (ms) |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, s in f["systems"].items():
-        L.append(f"| {name} | {fmt_ms(s['stall_s'])} | {s['stall_memcpy_ratio']:.2f}x | {fmt_ms(s['first_stall_s'])} | "
-                 f"{fmt_ms(s['committed_s'])} | {s['committed_raw_ratio']:.2f}x | "
-                 + " / ".join(fmt_ms(x) for x in s["stall_by_rank_s"]) + " |")
+        L.append(
+            f"| {name} | {fmt_ms(s['stall_s'])} | {s['stall_memcpy_ratio']:.2f}x | {fmt_ms(s['first_stall_s'])} | "
+            f"{fmt_ms(s['committed_s'])} | {s['committed_raw_ratio']:.2f}x | "
+            + " / ".join(fmt_ms(x) for x in s["stall_by_rank_s"])
+            + " |"
+        )
     L.append("")
     return L

@@ -21,6 +21,7 @@ from benchmark.common import ROOT, GiB
 def sources_sha1() -> str:
     """A hash of asyncckpt's sources as measured (the working tree may be uncommitted)."""
     import hashlib
+
     h = hashlib.sha1()
     pkg = Path(asyncckpt.__file__).parent
     for f in sorted(pkg.rglob("*.py")):
@@ -30,10 +31,15 @@ def sources_sha1() -> str:
 
 def git_head() -> str:
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "asyncckpt"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "asyncckpt"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return out + (" + uncommitted asyncckpt changes" if dirty else "")
     except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
         return "?"
@@ -54,12 +60,22 @@ def machine_info(directory: Path) -> dict[str, Any]:
             if str(directory.resolve()).startswith(mnt) and len(mnt) >= len(best):
                 best, fs = mnt, f"{kind} ({dev} at {mnt})"
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu_count": os.cpu_count(),
-            "cpu_model": cpu_model, "torch": torch.__version__, "cuda": torch.cuda.is_available(),
-            "python": platform.python_version(), "platform": platform.platform(), "ram_gib": ram, "fs": fs,
-            "asyncckpt": asyncckpt.__version__, "torch_threads": torch.get_num_threads(),
-            "loadavg_start": os.getloadavg(), "asyncckpt_sources_sha1": sources_sha1(),
-            "git_head": git_head()}
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "ram_gib": ram,
+        "fs": fs,
+        "asyncckpt": asyncckpt.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_start": os.getloadavg(),
+        "asyncckpt_sources_sha1": sources_sha1(),
+        "git_head": git_head(),
+    }
 
 
 def init_process_group() -> None:

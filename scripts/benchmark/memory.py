@@ -80,8 +80,12 @@ class MemorySampler:
         self.enabled = enabled
         self.proc = None
         if enabled:
-            self.proc = subprocess.Popen([sys.executable, "-c", _SAMPLER, str(os.getpid()), str(interval)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _SAMPLER, str(os.getpid()), str(interval)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
 
     def _ask(self, cmd: str) -> tuple[int, int]:
         if self.proc is None:

@@ -32,10 +32,15 @@ class Pending:
     ``done()``: the benchmark times ``poll`` while the commit is pending; ``phases()``,
     once committed, the save's own timings (:data:`PHASES`), or ``None``."""
 
-    def __init__(self, path: Path, staged: Callable[[], Any] = lambda: None,
-                 committed: Callable[[], Any] = lambda: None, poll: Callable[[], Any] | None = None,
-                 done: Callable[[], bool] | None = None,
-                 phases: Callable[[], dict[str, float] | None] = lambda: None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        staged: Callable[[], Any] = lambda: None,
+        committed: Callable[[], Any] = lambda: None,
+        poll: Callable[[], Any] | None = None,
+        done: Callable[[], bool] | None = None,
+        phases: Callable[[], dict[str, float] | None] = lambda: None,
+    ) -> None:
         self.path, self.staged, self.committed = path, staged, committed
         self.poll, self.done, self.phases = poll, done, phases
 
@@ -69,6 +74,7 @@ def terminate_dcp_daemon() -> None:
     """Stop DCP's process-executor daemon (a module global) so that the next system
     starts without it and its memory is freed."""
     import torch.distributed.checkpoint._async_process_executor as ape
+
     proc = getattr(ape, "_CHECKPOINT_PROCESS", None)
     if proc is None:
         return
@@ -124,8 +130,7 @@ class DcpSave(System):
 class DcpAsync(System):
     def __init__(self, process: bool, stager: bool) -> None:
         self.process, self.use_stager = process, stager
-        self.name = (f"dcp.async_save {'process' if process else 'thread'}"
-                     + (" + DefaultStager" if stager else ""))
+        self.name = f"dcp.async_save {'process' if process else 'thread'}" + (" + DefaultStager" if stager else "")
         self.key = f"dcp-async-{'process' if process else 'thread'}" + ("-stager" if stager else "")
         self.stager: Any = None
 
@@ -133,16 +138,23 @@ class DcpAsync(System):
         super().open(root)
         if self.use_stager:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
             # The best options on a CPU-only host: pinned memory and non-blocking copies
             # need an accelerator; shared memory hands the staged tensors to the
             # process executor without a copy; the copy runs in the stager's thread and
             # its buffers are cached across saves (same state dict objects).
-            self.stager = DefaultStager(StagingOptions(
-                use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
-                use_async_staging=True, use_non_blocking_copy=torch.cuda.is_available()))
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=torch.cuda.is_available(),
+                    use_shared_memory=True,
+                    use_async_staging=True,
+                    use_non_blocking_copy=torch.cuda.is_available(),
+                )
+            )
 
     def save(self, i: int, sd: Any) -> Pending:
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
         path = self.root / f"ckpt_{i}"
         kind = AsyncCheckpointerType.PROCESS if self.process else AsyncCheckpointerType.THREAD
         r = dcp.async_save(sd, checkpoint_id=str(path), async_checkpointer_type=kind, async_stager=self.stager)
@@ -162,8 +174,9 @@ class Asyncckpt(System):
     """asyncckpt through ``CheckpointManager`` (keep_last=None: old steps are removed by
     the benchmark, outside the timed region)."""
 
-    def __init__(self, name: str, key: str, *, sync: bool = False, overlap: bool = False,
-                 loadable: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, name: str, key: str, *, sync: bool = False, overlap: bool = False, loadable: bool = False, **kwargs: Any
+    ) -> None:
         self.name, self.key, self.sync, self.overlap, self.loadable = name, key, sync, overlap, loadable
         self.kwargs = dict(kwargs)
         if overlap:
@@ -188,8 +201,14 @@ class Asyncckpt(System):
             return Pending(mgr.step_dir(i), phases=lambda: save_phases(handle))
         handle = mgr.save(i, sd)
         staged = getattr(mgr, "synchronize_staging", None) or handle.synchronize_staging
-        return Pending(mgr.step_dir(i), staged if self.overlap else (lambda: None), handle.wait,
-                       poll=mgr.maybe_finalize, done=handle.done, phases=lambda: save_phases(handle))
+        return Pending(
+            mgr.step_dir(i),
+            staged if self.overlap else (lambda: None),
+            handle.wait,
+            poll=mgr.maybe_finalize,
+            done=handle.done,
+            phases=lambda: save_phases(handle),
+        )
 
     def close(self) -> None:
         if self.mgr is not None:

@@ -7,8 +7,11 @@ from typing import Any
 from benchmark.common import MiB
 from benchmark.figures import committed_ratio, fmt_ms, fmt_x
 
-ACK, ACK_PREP, DCP_STAGER = ("asyncckpt persistent", "asyncckpt persistent + prepare()",
-                              "dcp.async_save thread + DefaultStager")
+ACK, ACK_PREP, DCP_STAGER = (
+    "asyncckpt persistent",
+    "asyncckpt persistent + prepare()",
+    "dcp.async_save thread + DefaultStager",
+)
 
 
 def issue11_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -18,8 +21,14 @@ def issue11_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
 
     def row(target: str, goal: str, measured: str | None, met: bool | None) -> None:
-        rows.append({"target": target, "goal": goal, "measured": measured or "not measured in this run",
-                     "met": met if measured else None})
+        rows.append(
+            {
+                "target": target,
+                "goal": goal,
+                "measured": measured or "not measured in this run",
+                "met": met if measured else None,
+            }
+        )
 
     def sys_of(wname: str, sname: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         w = wls.get(wname)
@@ -44,15 +53,23 @@ def issue11_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         txt = f"{fmt_ms(a['stall_s'])} ms = {fmt_x(a['stall_memcpy_ratio'])} memcpy (max over ranks)"
         if d:
             txt += f"; DCP {fmt_ms(d['stall_s'])} ms = {fmt_x(d['stall_memcpy_ratio'])}"
-        row("steady stall, FSDP2 (2 ranks)", "<= 1.3x memcpy and below DCP's", txt,
-            a["stall_memcpy_ratio"] <= 1.3 and (d is None or a["stall_s"] < d["stall_s"]))
+        row(
+            "steady stall, FSDP2 (2 ranks)",
+            "<= 1.3x memcpy and below DCP's",
+            txt,
+            a["stall_memcpy_ratio"] <= 1.3 and (d is None or a["stall_s"] < d["stall_s"]),
+        )
     else:
         row("steady stall, FSDP2 (2 ranks)", "<= 1.3x memcpy and below DCP's", None, None)
     w, a = sys_of("1G/4096", ACK)
     if w and a:
         r = a["stall_s"] / w["limits"]["memcpy_s"]
-        row("steady stall, 1 GiB in 4096 tensors", "<= 1.5x memcpy",
-            f"{fmt_ms(a['stall_s'])} ms = {fmt_x(r)} memcpy ({fmt_ms(w['limits']['memcpy_s'])} ms)", r <= 1.5)
+        row(
+            "steady stall, 1 GiB in 4096 tensors",
+            "<= 1.5x memcpy",
+            f"{fmt_ms(a['stall_s'])} ms = {fmt_x(r)} memcpy ({fmt_ms(w['limits']['memcpy_s'])} ms)",
+            r <= 1.5,
+        )
     else:
         row("steady stall, 1 GiB in 4096 tensors", "<= 1.5x memcpy", None, None)
     for wname in ("1G/16", "1G/4096"):
@@ -60,8 +77,12 @@ def issue11_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         label = f"committed, {wname.split('/')[1]} tensors ({wname})"
         if w and a:
             r = committed_ratio(a, w["limits"])
-            row(label, "<= 1.1x raw write + fsync",
-                f"{fmt_ms(a['committed_s'])} ms = {fmt_x(r)} raw write+fsync", r <= 1.1)
+            row(
+                label,
+                "<= 1.1x raw write + fsync",
+                f"{fmt_ms(a['committed_s'])} ms = {fmt_x(r)} raw write+fsync",
+                r <= 1.1,
+            )
         else:
             row(label, "<= 1.1x raw write + fsync", None, None)
     w, a = sys_of("llm", ACK)
@@ -69,9 +90,12 @@ def issue11_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     _, d = sys_of("llm", DCP_STAGER)
     for sysfig, label in ((a, "first save, LLM state (default)"), (p, "first save, LLM state (with prepare())")):
         if sysfig and d:
-            row(label, "<= DCP's first async_save",
+            row(
+                label,
+                "<= DCP's first async_save",
                 f"{fmt_ms(sysfig['first_stall_s'])} ms; DCP {fmt_ms(d['first_stall_s'])} ms",
-                sysfig["first_stall_s"] <= d["first_stall_s"])
+                sysfig["first_stall_s"] <= d["first_stall_s"],
+            )
         else:
             row(label, "<= DCP's first async_save", None, None)
     for wname in ("1G/4096", "llm"):
@@ -99,9 +123,14 @@ def issue11_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         label = f"training loop, K = {k}"
         if a and t:
             o = sysk.get("asyncckpt persistent overlapped")
-            row(label, "slowdown below synchronous torch.save's",
-                f"{100 * a['slowdown']:+.1f} %" + (f" (overlapped {100 * o['slowdown']:+.1f} %)" if o else "")
-                + f"; torch.save {100 * t['slowdown']:+.1f} %", a["slowdown"] < t["slowdown"])
+            row(
+                label,
+                "slowdown below synchronous torch.save's",
+                f"{100 * a['slowdown']:+.1f} %"
+                + (f" (overlapped {100 * o['slowdown']:+.1f} %)" if o else "")
+                + f"; torch.save {100 * t['slowdown']:+.1f} %",
+                a["slowdown"] < t["slowdown"],
+            )
         else:
             row(label, "slowdown below synchronous torch.save's", None, None)
     for wname in ("1G/16", "1G/4096", "llm"):
@@ -110,11 +139,14 @@ def issue11_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         if w and a and a.get("peak_extra_bytes"):
             drift = (a["extra_after_last_bytes"] - a["extra_after_first_bytes"]) / w["bytes"]
             flat = abs(drift) <= 0.05
-            row(label, "<= 1.1x the state, flat",
+            row(
+                label,
+                "<= 1.1x the state, flat",
                 f"peak extra {fmt_x(a['peak_extra_ratio'])} the state (all processes); after #1 / last "
                 f"{a['extra_after_first_bytes'] / MiB:.0f} / {a['extra_after_last_bytes'] / MiB:.0f} MiB "
                 f"({'flat' if flat else f'{100 * drift:+.0f} % of the state'})",
-                a["peak_extra_ratio"] <= 1.1 and flat)
+                a["peak_extra_ratio"] <= 1.1 and flat,
+            )
         else:
             row(label, "<= 1.1x the state, flat", None, None)
     return rows

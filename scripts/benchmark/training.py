@@ -22,13 +22,28 @@ from benchmark.common import free_memory, log, med, state_bytes
 
 def train_defaults() -> dict[str, Any]:
     import train
+
     try:
         a = train.parse_args([])
-        return {"n_layer": a.n_layer, "n_head": a.n_head, "n_embd": a.n_embd, "block_size": a.block_size,
-                "lr": a.lr, "weight_decay": a.weight_decay, "dropout": a.dropout}
+        return {
+            "n_layer": a.n_layer,
+            "n_head": a.n_head,
+            "n_embd": a.n_embd,
+            "block_size": a.block_size,
+            "lr": a.lr,
+            "weight_decay": a.weight_decay,
+            "dropout": a.dropout,
+        }
     except (AttributeError, SystemExit):  # the example's command line changed: its documented defaults
-        return {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128, "lr": 1e-3,
-                "weight_decay": 0.1, "dropout": 0.1}
+        return {
+            "n_layer": 4,
+            "n_head": 4,
+            "n_embd": 128,
+            "block_size": 128,
+            "lr": 1e-3,
+            "weight_decay": 0.1,
+            "dropout": 0.1,
+        }
 
 
 class Trainer:
@@ -37,14 +52,17 @@ class Trainer:
     def __init__(self, batch_size: int, seed: int = 1337, **overrides: Any) -> None:
         import train
         from torch.distributed.checkpoint.state_dict import get_state_dict
+
         self._get_state_dict = get_state_dict
         cfg = {**train_defaults(), **overrides}
         self.cfg = {**cfg, "batch_size": batch_size}
         torch.manual_seed(seed)
-        self.model = train.GPT(train.GPTConfig(cfg["block_size"], cfg["n_layer"], cfg["n_head"], cfg["n_embd"],
-                                               cfg["dropout"]))
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95),
-                                     weight_decay=cfg["weight_decay"])
+        self.model = train.GPT(
+            train.GPTConfig(cfg["block_size"], cfg["n_layer"], cfg["n_head"], cfg["n_embd"], cfg["dropout"])
+        )
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=cfg["weight_decay"]
+        )
         self.vocab = getattr(train, "VOCAB", 256)
         gen = torch.Generator().manual_seed(seed)
         self.data = torch.randint(0, self.vocab, (64, batch_size, cfg["block_size"] + 1), generator=gen)
@@ -120,6 +138,7 @@ class TrainDcpAsync(TrainCkpt):
         super().open(root)
         if self.use_stager:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
             self.stager = DefaultStager(StagingOptions(False, True, True, False))
 
     def save(self, step: int, sd: Any) -> None:
@@ -218,12 +237,25 @@ def train_run(tr: Trainer, ck: TrainCkpt, steps: int, every: int, root: Path) ->
     finally:
         ck.close()
         shutil.rmtree(root, ignore_errors=True)
-    return {"time_s": total, "saves": saves, "blocked_s": sum(blocked.values()), "drain_s": drain,
-            **{f"blocked_{k}_s": v for k, v in blocked.items()}}
+    return {
+        "time_s": total,
+        "saves": saves,
+        "blocked_s": sum(blocked.values()),
+        "drain_s": drain,
+        **{f"blocked_{k}_s": v for k, v in blocked.items()},
+    }
 
 
-def bench_training(root: Path, steps: int, reps: int, every: list[int] | None, batch: int,
-                   systems: set[str] | None, sparse_factor: int = 4, min_checkpoints: int = 24) -> dict[str, Any]:
+def bench_training(
+    root: Path,
+    steps: int,
+    reps: int,
+    every: list[int] | None,
+    batch: int,
+    systems: set[str] | None,
+    sparse_factor: int = 4,
+    min_checkpoints: int = 24,
+) -> dict[str, Any]:
     """The training loop with a checkpoint every K steps, for every K of ``every``
     (``None``: a calibrated K, where synchronous torch.save costs >= 50 %, and
     ``sparse_factor`` * K), against no checkpoint: interleaved runs, medians. Each K
@@ -273,8 +305,9 @@ def bench_training(root: Path, steps: int, reps: int, every: list[int] | None, b
     steps_at = {kk: -(-max(steps, min_checkpoints * kk, 2 * kk) // kk) * kk for kk in ks}
     chosen = [(n, f) for n, f in train_systems() if systems is None or n in systems or n == "no checkpoint"]
     baselines = sorted(set(steps_at.values()))
-    configs = ([("no checkpoint", f, 0, n_steps) for n, f in chosen if n == "no checkpoint" for n_steps in baselines]
-               + [(n, f, kk, steps_at[kk]) for kk in ks for n, f in chosen if n != "no checkpoint"])
+    configs = [("no checkpoint", f, 0, n_steps) for n, f in chosen if n == "no checkpoint" for n_steps in baselines] + [
+        (n, f, kk, steps_at[kk]) for kk in ks for n, f in chosen if n != "no checkpoint"
+    ]
     runs: dict[tuple[str, int, int], list[dict[str, Any]]] = {(n, kk, st): [] for n, _, kk, st in configs}
     for rep in range(reps):
         for name, factory, kk, n_steps in configs:
@@ -285,19 +318,34 @@ def bench_training(root: Path, steps: int, reps: int, every: list[int] | None, b
     by_every: dict[int, dict[str, Any]] = {kk: {} for kk in ks}
     for (name, kk, n_steps), rs in runs.items():
         t = med([r["time_s"] for r in rs])
-        per = {b: med([r[f"blocked_{b}_s"] / max(1, r["saves"]) for r in rs])
-               for b in ("save", "staging_wait", "poll")}
-        entry = {"time_s": t, "slowdown": t / base[n_steps] - 1, "saves": rs[0]["saves"], "steps": n_steps,
-                 "blocked_per_save_s": med([r["blocked_s"] / max(1, r["saves"]) for r in rs]),
-                 **{f"blocked_{b}_per_save_s": v for b, v in per.items()},
-                 "drain_s": med([r["drain_s"] for r in rs]), "times_s": [r["time_s"] for r in rs]}
-        for target in ([kk2 for kk2 in ks if steps_at[kk2] == n_steps] if kk == 0 else [kk]):
+        per = {b: med([r[f"blocked_{b}_s"] / max(1, r["saves"]) for r in rs]) for b in ("save", "staging_wait", "poll")}
+        entry = {
+            "time_s": t,
+            "slowdown": t / base[n_steps] - 1,
+            "saves": rs[0]["saves"],
+            "steps": n_steps,
+            "blocked_per_save_s": med([r["blocked_s"] / max(1, r["saves"]) for r in rs]),
+            **{f"blocked_{b}_per_save_s": v for b, v in per.items()},
+            "drain_s": med([r["drain_s"] for r in rs]),
+            "times_s": [r["time_s"] for r in rs],
+        }
+        for target in [kk2 for kk2 in ks if steps_at[kk2] == n_steps] if kk == 0 else [kk]:
             by_every[target][name] = entry
     results = by_every[k]
-    return {"config": tr.cfg, "params": tr.n_params, "state_bytes": nbytes, "steps": steps_at[k], "every": k,
-            "auto_every": auto_k, "calib_step_s": step_s, "calib_torch_save_s": save_s,
-            "state_dict_s": med(sd_times),
-            "torch_save_target_met": results.get("torch.save (sync)", {}).get("slowdown", 0) >= 0.5,
-            "systems": results, "every_list": ks, "every_calibrated": not every,
-            "min_checkpoints": min_checkpoints,
-            "sparser": [{"every": kk, "steps": steps_at[kk], "systems": by_every[kk]} for kk in ks[1:]]}
+    return {
+        "config": tr.cfg,
+        "params": tr.n_params,
+        "state_bytes": nbytes,
+        "steps": steps_at[k],
+        "every": k,
+        "auto_every": auto_k,
+        "calib_step_s": step_s,
+        "calib_torch_save_s": save_s,
+        "state_dict_s": med(sd_times),
+        "torch_save_target_met": results.get("torch.save (sync)", {}).get("slowdown", 0) >= 0.5,
+        "systems": results,
+        "every_list": ks,
+        "every_calibrated": not every,
+        "min_checkpoints": min_checkpoints,
+        "sparser": [{"every": kk, "steps": steps_at[kk], "systems": by_every[kk]} for kk in ks[1:]],
+    }

@@ -71,8 +71,9 @@ def make_state(total_bytes: int, num_tensors: int, seed: int = 0) -> dict[str, t
 def make_sizes_state(n: int, lo: int, hi: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """``n`` float32 tensors of the ``n`` sizes of :func:`distinct_sizes`."""
     gen = torch.Generator().manual_seed(seed)
-    return {f"layer{i}.weight": torch.randn(size // 4, generator=gen)
-            for i, size in enumerate(distinct_sizes(n, lo, hi))}
+    return {
+        f"layer{i}.weight": torch.randn(size // 4, generator=gen) for i, size in enumerate(distinct_sizes(n, lo, hi))
+    }
 
 
 def default_systems(spec: str) -> list[str]:
@@ -88,8 +89,9 @@ def _size_label(nbytes: int) -> str:
     return f"{nbytes // MiB} MiB" if nbytes % MiB == 0 else f"{nbytes / KiB:g} KiB"
 
 
-def make_workload(spec: str, train_batch: int, llm_cfg: dict[str, int] | None = None,
-                  sizes_warmup: int = SIZES_WARMUP) -> tuple[Any, dict[str, Any]]:
+def make_workload(
+    spec: str, train_batch: int, llm_cfg: dict[str, int] | None = None, sizes_warmup: int = SIZES_WARMUP
+) -> tuple[Any, dict[str, Any]]:
     """The state of ``spec`` and what the report says of it: ``name``, ``label``,
     ``tensors``; ``warmup`` (saves after the first and before the measured ones) and
     ``interleave_raw`` (a raw write + fsync between the measured saves) where not 0 / False.
@@ -99,30 +101,48 @@ def make_workload(spec: str, train_batch: int, llm_cfg: dict[str, int] | None = 
     """
     if spec == "llm":
         from benchmark import llm
+
         cfg = llm_cfg or llm.LLM_FULL
         model, opt, sd = llm.build_llm(cfg)
         n_params = sum(p.numel() for p in model.parameters())
         del model, opt  # the state's tensors are the parameters and the optimizer's state
-        info = {"name": "llm", "label": (f"GPT {n_params / 1e6:.1f} M params + AdamW state from get_state_dict "
-                                         f"({llm.describe(cfg)}; model + optim nested dicts)"),
-                "tensors": len(list(tensors_of(sd))), "config": cfg}
+        info = {
+            "name": "llm",
+            "label": (
+                f"GPT {n_params / 1e6:.1f} M params + AdamW state from get_state_dict "
+                f"({llm.describe(cfg)}; model + optim nested dicts)"
+            ),
+            "tensors": len(list(tensors_of(sd))),
+            "config": cfg,
+        }
         return sd, info
     if spec == "train":
         from benchmark.training import Trainer
+
         tr = Trainer(train_batch)
         sd = tr.state_dict()
-        info = {"name": "train", "label": (f"training example: GPT {tr.n_params / 1e6:.2f} M params + AdamW "
-                                           f"({tr.cfg['n_layer']} layers, width {tr.cfg['n_embd']})"),
-                "tensors": len(list(tensors_of(sd)))}
+        info = {
+            "name": "train",
+            "label": (
+                f"training example: GPT {tr.n_params / 1e6:.2f} M params + AdamW "
+                f"({tr.cfg['n_layer']} layers, width {tr.cfg['n_embd']})"
+            ),
+            "tensors": len(list(tensors_of(sd))),
+        }
         del tr
         return sd, info
     sizes = sizes_spec(spec)
     if sizes is not None:
         n, lo, hi = sizes
         sd = make_sizes_state(n, lo, hi)
-        return sd, {"name": spec, "label": (f"{n} float32 tensors of {n} distinct sizes, {_size_label(lo)} to "
-                                            f"{_size_label(hi)}"),
-                    "tensors": n, "distinct_sizes": n, "warmup": sizes_warmup, "interleave_raw": True}
+        return sd, {
+            "name": spec,
+            "label": (f"{n} float32 tensors of {n} distinct sizes, {_size_label(lo)} to {_size_label(hi)}"),
+            "tensors": n,
+            "distinct_sizes": n,
+            "warmup": sizes_warmup,
+            "interleave_raw": True,
+        }
     if spec.startswith("sizes"):
         raise ValueError(f"workload {spec!r}: expected sizesN or sizesN:LO-HI (e.g. sizes200, sizes24:64K-96K)")
     size, _, n_str = spec.partition("/")

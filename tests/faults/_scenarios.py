@@ -38,8 +38,9 @@ import signal
 import subprocess
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import psutil
 import torch
@@ -50,7 +51,6 @@ from asyncckpt import AsyncRequest, CheckpointError, CheckpointException, Checkp
 from asyncckpt._faults import ENV as FAULT_ENV
 
 import helpers
-
 from . import _worker_side
 
 #: Seconds a failpoint sleeps to hold a writer at a known point. Longer than
@@ -282,8 +282,10 @@ def small_tmpfs(path: Path, size: str = TMPFS_SIZE, nr_inodes: int | None = None
 def remount(path: str | Path, mode: str) -> bool:
     """Remount the file system at ``path`` read-only (``"ro"``) or read-write (``"rw"``)."""
     try:
-        return subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], capture_output=True,
-                              timeout=30).returncode == 0
+        return (
+            subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], capture_output=True, timeout=30).returncode
+            == 0
+        )
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -312,8 +314,9 @@ def read_only_mechanism(mount_point: Path, mounted: bool) -> str:
 class Ctx:
     """What a scenario function gets: this rank, its manager, whether it injects."""
 
-    def __init__(self, rank: int, world: int, persistent: bool, root: Path, workdir: Path,
-                 faulty: bool, mechanism: str | None) -> None:
+    def __init__(
+        self, rank: int, world: int, persistent: bool, root: Path, workdir: Path, faulty: bool, mechanism: str | None
+    ) -> None:
         self.rank, self.world, self.persistent = rank, world, persistent
         self.root, self.workdir = root, workdir
         self.faulty = faulty
@@ -573,9 +576,11 @@ def sc_target_becomes_file(ctx: Ctx) -> None:
 
 
 def _handle_state(handle: asyncckpt.SaveHandle) -> dict[str, Any]:
-    state: dict[str, Any] = {"done": handle.done(),
-                             "exception": type(handle.exception(timeout=0) if handle.done() else None).__name__,
-                             "repr": repr(handle)}
+    state: dict[str, Any] = {
+        "done": handle.done(),
+        "exception": type(handle.exception(timeout=0) if handle.done() else None).__name__,
+        "repr": repr(handle),
+    }
     try:
         handle.wait(timeout=5)
         state["wait"] = "returned"
@@ -649,36 +654,61 @@ BOTH = ("temporal", "persistent")
 SCENARIOS: dict[str, dict[str, Any]] = {
     "kill_handoff": dict(fn=sc_kill_handoff, where="all", expect="either", needles=["SIGKILL"]),
     "kill_before_save": dict(fn=sc_kill_before_save, where="all", expect="committed", callers=("persistent",)),
-    "kill_during_staging": dict(fn=sc_kill_during_staging, where="all", expect="either", needles=["SIGKILL"],
-                                callers=("persistent",)),
+    "kill_during_staging": dict(
+        fn=sc_kill_during_staging, where="all", expect="either", needles=["SIGKILL"], callers=("persistent",)
+    ),
     "kill_mid_write": dict(fn=sc_kill_mid_write, where="all", expect="CheckpointException", needles=["SIGKILL"]),
-    "kill_after_write": dict(fn=sc_kill_after_write, where="all", expect="CheckpointException",
-                             needles=["SIGKILL"]),
-    "kill_after_result": dict(fn=sc_kill_after_result, where="all", expect="either", needles=["SIGKILL"],
-                              callers=("persistent",)),
-    "raise": dict(fn=sc_raise, where="all", expect="CheckpointException",
-                  needles=["OSError", "injected I/O error"]),
+    "kill_after_write": dict(fn=sc_kill_after_write, where="all", expect="CheckpointException", needles=["SIGKILL"]),
+    "kill_after_result": dict(
+        fn=sc_kill_after_result, where="all", expect="either", needles=["SIGKILL"], callers=("persistent",)
+    ),
+    "raise": dict(fn=sc_raise, where="all", expect="CheckpointException", needles=["OSError", "injected I/O error"]),
     "exit3": dict(fn=sc_exit3, where="all", expect="CheckpointException", needles=["exited with code 3"]),
-    "preload": dict(fn=sc_preload, where="all", expect="CheckpointException",
-                    needles=["preload_fn raised", "Too many open files"]),
-    "one_rank_raise": dict(fn=sc_raise, where="rank1", expect="CheckpointException",
-                           needles=["injected I/O error"], worlds=(2,)),
-    "one_rank_kill": dict(fn=sc_kill_mid_write, where="rank1", expect="CheckpointException",
-                          needles=["SIGKILL"], worlds=(2,)),
-    "one_rank_preload": dict(fn=sc_preload, where="rank1", expect="CheckpointException",
-                             needles=["preload_fn raised", "Too many open files"], worlds=(2,)),
-    "enospc": dict(fn=sc_enospc, where="all", expect="CheckpointException", mount=True,
-                   needles={"tmpfs": ["No space left on device"], "fsize": ["File too large"],
-                            "injected": ["No space left on device"]}),
-    "readonly": dict(fn=sc_readonly, where="all", expect="CheckpointException", mount=True,
-                     needles={"ro_mount": ["Read-only file system"], "injected": ["injected I/O error"]}),
-    "target_is_file": dict(fn=sc_target_is_file, where="coord", expect="CheckpointError",
-                           needles=["exists and is not an empty directory"]),
-    "target_becomes_file": dict(fn=sc_target_becomes_file, where="coord", expect="CheckpointException",
-                                needles=["commit failed", "Not a directory"]),
+    "preload": dict(
+        fn=sc_preload, where="all", expect="CheckpointException", needles=["preload_fn raised", "Too many open files"]
+    ),
+    "one_rank_raise": dict(
+        fn=sc_raise, where="rank1", expect="CheckpointException", needles=["injected I/O error"], worlds=(2,)
+    ),
+    "one_rank_kill": dict(
+        fn=sc_kill_mid_write, where="rank1", expect="CheckpointException", needles=["SIGKILL"], worlds=(2,)
+    ),
+    "one_rank_preload": dict(
+        fn=sc_preload,
+        where="rank1",
+        expect="CheckpointException",
+        needles=["preload_fn raised", "Too many open files"],
+        worlds=(2,),
+    ),
+    "enospc": dict(
+        fn=sc_enospc,
+        where="all",
+        expect="CheckpointException",
+        mount=True,
+        needles={
+            "tmpfs": ["No space left on device"],
+            "fsize": ["File too large"],
+            "injected": ["No space left on device"],
+        },
+    ),
+    "readonly": dict(
+        fn=sc_readonly,
+        where="all",
+        expect="CheckpointException",
+        mount=True,
+        needles={"ro_mount": ["Read-only file system"], "injected": ["injected I/O error"]},
+    ),
+    "target_is_file": dict(
+        fn=sc_target_is_file, where="coord", expect="CheckpointError", needles=["exists and is not an empty directory"]
+    ),
+    "target_becomes_file": dict(
+        fn=sc_target_becomes_file,
+        where="coord",
+        expect="CheckpointException",
+        needles=["commit failed", "Not a directory"],
+    ),
     "abort": dict(fn=sc_abort, where="all", expect="aborted"),
-    "close_raises": dict(fn=sc_close_raises, where="all", expect="CheckpointException",
-                         needles=["injected I/O error"]),
+    "close_raises": dict(fn=sc_close_raises, where="all", expect="CheckpointException", needles=["injected I/O error"]),
 }
 
 
@@ -706,8 +736,9 @@ def snapshot(root: Path) -> dict[str, Any]:
         if entry.name == "latest":
             out["latest"] = path.read_text()
         elif entry.is_dir() and (path / ".manifest.json").is_file() and (path / ".metadata").is_file():
-            out["steps"][entry.name] = {f.name: hashlib.sha1(f.read_bytes()).hexdigest()
-                                        for f in sorted(path.iterdir())}
+            out["steps"][entry.name] = {
+                f.name: hashlib.sha1(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())
+            }
             try:
                 asyncckpt.verify(path)
                 out["verify"][entry.name] = None
@@ -716,8 +747,9 @@ def snapshot(root: Path) -> dict[str, Any]:
     return out
 
 
-def run_scenario(rank: int, world: int, name: str, persistent: bool, root: str, workdir: str,
-                 mechanism: str | None = None) -> dict[str, Any]:
+def run_scenario(
+    rank: int, world: int, name: str, persistent: bool, root: str, workdir: str, mechanism: str | None = None
+) -> dict[str, Any]:
     """Run scenario ``name`` on this rank (see the module docstring); returns what it saw."""
     spec = SCENARIOS[name]
     faulty = rank in failing_ranks(name, world) if spec["where"] != "coord" else True
@@ -745,8 +777,7 @@ def run_scenario(rank: int, world: int, name: str, persistent: bool, root: str, 
             kind = spec["fn"](ctx) or "committed"
             out["outcome"] = {"kind": kind}
         except CheckpointException as exc:
-            out["outcome"] = {"kind": "CheckpointException", "call_idx": exc.call_idx,
-                              "failures": dict(exc.failures)}
+            out["outcome"] = {"kind": "CheckpointException", "call_idx": exc.call_idx, "failures": dict(exc.failures)}
         except CheckpointError as exc:
             out["outcome"] = {"kind": "CheckpointError", "type": type(exc).__name__, "message": str(exc)}
         out["elapsed_s"] = time.monotonic() - started
@@ -765,8 +796,13 @@ def run_scenario(rank: int, world: int, name: str, persistent: bool, root: str, 
             ctx.manager.save(3, state).wait(timeout=WAIT_S)
             got = fresh_like(state)
             loaded = ctx.manager.load(got, step=3)
-            out["next"] = {"ok": True, "loaded": loaded, "same": same_state(make_state(rank, 3), got),
-                           "steps": ctx.manager.steps(), "latest": ctx.manager.latest_step()}
+            out["next"] = {
+                "ok": True,
+                "loaded": loaded,
+                "same": same_state(make_state(rank, 3), got),
+                "steps": ctx.manager.steps(),
+                "latest": ctx.manager.latest_step(),
+            }
         except (CheckpointException, CheckpointError) as exc:
             out["next"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         barrier()
@@ -787,8 +823,9 @@ def run_scenario(rank: int, world: int, name: str, persistent: bool, root: str, 
     return out
 
 
-def run_group(rank: int, world: int, names: list[str], persistent: bool, base: str,
-              mechanisms: dict[str, str]) -> dict[str, dict[str, Any]]:
+def run_group(
+    rank: int, world: int, names: list[str], persistent: bool, base: str, mechanisms: dict[str, str]
+) -> dict[str, dict[str, Any]]:
     """``run_ranks`` entry: run several scenarios one after the other on this rank."""
     results = {}
     workdir = Path(base) / "markers"
@@ -815,8 +852,10 @@ def exit_with_save_in_flight(rank: int, world: int, root: str, persistent: bool,
     reached = wait_for_file(marker)
     pid = writer_pid(manager)
     barrier()
-    print(json.dumps({"rank": rank, "pid": os.getpid(), "writer": pid, "reached": reached,
-                      "t": time.monotonic()}), flush=True)
+    print(
+        json.dumps({"rank": rank, "pid": os.getpid(), "writer": pid, "reached": reached, "t": time.monotonic()}),
+        flush=True,
+    )
 
 
 # ----------------------------------------------------------------------------- checks (test side)
@@ -876,8 +915,10 @@ def check_scenario(name: str, results: list[dict[str, Any]], world: int) -> None
     # (d) the next save commits and reads back.
     for r in results:
         nxt = r["next"]
-        assert nxt["ok"], (f"{where}: rank {r['rank']}: the next save failed: {nxt.get('error')}\n"
-                           f"left in the root by the failed save: {after['hidden']}")
+        assert nxt["ok"], (
+            f"{where}: rank {r['rank']}: the next save failed: {nxt.get('error')}\n"
+            f"left in the root by the failed save: {after['hidden']}"
+        )
         assert nxt["same"] and nxt["loaded"] == 3 and nxt["latest"] == 3, f"{where}: {nxt}"
         assert nxt["steps"] == ([2, 3] if committed else [1, 3]), f"{where}: {nxt}"
     final = results[0]["final"]
@@ -888,8 +929,14 @@ def check_scenario(name: str, results: list[dict[str, Any]], world: int) -> None
 
     # Scenario-specific promises.
     info = [r["info"] for r in results]
-    if name in ("kill_handoff", "kill_during_staging", "kill_mid_write", "kill_after_write", "kill_after_result",
-                "one_rank_kill"):
+    if name in (
+        "kill_handoff",
+        "kill_during_staging",
+        "kill_mid_write",
+        "kill_after_write",
+        "kill_after_result",
+        "one_rank_kill",
+    ):
         for rank in failing_ranks(name, world):
             assert info[rank].get("killed_pid"), f"{where}: rank {rank} killed nothing: {info[rank]}"
     if name == "kill_before_save":

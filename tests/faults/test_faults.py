@@ -21,12 +21,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import kill_session
 
 import asyncckpt
 from asyncckpt import CheckpointManager
 
 from . import _scenarios as S
+from helpers import kill_session
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -118,18 +118,31 @@ EXIT_BOUND_S = 10.0
 CHILD_WAIT_S = EXIT_BOUND_S + 2.0
 
 
-def start_exit_script(tmp_path: Path, root: Path, persistent: bool, mode: str, rank: int, world: int,
-                      port: int) -> subprocess.Popen:
+def start_exit_script(
+    tmp_path: Path, root: Path, persistent: bool, mode: str, rank: int, world: int, port: int
+) -> subprocess.Popen:
     script = tmp_path / "exit_with_save_in_flight.py"
     if not script.exists():
-        script.write_text(EXIT_SCRIPT.format(repo_dir=REPO_DIR, tests_dir=TESTS_DIR, root=str(root),
-                                             persistent=persistent, marker=str(tmp_path / "mid_write"),
-                                             child_wait_s=CHILD_WAIT_S))
+        script.write_text(
+            EXIT_SCRIPT.format(
+                repo_dir=REPO_DIR,
+                tests_dir=TESTS_DIR,
+                root=str(root),
+                persistent=persistent,
+                marker=str(tmp_path / "mid_write"),
+                child_wait_s=CHILD_WAIT_S,
+            )
+        )
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop(S.FAULT_ENV, None)
-    return subprocess.Popen([sys.executable, str(script), mode, str(rank), str(world), str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, str(script), mode, str(rank), str(world), str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def finish_exit_scripts(procs: list[subprocess.Popen], timeout: float = 60.0) -> list[tuple[dict, float, str]]:
@@ -143,8 +156,9 @@ def finish_exit_scripts(procs: list[subprocess.Popen], timeout: float = 60.0) ->
             lines = {}
             for line in out.splitlines():
                 if line.startswith("{"):
-                    lines.update({("parent_" if "child_exited" in line else "") + k: v
-                                  for k, v in json.loads(line).items()})
+                    lines.update(
+                        {("parent_" if "child_exited" in line else "") + k: v for k, v in json.loads(line).items()}
+                    )
             ended.append((lines, t_end, err))
     finally:
         for proc in procs:
@@ -205,7 +219,8 @@ def test_multiprocessing_child_rank_exit_with_save_in_flight(tmp_path: Path, cal
     assert "t" in lines, f"the child rank never reported:\n{err}"
     assert lines["parent_child_exited"], (
         f"the rank process did not exit within {CHILD_WAIT_S} s of returning with a save in flight "
-        f"(it was killed by the test script); stderr:\n{err[-3000:]}")
+        f"(it was killed by the test script); stderr:\n{err[-3000:]}"
+    )
     exit_s = lines["parent_t"] - lines["t"]
     assert exit_s < EXIT_BOUND_S, f"the rank took {exit_s:.1f} s to exit with a save in flight"
     check_after_exit(root, 1, persistent, [lines])

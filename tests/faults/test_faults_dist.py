@@ -12,25 +12,42 @@ ranks: the same outcome, the same ``call_idx`` and the same per-rank causes ever
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
-from dist_utils import free_port, run_ranks
-
 from . import _scenarios as S
-from .test_faults import (EXIT_BOUND_S, check_aborted_handle, check_after_exit, finish_exit_scripts,
-                          start_exit_script)
+from .test_faults import EXIT_BOUND_S, check_aborted_handle, check_after_exit, finish_exit_scripts, start_exit_script
+from dist_utils import free_port, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 WORLD = 2
 GROUPS = {
-    "kills": ["kill_handoff", "kill_before_save", "kill_during_staging", "kill_mid_write", "kill_after_write",
-              "kill_after_result", "one_rank_kill", "exit3"],
-    "errors": ["raise", "preload", "one_rank_raise", "one_rank_preload", "enospc", "readonly", "target_is_file",
-               "target_becomes_file", "abort", "close_raises"],
+    "kills": [
+        "kill_handoff",
+        "kill_before_save",
+        "kill_during_staging",
+        "kill_mid_write",
+        "kill_after_write",
+        "kill_after_result",
+        "one_rank_kill",
+        "exit3",
+    ],
+    "errors": [
+        "raise",
+        "preload",
+        "one_rank_raise",
+        "one_rank_preload",
+        "enospc",
+        "readonly",
+        "target_is_file",
+        "target_becomes_file",
+        "abort",
+        "close_raises",
+    ],
 }
 GROUP_TIMEOUT_S = 180.0
 assert sorted(n for names in GROUPS.values() for n in names) == sorted(S.SCENARIOS)
@@ -44,11 +61,13 @@ def _run_group(group: str, caller: str, base: Path) -> dict[str, Any]:
         for name in names:
             if S.SCENARIOS[name].get("mount"):
                 mounted = mounts.enter_context(S.small_tmpfs(base / name))
-                mechanisms[name] = (S.disk_full_mechanism(mounted) if name == "enospc"
-                                    else S.read_only_mechanism(base / name, mounted))
+                mechanisms[name] = (
+                    S.disk_full_mechanism(mounted) if name == "enospc" else S.read_only_mechanism(base / name, mounted)
+                )
         try:
-            results = run_ranks(S.run_group, WORLD, names, caller == "persistent", str(base), mechanisms,
-                                timeout=GROUP_TIMEOUT_S)
+            results = run_ranks(
+                S.run_group, WORLD, names, caller == "persistent", str(base), mechanisms, timeout=GROUP_TIMEOUT_S
+            )
         except AssertionError as exc:  # a rank failed or hung: every test of the group reports it
             return {"error": str(exc)}
     return {"results": results}
@@ -69,22 +88,27 @@ def group_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[st
     yield get
 
 
-TWO_RANKS = [(group, name, caller) for group, names in GROUPS.items() for caller in S.BOTH for name in names
-             if S.applies(name, caller, WORLD)]
+TWO_RANKS = [
+    (group, name, caller)
+    for group, names in GROUPS.items()
+    for caller in S.BOTH
+    for name in names
+    if S.applies(name, caller, WORLD)
+]
 
 
 @pytest.mark.timeout(GROUP_TIMEOUT_S + 60)
 @pytest.mark.parametrize("group,name,caller", TWO_RANKS, ids=[f"{n}-{c}" for _, n, c in TWO_RANKS])
-def test_fault_two_ranks(group_run: Callable[[str, str], dict[str, Any]], group: str, name: str,
-                         caller: str) -> None:
+def test_fault_two_ranks(group_run: Callable[[str, str], dict[str, Any]], group: str, name: str, caller: str) -> None:
     run = group_run(group, caller)
     S.check_scenario(name, [run["results"][rank][name] for rank in range(WORLD)], WORLD)
 
 
 @pytest.mark.timeout(GROUP_TIMEOUT_S + 60)
 @pytest.mark.parametrize("caller", S.BOTH)
-def test_handle_of_aborted_save_reports_failure_two_ranks(group_run: Callable[[str, str], dict[str, Any]],
-                                                          caller: str) -> None:
+def test_handle_of_aborted_save_reports_failure_two_ranks(
+    group_run: Callable[[str, str], dict[str, Any]], caller: str
+) -> None:
     run = group_run("errors", caller)
     for rank in range(WORLD):
         check_aborted_handle(run["results"][rank]["abort"]["info"]["handle"])
