@@ -11,7 +11,10 @@ The order is data, :data:`PHASES`, read top to bottom:
    ``.step_N.deleting-*`` directory is left (:mod:`asyncckpt.root`).
 4. ``STOP_WORKERS`` -- every worker process and forked child still running is asked
    to exit, then SIGTERM, then SIGKILL (:mod:`asyncckpt.async_utils.processes`). It
-   comes last: the phases above need the workers to finish the writes.
+   comes after the commits: they need the workers to finish the writes.
+5. ``RELEASE_GROUPS`` -- the cached gloo groups are dropped while the interpreter is
+   whole (:mod:`asyncckpt.dist`): one destroyed during interpreter finalization can
+   abort the process after a run that succeeded. Last: the commits above use them.
 
 A module adds its hook to a phase with :func:`register` when it is imported; the
 order inside a phase is the order of registration. The registry's one function,
@@ -58,6 +61,7 @@ __all__ = [
     "COMMIT_SAVES",
     "FINISH_DELETIONS",
     "STOP_WORKERS",
+    "RELEASE_GROUPS",
     "EXIT_TIMEOUT_ENV",
     "exit_timeout",
     "register",
@@ -73,10 +77,11 @@ COMMIT_LIGHTNING = "commit Lightning's pending saves"
 COMMIT_SAVES = "commit pending saves"
 FINISH_DELETIONS = "finish retention deletions"
 STOP_WORKERS = "stop worker processes"
+RELEASE_GROUPS = "release the gloo groups"
 #: The phases, in the order they run at exit.
-PHASES: tuple[str, ...] = (COMMIT_LIGHTNING, COMMIT_SAVES, FINISH_DELETIONS, STOP_WORKERS)
+PHASES: tuple[str, ...] = (COMMIT_LIGHTNING, COMMIT_SAVES, FINISH_DELETIONS, STOP_WORKERS, RELEASE_GROUPS)
 #: The phases that run even after an interrupt ended an earlier one (without waiting).
-_ALWAYS = frozenset({COMMIT_SAVES, STOP_WORKERS})
+_ALWAYS = frozenset({COMMIT_SAVES, STOP_WORKERS, RELEASE_GROUPS})
 #: The priority of the ``multiprocessing.util.Finalize`` that runs :func:`run`.
 EXIT_PRIORITY = 100
 

@@ -22,7 +22,6 @@ destroyed (the checkpoint layer commits its pending saves there).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import hashlib
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from asyncckpt import _exit
 from asyncckpt.errors import CheckpointError, RankFailure
 
 __all__ = ["SyncGroup", "collective_timeout", "call_before_destroy"]
@@ -128,6 +128,14 @@ class SyncGroup:
                 dist.destroy_process_group(gloo)
         except Exception:  # noqa: BLE001 - best effort at shutdown
             pass
+
+    def forget_group(self) -> None:
+        """Drop this object's reference to the shared dedicated gloo group (the module's
+        cache owns it, and releases it at exit: a group destroyed during interpreter
+        finalization can abort the process). A later collective looks it up again.
+        A private group is left alone: :meth:`close` frees it."""
+        if not self._private:
+            self._gloo = None
 
     @property
     def gloo(self) -> Any:
@@ -428,7 +436,6 @@ def _dedicated_gloo_group(process_group: Any) -> Any:
     return gloo
 
 
-@atexit.register
 def _release_gloo_groups() -> None:
     """Drop the cached gloo groups while the interpreter is still whole.
 
@@ -442,6 +449,9 @@ def _release_gloo_groups() -> None:
         groups = list(_gloo_groups.values())
         _gloo_groups.clear()
     del groups
+
+
+_exit.register(_exit.RELEASE_GROUPS, _release_gloo_groups)
 
 
 # ---------------------------------------------------------------------- destroy_process_group

@@ -243,7 +243,7 @@ def test_soak_save_with_explicit_queue(tmp_path: Path, capfd: pytest.CaptureFixt
     res = SoakResult()
     root = tmp_path / "ckpt"
     root.mkdir()
-    queue = AsyncCallsQueue(persistent=persistent, import_main=False)
+    queue = AsyncCallsQueue(persistent=True, import_main=False) if persistent else AsyncCallsQueue(persistent=False)
     try:
         res.probes.append(probe("start", 0, queue.caller))
         with warnings.catch_warnings(record=True) as caught:

@@ -462,6 +462,9 @@ class Saver:
             outcome.__cause__ = error
         finally:
             record.planned = record.planned._replace(data=[])
+            # A handle the user keeps (a global of the training script) holds its record:
+            # it must not hold the process group's gloo group to interpreter finalization.
+            record.sync.forget_group()
             if isinstance(outcome, SaveResult):
                 handle.set_result(outcome)
             else:  # never None here: every path above set it
