@@ -1,5 +1,9 @@
 """A Lightning ``CheckpointIO`` plugin: asynchronous, atomic DCP checkpoints.
 
+One module over 600 lines, on purpose: it is the import path users write, and
+checkpoints on disk pickle ``asyncckpt.lightning._TensorRef``, so the codec stays here
+with the plugin (its directory swap is :mod:`asyncckpt.io.swap`).
+
 ``Trainer(plugins=[AsyncckptCheckpointIO()])`` makes every checkpoint Lightning writes
 (``ModelCheckpoint``, ``trainer.save_checkpoint``) an asyncckpt save: the training
 thread is blocked only while the state is copied into a reused host buffer; a

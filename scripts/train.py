@@ -2,6 +2,8 @@
 """Train a small byte-level GPT on the Python standard library's own source code,
 checkpointing asynchronously with :class:`asyncckpt.CheckpointManager`.
 
+One file over 600 lines, on purpose: it is the example users read and copy whole.
+
     python scripts/train.py                              # about 2 minutes on 2 CPU cores
     python scripts/train.py --resume                     # continue from ./checkpoints
     python scripts/train.py --fresh                      # start over: remove ./checkpoints first

@@ -57,6 +57,18 @@ def assert_same(expected: Any, got: Any, path: str = "state_dict") -> None:
         assert type(got) is type(expected) and got == expected, f"{path}: {got!r} != {expected!r}"
 
 
+def zeroed(state: Any) -> Any:
+    """The same structure with every tensor zeroed and every other leaf ``None``: a
+    template an in-place load must fill."""
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, dict):
+        return {k: zeroed(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [zeroed(v) for v in state]
+    return None
+
+
 def clone_state(sd: Any, copy_leaves: bool = True) -> Any:
     """The values as of now: tensors cloned (detached), containers copied, other leaves
     deep-copied (or shared with ``copy_leaves=False``)."""

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 import asyncckpt
 
-from helpers import assert_same
+from helpers import assert_same, zeroed
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -37,17 +37,6 @@ def root(tmp_path: Path) -> Path:
 @pytest.fixture(scope="module")
 def expected() -> dict[str, Any]:
     return torch.load(DATA / "v0_1_expected.pt", weights_only=False)
-
-
-def zeroed(v: Any) -> Any:
-    """The same structure with every tensor zeroed and every other value replaced."""
-    if isinstance(v, torch.Tensor):
-        return torch.zeros_like(v)
-    if isinstance(v, dict):
-        return {k: zeroed(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [zeroed(x) for x in v]
-    return None
 
 
 def test_read_state_dict_and_verify(root: Path, expected: dict[str, Any]) -> None:

@@ -36,6 +36,8 @@ from asyncckpt import AsyncCallsQueue, CheckpointException, CheckpointManager
 from asyncckpt.async_utils.callers import PersistentAsyncCaller
 from asyncckpt.async_utils.request import AsyncRequest
 
+from helpers import closing_queue
+
 STATE = {"w": torch.arange(1000, dtype=torch.float32), "meta": {"k": 1}}
 
 
@@ -58,14 +60,8 @@ def _break_result_pipe_then_linger(marker: str) -> None:
 @pytest.fixture
 def foreground_queue() -> Iterator[AsyncCallsQueue]:
     """A queue finalized in the training loop (Megatron's semantics), closed after."""
-    queue = AsyncCallsQueue(persistent=False)
-    try:
+    with closing_queue(persistent=False) as queue:
         yield queue
-    finally:
-        try:
-            queue.close()
-        except CheckpointException:
-            pass  # a failure the test injected; the worker is stopped anyway
 
 
 # ---------------------------------------------------------------- the handle is a future

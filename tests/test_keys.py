@@ -29,7 +29,7 @@ from asyncckpt.format import manifest as commit
 from asyncckpt.format.records import RECORDS_NAME
 from asyncckpt.loading.metadata import read_metadata
 
-from helpers import assert_same, clone_state, counting_plans, observing_loads
+from helpers import assert_same, clone_state, counting_plans, observing_loads, zeroed
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -64,17 +64,7 @@ def user_state(optimizer: str, seed: int = 0) -> dict[Any, Any]:
 
 def fresh(state: dict[str, Any]) -> dict[str, Any]:
     """The same structure with every leaf changed (tensors zeroed, values replaced)."""
-
-    def change(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return torch.zeros_like(v)
-        if isinstance(v, dict):
-            return {k: change(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [change(x) for x in v]
-        return None
-
-    return change(state)
+    return zeroed(state)
 
 
 def stock_load(state: dict[str, Any], path: Path) -> None:

@@ -1,5 +1,9 @@
 """AsyncCallsQueue: schedule asynchronous calls and finalize them collectively.
 
+One module over 600 lines, on purpose: the state machine of a call (``_Book``), the
+finalizer thread and the queue share one condition, and each transition is made under
+it; split apart, the invariants would span modules.
+
 The shape is Megatron-core's ``AsyncCallsQueue``; the behaviour follows the contracts
 of docs/DESIGN.md: per-rank failures (a raising or interrupted ``preload_fn``, a raising
 ``async_fn``, a dead worker, a forked child that exited non-zero) are recorded against

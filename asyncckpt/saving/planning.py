@@ -1,5 +1,9 @@
 """Validation and DCP save planning, done collectively at ``save()`` time.
 
+One module over 600 lines, on purpose: validation, the structure signature and the
+plan cache's lookup are one walk of the state dict (a steady save walks it once), and
+the error funnel around DCP's planner must see all three.
+
 The plan is torch's own (``DefaultSavePlanner``: flattening, DTensor chunks, dedup of
 replicated items); we only gather the local plans over our gloo group, so every rank
 computes the same global plan and metadata, and so that an input error on any rank

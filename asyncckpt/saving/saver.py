@@ -1,5 +1,9 @@
 """Saver: runs the phases of each save on an AsyncCallsQueue and completes its handle.
 
+One class over 600 lines, on purpose: its methods share one state lock and one order
+of saves (scheduling, overlapped staging, settling, harvesting); the phases themselves
+are in :mod:`asyncckpt.saving.phases`.
+
 The life of a save's call is the queue's state machine (``_Book`` in
 :mod:`asyncckpt.async_utils.calls_queue`: pending, settling, settled); the saver keeps
 no state of its own about it. It schedules each save's call as *owned*, with an

@@ -1,5 +1,9 @@
 """Staging: the host buffers the training process copies the state into (D2H).
 
+One module over 600 lines, on purpose: the buffer, its pool, the copier and the
+optimizer-step guard of overlapped copies share the buffers' memory invariants (who
+may write a buffer, and when).
+
 A save's data files are laid out, byte for byte, in one shared host *staging buffer*
 per rank: the ``torch.save`` framing of every tensor record is written once when the
 buffer is formatted for a layout, and each save only copies the tensors' bytes into
