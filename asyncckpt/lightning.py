@@ -81,7 +81,7 @@ from asyncckpt import (
 )
 from asyncckpt._fs import remove_checkpoint
 from asyncckpt.errors import CheckpointError
-from asyncckpt.format import manifest as _commit
+from asyncckpt.format import manifest as _manifest
 from asyncckpt.io.swap import remove_path, replace_path
 
 __all__ = ["AsyncckptCheckpointIO", "STRUCTURE_KEY"]
@@ -461,7 +461,7 @@ class AsyncckptCheckpointIO(CheckpointIO):
                 not pending
                 and final.is_dir()
                 and not final.is_symlink()
-                and not os.path.lexists(final / _commit.METADATA_NAME)
+                and not os.path.lexists(final / _manifest.METADATA_NAME)
                 and any(final.iterdir())
             ):
                 raise FileExistsError(f"{final} is a directory that is not a checkpoint; not replacing it")

@@ -27,7 +27,7 @@ from asyncckpt.errors import (
     PreemptionBudgetExpired,
     RankFailure,
 )
-from asyncckpt.format import manifest as _commit
+from asyncckpt.format import manifest as _manifest
 from asyncckpt.loading.api import load
 from asyncckpt.options import SaveOptions
 from asyncckpt.root import CheckpointRoot
@@ -397,7 +397,7 @@ class CheckpointManager:
             if step is None:
                 raise CheckpointNotFoundError("no committed checkpoint", str(self.root_dir))
         path = self.step_dir(step)
-        if not _commit.is_committed(path):
+        if not _manifest.is_committed(path):
             raise CheckpointNotFoundError(f"step {step} has no committed checkpoint", str(path))
         load(state_dict, path, process_group=self.process_group, verify=verify, allow_pickle=allow_pickle)
         return int(step)

@@ -37,7 +37,7 @@ from asyncckpt._check import check_path
 from asyncckpt._exit import EXIT_TIMEOUT_ENV, exit_timeout
 from asyncckpt._fs import remove_checkpoint
 from asyncckpt.errors import CheckpointPathError, InvalidArgumentError, RootInUseError
-from asyncckpt.format import manifest as _commit
+from asyncckpt.format import manifest as _manifest
 from asyncckpt.io.commit import write_latest
 
 __all__ = [
@@ -145,12 +145,12 @@ def is_in_root(checkpoint_dir: str | os.PathLike) -> bool:
     not ours.
     """
     path = Path(checkpoint_dir).absolute()
-    if os.path.lexists(path / _commit.RECORDS_NAME):
+    if os.path.lexists(path / _manifest.RECORDS_NAME):
         return True
     if not STEP_DIR_RE.match(path.name):
         return False
     parent = path.parent
-    if any(os.path.lexists(parent / name) for name in (_commit.LATEST_NAME, OWNER_LOCK_NAME, _commit.LOCK_NAME)):
+    if any(os.path.lexists(parent / name) for name in (_manifest.LATEST_NAME, OWNER_LOCK_NAME, _manifest.LOCK_NAME)):
         return True
     try:
         with os.scandir(parent) as it:
@@ -158,7 +158,7 @@ def is_in_root(checkpoint_dir: str | os.PathLike) -> bool:
                 if (
                     entry.name != path.name
                     and STEP_DIR_RE.match(entry.name)
-                    and os.path.lexists(os.path.join(entry.path, _commit.MANIFEST_NAME))
+                    and os.path.lexists(os.path.join(entry.path, _manifest.MANIFEST_NAME))
                 ):
                     return True
     except OSError:
@@ -173,9 +173,9 @@ def is_stock_dcp(checkpoint_dir: str | os.PathLike) -> bool:
     not stock)."""
     path = Path(checkpoint_dir)
     return (
-        not os.path.lexists(path / _commit.MANIFEST_NAME)
-        and os.path.isfile(path / _commit.METADATA_NAME)
-        and not os.path.islink(path / _commit.METADATA_NAME)
+        not os.path.lexists(path / _manifest.MANIFEST_NAME)
+        and os.path.isfile(path / _manifest.METADATA_NAME)
+        and not os.path.islink(path / _manifest.METADATA_NAME)
         and not is_in_root(path)
     )
 
@@ -347,7 +347,7 @@ class CheckpointRoot:
         found = []
         for entry in os.scandir(self.path):
             m = STEP_DIR_RE.match(entry.name)
-            if m and entry.is_dir(follow_symlinks=False) and _commit.is_committed(Path(entry.path)):
+            if m and entry.is_dir(follow_symlinks=False) and _manifest.is_committed(Path(entry.path)):
                 found.append(int(m.group(1)))
         return sorted(found)
 
@@ -367,14 +367,14 @@ class CheckpointRoot:
             path = Path(entry.path)
             m = STEP_DIR_RE.match(entry.name)
             if m:
-                kind = "committed" if _commit.is_committed(path) else "uncommitted"
+                kind = "committed" if _manifest.is_committed(path) else "uncommitted"
                 found.append(RootEntry(entry.name, path, int(m.group(1)), kind))
                 continue
             m = LEFTOVER_RE.match(entry.name)
             if m:
                 kind = "temporary" if ".tmp-" in entry.name else "deleting"
                 found.append(RootEntry(entry.name, path, int(m.group(1)), kind))
-            elif not entry.name.startswith(".") and _commit.is_committed(path):
+            elif not entry.name.startswith(".") and _manifest.is_committed(path):
                 found.append(RootEntry(entry.name, path, None, "committed"))
         return found
 
@@ -409,7 +409,7 @@ class CheckpointRoot:
         found, seen = [], set()
         for entry in os.scandir(self.path):
             m = STEP_DIR_RE.match(entry.name)
-            if m and entry.is_dir(follow_symlinks=False) and _commit.is_committed(Path(entry.path)):
+            if m and entry.is_dir(follow_symlinks=False) and _manifest.is_committed(Path(entry.path)):
                 seen.add((entry.name, entry.inode()))
                 found.append((self._commit_seq(entry), int(m.group(1))))
         with self._lock:
@@ -422,7 +422,7 @@ class CheckpointRoot:
         seq = self._seqs.get(key)
         if seq is None:
             try:
-                value = _commit.read_manifest(entry.path).get("commit_seq", 0)
+                value = _manifest.read_manifest(entry.path).get("commit_seq", 0)
                 seq = value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
             except Exception:  # noqa: BLE001 - unreadable or foreign: oldest
                 seq = 0

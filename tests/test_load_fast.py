@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import asyncckpt
 from asyncckpt import CheckpointError, CorruptCheckpointError
-from asyncckpt.format import manifest as _commit
+from asyncckpt.format import manifest as _manifest
 from asyncckpt.format.records import RECORDS_NAME, parse_records, records_from_metadata
 from asyncckpt.loading.dcp import SafeLoadPlanner
 from asyncckpt.loading.direct import direct_load, plan_direct_load
@@ -122,7 +122,7 @@ def test_noncontiguous_and_parameter_targets(ckpt: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_corrupt_byte_refused_before_any_target_is_written(ckpt: Path) -> None:
-    manifest = _commit.read_manifest(ckpt)
+    manifest = _manifest.read_manifest(ckpt)
     big = next(s for s in manifest["files"][DATA]["segments"] if s[1] == 4 << 19)  # model.big's data
     flip_byte(ckpt / DATA, big[0] + 1000)
     out = fresh(make_state())
@@ -141,7 +141,7 @@ def test_corrupt_byte_refused_before_any_target_is_written(ckpt: Path) -> None:
 @pytest.mark.timeout(120)
 def test_inline_verification_refuses_a_corrupt_byte(ckpt: Path) -> None:
     """``verify="inline"``: one pass; the mismatch names the file and the entry."""
-    manifest = _commit.read_manifest(ckpt)
+    manifest = _manifest.read_manifest(ckpt)
     big = next(s for s in manifest["files"][DATA]["segments"] if s[1] == 4 << 19)
     flip_byte(ckpt / DATA, big[0] + 1000)
     out = fresh(make_state())
@@ -181,7 +181,7 @@ def test_reads_gathered_across_records_and_segments(
         out = fresh(state)
         assert counted_load(out, ckpt, verify=verify) == "direct"
         assert_same(state, out)
-    manifest = _commit.read_manifest(ckpt)
+    manifest = _manifest.read_manifest(ckpt)
     big = next(s for s in manifest["files"][DATA]["segments"] if s[1] == 4 << 19)
     flip_byte(ckpt / DATA, big[0] + big[1] - 7)
     with pytest.raises(CorruptCheckpointError) as info:
@@ -218,7 +218,7 @@ def test_inline_verification_covers_the_bytes_between_records(ckpt: Path) -> Non
 @pytest.mark.timeout(120)
 def test_direct_load_checks_crcs_of_what_it_reads(ckpt: Path) -> None:
     """``direct_load`` with the manifest: a flipped byte names the file and the entry."""
-    manifest = _commit.read_manifest(ckpt)
+    manifest = _manifest.read_manifest(ckpt)
     big = next(s for s in manifest["files"][DATA]["segments"] if s[1] == 4 << 19)
     state = make_state()
     out = fresh(state)
@@ -341,11 +341,11 @@ def test_the_direct_path_runs_without_cyclic_collections(ckpt: Path, gc_watch: l
     assert counted_load(fresh(state), ckpt) == "direct" and gc_watch == [] and not gc.isenabled()
     gc.enable()
     # A refused load turns it back on.
-    flip_byte(ckpt / _commit.METADATA_NAME, 40)
+    flip_byte(ckpt / _manifest.METADATA_NAME, 40)
     with pytest.raises(CorruptCheckpointError):
         asyncckpt.load(fresh(state), ckpt)
     assert gc.isenabled()
-    flip_byte(ckpt / _commit.METADATA_NAME, 40)  # (back as it was)
+    flip_byte(ckpt / _manifest.METADATA_NAME, 40)  # (back as it was)
     # DCP's path (a partial load) collects as usual.
     gc_watch.clear()
     assert counted_load({"model": fresh(state["model"])}, ckpt) == "dcp"
@@ -405,7 +405,7 @@ def test_the_records_file_stands_for_the_metadata(ckpt: Path) -> None:
     CRC-32 and listed in the manifest; the direct path plans from it, on every
     verification mode, without unpickling ``.metadata``."""
     obj = _records(ckpt)
-    metadata_bytes = (ckpt / _commit.METADATA_NAME).read_bytes()
+    metadata_bytes = (ckpt / _manifest.METADATA_NAME).read_bytes()
     assert obj["format"] == "asyncckpt.records" and obj["version"] == 1
     assert obj["metadata_crc32"] == zlib.crc32(metadata_bytes)
     manifest = asyncckpt.verify(ckpt)  # listed, with its checksum

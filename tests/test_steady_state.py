@@ -322,7 +322,7 @@ def test_fsdp2_second_save_hits_the_cache_on_every_rank(tmp_path: Path) -> None:
             assert cmp["tensors"] > 0 and cmp["mismatch"] == [], (key, cmp)
 
 
-def test_metadata_bytes_are_reused_and_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_metadata_bytes_are_reused_and_exact(tmp_path: Path) -> None:
     """Issue #11 item 4: a steady save's ``.metadata`` is the cached pickle with only the
     checkpoint path and save id written over: the same bytes ``pickle.dumps`` gives, the
     right ``storage_meta``, loadable by stock ``dcp.load``; its records file, reused as
