@@ -141,7 +141,7 @@ def open_member(dir_fd: int, root: str, name: str) -> int:
 def _doomed_name(name: str) -> str:
     """The hidden name a directory is renamed to before it is removed:
     ``.step_N.deleting-<hex>`` for ``step_N`` and for its temporary ``.step_N.tmp-<hex>``
-    (the names ``asyncckpt.root.LEFTOVER_RE`` matches)."""
+    (the names ``asyncckpt.format.naming.LEFTOVER_RE`` matches)."""
     base = name[1:].rsplit(".tmp-", 1)[0] if name.startswith(".") and ".tmp-" in name else name
     return f".{base}.deleting-{secrets.token_hex(6)}"
 

@@ -3,7 +3,7 @@
 Shared by ``CheckpointManager`` and the ``asyncckpt`` command. Torch-free (the
 command's ``ls``, ``verify`` and ``clean`` do not import torch).
 
-Layout (the names are Orbax-like policy as data: :data:`STEP_DIR_RE`)::
+Layout (the names are Orbax-like policy as data: :mod:`asyncckpt.format.naming`)::
 
     root/step_00000100/            a committed checkpoint (a DCP directory + manifest)
     root/latest                    the name of the newest save committed, for readers
@@ -21,7 +21,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import socket
@@ -38,6 +37,7 @@ from asyncckpt._exit import EXIT_TIMEOUT_ENV, exit_timeout
 from asyncckpt._fs import remove_checkpoint
 from asyncckpt.errors import CheckpointPathError, InvalidArgumentError, RootInUseError
 from asyncckpt.format import manifest as _manifest
+from asyncckpt.format.naming import LEFTOVER_RE, STEP_DIR_RE, parse_leftover, parse_step_dir, step_dir_name
 from asyncckpt.io.commit import write_latest
 
 __all__ = [
@@ -46,6 +46,8 @@ __all__ = [
     "OWNER_LOCK_NAME",
     "OWNER_INFO_NAME",
     "step_dir_name",
+    "parse_step_dir",
+    "parse_leftover",
     "is_in_root",
     "is_stock_dcp",
     "RootEntry",
@@ -54,11 +56,6 @@ __all__ = [
 
 _log = logging.getLogger("asyncckpt")
 
-#: A committed step's directory name ...
-STEP_DIR_RE = re.compile(r"^step_(\d+)$")
-#: ... and the hidden leftovers of a step (a save's temporary directory, or an old
-#: checkpoint being deleted).
-LEFTOVER_RE = re.compile(r"^\.step_(\d+)\.(?:tmp|deleting)-[0-9a-f]+$")
 #: The lock a ``CheckpointManager`` holds on its root for its lifetime (a ``flock``
 #: on a descriptor opened read-only: the kernel drops it when its process dies), and the file
 #: naming its holder.
@@ -129,11 +126,6 @@ def _close_held_in_child() -> None:
 os.register_at_fork(after_in_child=_close_held_in_child)
 
 
-def step_dir_name(step: int) -> str:
-    """The directory name of step ``step`` (``step_%08d``)."""
-    return f"step_{int(step):08d}"
-
-
 def is_in_root(checkpoint_dir: str | os.PathLike) -> bool:
     """Whether ``checkpoint_dir`` is (or was) a checkpoint of an asyncckpt root, so that a
     missing ``.manifest.json`` means it is damaged, not a stock DCP directory.
@@ -147,7 +139,7 @@ def is_in_root(checkpoint_dir: str | os.PathLike) -> bool:
     path = Path(checkpoint_dir).absolute()
     if os.path.lexists(path / _manifest.RECORDS_NAME):
         return True
-    if not STEP_DIR_RE.match(path.name):
+    if parse_step_dir(path.name) is None:
         return False
     parent = path.parent
     if any(os.path.lexists(parent / name) for name in (_manifest.LATEST_NAME, OWNER_LOCK_NAME, _manifest.LOCK_NAME)):
@@ -157,7 +149,7 @@ def is_in_root(checkpoint_dir: str | os.PathLike) -> bool:
             for entry in it:
                 if (
                     entry.name != path.name
-                    and STEP_DIR_RE.match(entry.name)
+                    and parse_step_dir(entry.name) is not None
                     and os.path.lexists(os.path.join(entry.path, _manifest.MANIFEST_NAME))
                 ):
                     return True
@@ -346,9 +338,9 @@ class CheckpointRoot:
         """Committed steps, ascending (partial or temporary directories are ignored)."""
         found = []
         for entry in os.scandir(self.path):
-            m = STEP_DIR_RE.match(entry.name)
-            if m and entry.is_dir(follow_symlinks=False) and _manifest.is_committed(Path(entry.path)):
-                found.append(int(m.group(1)))
+            step = parse_step_dir(entry.name)
+            if step is not None and entry.is_dir(follow_symlinks=False) and _manifest.is_committed(Path(entry.path)):
+                found.append(step)
         return sorted(found)
 
     def scan(self) -> list[RootEntry]:
@@ -365,15 +357,15 @@ class CheckpointRoot:
             if not entry.is_dir(follow_symlinks=False):
                 continue
             path = Path(entry.path)
-            m = STEP_DIR_RE.match(entry.name)
-            if m:
+            step = parse_step_dir(entry.name)
+            if step is not None:
                 kind = "committed" if _manifest.is_committed(path) else "uncommitted"
-                found.append(RootEntry(entry.name, path, int(m.group(1)), kind))
+                found.append(RootEntry(entry.name, path, step, kind))
                 continue
-            m = LEFTOVER_RE.match(entry.name)
-            if m:
-                kind = "temporary" if ".tmp-" in entry.name else "deleting"
-                found.append(RootEntry(entry.name, path, int(m.group(1)), kind))
+            leftover = parse_leftover(entry.name)
+            if leftover is not None:
+                kind = "temporary" if leftover[1] == "tmp" else "deleting"
+                found.append(RootEntry(entry.name, path, leftover[0], kind))
             elif not entry.name.startswith(".") and _manifest.is_committed(path):
                 found.append(RootEntry(entry.name, path, None, "committed"))
         return found
@@ -408,10 +400,10 @@ class CheckpointRoot:
         keeps only the directories found (bounded over thousands of saves)."""
         found, seen = [], set()
         for entry in os.scandir(self.path):
-            m = STEP_DIR_RE.match(entry.name)
-            if m and entry.is_dir(follow_symlinks=False) and _manifest.is_committed(Path(entry.path)):
+            step = parse_step_dir(entry.name)
+            if step is not None and entry.is_dir(follow_symlinks=False) and _manifest.is_committed(Path(entry.path)):
                 seen.add((entry.name, entry.inode()))
-                found.append((self._commit_seq(entry), int(m.group(1))))
+                found.append((self._commit_seq(entry), step))
         with self._lock:
             for key in self._seqs.keys() - seen:
                 del self._seqs[key]
@@ -462,9 +454,9 @@ class CheckpointRoot:
                                 _deletions.add(self._deletion)
                 except OSError as exc:
                     self._warn(f"retention could not remove {path}: {exc}")
-        m = STEP_DIR_RE.match(final_dir.name)
-        if m:
-            self.remove_leftovers(int(m.group(1)), pending_steps)
+        committed_step = parse_step_dir(final_dir.name)
+        if committed_step is not None:
+            self.remove_leftovers(committed_step, pending_steps)
 
     def remove_leftovers(self, committed_step: int, pending_steps: Iterable[int]) -> None:
         """Remove hidden temporary directories of steps up to ``committed_step`` (saves
@@ -476,11 +468,11 @@ class CheckpointRoot:
             deletion = self._deletion
         being_deleted = deletion.name.partition(":")[2] if deletion is not None and deletion.is_alive() else None
         for entry in os.scandir(self.path):
-            m = LEFTOVER_RE.match(entry.name)
+            leftover = parse_leftover(entry.name)
             if (
-                m
-                and int(m.group(1)) <= committed_step
-                and int(m.group(1)) not in pending
+                leftover is not None
+                and leftover[0] <= committed_step
+                and leftover[0] not in pending
                 and entry.name != being_deleted
                 and entry.is_dir(follow_symlinks=False)
             ):

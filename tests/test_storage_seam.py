@@ -26,7 +26,7 @@ from asyncckpt.io.writer import WriteTask
 from asyncckpt.loading.dcp import SafeFileSystemReader, SafeLoadPlanner
 from asyncckpt.loading.direct import direct_load, plan_direct_load
 from asyncckpt.loading.metadata import read_metadata
-from asyncckpt.root import LEFTOVER_RE, CheckpointRoot
+from asyncckpt.root import CheckpointRoot, parse_leftover
 from asyncckpt.saving.planning import plan_save
 from asyncckpt.saving.staging import StagingBuffer
 
@@ -115,15 +115,14 @@ def test_a_discard_removes_the_temporary_directory_under_a_leftover_name(tmp_pat
     discard of what is already gone, or of a directory whose parent is a file, raises
     nothing."""
     tmp = LOCAL.temporary_dir(tmp_path / "step_00000007", "0123abcd")
-    assert LEFTOVER_RE.match(tmp.name)
+    assert parse_leftover(tmp.name) == (7, "tmp")
     tmp.mkdir()
     (tmp / DATA).write_bytes(b"x" * 100)
     thread = remove_checkpoint(tmp, background=True, best_effort=True)
     assert thread is not None
     doomed = thread.name.partition(":")[2]
     thread.join(30)
-    m = LEFTOVER_RE.match(doomed)
-    assert m and ".deleting-" in doomed and int(m.group(1)) == 7
+    assert parse_leftover(doomed) == (7, "deleting")
     assert list(tmp_path.iterdir()) == []
     LOCAL.discard(tmp)  # gone already
     blocker = tmp_path / "file"

@@ -202,8 +202,7 @@ def scan_root(root: str | os.PathLike) -> RootScan:
     path = Path(root).absolute()
     _require_dir(path)
     if (path / MANIFEST_NAME).exists() or (path / METADATA_NAME).exists():
-        m = _root.STEP_DIR_RE.match(path.name)
-        entry = _checkpoint_entry(path, int(m.group(1)) if m else None)
+        entry = _checkpoint_entry(path, _root.parse_step_dir(path.name))
         if not is_committed(path) and entry.error is None:
             entry.error = f"{path} is not committed (no {METADATA_NAME})"
         return RootScan(str(path), True, [entry])
