@@ -180,6 +180,8 @@ def test_a_fifo_as_the_lock_or_owner_file_never_blocks(tmp_path: Path) -> None:
         assert not isinstance(info.value, RootInUseError)
     proc = run("clean", "--yes", root)
     assert proc.returncode == 1 and "not a regular file" in proc.stderr, proc.stderr
+    proc = run("clean", root)  # the dry run lists, and warns
+    assert proc.returncode == 0 and "not a regular file" in proc.stderr, proc.stderr
     os.unlink(root / ".asyncckpt.manager.lock")
 
     with asyncckpt.CheckpointManager(root, persistent=False):

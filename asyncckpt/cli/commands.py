@@ -589,15 +589,15 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def _holder(root: str) -> RootInUseError | None:
-    """The error naming the ``CheckpointManager`` that holds ``root``'s lock now, or
-    ``None`` (a probe: :meth:`asyncckpt.root.CheckpointRoot.check_not_in_use`)."""
+def _holder(root: str) -> AsyncckptError | None:
+    """Why ``root`` must not be cleaned now: the ``RootInUseError`` naming the
+    ``CheckpointManager`` that holds its lock (a probe:
+    :meth:`asyncckpt.root.CheckpointRoot.check_not_in_use`), a lock file that cannot be
+    a manager's (a FIFO: ``CheckpointPathError``), or ``None``."""
     try:
         _root.CheckpointRoot(root, create=False).check_not_in_use()
-    except RootInUseError as exc:
+    except AsyncckptError as exc:
         return exc
-    except AsyncckptError as exc:  # e.g. the lock file is a FIFO: not a manager's lock
-        raise CliError(str(exc)) from None
     return None
 
 
@@ -605,6 +605,8 @@ def cmd_clean(args: argparse.Namespace, out: TextIO) -> int:
     scan = scan_root(args.root)
     removing = args.yes or args.force
     in_use = None if scan.is_checkpoint else _holder(scan.root)
+    if removing and in_use is not None and not isinstance(in_use, RootInUseError):
+        raise CliError(f"not cleaning: {in_use}")
     if removing and in_use is not None and not args.force:
         raise CliError(
             f"not cleaning: {in_use}. A temporary directory may be a save in progress; "
@@ -653,7 +655,9 @@ def cmd_clean(args: argparse.Namespace, out: TextIO) -> int:
                 file=out,
             )
     if in_use is not None and not removing:
-        print(f"{PROG}: warning: {in_use}; --yes refuses while it does (--force overrides)", file=sys.stderr)
+        held = isinstance(in_use, RootInUseError)
+        then = "--yes refuses while it does (--force overrides)" if held else "--yes refuses"
+        print(f"{PROG}: warning: {in_use}; {then}", file=sys.stderr)
     if failed:
         print(f"{PROG}: error: some directories could not be removed", file=sys.stderr)
         return 1

@@ -75,7 +75,7 @@ def verify(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(checkpoint_dir)
     if not os.path.lexists(path):
         raise CheckpointNotFoundError("no such checkpoint directory", str(path))
-    if not path.is_dir():
+    if path.exists() and not path.is_dir():
         raise not_a_directory(path)
     if is_stock_dcp(path):
         raise UnverifiableCheckpointError(
@@ -163,7 +163,7 @@ def load(
         # After the error funnel (the same on every rank): what is there now decides.
         if isinstance(exc, CheckpointNotFoundError) or path.is_dir():
             raise
-        if os.path.lexists(path):  # a regular file (model.pt): never "removed, retry"
+        if path.exists():  # a regular file (model.pt): never "removed, retry"
             raise not_a_directory(path) from exc
         raise CheckpointNotFoundError(
             "the checkpoint does not exist, or was removed while it was being "
