@@ -13,7 +13,7 @@ from typing import Any
 
 from asyncckpt.errors import InvalidArgumentError
 
-__all__ = ["check_step", "check_path", "check_state_dict"]
+__all__ = ["check_step", "check_path", "check_state_dict", "check_callback"]
 
 
 def _describe(value: Any) -> str:
@@ -80,6 +80,20 @@ def check_state_dict(state_dict: Any, *, what: str = "state_dict", hint: str = "
     if isinstance(state_dict, dict):
         return state_dict
     raise InvalidArgumentError(f"{what} must be a dict, not {_describe(state_dict)}{hint}")
+
+
+def check_callback(callback: Any, *, what: str = "callback", hint: str = "") -> None:
+    """Check that ``callback`` is ``None`` or callable (a completion callback runs only
+    after the commit: a wrong one would fail a save that is already on disk).
+
+    Raises:
+        InvalidArgumentError: it is anything else (e.g. a ``SaveResult`` or a string).
+    """
+    if callback is not None and not callable(callback):
+        raise InvalidArgumentError(
+            f"{what} must be callable (called with the SaveResult or the exception) or None, "
+            f"not {_describe(callback)}{hint}"
+        )
 
 
 def int_key(name: str) -> int | None:

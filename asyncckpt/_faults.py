@@ -14,11 +14,14 @@ inherits the training process's environment when it is started). Points:
 - ``settle``: in the training process (the thread that settles the save: the
   finalizer thread in the background), when the saver starts settling a save, before
   its temporary directory is removed and its callback runs (its handle must complete
-  all the same).
+  all the same);
+- ``verify_scanned``: in ``asyncckpt verify``, after a root was listed, before its
+  checkpoints are checked.
 
 Actions: ``sleep=SECONDS``, ``raise`` (``OSError(EIO)``), ``enospc``
 (``OSError(ENOSPC)``), ``exit=CODE`` (``os._exit``), ``kill`` (SIGKILL to itself),
-``touch=PATH`` (create ``PATH``; lets a test know the point was reached).
+``touch=PATH`` (create ``PATH``; lets a test know the point was reached), ``wait=PATH``
+(block until ``PATH`` exists, at most 60 s; lets a test act at that point).
 Several actions for one point run in order: ``mid_write:touch=/tmp/x;mid_write:sleep=5``.
 """
 
@@ -55,5 +58,9 @@ def hit(point: str) -> None:
         elif verb == "touch":
             with open(arg, "a"):
                 pass
+        elif verb == "wait":
+            deadline = time.monotonic() + 60
+            while not os.path.exists(arg) and time.monotonic() < deadline:
+                time.sleep(0.01)
         else:
             raise ValueError(f"{ENV}: unknown action {action!r}")

@@ -13,7 +13,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Literal
 
-from asyncckpt._check import check_state_dict, check_step
+from asyncckpt._check import check_callback, check_path, check_state_dict, check_step
 from asyncckpt._exit import exit_timeout
 from asyncckpt.async_utils.callers import PersistentAsyncCaller
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
@@ -61,11 +61,13 @@ class CheckpointManager:
         options: staging and writing options (:class:`SaveOptions`); or give them one
             by one: ``staging_buffers``, ``copy_threads``, ``write_threads``,
             ``plan_cache``, ``overlap_staging`` (not both).
-        callback: the default completion callback of :meth:`save` (see there).
+        callback: the default completion callback of :meth:`save` (see there); a
+            callable or ``None``.
         read_only: only read the root (``steps``, ``latest_step``, ``load``; e.g. an
-            evaluation job following a training job's root): no lock is taken, and
-            :meth:`save` and :meth:`prepare` raise ``CheckpointError``; not together
-            with ``keep_last``, ``callback`` or save options.
+            evaluation job following a training job's root): nothing is created, no
+            lock is taken, and :meth:`save` and :meth:`prepare` raise
+            ``CheckpointError``; not together with ``keep_last``, ``callback`` or save
+            options.
 
     The manager holds an exclusive lock on ``root_dir`` for its lifetime (taken by
     the ``coordinator_rank``, the one rank that writes ``latest`` and runs retention;
@@ -74,19 +76,27 @@ class CheckpointManager:
     save into one root. Reading needs no lock (:func:`asyncckpt.load`,
     :func:`asyncckpt.read_state_dict`, the ``asyncckpt`` command).
 
+    Every argument is checked before the root is locked, and a constructor that
+    raises leaves the root unlocked (a corrected retry in the ``except`` block, or in
+    a notebook, gets the root).
+
     Raises:
         InvalidArgumentError: (a ``ValueError`` and ``TypeError``) a bad argument
             (``root_dir`` not a path, ``keep_last`` not an int >= 1,
-            ``coordinator_rank`` not an int); contradictory arguments (one that the
+            ``coordinator_rank`` not an int, ``callback`` not callable); contradictory arguments (one that the
             others make ignored: ``start_method`` with ``persistent=False``,
             ``calls_queue`` with ``persistent`` or ``start_method``, ``read_only``
             with ``keep_last``, ``callback`` or save options) and a bad option raise
             ``ValueError`` naming both.
         RootInUseError: another manager (this process or another, named by pid and
             host) holds ``root_dir``'s lock (on every rank).
-        CheckpointPathError: ``root_dir`` cannot be created or its lock file not
-            written (with the builtin type of the cause, e.g. ``PermissionError`` for a
-            read-only root; on every rank).
+        CheckpointPathError: ``root_dir`` cannot be created, is not a directory, or
+            cannot be written (with the builtin type and ``errno`` of the cause:
+            ``EROFS`` for a read-only mount, a ``PermissionError`` with ``EACCES`` for
+            a root without write permission), or its lock file is not a regular file
+            (on every rank).
+        CheckpointNotFoundError: (a ``FileNotFoundError``; ``read_only=True``) there
+            is no ``root_dir``: a reader creates nothing.
 
     Collective contract (every rank, in the same order): the constructor,
     :meth:`save`, :meth:`prepare`, :meth:`load`, :meth:`close`, and
@@ -116,6 +126,9 @@ class CheckpointManager:
         read_only: bool = False,
     ) -> None:
         self._closed = True  # until constructed
+        # Every argument is checked before the root is locked (item 6 of issue 30): a
+        # constructor that raises leaves no lock behind, whatever holds its traceback.
+        check_path(root_dir, what="root_dir")
         if calls_queue is not None and (persistent is not None or start_method is not None):
             raise ValueError(
                 "calls_queue= cannot be combined with persistent= or start_method=: "
@@ -156,15 +169,10 @@ class CheckpointManager:
         )
         if isinstance(coordinator_rank, bool) or not isinstance(coordinator_rank, int):
             raise InvalidArgumentError(f"coordinator_rank must be an int, not {coordinator_rank!r}")
+        check_callback(callback)
+        if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+            raise InvalidArgumentError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
         self.read_only = bool(read_only)
-        self._root = self._open_root(root_dir, keep_last, process_group, coordinator_rank, not self.read_only)
-        # Collected without close(): the root's lock is released (the process's exit releases it too).
-        self._release_root = weakref.finalize(self, self._root.release_ownership)
-        self.root_dir = self._root.path
-        self.keep_last = keep_last
-        self.process_group = process_group
-        self.coordinator_rank = coordinator_rank
-        self.callback = callback
         self._owns_queue = calls_queue is None
         persistent = True if persistent is None else persistent
         worker: dict[str, Any] = {}
@@ -173,33 +181,52 @@ class CheckpointManager:
                 "start_method": start_method or "spawn",
                 "import_main": False if start_method in (None, "spawn") else None,
             }
+        # Built (and so checked: start_method="fork" is refused here) before the root is
+        # locked; it starts nothing and issues no collective until started.
         self.queue = calls_queue or AsyncCallsQueue(
             persistent, process_group=process_group, background_finalize=True, **worker
         )
-        if self._owns_queue and isinstance(self.queue.caller, PersistentAsyncCaller) and not self.read_only:
-            self.queue.caller.start()  # ready before the first save: no start-up stall
-        self._saver = Saver(self.queue, self.options, self._root)
+        root: CheckpointRoot | None = None
+        try:
+            root = self._root = self._open_root(root_dir, keep_last, process_group, coordinator_rank, self.read_only)
+            self.root_dir = root.path
+            self.keep_last = keep_last
+            self.process_group = process_group
+            self.coordinator_rank = coordinator_rank
+            self.callback = callback
+            if self._owns_queue and isinstance(self.queue.caller, PersistentAsyncCaller) and not self.read_only:
+                self.queue.caller.start()  # ready before the first save: no start-up stall
+            self._saver = Saver(self.queue, self.options, root)
+        except BaseException:
+            # Nothing of this manager outlives the raise: the lock is released now (not
+            # when the traceback, which holds this object, is collected), the queue closed.
+            if root is not None:
+                root.release_ownership()
+            if self._owns_queue:
+                self.queue.close(abort=True)
+            raise
         # Dropped without close(): the pending saves still commit (a thread keeps the
         # saver and this manager's queue until they settle), then the staging buffers
         # are freed and the queue closed. At interpreter exit the exit hook bounds it.
-        # The root's lock goes with the last save that can commit into it.
+        # The root's lock goes with the last save that can commit into it (the process's
+        # exit releases it too).
         self._release = weakref.finalize(
             self,
             release_when_settled,
             self._saver,
             self.queue if self._owns_queue else None,
-            self._root.release_ownership,
+            root.release_ownership,
         )
         self._release.atexit = False
-        self._release_root.detach()
         self._closed = False
 
     @staticmethod
     def _open_root(
-        root_dir: Any, keep_last: Any, process_group: Any, coordinator_rank: int, lock: bool
+        root_dir: Any, keep_last: Any, process_group: Any, coordinator_rank: int, read_only: bool
     ) -> CheckpointRoot:
-        """The root, its lock taken by the coordinator; a failure on any rank is raised,
-        the same, on every rank (collective)."""
+        """The root, its lock taken by the coordinator (unless ``read_only``: then nothing
+        is created and a missing root is ``CheckpointNotFoundError``); a failure on any
+        rank is raised, the same, on every rank (collective)."""
         sync = SyncGroup(process_group)
         if not 0 <= coordinator_rank < sync.world_size:
             raise InvalidArgumentError(
@@ -208,8 +235,8 @@ class CheckpointManager:
         root: CheckpointRoot | None = None
         failure: RankFailure | None = None
         try:
-            root = CheckpointRoot(root_dir, keep_last)
-            if lock and sync.rank == coordinator_rank:
+            root = CheckpointRoot(root_dir, keep_last, create=not read_only)
+            if not read_only and sync.rank == coordinator_rank:
                 root.acquire_ownership()
         except AsyncckptError as exc:
             if not sync.active:
@@ -262,7 +289,8 @@ class CheckpointManager:
         Raises:
             InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``step`` is not a
                 non-negative int (``bool``, ``1.5``, ``"7"``, ``-1``; numpy / torch
-                integer scalars are fine) or ``state_dict`` not a dict; nothing is staged.
+                integer scalars are fine), ``state_dict`` not a dict, or ``callback``
+                not callable; nothing is staged.
             CheckpointError: invalid input, or step ``step`` already exists (on every
                 rank).
             RuntimeError: the manager is closed.
@@ -270,6 +298,7 @@ class CheckpointManager:
         hint = "; the call is save(step, state_dict)"
         step = check_step(step, hint=hint)
         check_state_dict(state_dict, hint=hint)
+        check_callback(callback)
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
         if self.read_only:

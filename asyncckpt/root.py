@@ -24,6 +24,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import threading
 import time
 import warnings
@@ -35,7 +36,12 @@ from asyncckpt import _exit
 from asyncckpt._check import check_path
 from asyncckpt._exit import EXIT_TIMEOUT_ENV, exit_timeout
 from asyncckpt._fs import remove_checkpoint
-from asyncckpt.errors import CheckpointPathError, InvalidArgumentError, RootInUseError
+from asyncckpt.errors import (
+    CheckpointNotFoundError,
+    CheckpointPathError,
+    InvalidArgumentError,
+    RootInUseError,
+)
 from asyncckpt.format import manifest as _manifest
 from asyncckpt.format.naming import LEFTOVER_RE, STEP_DIR_RE, parse_leftover, parse_step_dir, step_dir_name
 from asyncckpt.io.commit import write_latest
@@ -178,12 +184,16 @@ class RootEntry(NamedTuple):
     Attributes:
         name: the directory name.
         path: its path.
-        step: the step its name carries; ``None`` for a committed directory of another
-            name (a Lightning ``dirpath``'s ``epoch=0-step=16.ckpt``).
-        kind: ``"committed"`` (a manifest and ``.metadata``), ``"uncommitted"``
+        step: the step its name carries; ``None`` for a directory of another name (a
+            Lightning ``dirpath``'s ``epoch=0-step=16.ckpt``, a foreign ``step_6``).
+        kind: ``"committed"`` (a manifest and ``.metadata``; ``step`` is ``None`` when
+            its name is not a step's: not one of the manager's steps), ``"uncommitted"``
             (``step_N`` without them: a stock DCP directory, or not a checkpoint),
             ``"temporary"`` (``.step_N.tmp-*``: a save in flight, or the leftover of a
-            failed one) or ``"deleting"`` (``.step_N.deleting-*``: a removal).
+            failed one), ``"deleting"`` (``.step_N.deleting-*``: a removal) or
+            ``"foreign"`` (any other visible directory, not committed: ``step_6``,
+            ``step_000000009``, ``step_٤``, ``logs``; never listed as a step, never
+            removed).
     """
 
     name: str
@@ -196,22 +206,31 @@ class CheckpointRoot:
     """One root directory of numbered checkpoints and its retention policy.
 
     Args:
-        root_dir: the directory (created if missing).
+        root_dir: the directory (created if missing, with ``create``).
         keep_last: keep this many newest committed steps (``None``: keep all).
+        create: create ``root_dir`` if it is missing (a manager that saves); without
+            it (a reader: ``read_only=True``, the ``asyncckpt`` command) nothing is
+            created, and a missing root raises ``CheckpointNotFoundError``.
 
     Raises:
         InvalidArgumentError: (a ``ValueError``) ``keep_last`` is not an int >= 1 or
             ``None``; ``root_dir`` is not a path.
-        CheckpointPathError: the directory cannot be created (it keeps the builtin
-            type: ``PermissionError``, ``NotADirectoryError``, ``FileExistsError``, ...).
+        CheckpointNotFoundError: (a ``FileNotFoundError``; without ``create``) there is
+            no ``root_dir``.
+        CheckpointPathError: the directory cannot be created, or is not a directory
+            (it keeps the builtin type: ``PermissionError``, ``NotADirectoryError``,
+            ``FileExistsError``, ...).
     """
 
-    def __init__(self, root_dir: str | os.PathLike, keep_last: int | None = None) -> None:
+    def __init__(self, root_dir: str | os.PathLike, keep_last: int | None = None, *, create: bool = True) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
             raise InvalidArgumentError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
         self.path = Path(check_path(root_dir, what="root_dir")).absolute()
+        if not create and not self.path.exists():
+            raise CheckpointNotFoundError("no such checkpoint root (a reader creates nothing)", str(self.path))
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            if create:
+                self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CheckpointPathError.of(
                 exc.errno, f"cannot create the checkpoint root {self.path}: {exc.strerror or exc}", self.path
@@ -249,27 +268,18 @@ class CheckpointRoot:
 
         Raises:
             RootInUseError: another holder has it (named by pid and host).
-            CheckpointPathError: the lock file cannot be created (e.g. a read-only
-                root: a ``PermissionError``).
+            CheckpointPathError: the lock file cannot be created, is a symlink or is not
+                a regular file (a FIFO there never blocks: it is opened ``O_NONBLOCK``);
+                the root is not writable (``errno`` ``EROFS`` for a read-only mount,
+                ``EACCES`` / ``EPERM`` for permissions: a ``PermissionError``). On every
+                raise, no descriptor of the lock is left open: a retry, or another
+                manager, never gets ``RootInUseError`` from this attempt.
         """
         if self._owner_fd is not None:
             return
         lock_path = self.path / OWNER_LOCK_NAME
-        try:
-            fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # a symlink there is never ours: not followed
-                raise CheckpointPathError.of(
-                    exc.errno, "the lock file of the checkpoint root is a symbolic link", lock_path
-                ) from exc
-            raise CheckpointPathError.of(
-                exc.errno,
-                f"cannot create the lock file of the checkpoint root "
-                f"({exc.strerror or exc}); a CheckpointManager needs a writable "
-                "root (to read checkpoints only, use asyncckpt.load or "
-                "read_state_dict)",
-                lock_path,
-            ) from exc
+        fd = self._open_lock_file(create=True)
+        assert fd is not None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -278,21 +288,7 @@ class CheckpointRoot:
                 raise CheckpointPathError.of(
                     exc.errno, f"cannot lock the checkpoint root ({exc.strerror or exc})", lock_path
                 ) from exc
-            owner = self.owner()
-            pid, host = owner.get("pid"), owner.get("host")
-            holder = f"process {pid} on host {host}" if pid is not None else "another process (holder unknown)"
-            if pid == os.getpid() and host == socket.gethostname():
-                holder = f"another CheckpointManager of this process (pid {pid} on host {host})"
-            since = f", since {owner['since']}" if owner.get("since") else ""
-            raise RootInUseError(
-                f"the checkpoint root {self.path} is in use by {holder}{since}: two managers saving into "
-                "one root would overwrite each other's `latest` and remove each other's checkpoints. Use "
-                "another directory, or close() the other manager first (reading needs no lock: "
-                "asyncckpt.load, read_state_dict and the asyncckpt command work while it runs)",
-                str(self.path),
-                pid if isinstance(pid, int) else None,
-                host if isinstance(host, str) else None,
-            ) from None
+            raise self._in_use_error() from None
         self._owner_fd, self._owner_pid = fd, os.getpid()
         with _held_lock:
             _held_fds.add(fd)
@@ -301,24 +297,138 @@ class CheckpointRoot:
             "host": socket.gethostname(),
             "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
-        tmp = self.path / f".{OWNER_INFO_NAME}.tmp-{secrets.token_hex(6)}"
+        tmp = self.path / f"{OWNER_INFO_NAME}.tmp-{secrets.token_hex(6)}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             try:
                 os.write(fd, json.dumps(info).encode())
             finally:
                 os.close(fd)
             os.replace(tmp, self.path / OWNER_INFO_NAME)
-        except OSError as exc:  # the lock holds; only the holder's description is missing
-            tmp.unlink(missing_ok=True)
+        except OSError as exc:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                # The root cannot be written (a read-only mount; no write permission,
+                # also for root without CAP_DAC_OVERRIDE): every save would fail. The
+                # lock file existed, so it could be opened; the lock goes with this error.
+                self.release_ownership()
+                raise CheckpointPathError.of(
+                    exc.errno,
+                    f"the checkpoint root is not writable ({exc.strerror or exc}); a CheckpointManager "
+                    "that saves needs a writable root (to read only, use read_only=True, asyncckpt.load "
+                    "or read_state_dict)",
+                    self.path,
+                ) from exc
+            # Any other failure (e.g. ENOSPC): the lock holds; only the holder's description is missing.
             _log.warning("could not record the holder of %s: %s", lock_path, exc)
+
+    def _open_lock_file(self, create: bool) -> int | None:
+        """A read-only descriptor of ``.asyncckpt.manager.lock`` (created with ``create``;
+        without it ``None`` when there is none). Never blocks and never follows a
+        symlink: opened with ``O_NONBLOCK | O_NOFOLLOW`` and refused unless it is a
+        regular file (a FIFO there would block an ordinary open for ever).
+
+        Raises:
+            CheckpointPathError: it cannot be opened or created (the builtin type of the
+                cause: ``PermissionError``, ...), it is a symbolic link, or it is not a
+                regular file (``IsADirectoryError`` for a directory).
+        """
+        lock_path = self.path / OWNER_LOCK_NAME
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_CREAT if create else 0)
+        try:
+            fd = os.open(lock_path, flags, 0o644)
+        except FileNotFoundError:
+            if create:
+                raise CheckpointPathError.of(
+                    errno.ENOENT, "the checkpoint root vanished before its lock file was created", lock_path
+                ) from None
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symlink there is never ours: not followed
+                raise CheckpointPathError.of(
+                    exc.errno, "the lock file of the checkpoint root is a symbolic link", lock_path
+                ) from exc
+            raise CheckpointPathError.of(
+                exc.errno,
+                f"cannot {'create' if create else 'open'} the lock file of the checkpoint root "
+                f"({exc.strerror or exc}); a CheckpointManager needs a writable "
+                "root (to read checkpoints only, use read_only=True, asyncckpt.load or "
+                "read_state_dict)",
+                lock_path,
+            ) from exc
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError as exc:
+            os.close(fd)
+            raise CheckpointPathError.of(
+                exc.errno, f"cannot stat the lock file ({exc.strerror or exc})", lock_path
+            ) from exc
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise CheckpointPathError.of(
+                errno.EISDIR if stat.S_ISDIR(mode) else None,
+                "the lock file of the checkpoint root is not a regular file (remove it)",
+                lock_path,
+            )
+        return fd
+
+    def _in_use_error(self) -> RootInUseError:
+        """The error naming the holder of the root's lock (from the owner file)."""
+        owner = self.owner()
+        pid, host = owner.get("pid"), owner.get("host")
+        holder = f"process {pid} on host {host}" if pid is not None else "another process (holder unknown)"
+        if pid == os.getpid() and host == socket.gethostname():
+            holder = f"another CheckpointManager of this process (pid {pid} on host {host})"
+        since = f", since {owner['since']}" if owner.get("since") else ""
+        return RootInUseError(
+            f"the checkpoint root {self.path} is in use by {holder}{since}: two managers saving into "
+            "one root would overwrite each other's `latest` and remove each other's checkpoints. Use "
+            "another directory, or close() the other manager first (reading needs no lock: "
+            "asyncckpt.load, read_state_dict and the asyncckpt command work while it runs)",
+            str(self.path),
+            pid if isinstance(pid, int) else None,
+            host if isinstance(host, str) else None,
+        )
+
+    def check_not_in_use(self) -> None:
+        """Raise if a ``CheckpointManager`` (of any process) holds the root's lock now;
+        for tools that change a root without being its manager (``asyncckpt clean``).
+
+        A probe: the lock is taken and released at once (never created, never blocked
+        on). A manager that opens the root right after the probe is not seen.
+
+        Raises:
+            RootInUseError: the lock is held (naming the holder, as a manager would).
+            CheckpointPathError: the lock file is not a regular file, or cannot be opened.
+        """
+        if self._owner_fd is not None:
+            return
+        fd = self._open_lock_file(create=False)
+        if fd is None:
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise self._in_use_error() from None
+                raise CheckpointPathError.of(
+                    exc.errno, f"cannot probe the lock of the checkpoint root ({exc.strerror or exc})", self.path
+                ) from exc
+        finally:
+            os.close(fd)  # drops the probe's lock
 
     def owner(self) -> dict[str, Any]:
         """The last recorded holder of the root's lock (``pid``, ``host``, ``since``), or
         ``{}`` when unknown. Informational: the lock itself is the ``flock``."""
         try:
-            fd = os.open(self.path / OWNER_INFO_NAME, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = os.open(self.path / OWNER_INFO_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO there must not block
+                    return {}
                 data = json.loads(os.read(fd, 4096).decode())
             finally:
                 os.close(fd)
@@ -344,8 +454,8 @@ class CheckpointRoot:
         return sorted(found)
 
     def scan(self) -> list[RootEntry]:
-        """Every step directory, leftover and other committed directory of the root, by
-        name; symlinks are never followed, hidden names other than leftovers skipped.
+        """Every directory of the root, by name, with its kind (:class:`RootEntry`);
+        symlinks are never followed, hidden names other than leftovers skipped.
 
         Raises:
             OSError: the root cannot be listed.
@@ -366,8 +476,9 @@ class CheckpointRoot:
             if leftover is not None:
                 kind = "temporary" if leftover[1] == "tmp" else "deleting"
                 found.append(RootEntry(entry.name, path, leftover[0], kind))
-            elif not entry.name.startswith(".") and _manifest.is_committed(path):
-                found.append(RootEntry(entry.name, path, None, "committed"))
+            elif not entry.name.startswith("."):
+                kind = "committed" if _manifest.is_committed(path) else "foreign"
+                found.append(RootEntry(entry.name, path, None, kind))
         return found
 
     def commit_order(self) -> list[int]:

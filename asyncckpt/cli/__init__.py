@@ -7,7 +7,7 @@ Usage (``asyncckpt SUBCOMMAND --help`` for each)::
     asyncckpt inspect CKPT             every entry: kind, dtype, shape, bytes, data file(s)
     asyncckpt verify CKPT [CKPT ...]   sizes and CRC-32s against the manifest
     asyncckpt convert CKPT OUT.pt      one ``torch.save`` file, loaded safely
-    asyncckpt clean ROOT [--yes]       remove directories of saves that never committed
+    asyncckpt clean ROOT [--yes|--force]  remove directories of saves that never committed
 
 Every subcommand takes ``--json`` (one JSON document on stdout, also on error:
 ``{"error": ...}``). Exit status: 0 success, 1 a problem was found (a checkpoint failed
@@ -181,12 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Find directories of saves that never committed in a CheckpointManager "
         "root (.step_N.tmp-*, .step_N.deleting-*, step_N without a committed "
         "manifest) and print them. Dry run unless --yes: nothing is removed. "
-        "Committed checkpoints and `latest` are never touched. Do not clean a "
-        "root a running job saves into (a temporary directory may be a save "
-        "in progress).",
+        "Committed checkpoints, `latest` and foreign directories are never touched. "
+        "--yes refuses while a CheckpointManager holds the root (naming it): a "
+        "temporary directory may be a save in progress.",
     )
     p.add_argument("root", metavar="ROOT", help="a CheckpointManager root")
-    p.add_argument("-y", "--yes", "--force", dest="yes", action="store_true", help="remove them")
+    p.add_argument("-y", "--yes", action="store_true", help="remove them (refused while a manager holds the root)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="remove them even while a CheckpointManager holds the root (implies --yes)",
+    )
     p.set_defaults(func=cmd_clean)
     return parser
 

@@ -23,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
+from asyncckpt import _faults
 from asyncckpt import root as _root
 from asyncckpt._fs import fsync_directory
 from asyncckpt.cli.scan import (
@@ -34,7 +35,7 @@ from asyncckpt.cli.scan import (
     human_bytes,
     scan_root,
 )
-from asyncckpt.errors import CheckpointError, CorruptCheckpointError
+from asyncckpt.errors import AsyncckptError, CheckpointError, CorruptCheckpointError, RootInUseError
 from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, is_committed
 from asyncckpt.io.storage import LOCAL
 
@@ -45,6 +46,7 @@ __all__ = [
     "inspect_checkpoint",
     "convert_to_torch_save",
     "remove_partial",
+    "FOREIGN_KEPT",
     "emit_json",
     "cmd_ls",
     "cmd_inspect",
@@ -185,20 +187,21 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- verify
-def _verify_targets(arg: str) -> list[Path]:
+def _verify_targets(arg: str) -> tuple[list[Path], bool]:
     """The checkpoints named by one ``verify`` argument: itself, or every committed
-    checkpoint of a manager root."""
+    checkpoint of a manager root; and whether they came from a root's scan (then one
+    that vanishes before its check was removed by the job's retention)."""
     path = Path(arg).absolute()
     _require_dir(path)
     if is_committed(path):
-        return [path]
+        return [path], False
     try:
         scan = scan_root(path)
     except (CliError, OSError):
-        return [path]
+        return [path], False
     if not scan.is_checkpoint and scan.checkpoints:
-        return [Path(c.path) for c in scan.checkpoints]
-    return [path]
+        return [Path(c.path) for c in scan.checkpoints], True
+    return [path], False
 
 
 def _verify_one(path: Path, progress: bool | None) -> dict[str, Any]:
@@ -355,6 +358,10 @@ def convert_to_torch_save(
 
 
 # ----------------------------------------------------------------------------- clean
+#: ``clean``'s result for a directory that is not asyncckpt's leftover (dry run or not).
+FOREIGN_KEPT = "kept: not an asyncckpt leftover"
+
+
 def remove_partial(partial: PartialDir) -> str:
     """Remove one hidden leftover of asyncckpt (a save that never committed, or an
     interrupted removal); a ``"foreign"`` directory is never removed.
@@ -370,7 +377,7 @@ def remove_partial(partial: PartialDir) -> str:
     """
     path = Path(partial.path)
     if partial.kind == "foreign":
-        return "kept: not an asyncckpt leftover"
+        return FOREIGN_KEPT
     if not path.is_dir() or path.is_symlink():
         return "kept: no longer a directory"
     shutil.rmtree(path)
@@ -417,6 +424,8 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
                 notes.append("latest")
             if c.step is not None and c.step == newest and not scan.is_checkpoint:
                 notes.append("newest")
+            if c.foreign and not scan.is_checkpoint:
+                notes.append("foreign: not a CheckpointManager step")
             if c.error:
                 notes.append(f"manifest unreadable: {c.error}")
             rows.append(
@@ -444,11 +453,17 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
                 f"newest committed step: {scan.newest_step})",
                 file=out,
             )
-    if scan.partial:
-        print(f"partial (never committed; `{PROG} clean {scan.root}` lists what it would remove):", file=out)
-        rows = [[p.name, human_bytes(p.bytes), PARTIAL_DESCRIPTION[p.kind]] for p in scan.partial]
-        table = _table(["NAME", "SIZE", "WHAT"], rows, right=(1,))
-        print("  " + table.replace("\n", "\n  "), file=out)
+    leftovers = [p for p in scan.partial if p.kind != "foreign"]
+    foreign = [p for p in scan.partial if p.kind == "foreign"]
+    for title, entries in (
+        (f"partial (never committed; `{PROG} clean {scan.root}` lists what it would remove):", leftovers),
+        ("foreign (not committed by asyncckpt here: never listed as a step, never removed):", foreign),
+    ):
+        if entries:
+            print(title, file=out)
+            rows = [[p.name, human_bytes(p.bytes), PARTIAL_DESCRIPTION[p.kind]] for p in entries]
+            table = _table(["NAME", "SIZE", "WHAT"], rows, right=(1,))
+            print("  " + table.replace("\n", "\n  "), file=out)
     return 0
 
 
@@ -497,7 +512,7 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     results = []
     for arg in args.checkpoints:
         try:
-            targets = _verify_targets(arg)
+            targets, scanned = _verify_targets(arg)
         except CliError as exc:
             shown = str(Path(arg).absolute())
             message = str(exc)[len(shown) + 2 :] if str(exc).startswith(shown + ": ") else str(exc)
@@ -510,31 +525,40 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
                     "error": message,
                     "file": None,
                     "verifiable": True,
+                    "removed": False,
                 }
             )
             if not args.json:
                 print(f"FAILED  {shown}: {message}", file=out)
             continue
+        _faults.hit("verify_scanned")
         for path in targets:
             result = _verify_one(path, args.progress)
+            # A step of a root that vanished between the scan and its check was removed
+            # (retention of a job still saving, a user's rm): gone, not damaged.
+            result["removed"] = scanned and not result["ok"] and not os.path.lexists(path)
             results.append(result)
             if not args.json:
-                if result["ok"]:
+                if result["removed"]:
+                    print(f"REMOVED {path}  (removed since the root was listed: skipped)", file=out)
+                elif result["ok"]:
                     print(f"OK      {path}  ({result['files']} files, {human_bytes(result['bytes'])})", file=out)
                 elif not result["verifiable"]:
                     print(f"UNVERIFIABLE  {path}: {result['error']}", file=out)
                 else:
                     print(f"FAILED  {path}: {result['error']}", file=out)
             out.flush()
-    failed = [r for r in results if not r["ok"] and r["verifiable"]]
-    unverifiable = [r for r in results if not r["verifiable"]]
+    failed = [r for r in results if not r["ok"] and r["verifiable"] and not r.get("removed")]
+    unverifiable = [r for r in results if not r["verifiable"] and not r.get("removed")]
+    removed = [r for r in results if r.get("removed")]
     if args.json:
         emit_json(
             {
                 "ok": not failed and not unverifiable,
-                "checked": len(results),
+                "checked": len(results) - len(removed),
                 "failed": len(failed),
                 "unverifiable": len(unverifiable),
+                "removed": len(removed),
                 "results": results,
             },
             out,
@@ -565,13 +589,37 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _holder(root: str) -> AsyncckptError | None:
+    """Why ``root`` must not be cleaned now: the ``RootInUseError`` naming the
+    ``CheckpointManager`` that holds its lock (a probe:
+    :meth:`asyncckpt.root.CheckpointRoot.check_not_in_use`), a lock file that cannot be
+    a manager's (a FIFO: ``CheckpointPathError``), or ``None``."""
+    try:
+        _root.CheckpointRoot(root, create=False).check_not_in_use()
+    except AsyncckptError as exc:
+        return exc
+    return None
+
+
 def cmd_clean(args: argparse.Namespace, out: TextIO) -> int:
     scan = scan_root(args.root)
+    removing = args.yes or args.force
+    in_use = None if scan.is_checkpoint else _holder(scan.root)
+    if removing and in_use is not None and not isinstance(in_use, RootInUseError):
+        raise CliError(f"not cleaning: {in_use}")
+    if removing and in_use is not None and not args.force:
+        raise CliError(
+            f"not cleaning: {in_use}. A temporary directory may be a save in progress; "
+            "stop the job first, or pass --force to remove the leftovers anyway"
+        )
     actions: list[dict[str, Any]] = []
     failed = False
     for p in scan.partial:
+        # The dry run says "would remove" for exactly what --yes removes.
         action = {**asdict(p), "size": human_bytes(p.bytes), "result": "would remove"}
-        if args.yes:
+        if p.kind == "foreign":
+            action["result"] = FOREIGN_KEPT
+        elif removing:
             try:
                 action["result"] = remove_partial(p)
             except OSError as exc:
@@ -582,7 +630,8 @@ def cmd_clean(args: argparse.Namespace, out: TextIO) -> int:
         emit_json(
             {
                 "root": scan.root,
-                "dry_run": not args.yes,
+                "dry_run": not removing,
+                "in_use_by": None if in_use is None else str(in_use),
                 "partial": actions,
                 "removed": [a["name"] for a in actions if a["result"] == "removed"],
             },
@@ -593,15 +642,22 @@ def cmd_clean(args: argparse.Namespace, out: TextIO) -> int:
     else:
         rows = [[a["name"], human_bytes(a["bytes"]), PARTIAL_DESCRIPTION[a["kind"]], a["result"]] for a in actions]
         print(_table(["NAME", "SIZE", "WHAT", "RESULT"], rows, right=(1,)), file=out)
-        if not args.yes:
-            total = sum(a["bytes"] for a in actions)
+        doomed = [a for a in actions if a["result"] == "would remove"]
+        if not removing and not doomed:
+            print(f"nothing to clean in {scan.root}", file=out)
+        elif not removing:
+            total = sum(a["bytes"] for a in doomed)
             print(
-                f"dry run: nothing was removed; pass --yes to remove these {len(actions)} "
-                f"director{'y' if len(actions) == 1 else 'ies'} ({human_bytes(total)}).\n"
+                f"dry run: nothing was removed; pass --yes to remove these {len(doomed)} "
+                f"director{'y' if len(doomed) == 1 else 'ies'} ({human_bytes(total)}).\n"
                 "Committed checkpoints and `latest` are never touched. Do not clean a root that a job\n"
                 "is saving into: a temporary directory may be a save in progress.",
                 file=out,
             )
+    if in_use is not None and not removing:
+        held = isinstance(in_use, RootInUseError)
+        then = "--yes refuses while it does (--force overrides)" if held else "--yes refuses"
+        print(f"{PROG}: warning: {in_use}; {then}", file=sys.stderr)
     if failed:
         print(f"{PROG}: error: some directories could not be removed", file=sys.stderr)
         return 1

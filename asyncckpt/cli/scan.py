@@ -72,6 +72,10 @@ class CheckpointEntry:
         world_size: ranks that saved it (from the manifest), or ``None``.
         latest: ``latest`` names this directory.
         error: why the manifest could not be read, else ``None``.
+        foreign: in a root, its name is not one a ``CheckpointManager`` writes
+            (``step_%08d``): committed by someone else (``asyncckpt.save`` to
+            ``root/step_6``, a Lightning ``dirpath``'s ``epoch=0-step=16.ckpt``), so it
+            is not among the manager's ``steps()`` and retention never removes it.
     """
 
     name: str
@@ -82,6 +86,7 @@ class CheckpointEntry:
     world_size: int | None
     latest: bool = False
     error: str | None = None
+    foreign: bool = False
 
 
 @dataclass
@@ -93,24 +98,25 @@ class PartialDir:
         path: its absolute path.
         kind: ``"temporary"`` (``.step_N.tmp-*``: a save that failed, was killed, or is
             still writing), ``"deleting"`` (``.step_N.deleting-*``: an interrupted
-            removal) or ``"foreign"`` (``step_N`` without an asyncckpt manifest: a
-            stock ``torch.distributed.checkpoint`` directory, or not a checkpoint;
-            asyncckpt never leaves such a directory, so ``clean`` never removes it).
-        step: the step its name carries.
+            removal) or ``"foreign"`` (a directory asyncckpt did not commit: ``step_N``
+            without an asyncckpt manifest, a stock ``torch.distributed.checkpoint``
+            directory, or any other name such as ``step_6`` or ``step_٤``; asyncckpt
+            never leaves such a directory, so ``clean`` never removes it).
+        step: the step its name carries (``None`` for a name that is not a step's).
         bytes: bytes of its files.
     """
 
     name: str
     path: str
     kind: str
-    step: int
+    step: int | None
     bytes: int
 
 
 PARTIAL_DESCRIPTION = {
     "temporary": "unfinished save (failed, killed, or still writing)",
     "deleting": "interrupted removal of a checkpoint",
-    "foreign": "step directory without an asyncckpt manifest (never removed)",
+    "foreign": "foreign: not committed by asyncckpt here (never listed as a step, never removed)",
 }
 
 
@@ -139,7 +145,7 @@ class RootScan:
         largest step number); for a directory without ``step_N`` checkpoints (a
         Lightning ``dirpath``) or a single checkpoint, the largest step."""
         if not self.is_checkpoint:
-            newest = _root.CheckpointRoot(self.root).latest()
+            newest = _root.CheckpointRoot(self.root, create=False).latest()
             if newest is not None:
                 return newest
         steps = [c.step for c in self.checkpoints if c.step is not None]
@@ -184,8 +190,10 @@ def scan_root(root: str | os.PathLike) -> RootScan:
     not hidden (a Lightning ``dirpath``'s ``epoch=0-step=16.ckpt`` directories written by
     ``asyncckpt.lightning``; their step is the one recorded in the manifest, Lightning's
     ``global_step``). Leftovers are ``.step_N.tmp-*``
-    and ``.step_N.deleting-*`` directories and ``step_N`` directories that are not
-    committed. Symlinks are never followed (:meth:`asyncckpt.root.CheckpointRoot.scan`).
+    and ``.step_N.deleting-*`` directories; any other directory not committed (a
+    ``step_N`` without a manifest, ``step_6``, ``logs``) is listed as ``"foreign"``.
+    Committed directories whose name is not a manager's step are marked
+    ``foreign``. Symlinks are never followed (:meth:`asyncckpt.root.CheckpointRoot.scan`).
     If ``root`` is itself a checkpoint directory (it holds ``.manifest.json`` or
     ``.metadata``), it is the only entry.
 
@@ -207,14 +215,14 @@ def scan_root(root: str | os.PathLike) -> RootScan:
             entry.error = f"{path} is not committed (no {METADATA_NAME})"
         return RootScan(str(path), True, [entry])
     scan = RootScan(str(path), False, latest=read_latest(path))
-    for found in _root.CheckpointRoot(path).scan():
+    for found in _root.CheckpointRoot(path, create=False).scan():
         if found.kind == "committed":
             ckpt = _checkpoint_entry(found.path, found.step)
             ckpt.latest = found.name == scan.latest
+            ckpt.foreign = found.step is None
             scan.checkpoints.append(ckpt)
         else:
-            kind = "foreign" if found.kind == "uncommitted" else found.kind
-            assert found.step is not None
+            kind = "foreign" if found.kind in ("uncommitted", "foreign") else found.kind
             scan.partial.append(PartialDir(found.name, str(found.path), kind, found.step, _tree_bytes(found.path)))
     scan.checkpoints.sort(key=lambda c: (c.step if c.step is not None else -1, c.name))
     return scan

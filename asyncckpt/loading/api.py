@@ -9,6 +9,7 @@ checkpoint: see :mod:`asyncckpt.loading.metadata`, :mod:`asyncckpt.loading.dcp` 
 
 from __future__ import annotations
 
+import errno
 import os
 import warnings
 from pathlib import Path
@@ -24,6 +25,7 @@ from asyncckpt.dist import SyncGroup
 from asyncckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointPathError,
     CorruptCheckpointError,
     RankFailure,
     UnverifiableCheckpointError,
@@ -36,7 +38,19 @@ from asyncckpt.loading.direct import direct_load, plan_direct_load
 from asyncckpt.loading.metadata import gc_paused
 from asyncckpt.root import is_stock_dcp
 
-__all__ = ["load", "verify", "from_dcp_exception"]
+__all__ = ["load", "verify", "from_dcp_exception", "not_a_directory"]
+
+
+def not_a_directory(path: Path) -> CheckpointPathError:
+    """The one error of ``load``, ``verify`` and ``read_state_dict`` for a path that
+    exists and is not a directory: a ``CheckpointPathError`` that is a
+    ``NotADirectoryError`` (``errno.ENOTDIR``), not a ``FileNotFoundError`` (which
+    readers retry on, as for a step removed by retention)."""
+    return CheckpointPathError.of(
+        errno.ENOTDIR,
+        "not a checkpoint directory (a checkpoint is a directory; for a torch.save file use torch.load)",
+        path,
+    )
 
 
 def verify(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
@@ -53,12 +67,16 @@ def verify(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
             are no checksums to check; nothing is known to be wrong with it.
         CheckpointNotFoundError: (a ``FileNotFoundError``) ``checkpoint_dir`` does
             not exist.
+        CheckpointPathError: (a ``NotADirectoryError``) ``checkpoint_dir`` is not a
+            directory (a ``model.pt``): not a checkpoint directory.
         InvalidArgumentError: ``checkpoint_dir`` is not a path.
     """
     check_path(checkpoint_dir)
     path = Path(checkpoint_dir)
     if not os.path.lexists(path):
         raise CheckpointNotFoundError("no such checkpoint directory", str(path))
+    if path.exists() and not path.is_dir():
+        raise not_a_directory(path)
     if is_stock_dcp(path):
         raise UnverifiableCheckpointError(
             f"{path}: no manifest: not verifiable (a stock torch.distributed.checkpoint directory; "
@@ -129,6 +147,9 @@ def load(
         CheckpointNotFoundError: (a ``FileNotFoundError``) ``checkpoint_dir`` does not
             exist, or was removed while it was being loaded (retention of a job that
             is still saving): retry with a newer step.
+        CheckpointPathError: (a ``NotADirectoryError``, never a
+            ``CheckpointNotFoundError``) ``checkpoint_dir`` is not a directory (a
+            ``model.pt``): not a checkpoint directory.
         InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``state_dict`` is not
             a dict or ``checkpoint_dir`` not a path.
     """
@@ -139,8 +160,11 @@ def load(
     try:
         _load(state_dict, path, process_group, verify, allow_pickle)
     except (CheckpointError, OSError) as exc:
+        # After the error funnel (the same on every rank): what is there now decides.
         if isinstance(exc, CheckpointNotFoundError) or path.is_dir():
             raise
+        if path.exists():  # a regular file (model.pt): never "removed, retry"
+            raise not_a_directory(path) from exc
         raise CheckpointNotFoundError(
             "the checkpoint does not exist, or was removed while it was being "
             "loaded (e.g. by retention): load a newer step",

@@ -25,12 +25,11 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from asyncckpt._check import check_path, int_key
 from asyncckpt.errors import (
     CheckpointNotFoundError,
-    CheckpointPathError,
     CorruptCheckpointError,
 )
 from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME
 from asyncckpt.io.storage import LOCAL
-from asyncckpt.loading.api import from_dcp_exception
+from asyncckpt.loading.api import from_dcp_exception, not_a_directory
 from asyncckpt.loading.dcp import SafeFileSystemReader, SafeLoadPlanner
 from asyncckpt.root import is_in_root
 
@@ -250,7 +249,7 @@ def read_state_dict(
     if not path.exists():
         raise CheckpointNotFoundError("no such checkpoint directory", str(path))
     if not path.is_dir():
-        raise CheckpointPathError.of(20, "not a checkpoint directory", path)  # errno.ENOTDIR
+        raise not_a_directory(path)  # the same error as load and verify
     reader = SafeFileSystemReader(str(path), storage=LOCAL)
     manifest: dict[str, Any] | None = None
     if LOCAL.exists(path, MANIFEST_NAME):

@@ -7,7 +7,7 @@ import threading
 import weakref
 from typing import Any
 
-from asyncckpt._check import check_path, check_state_dict, check_step
+from asyncckpt._check import check_callback, check_path, check_state_dict, check_step
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 from asyncckpt.options import SaveOptions
 from asyncckpt.saving.handle import SaveCallback, SaveHandle
@@ -112,13 +112,15 @@ def save(
         ValueError: ``overlap_staging`` without ``async_op``; both ``options`` and
             ``overlap_staging``.
         InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``state_dict`` is not
-            a dict, ``checkpoint_dir`` not a path, ``step`` not a non-negative int.
+            a dict, ``checkpoint_dir`` not a path, ``step`` not a non-negative int,
+            ``callback`` not callable (nothing is staged).
     """
     hint = "; the call is save(state_dict, checkpoint_dir)"
     check_state_dict(state_dict, hint=hint)
     check_path(checkpoint_dir, hint=hint)
     if step is not None:
         step = check_step(step)
+    check_callback(callback)
     opts = SaveOptions.resolve(options, overlap_staging=overlap_staging)
     if opts.overlap_staging and not async_op:
         raise ValueError("overlap_staging needs async_op=True")
