@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +31,7 @@ from asyncckpt.errors import (
 from asyncckpt.format import manifest as _manifest
 from asyncckpt.loading.api import load
 from asyncckpt.options import SaveOptions
+from asyncckpt.policy import PreservationPolicy, SaveInterval, as_policy
 from asyncckpt.root import CheckpointRoot
 from asyncckpt.saving.handle import SaveCallback, SaveHandle, SaveTimings
 from asyncckpt.saving.pending import release_when_settled
@@ -45,12 +47,22 @@ class CheckpointManager:
 
     Layout: ``root_dir/step_00000100/`` (one committed checkpoint per step), and
     ``root_dir/latest`` naming the newest committed one. Like Orbax's
-    CheckpointManager, policy (``keep_last``, :class:`SaveOptions`) is data.
+    CheckpointManager, policy (``keep_last`` / ``keep``, ``save_interval``,
+    :class:`SaveOptions`) is data.
 
     Args:
         root_dir: the root directory (created if missing).
         keep_last: keep this many newest checkpoints (``None``: keep all). Older ones
-            are removed only after a newer one committed.
+            are removed only after a newer one committed. The short form of
+            ``keep=LatestN(keep_last)``.
+        keep: a preservation policy (:mod:`asyncckpt.policy`: ``LatestN``,
+            ``EveryNSteps``, ``EveryNSeconds``, ``BestN`` by the ``metrics`` of
+            :meth:`save`, ``AnyOf``); with ``keep_last`` too, a step is kept if either
+            keeps it. Retention never removes the newest save, runs on the coordinator
+            after each commit, and takes no collective.
+        save_interval: which steps :meth:`should_save` says to save
+            (:class:`asyncckpt.policy.SaveInterval`: every ``steps`` and/or
+            ``seconds``).
         persistent: one long-lived worker (default) or a forked child per save.
         process_group: the ranks saving together.
         coordinator_rank: the rank that commits.
@@ -66,8 +78,8 @@ class CheckpointManager:
         read_only: only read the root (``steps``, ``latest_step``, ``load``; e.g. an
             evaluation job following a training job's root): nothing is created, no
             lock is taken, and :meth:`save` and :meth:`prepare` raise
-            ``CheckpointError``; not together with ``keep_last``, ``callback`` or save
-            options.
+            ``CheckpointError``; not together with ``keep_last``, ``keep``,
+            ``callback`` or save options.
 
     The manager holds an exclusive lock on ``root_dir`` for its lifetime (taken by
     the ``coordinator_rank``, the one rank that writes ``latest`` and runs retention;
@@ -124,6 +136,8 @@ class CheckpointManager:
         callback: SaveCallback | None = None,
         options: SaveOptions | None = None,
         read_only: bool = False,
+        keep: PreservationPolicy | None = None,
+        save_interval: SaveInterval | None = None,
     ) -> None:
         self._closed = True  # until constructed
         # Every argument is checked before the root is locked (item 6 of issue 30): a
@@ -139,6 +153,7 @@ class CheckpointManager:
                 name
                 for name, value in (
                     ("keep_last", keep_last),
+                    ("keep", keep),
                     ("options", options),
                     ("staging_buffers", staging_buffers),
                     ("copy_threads", copy_threads),
@@ -172,6 +187,15 @@ class CheckpointManager:
         check_callback(callback)
         if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
             raise InvalidArgumentError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
+        as_policy(keep_last, keep)  # checked before the root is locked
+        if save_interval is not None and not isinstance(save_interval, SaveInterval):
+            raise InvalidArgumentError(f"save_interval must be a SaveInterval, not {save_interval!r}")
+        #: Which steps :meth:`should_save` saves (``None``: it says True only on preemption).
+        self.save_interval = save_interval
+        #: The ``PreemptionSave`` watching this manager (its constructor sets it).
+        self.preemption: Any = None
+        self._clock: tuple[int, float] | None = None  # (step, time.monotonic()) of this rank's last save
+        self._timed_due: int | None = None  # the agreed step of the next time-based save
         self.read_only = bool(read_only)
         self._owns_queue = calls_queue is None
         persistent = True if persistent is None else persistent
@@ -188,9 +212,12 @@ class CheckpointManager:
         )
         root: CheckpointRoot | None = None
         try:
-            root = self._root = self._open_root(root_dir, keep_last, process_group, coordinator_rank, self.read_only)
+            root = self._root = self._open_root(
+                root_dir, keep_last, keep, process_group, coordinator_rank, self.read_only
+            )
             self.root_dir = root.path
             self.keep_last = keep_last
+            self.keep = keep
             self.process_group = process_group
             self.coordinator_rank = coordinator_rank
             self.callback = callback
@@ -222,7 +249,7 @@ class CheckpointManager:
 
     @staticmethod
     def _open_root(
-        root_dir: Any, keep_last: Any, process_group: Any, coordinator_rank: int, read_only: bool
+        root_dir: Any, keep_last: Any, keep: Any, process_group: Any, coordinator_rank: int, read_only: bool
     ) -> CheckpointRoot:
         """The root, its lock taken by the coordinator (unless ``read_only``: then nothing
         is created and a missing root is ``CheckpointNotFoundError``); a failure on any
@@ -235,7 +262,7 @@ class CheckpointManager:
         root: CheckpointRoot | None = None
         failure: RankFailure | None = None
         try:
-            root = CheckpointRoot(root_dir, keep_last, create=not read_only)
+            root = CheckpointRoot(root_dir, keep_last, keep=keep, create=not read_only)
             if not read_only and sync.rank == coordinator_rank:
                 root.acquire_ownership()
         except AsyncckptError as exc:
@@ -266,6 +293,58 @@ class CheckpointManager:
     def step_dir(self, step: int) -> Path:
         """The directory of step ``step``."""
         return self._root.step_dir(step)
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save at ``step``, the same answer on every rank, without a
+        collective: ``if manager.should_save(step): manager.save(step, state)``.
+
+        True when ``step`` is a multiple of ``save_interval.steps``; when the
+        time-based save of ``save_interval.seconds`` is due; or when the
+        ``PreemptionSave`` of this manager has agreed to stop (its ``reached`` returned
+        True on every rank at the same step).
+
+        Time is agreed through the saves (Orbax's ``save_interval_steps`` and
+        ``EveryNSeconds`` in one call): the first call of a manager with ``seconds``
+        says True (the clock starts at a save every rank took part in); each save then
+        gathers every rank's seconds per step since the previous save (inside
+        :meth:`save`'s collective call, one small all_gather) and schedules the next
+        time-based save at the step where the slowest rank's ``seconds`` will have
+        passed. So every rank answers the same, at the price of a schedule that
+        follows the step time measured over the last interval.
+
+        Args:
+            step: the step about to be saved (or not); call it once per step, with
+                increasing steps, on every rank.
+
+        Raises:
+            InvalidArgumentError: ``step`` is not a non-negative int.
+        """
+        step = check_step(step)
+        preemption = self.preemption
+        if preemption is not None and preemption.agreed_signum:
+            return True
+        interval = self.save_interval
+        if interval is None:
+            return False
+        if interval.steps is not None and step % interval.steps == 0:
+            return True
+        if interval.seconds is not None:
+            return self._timed_due is None or step >= self._timed_due
+        return False
+
+    def _agree_on_time(self, step: int) -> None:
+        """(all ranks, in :meth:`save`) Schedule the next time-based save (see
+        :meth:`should_save`): one all_gather of each rank's microseconds per step
+        since its previous save."""
+        now = time.monotonic()
+        clock, self._clock = self._clock, (step, now)
+        per_step_us = 0
+        if clock is not None and step > clock[0]:
+            per_step_us = int(1e6 * (now - clock[1]) / (step - clock[0]))
+        sync = SyncGroup(self.process_group)
+        rates = [row[0] for row in sync.all_gather_ints([per_step_us])] if sync.active else [per_step_us]
+        assert self.save_interval is not None
+        self._timed_due = self.save_interval.next_timed_step(step, [r / 1e6 for r in rates])
 
     def save(
         self, step: int, state_dict: dict[str, Any], *, async_op: bool = True, callback: SaveCallback | None = None
@@ -303,6 +382,8 @@ class CheckpointManager:
             raise RuntimeError("CheckpointManager is closed")
         if self.read_only:
             raise CheckpointError(f"this CheckpointManager of {self.root_dir} is read-only (read_only=True)")
+        if self.save_interval is not None and self.save_interval.seconds is not None:
+            self._agree_on_time(step)
         with self._saver.lock:
             return self._saver.save(
                 state_dict,

@@ -135,6 +135,8 @@ class PreemptionSave:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("PreemptionSave installs signal handlers: construct it in the main thread")
         self.manager = manager
+        if hasattr(manager, "preemption"):  # CheckpointManager.should_save says True once the ranks agreed
+            manager.preemption = self
         self.grace_s = float(grace_s)
         self.exit = exit
         #: the signal this rank received first (0: none), and when (time.monotonic())

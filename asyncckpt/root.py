@@ -20,6 +20,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -45,6 +46,7 @@ from asyncckpt.errors import (
 from asyncckpt.format import manifest as _manifest
 from asyncckpt.format.naming import LEFTOVER_RE, STEP_DIR_RE, parse_leftover, parse_step_dir, step_dir_name
 from asyncckpt.io.commit import write_latest
+from asyncckpt.policy import PreservationPolicy, StepInfo, as_policy, steps_to_remove
 
 __all__ = [
     "STEP_DIR_RE",
@@ -178,6 +180,24 @@ def is_stock_dcp(checkpoint_dir: str | os.PathLike) -> bool:
     )
 
 
+def _uint(value: Any) -> int:
+    """A manifest's non-negative int field, or 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _finite(value: Any) -> float:
+    """A manifest's time field (seconds since the epoch), or 0.0."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else 0.0
+
+
+def _metrics(value: Any) -> dict[str, float]:
+    """A manifest's ``metrics``: its finite numbers by name (anything else is dropped)."""
+    if not isinstance(value, dict):
+        return {}
+    return {k: float(v) for k, v in value.items() if isinstance(k, str) and _finite(v) == v and not isinstance(v, bool)}
+
+
 class RootEntry(NamedTuple):
     """A directory of a checkpoint root (:meth:`CheckpointRoot.scan`).
 
@@ -207,14 +227,19 @@ class CheckpointRoot:
 
     Args:
         root_dir: the directory (created if missing, with ``create``).
-        keep_last: keep this many newest committed steps (``None``: keep all).
+        keep_last: keep this many newest committed steps (``None``: keep all); the
+            short form of ``keep=LatestN(keep_last)``.
+        keep: a preservation policy (:mod:`asyncckpt.policy`: ``LatestN``,
+            ``EveryNSteps``, ``EveryNSeconds``, ``BestN``, ``AnyOf``); with
+            ``keep_last`` too, a step is kept if either keeps it. Retention never
+            removes the newest save.
         create: create ``root_dir`` if it is missing (a manager that saves); without
             it (a reader: ``read_only=True``, the ``asyncckpt`` command) nothing is
             created, and a missing root raises ``CheckpointNotFoundError``.
 
     Raises:
         InvalidArgumentError: (a ``ValueError``) ``keep_last`` is not an int >= 1 or
-            ``None``; ``root_dir`` is not a path.
+            ``None``, ``keep`` not a policy; ``root_dir`` is not a path.
         CheckpointNotFoundError: (a ``FileNotFoundError``; without ``create``) there is
             no ``root_dir``.
         CheckpointPathError: the directory cannot be created, or is not a directory
@@ -222,9 +247,18 @@ class CheckpointRoot:
             ``FileExistsError``, ...).
     """
 
-    def __init__(self, root_dir: str | os.PathLike, keep_last: int | None = None, *, create: bool = True) -> None:
+    def __init__(
+        self,
+        root_dir: str | os.PathLike,
+        keep_last: int | None = None,
+        *,
+        keep: PreservationPolicy | None = None,
+        create: bool = True,
+    ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
             raise InvalidArgumentError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
+        #: The retention policy (``keep_last`` and ``keep`` combined; ``None``: keep all).
+        self.policy = as_policy(keep_last, keep)
         self.path = Path(check_path(root_dir, what="root_dir")).absolute()
         if not create and not self.path.exists():
             raise CheckpointNotFoundError("no such checkpoint root (a reader creates nothing)", str(self.path))
@@ -242,7 +276,7 @@ class CheckpointRoot:
         self.keep_last = keep_last
         self._lock = threading.Lock()
         self._deletion: threading.Thread | None = None  # the retention removal in flight
-        self._seqs: dict[tuple[str, int], int] = {}  # (name, inode) -> commit_seq of its manifest
+        self._infos: dict[tuple[str, int], StepInfo] = {}  # (name, inode) -> what its manifest says
 
     def step_dir(self, step: int) -> Path:
         """The directory of step ``step``."""
@@ -491,7 +525,7 @@ class CheckpointRoot:
         run resumes from 13, and retention removes 10 and 20 first. Steps without a
         sequence number (older asyncckpt versions) order before all others, by step.
         """
-        return [step for _, step in sorted(self._sequenced())]
+        return [info.step for info in self.step_infos()]
 
     def latest(self) -> int | None:
         """The step of the newest save committed (what a run resumes from), or ``None``.
@@ -504,34 +538,42 @@ class CheckpointRoot:
 
     def next_commit_seq(self) -> int:
         """(coordinator, at commit) The commit sequence number of the next commit."""
-        return max((seq for seq, _ in self._sequenced()), default=0) + 1
+        return max((info.commit_seq for info in self.step_infos()), default=0) + 1
 
-    def _sequenced(self) -> list[tuple[int, int]]:
-        """``(commit_seq, step)`` of every committed step; the cache of sequence numbers
-        keeps only the directories found (bounded over thousands of saves)."""
+    def step_infos(self) -> list[StepInfo]:
+        """What the retention policies see of every committed step (its commit
+        sequence number, commit time and metrics, read from its manifest once and
+        cached by name and inode; the cache keeps only the directories found, so it
+        stays bounded over thousands of saves), oldest save first (:meth:`commit_order`).
+        """
         found, seen = [], set()
         for entry in os.scandir(self.path):
             step = parse_step_dir(entry.name)
             if step is not None and entry.is_dir(follow_symlinks=False) and _manifest.is_committed(Path(entry.path)):
                 seen.add((entry.name, entry.inode()))
-                found.append((self._commit_seq(entry), step))
+                found.append(self._step_info(entry, step))
         with self._lock:
-            for key in self._seqs.keys() - seen:
-                del self._seqs[key]
-        return found
+            for key in self._infos.keys() - seen:
+                del self._infos[key]
+        return sorted(found, key=lambda info: (info.commit_seq, info.step))
 
-    def _commit_seq(self, entry: os.DirEntry) -> int:
+    def _step_info(self, entry: os.DirEntry, step: int) -> StepInfo:
         key = (entry.name, entry.inode())
-        seq = self._seqs.get(key)
-        if seq is None:
+        info = self._infos.get(key)
+        if info is None:
             try:
-                value = _manifest.read_manifest(entry.path).get("commit_seq", 0)
-                seq = value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-            except Exception:  # noqa: BLE001 - unreadable or foreign: oldest
-                seq = 0
+                manifest = _manifest.read_manifest(entry.path)
+            except Exception:  # noqa: BLE001 - unreadable or foreign: the oldest, no time, no metrics
+                manifest = {}
+            info = StepInfo(
+                step,
+                commit_seq=_uint(manifest.get("commit_seq")),
+                created_unix_s=_finite(manifest.get("created_unix_s")),
+                metrics=_metrics(manifest.get("metrics")),
+            )
             with self._lock:
-                self._seqs[key] = seq
-        return seq
+                self._infos[key] = info
+        return info
 
     def after_commit(self, final_dir: Path, pending_steps: Iterable[int]) -> None:
         """(coordinator, after the commit point) ``latest``, retention, leftovers.
@@ -549,8 +591,8 @@ class CheckpointRoot:
             write_latest(self.path, final_dir.name)
         except Exception as exc:  # noqa: BLE001 - after the commit point: a warning
             self._warn(f"{final_dir} is committed, but `latest` could not be updated: {type(exc).__name__}: {exc}")
-        if self.keep_last is not None:
-            for old in self.commit_order()[: -self.keep_last]:  # never the newest saves
+        if self.policy is not None:
+            for old in steps_to_remove(self.policy, self.step_infos()):  # never the newest save
                 path = self.step_dir(old)
                 if path == final_dir:
                     continue
