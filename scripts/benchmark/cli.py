@@ -238,7 +238,8 @@ def run_workload(
     sd, info = make_workload(spec, args.train_batch, llm_cfg, sizes_warmup=args.sizes_warmup, device=args.device)
     host = host_tensors(sd)  # the raw write / read limits' bytes
     nbytes = state_bytes(sd)
-    reps = args.big_reps if nbytes >= 2 * GiB else args.llm_reps if spec == "llm" else args.reps
+    # llm: --llm-reps whatever its size (on a GPU it is 3.4 GiB)
+    reps = args.llm_reps if spec == "llm" else args.big_reps if nbytes >= 2 * GiB else args.reps
     warmup = info.get("warmup", 0)
     saves = 1 + warmup + reps
     log(f"workload {spec}: {nbytes / GiB:.3f} GiB, {info['tensors']} tensors")
