@@ -10,7 +10,8 @@
 #
 # OUTDIR receives 8 files: versions.txt (Python, torch, CUDA, the GPU, asyncckpt),
 # nvidia-smi.txt, pytest.log, pytest-junit.xml, bench.log (progress), bench.md and
-# bench.json (the GPU rows), summary.txt (each step's exit status and seconds).
+# bench.json (the GPU rows; "partial": true where the time limit stopped the benchmark:
+# what it finished is there), summary.txt (each step's exit status and seconds).
 #
 # Environment: PYTHON (default python3: the one that holds torch), GPU_CHECK_SIZE
 # (full, the default; tiny: --quick's tiny states, for a smoke run), GPU_CHECK_WHEELS

@@ -355,6 +355,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         for item in args.llm_config.split(","):
             k, _, v = item.partition("=")
             llm_cfg[k.strip()] = int(v)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def partial() -> None:
+        """What is measured so far, in the JSON (``"partial": true``): a run stopped by a
+        time limit (scripts/gpu_check.sh's) leaves its finished workloads behind."""
+        out.write_text(json.dumps({**res, "partial": True}, indent=1, default=str))
+
     init_process_group()
     sampler = MemorySampler(enabled=not args.no_memory)
     try:
@@ -367,10 +375,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 f["label"] = llm.describe(cfg)
                 f["config"] = cfg
                 res["fsdp2"] = f
+                partial()
                 continue
             w, skipped = run_workload(spec, systems_for(spec), args, llm_cfg, base, sampler)
             res["skipped"] += skipped
             res["workloads"].append(w)
+            partial()
             free_memory()
         if not args.no_train:
             log("training loop")
@@ -398,6 +408,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 trainer=trainer,
                 device=args.device,
             )
+            partial()
         if args.lightning_mb:
             try:
                 import bench_lightning
@@ -425,8 +436,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     print(md)
     if args.md:
         Path(args.md).write_text(md)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1, default=str))
     if args.png and res["workloads"]:
         render_png(res, Path(args.png))
