@@ -143,6 +143,7 @@ class DcpAsync(System):
             "-stager-fresh" if fresh_stager else "-stager" if stager else ""
         )
         self.stager: Any = None
+        self.fresh: list[Any] = []  # the stagers per save not closed yet
 
     def _new_stager(self) -> Any:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -170,7 +171,10 @@ class DcpAsync(System):
 
         path = self.root / f"ckpt_{i}"
         kind = AsyncCheckpointerType.PROCESS if self.process else AsyncCheckpointerType.THREAD
-        stager = self._new_stager() if self.fresh_stager else self.stager
+        stager = self.stager
+        if self.fresh_stager:
+            stager = self._new_stager()
+            self.fresh.append(stager)
         r = dcp.async_save(sd, checkpoint_id=str(path), async_checkpointer_type=kind, async_stager=stager)
         if isinstance(r, AsyncSaveResponse):  # asynchronous staging
             upload = r.upload_completion
@@ -181,15 +185,17 @@ class DcpAsync(System):
                 try:
                     return upload.result()
                 finally:
+                    self.fresh.remove(stager)
                     stager.close()
 
             return Pending(path, r.staging_completion.result, committed)
         return Pending(path, committed=r.result)
 
     def close(self) -> None:
-        if self.stager is not None:
-            self.stager.close()
-            self.stager = None
+        for stager in [self.stager, *self.fresh]:
+            if stager is not None:
+                stager.close()
+        self.stager, self.fresh = None, []
         if self.process and not SHARE_DCP_DAEMON:
             terminate_dcp_daemon()
 

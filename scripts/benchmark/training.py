@@ -181,12 +181,12 @@ class TrainDcpAsync(TrainCkpt):
             self.prev.result()
             self.prev = None
             self._written()
-        stager = self._new_stager() if self.fresh_stager else self.stager
+        stager = self.stager
+        if self.fresh_stager:
+            stager = self.prev_stager = self._new_stager()  # closed once written, or by close()
         path = self.root / f"step_{step}"
         r = dcp.async_save(sd, checkpoint_id=str(path), async_stager=stager)
         self.saved.append(path)
-        if self.fresh_stager:
-            self.prev_stager = stager
         if isinstance(r, AsyncSaveResponse):
             self.staging, self.prev = r.staging_completion, r.upload_completion
         else:
