@@ -385,3 +385,86 @@ def torch_version() -> str:
     import torch
 
     return torch.__version__
+
+
+@pytest.mark.timeout(200)
+def test_bench_a_failing_system_is_a_row_and_the_run_goes_on(tmp_path: Path) -> None:
+    """A system whose saves raise (asyncckpt here, through the ``stage`` failpoint; on a
+    GPU with torch 2.11, dcp.async_save's reused DefaultStager, issue 35) is a row that
+    says so, in the workload's table and in the training loop's, and the run goes on:
+    the other systems, the loads and the loop are measured. The same run takes the GPU
+    loop's model (``--train-model mlp``) and a DefaultStager per save on the CPU."""
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench.py"),
+            "--device",
+            "cpu",
+            "--quick",
+            "--workloads",
+            "4M/16",
+            "--systems",
+            "torch.save,dcp-async-thread-stager-fresh,ack-persistent",
+            "--techniques",
+            "",
+            "--lightning-mb",
+            "0",
+            "--train-model",
+            "mlp",
+            "--train-every",
+            "2",
+            "--json",
+            str(out),
+            "--md",
+            str(md),
+            "--png",
+            "",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ, ASYNCCKPT_FAULT="stage:raise", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2")),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    text = md.read_text()
+    assert res["device"] == "cpu" and "partial" not in res  # the run's end replaced the partial JSON
+
+    (w,) = res["workloads"]
+    failed = w["failed"]["asyncckpt persistent"]
+    assert "injected I/O error at stage" in failed and "\n" not in failed
+    assert set(w["systems"]) == {"torch.save (sync)", "dcp.async_save thread + DefaultStager per save"}
+    for name, figures in w["systems"].items():
+        _check_save_relations(name, figures, w["bytes"], w["saves"], 0)
+    assert len(w["limits"]["raw_write_fsync_all_s"]) == len(w["systems"]) + 1
+    assert set(w["loads"]) == {"raw read (cold cache)", "raw read (warm cache)", "torch.load (torch.save file)"}
+    rows = _table_rows(text, "## 4M/16:", "| system | stall (ms) |")
+    assert rows == [
+        "*memcpy (limit)*",
+        "*raw write + fsync (limit)*",
+        *w["systems"],
+        "asyncckpt persistent",
+    ]
+    assert f"| asyncckpt persistent | failed: {failed} |" in text
+    assert any("asyncckpt persistent failed" in s for s in res["skipped"])
+
+    # The loop: issue 35's MLP model (tiny), the asyncckpt systems failed at K = 2, the
+    # others measured.
+    train = res["training"]
+    cfg = train["config"]
+    width, hidden = cfg["width"], cfg["hidden"]
+    assert train["params"] == cfg["blocks"] * (2 * width + (width * hidden + hidden) + (hidden * width + width))
+    assert "MLP" in train["label"] and train["device"] == "cpu"
+    assert {(f["system"], f["every"]) for f in train["failed"]} == {
+        ("asyncckpt persistent", 2),
+        ("asyncckpt persistent overlapped", 2),
+    }
+    assert set(train["systems"]) == TRAIN_SYSTEMS - {"asyncckpt persistent", "asyncckpt persistent overlapped"}
+    for name, s in train["systems"].items():
+        assert s["time_s"] > 0 and _finite(s["slowdown"]), name
+        assert s["saves"] == (0 if name == "no checkpoint" else train["steps"] // 2), name
+    rows = _table_rows(text, "## Training loop", "| system | time (s) |")
+    assert rows == [*train["systems"], "asyncckpt persistent", "asyncckpt persistent overlapped"]
+    assert "| asyncckpt persistent overlapped | failed: " in text

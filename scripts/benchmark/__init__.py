@@ -34,6 +34,13 @@ figure of issue 11's table as measured in this run, its goal and whether it is m
     python scripts/bench.py --workloads 1G/16     # one workload
     python scripts/bench.py --workloads sizes200 --no-train --lightning-mb 0 --techniques ""
     python scripts/bench.py --quick               # smoke run (< 60 s)
+    python scripts/bench.py --device cuda         # issue 35's GPU rows (no GPU: says so, exits 0)
+
+On a GPU (``--device cuda``, the default where torch sees one) the states live in device
+memory: the llm workload (24 blocks of width 1024 unless --llm-config) against the D2H
+copy into pinned memory, with asyncckpt overlapped and DCP with a DefaultStager per save
+beside the usual systems, and issue 35's training loop (``--train-model mlp``) at K = 1,
+4, 10; an "Issue 35 targets" table; a system that fails is a row with its error.
 
 Output: markdown on stdout (and --md), JSON (--json), a PNG chart (--png).
 
@@ -42,5 +49,6 @@ FSDP2 workloads), ``systems`` (the systems under test), ``limits`` (memcpy, raw 
 and read), ``harness`` (timing a system's saves, the loads, the techniques),
 ``training`` (the training loop), ``memory`` (the memory sampler), ``report``,
 ``figures``, ``targets`` and ``chart`` (markdown, issue 11's table, the PNG),
-``machine`` (what a run records of the machine), ``cli`` (the command line and the run).
+``machine`` (what a run records of the machine), ``gpu`` (the device, the GPU loop's model),
+``cli`` (the command line and the run).
 """

@@ -15,17 +15,17 @@ from typing import Any
 import torch.distributed as dist
 
 import asyncckpt
-from benchmark import llm
+from benchmark import gpu, llm
 from benchmark import systems as systems_mod
 from benchmark.chart import render_png
-from benchmark.common import GiB, free_memory, log, med, remove, state_bytes
+from benchmark.common import GiB, error_line, free_memory, log, med, remove, state_bytes
 from benchmark.harness import bench_loads, bench_techniques, run_system
 from benchmark.limits import bench_memcpy, host_tensors, raw_write
 from benchmark.machine import init_process_group, machine_info
 from benchmark.memory import MemorySampler
 from benchmark.report import render_markdown
 from benchmark.systems import SYSTEM_KEYS, Asyncckpt, System, all_systems, manager_params, terminate_dcp_daemon
-from benchmark.targets import issue11_targets
+from benchmark.targets import issue11_targets, issue35_targets
 from benchmark.training import bench_training
 from benchmark.workloads import DEFAULT_WORKLOADS, QUICK_WORKLOADS, SIZES_WARMUP, default_systems, make_workload
 
@@ -38,10 +38,18 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
         prog=prog, description=benchmark.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the states live (%(default)s: cuda where torch sees a GPU, else cpu). cuda: issue 35's GPU "
+        f"rows: the llm workload ({gpu.LLM_GPU}) and the GPU training loop ({gpu.GPU_TRAIN}) unless "
+        "--workloads / --train-config say otherwise; without a GPU it says so and exits 0",
+    )
+    p.add_argument(
         "--workloads",
         default=None,
         help="comma-separated: SIZE/NTENSORS, sizesN[:LO-HI] (N tensors of N distinct sizes, 64K-1M "
-        f"unless given), 'llm', 'fsdp2' or 'train' (default {DEFAULT_WORKLOADS})",
+        f"unless given), 'llm', 'fsdp2' or 'train' (default {DEFAULT_WORKLOADS}; --device cuda: llm)",
     )
     p.add_argument(
         "--systems",
@@ -100,9 +108,23 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     p.add_argument("--train-reps", type=int, default=3, help="interleaved training runs per system (%(default)s)")
     p.add_argument(
         "--train-every",
-        default="1,4,16",
-        help="checkpoint every K steps, for each K of this comma-separated list (the issue's K = 1, 4, "
-        "16); 'auto': a calibrated K where torch.save costs >= 50 %% and FACTOR*K (%(default)s)",
+        default=None,
+        help="checkpoint every K steps, for each K of this comma-separated list (default: issue 11's K = 1, "
+        "4, 16; --device cuda: issue 35's 1, 4, 10; --quick: 1, 2); 'auto': a calibrated K where "
+        "torch.save costs >= 50 %% and FACTOR*K",
+    )
+    p.add_argument(
+        "--train-model",
+        choices=("gpt", "mlp"),
+        default=None,
+        help="the training loop's model: 'gpt' (scripts/train.py's, the default on the CPU) or 'mlp' "
+        "(issue 35's GPU loop, the default with --device cuda)",
+    )
+    p.add_argument(
+        "--train-config",
+        default=None,
+        help=f"the mlp loop's size as blocks=16,width=1024,hidden=4096,tokens=8192 (default those: "
+        f"{gpu.GPU_TRAIN}; --quick: {gpu.GPU_TRAIN_TINY})",
     )
     p.add_argument(
         "--train-sparse-factor",
@@ -150,6 +172,23 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     if args.render:
         return args
     args.png = "bench_results.png" if args.png is None else args.png
+    args.device, args.no_gpu = gpu.resolve_device(args.device)
+    cuda = args.device == "cuda"
+    if cuda:  # issue 35's GPU rows unless asked otherwise
+        args.workloads = args.workloads or "llm"
+        if args.techniques == p.get_default("techniques"):
+            args.techniques = ""
+        if args.lightning_mb == p.get_default("lightning_mb"):
+            args.lightning_mb = 0
+        args.train_every = args.train_every or "1,4,10"
+        args.train_model = args.train_model or "mlp"
+        if args.train_steps == p.get_default("train_steps"):
+            args.train_steps = 60  # issue 35's runs
+        if args.train_min_checkpoints == p.get_default("train_min_checkpoints"):
+            args.train_min_checkpoints = 6  # K = 10: 60 steps
+        if args.llm_config is None and not args.quick:
+            args.llm_config = ",".join(f"{k}={v}" for k, v in gpu.LLM_GPU.items())
+    args.train_model = args.train_model or "gpt"
     if args.quick:
         args.workloads = args.workloads or QUICK_WORKLOADS
         args.reps = args.big_reps = args.llm_reps = 2
@@ -157,13 +196,21 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
         args.share_dcp_daemon = True
         args.train_steps, args.train_reps, args.train_sparse_factor = 4, 1, 2
         args.train_min_checkpoints = 2
-        if args.train_every == p.get_default("train_every"):
-            args.train_every = "1,2"
+        args.train_every = args.train_every or "1,2"
         if args.llm_config is None:
             args.llm_config = ",".join(f"{k}={v}" for k, v in llm.LLM_TINY.items())
         args.technique_reps = 1
         if args.lightning_mb == p.get_default("lightning_mb"):
             args.lightning_mb = 8
+    args.train_every = args.train_every or "1,4,16"
+    train_cfg = dict(gpu.GPU_TRAIN_TINY if args.quick else gpu.GPU_TRAIN)
+    for item in (args.train_config or "").split(","):
+        if item.strip():
+            k, _, v = item.partition("=")
+            if k.strip() not in train_cfg:
+                p.error(f"--train-config: unknown {k.strip()!r}; known: {sorted(train_cfg)}")
+            train_cfg[k.strip()] = int(v)
+    args.train_config = train_cfg
     args.workloads = DEFAULT_WORKLOADS if args.workloads is None else args.workloads
     args.load_reps = args.load_reps or (args.reps if args.quick else 5)
     unknown = set(args.systems.split(",") if args.systems else ()) - set(SYSTEM_KEYS)
@@ -184,11 +231,15 @@ def run_workload(
     same bytes, the memcpy limit before and after, the loads of the kept checkpoints,
     and asyncckpt's techniques where --techniques names it.
 
+    A system whose saves raise is a row that says so (``failed``: its error) and the
+    run goes on.
+
     Returns the workload's figures and what was skipped."""
-    sd, info = make_workload(spec, args.train_batch, llm_cfg, sizes_warmup=args.sizes_warmup)
+    sd, info = make_workload(spec, args.train_batch, llm_cfg, sizes_warmup=args.sizes_warmup, device=args.device)
     host = host_tensors(sd)  # the raw write / read limits' bytes
     nbytes = state_bytes(sd)
-    reps = args.big_reps if nbytes >= 2 * GiB else args.llm_reps if spec == "llm" else args.reps
+    # llm: --llm-reps whatever its size (on a GPU it is 3.4 GiB)
+    reps = args.llm_reps if spec == "llm" else args.big_reps if nbytes >= 2 * GiB else args.reps
     warmup = info.get("warmup", 0)
     saves = 1 + warmup + reps
     log(f"workload {spec}: {nbytes / GiB:.3f} GiB, {info['tensors']} tensors")
@@ -198,7 +249,7 @@ def run_workload(
     raw_path = wdir / "raw.bin"
     raw_write(host, raw_path)  # warm-up (file system allocation), not reported
     raw_times: list[float] = []
-    w: dict[str, Any] = {**info, "bytes": nbytes, "saves": saves, "systems": {}, "limits": {}}
+    w: dict[str, Any] = {**info, "bytes": nbytes, "saves": saves, "systems": {}, "limits": {}, "failed": {}}
     kept: dict[str, Path] = {}
     skipped: list[str] = []
     # The disk's speed drifts on a shared machine: raw writes + fsyncs of the same
@@ -208,17 +259,25 @@ def run_workload(
         log(f"  {s.name}")
         if s.key == "ack-prepare":
             s.prepare_sd = sd  # type: ignore[attr-defined]
-        r = run_system(
-            s,
-            sd,
-            wdir / s.key,
-            saves,
-            sampler,
-            nbytes,
-            keep_last=s.loadable,
-            warmup=warmup,
-            interleave=(lambda: raw_write(host, raw_path)) if info.get("interleave_raw") else None,
-        )
+        try:
+            r = run_system(
+                s,
+                sd,
+                wdir / s.key,
+                saves,
+                sampler,
+                nbytes,
+                keep_last=s.loadable,
+                warmup=warmup,
+                interleave=(lambda: raw_write(host, raw_path)) if info.get("interleave_raw") else None,
+            )
+        except Exception as exc:  # noqa: BLE001 - a peer that fails is a row that says so
+            w["failed"][s.name] = error_line(exc)
+            log(f"  {s.name} failed: {type(exc).__name__}: {exc}")
+            skipped.append(f"{spec}: {s.name} failed ({w['failed'][s.name]})")
+            remove(wdir / s.key)
+            free_memory()
+            continue
         raw_times.append(raw_write(host, raw_path))
         r["raw_write_before_s"], r["raw_write_after_s"] = raw_times[-2], raw_times[-1]
         r["raw_write_adjacent_s"] = (raw_times[-2] + raw_times[-1]) / 2
@@ -263,6 +322,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if args.png and earlier["workloads"]:
             render_png(earlier, Path(args.png))
         return 0
+    if args.no_gpu:
+        return no_gpu(args)
     keys = args.systems.split(",") if args.systems else None
     systems_mod.SHARE_DCP_DAEMON = args.share_dcp_daemon
 
@@ -271,6 +332,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench_"))
     base.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"machine": machine_info(base), "args": vars(args), "workloads": [], "skipped": []}
+    res["device"] = args.device
     params = manager_params()
     missing: set[str] = set()  # systems this asyncckpt cannot run
     for s in all_systems():
@@ -283,7 +345,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     def systems_for(spec: str) -> list[System]:
         """Fresh system objects for a workload: --systems if given, else its defaults."""
-        chosen = keys if keys is not None else default_systems(spec)
+        chosen = keys if keys is not None else default_systems(spec, args.device)
         return [s for s in all_systems() if s.key in chosen and s.key not in missing]
 
     res["manager_params"] = sorted(params)
@@ -293,6 +355,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         for item in args.llm_config.split(","):
             k, _, v = item.partition("=")
             llm_cfg[k.strip()] = int(v)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def partial() -> None:
+        """What is measured so far, in the JSON (``"partial": true``): a run stopped by a
+        time limit (scripts/gpu_check.sh's) leaves its finished workloads behind."""
+        out.write_text(json.dumps({**res, "partial": True}, indent=1, default=str))
+
     init_process_group()
     sampler = MemorySampler(enabled=not args.no_memory)
     try:
@@ -305,10 +375,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 f["label"] = llm.describe(cfg)
                 f["config"] = cfg
                 res["fsdp2"] = f
+                partial()
                 continue
             w, skipped = run_workload(spec, systems_for(spec), args, llm_cfg, base, sampler)
             res["skipped"] += skipped
             res["workloads"].append(w)
+            partial()
             free_memory()
         if not args.no_train:
             log("training loop")
@@ -317,6 +389,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 if args.train_every.strip() == "auto"
                 else [int(k) for k in args.train_every.split(",") if k.strip()]
             )
+            trainer = None
+            if args.train_model == "mlp":
+                train_cfg, device = args.train_config, args.device
+
+                def trainer() -> gpu.MlpTrainer:
+                    return gpu.MlpTrainer(device, **train_cfg)
+
             res["training"] = bench_training(
                 base / "train",
                 args.train_steps,
@@ -326,7 +405,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 None,
                 args.train_sparse_factor,
                 args.train_min_checkpoints,
+                trainer=trainer,
+                device=args.device,
             )
+            partial()
         if args.lightning_mb:
             try:
                 import bench_lightning
@@ -347,7 +429,35 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             shutil.rmtree(base, ignore_errors=True)
     res["total_s"] = time.perf_counter() - t_total
     res["targets"] = issue11_targets(res)
+    if args.device == "cuda":
+        res["gpu_targets"] = issue35_targets(res)
     res["machine"]["loadavg_end"] = os.getloadavg()
+    md = render_markdown(res)
+    print(md)
+    if args.md:
+        Path(args.md).write_text(md)
+    out.write_text(json.dumps(res, indent=1, default=str))
+    if args.png and res["workloads"]:
+        render_png(res, Path(args.png))
+    log(f"JSON: {out}" + (f", PNG: {args.png}" if args.png else ""))
+    return 0
+
+
+def no_gpu(args: argparse.Namespace) -> int:
+    """``--device cuda`` where torch sees no GPU: measure nothing, say so (stderr, the
+    markdown and the JSON: ``device`` ``"cuda"``, ``no_gpu`` the reason) and return 0."""
+    t0 = time.perf_counter()
+    log(f"{args.no_gpu}: the GPU rows are not measured")
+    res: dict[str, Any] = {
+        "machine": machine_info(Path(args.dir or tempfile.gettempdir())),
+        "args": vars(args),
+        "device": "cuda",
+        "no_gpu": args.no_gpu,
+        "workloads": [],
+        "skipped": [f"GPU rows: {args.no_gpu}"],
+    }
+    res["machine"]["loadavg_end"] = os.getloadavg()
+    res["total_s"] = time.perf_counter() - t0
     md = render_markdown(res)
     print(md)
     if args.md:
@@ -355,7 +465,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1, default=str))
-    if args.png and res["workloads"]:
-        render_png(res, Path(args.png))
-    log(f"JSON: {out}" + (f", PNG: {args.png}" if args.png else ""))
+    log(f"JSON: {out}")
     return 0

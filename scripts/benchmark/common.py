@@ -44,6 +44,19 @@ def tensors_of(obj: Any) -> Iterator[torch.Tensor]:
             yield from tensors_of(v)
 
 
+def to_device(obj: Any, device: str) -> Any:
+    """A nested dict / list with every tensor moved to ``device`` (``"cpu"``: as it is)."""
+    if device == "cpu":
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
 def state_bytes(sd: Any) -> int:
     """Bytes of every tensor of ``sd`` (local shards' bytes for a list of them)."""
     return sum(t.numel() * t.element_size() for t in tensors_of(sd))
@@ -99,6 +112,18 @@ def remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists():
         path.unlink()
+
+
+def error_line(exc: BaseException, limit: int = 300) -> str:
+    """An error on one line (a table cell), at most ``limit`` characters: ``Type: the
+    message's first line``, and where the message has more lines, `` ... `` and its last
+    (a remote traceback's cause)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    if len(lines) > 1:
+        text += f" ... {lines[-1]}"
+    text = text.replace("|", "/")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def med(xs: list[float]) -> float:

@@ -59,6 +59,15 @@ RANK_PRELOAD = (
 
 #: asyncckpt and DCP, the systems the LLM workloads compare (keys of benchmark.systems).
 LLM_SYSTEMS = ("dcp-async-thread-stager", "ack-persistent", "ack-prepare")
+#: the same on a GPU (issue 35's rows), with asyncckpt's overlapped staging and DCP with a
+#: new DefaultStager per save (torch 2.11's reused one fails; see systems.DcpAsync).
+LLM_GPU_SYSTEMS = (
+    "dcp-async-thread-stager",
+    "dcp-async-thread-stager-fresh",
+    "ack-persistent",
+    "ack-prepare",
+    "ack-overlap",
+)
 
 
 def model_device(rank: int = 0) -> torch.device:
@@ -72,7 +81,9 @@ def describe(cfg: dict[str, int]) -> str:
     return f"{cfg['n_layer']} blocks, width {cfg['n_embd']}, {cfg['n_head']} heads, context {cfg['block_size']}"
 
 
-def build_llm(cfg: dict[str, int], fsdp: bool = False, rank: int = 0) -> tuple[Any, Any, dict[str, Any]]:
+def build_llm(
+    cfg: dict[str, int], fsdp: bool = False, rank: int = 0, device: str | None = None
+) -> tuple[Any, Any, dict[str, Any]]:
     """scripts/train.py's GPT of ``cfg`` and AdamW stepped once, and their state.
 
     Args:
@@ -81,6 +92,8 @@ def build_llm(cfg: dict[str, int], fsdp: bool = False, rank: int = 0) -> tuple[A
         fsdp: shard with FSDP2 (``fully_shard`` per block, then the root); needs an
             initialized process group.
         rank: picks the GPU where CUDA is present.
+        device: ``"cpu"`` or ``"cuda"`` (the rank's GPU); ``None``: the rank's GPU where
+            CUDA is present, else the CPU.
 
     Returns:
         ``(model, optimizer, {"model": model_sd, "optim": optim_sd})`` from
@@ -90,7 +103,7 @@ def build_llm(cfg: dict[str, int], fsdp: bool = False, rank: int = 0) -> tuple[A
     import train
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    dev = model_device(rank)
+    dev = torch.device("cpu") if device == "cpu" else model_device(rank)
     torch.manual_seed(0)  # the same full weights on every rank; each keeps its shard
     model = train.GPT(train.GPTConfig(cfg["block_size"], cfg["n_layer"], cfg["n_head"], cfg["n_embd"], 0.0)).to(dev)
     if fsdp:

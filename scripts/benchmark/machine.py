@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import asyncckpt
 from benchmark.common import ROOT, GiB
+from benchmark.gpu import gpu_info
 
 
 def sources_sha1() -> str:
@@ -75,6 +76,7 @@ def machine_info(directory: Path) -> dict[str, Any]:
         "loadavg_start": os.getloadavg(),
         "asyncckpt_sources_sha1": sources_sha1(),
         "git_head": git_head(),
+        "gpu": gpu_info(),
     }
 
 

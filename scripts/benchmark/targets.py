@@ -150,3 +150,60 @@ def issue11_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         else:
             row(label, "<= 1.1x the state, flat", None, None)
     return rows
+
+
+def issue35_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The goals of issue 35 (GPU rows, ``--device cuda``) as measured in this run, rows as
+    :func:`issue11_targets`' (``met`` None where not measured): on the llm state, the
+    steady stall <= 1.1x the pinned D2H copy and the first save <= 3x the steady stall
+    (with and without prepare()); in the training loop, asyncckpt with overlapped staging
+    <= 1 % slower than no checkpoint at K = 10, and never slower than without overlap."""
+    rows: list[dict[str, Any]] = []
+
+    def row(target: str, goal: str, measured: str | None, met: bool | None) -> None:
+        rows.append({"target": target, "goal": goal, "measured": measured or "not measured in this run", "met": met})
+
+    w = next((x for x in res.get("workloads", []) if x["name"] == "llm"), None)
+    a = w["systems"].get(ACK) if w else None
+    goal = "<= 1.1x the D2H copy into pinned memory"
+    if w and a:
+        r = a["stall_s"] / w["limits"]["memcpy_s"]
+        row(
+            "GPU: steady stall, llm",
+            goal,
+            f"{fmt_ms(a['stall_s'])} ms = {fmt_x(r)} the D2H copy ({fmt_ms(w['limits']['memcpy_s'])} ms)",
+            r <= 1.1,
+        )
+    else:
+        row("GPU: steady stall, llm", goal, None, None)
+    for name, label in ((ACK, "GPU: first save, llm (default)"), (ACK_PREP, "GPU: first save, llm (prepare())")):
+        s = w["systems"].get(name) if w else None
+        if s:
+            r = s["first_stall_s"] / s["stall_s"]
+            row(label, "<= 3x the steady stall", f"{fmt_ms(s['first_stall_s'])} ms = {fmt_x(r)}", r <= 3)
+        else:
+            row(label, "<= 3x the steady stall", None, None)
+    tr = res.get("training")
+    by_every = {}
+    if tr:
+        by_every = {tr["every"]: tr["systems"], **{x["every"]: x["systems"] for x in tr.get("sparser", [])}}
+    o10 = by_every.get(10, {}).get(ACK + " overlapped")
+    goal = "<= +1 % against no checkpoint"
+    if o10:
+        row("GPU loop: overlapped, K = 10", goal, f"{100 * o10['slowdown']:+.1f} %", o10["slowdown"] <= 0.01)
+    else:
+        row("GPU loop: overlapped, K = 10", goal, None, None)
+    for k in sorted(set(by_every) | {1, 4, 10}):
+        plain, over = by_every.get(k, {}).get(ACK), by_every.get(k, {}).get(ACK + " overlapped")
+        label, goal = f"GPU loop: overlap against none, K = {k}", "overlapped <= without overlap"
+        if plain and over:
+            row(
+                label,
+                goal,
+                f"{100 * over['slowdown']:+.1f} % against {100 * plain['slowdown']:+.1f} %; per checkpoint "
+                f"{fmt_ms(over['blocked_per_save_s'])} against {fmt_ms(plain['blocked_per_save_s'])} ms blocked",
+                over["time_s"] <= plain["time_s"],
+            )
+        else:
+            row(label, goal, None, None)
+    return rows

@@ -1,5 +1,6 @@
 """The training example's loop (scripts/train.py's GPT + AdamW) with a checkpoint every
-K steps, against the same loop without one."""
+K steps, against the same loop without one; on a GPU (``--device cuda``) issue 35's MLP
+loop (:class:`benchmark.gpu.MlpTrainer`), whose training thread runs ahead of the device."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import asyncckpt
-from benchmark.common import free_memory, log, med, state_bytes
+from benchmark.common import error_line, free_memory, log, med, state_bytes
 
 
 def train_defaults() -> dict[str, Any]:
@@ -67,6 +69,10 @@ class Trainer:
         gen = torch.Generator().manual_seed(seed)
         self.data = torch.randint(0, self.vocab, (64, batch_size, cfg["block_size"] + 1), generator=gen)
         self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.label = (
+            f"scripts/train.py's GPT ({cfg['n_layer']} layers, {cfg['n_head']} heads, width {cfg['n_embd']}, "
+            f"context {cfg['block_size']}, batch {batch_size}) + AdamW"
+        )
         self.step_no = 0
         self.model.train()
         self.forward_backward()
@@ -87,6 +93,9 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = self._get_state_dict(self.model, self.opt)
         return {"model": model_sd, "optim": optim_sd, "step": self.step_no}
+
+    def sync(self) -> None:
+        """Nothing is queued on a device: the CPU loop's work is done when its calls return."""
 
 
 class TrainCkpt:
@@ -126,25 +135,58 @@ class TrainTorchSave(TrainCkpt):
 
 
 class TrainDcpAsync(TrainCkpt):
-    """dcp.async_save, waiting for the previous save before the next (as torchtitan does)."""
+    """dcp.async_save, waiting for the previous save before the next (as torchtitan does).
 
-    def __init__(self, stager: bool) -> None:
+    ``stager``: a ``DefaultStager`` with asynchronous staging (overlapped: the loop waits
+    for its staging before ``optimizer.step()``), with pinned memory and non-blocking
+    copies where ``cuda``; reused across saves, or, with ``fresh_stager``, a new one per
+    save, closed once that save is written (torch 2.11's ``async_save`` closes the stager
+    it is given, so that a reused one fails its second save with ``KeyError: <class
+    'type'>``; torch 2.13 leaves it to its owner). ``keep``: remove older checkpoints,
+    in a background thread, once a newer one is written (``None``: keep all)."""
+
+    def __init__(self, stager: bool, cuda: bool = False, fresh_stager: bool = False, keep: int | None = None) -> None:
         self.use_stager, self.overlapped = stager, stager
+        self.cuda, self.fresh_stager, self.keep = cuda, fresh_stager, keep
         self.prev: Any = None
         self.staging: Any = None
         self.stager: Any = None
+        self.prev_stager: Any = None
+        self.saved: list[Path] = []
+        self.pruner: ThreadPoolExecutor | None = None
+
+    def _new_stager(self) -> Any:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        return DefaultStager(StagingOptions(self.cuda, True, True, self.cuda))
 
     def open(self, root: Path, state: Callable[[], Any] | None = None) -> None:
         super().open(root)
-        if self.use_stager:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        if self.use_stager and not self.fresh_stager:
+            self.stager = self._new_stager()
+        if self.keep is not None:
+            self.pruner = ThreadPoolExecutor(1, thread_name_prefix="dcp-prune")
 
-            self.stager = DefaultStager(StagingOptions(False, True, True, False))
+    def _written(self) -> None:
+        """The previous save is written: close its own stager, remove what ``keep`` drops."""
+        if self.prev_stager is not None:
+            self.prev_stager.close()
+            self.prev_stager = None
+        if self.pruner is not None and self.keep is not None:
+            while len(self.saved) > self.keep:
+                self.pruner.submit(shutil.rmtree, self.saved.pop(0), True)
 
     def save(self, step: int, sd: Any) -> None:
         if self.prev is not None:
             self.prev.result()
-        r = dcp.async_save(sd, checkpoint_id=str(self.root / f"step_{step}"), async_stager=self.stager)
+            self.prev = None
+            self._written()
+        stager = self.stager
+        if self.fresh_stager:
+            stager = self.prev_stager = self._new_stager()  # closed once written, or by close()
+        path = self.root / f"step_{step}"
+        r = dcp.async_save(sd, checkpoint_id=str(path), async_stager=stager)
+        self.saved.append(path)
         if isinstance(r, AsyncSaveResponse):
             self.staging, self.prev = r.staging_completion, r.upload_completion
         else:
@@ -160,22 +202,32 @@ class TrainDcpAsync(TrainCkpt):
         if self.prev is not None:
             self.prev.result()
             self.prev = None
+            self._written()
 
     def close(self) -> None:
-        if self.stager is not None:
-            self.stager.close()
+        for stager in (self.stager, self.prev_stager):
+            if stager is not None:
+                stager.close()
+        self.stager = self.prev_stager = None
+        if self.pruner is not None:
+            self.pruner.shutdown(wait=True)
+            self.pruner = None
 
 
 class TrainAsyncckpt(TrainCkpt):
-    def __init__(self, overlap: bool) -> None:
+    """asyncckpt's CheckpointManager, made and prepare()d before the loop; ``keep``: its
+    ``keep_last`` (``None``: keep all)."""
+
+    def __init__(self, overlap: bool, keep: int | None = None) -> None:
         self.overlapped = overlap
         self.overlap_staging = True if overlap else None  # None: the manager's default
+        self.keep = keep
         self.mgr: Any = None
         self.pending = False
 
     def open(self, root: Path, state: Callable[[], Any] | None = None) -> None:
         super().open(root)
-        self.mgr = asyncckpt.CheckpointManager(root, overlap_staging=self.overlap_staging)
+        self.mgr = asyncckpt.CheckpointManager(root, keep_last=self.keep, overlap_staging=self.overlap_staging)
         if state is not None:  # as the quick start does, after building model and optimizer
             self.mgr.prepare(state())
 
@@ -199,7 +251,28 @@ class TrainAsyncckpt(TrainCkpt):
         self.mgr.close()
 
 
-def train_systems() -> list[tuple[str, Callable[[], TrainCkpt]]]:
+def train_systems(device: str = "cpu") -> list[tuple[str, Callable[[], TrainCkpt]]]:
+    """The loop's checkpointing systems, by name. On the CPU: none, torch.save, DCP's
+    thread executor with and without a DefaultStager, asyncckpt with and without
+    overlapped staging; every checkpoint kept until the run ends. On a GPU (issue 35's
+    rows): none, DCP with a DefaultStager (pinned, shared memory, asynchronous staging,
+    non-blocking copies; reused, and a new one per save), asyncckpt with and without
+    overlapped staging; the last 2 checkpoints kept (a checkpoint every step of a
+    1.6 GB state would fill the disk)."""
+    if device == "cuda":
+        return [
+            ("no checkpoint", TrainCkpt),
+            (
+                "dcp.async_save thread + DefaultStager, overlapped",
+                lambda: TrainDcpAsync(True, cuda=True, keep=2),
+            ),
+            (
+                "dcp.async_save thread + DefaultStager per save, overlapped",
+                lambda: TrainDcpAsync(True, cuda=True, fresh_stager=True, keep=2),
+            ),
+            ("asyncckpt persistent", lambda: TrainAsyncckpt(False, keep=2)),
+            ("asyncckpt persistent overlapped", lambda: TrainAsyncckpt(True, keep=2)),
+        ]
     return [
         ("no checkpoint", TrainCkpt),
         ("torch.save (sync)", TrainTorchSave),
@@ -210,11 +283,17 @@ def train_systems() -> list[tuple[str, Callable[[], TrainCkpt]]]:
     ]
 
 
-def train_run(tr: Trainer, ck: TrainCkpt, steps: int, every: int, root: Path) -> dict[str, Any]:
+def train_run(tr: Any, ck: TrainCkpt, steps: int, every: int, root: Path) -> dict[str, Any]:
+    """One run of ``steps`` steps of ``tr`` (a :class:`Trainer` or
+    :class:`benchmark.gpu.MlpTrainer`) with a checkpoint of ``ck`` every ``every`` steps
+    (0: none); the time runs from an idle device to the last checkpoint committed and the
+    device idle again (``tr.sync()``). Returns the time (s), the checkpoints, and the
+    training thread's time in the checkpoint's calls (``blocked_*_s``)."""
     ck.open(root, tr.state_dict)
     blocked = {"save": 0.0, "staging_wait": 0.0, "poll": 0.0}
     saves = 0
     try:
+        tr.sync()
         t_start = time.perf_counter()
         for s in range(1, steps + 1):
             tr.forward_backward()
@@ -233,6 +312,7 @@ def train_run(tr: Trainer, ck: TrainCkpt, steps: int, every: int, root: Path) ->
         t0 = time.perf_counter()
         ck.drain()  # the last save is committed inside the measured time
         drain = time.perf_counter() - t0
+        tr.sync()  # on a GPU: the queued steps are done
         total = time.perf_counter() - t_start
     finally:
         ck.close()
@@ -255,13 +335,20 @@ def bench_training(
     systems: set[str] | None,
     sparse_factor: int = 4,
     min_checkpoints: int = 24,
+    trainer: Callable[[], Any] | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """The training loop with a checkpoint every K steps, for every K of ``every``
     (``None``: a calibrated K, where synchronous torch.save costs >= 50 %, and
     ``sparse_factor`` * K), against no checkpoint: interleaved runs, medians. Each K
     runs ``max(steps, min_checkpoints * K)`` steps (a whole number of checkpoints), its
-    slowdown taken against no-checkpoint runs of the same length."""
-    tr = Trainer(batch)
+    slowdown taken against no-checkpoint runs of the same length.
+
+    ``trainer()`` makes the loop's model (default: the training example's GPT with
+    ``batch`` sequences a step); ``device`` picks :func:`train_systems`' set. A system
+    whose run raises is not measured further: its error is in ``failed`` (a list of
+    ``{"system", "every", "error"}``) and the other systems' runs go on."""
+    tr = trainer() if trainer is not None else Trainer(batch)
     sd = tr.state_dict()
     nbytes = state_bytes(sd)
     # Calibration: the step time, and the torch.save + fsync time of the training state.
@@ -270,9 +357,11 @@ def bench_training(
         tr.optimizer_step()
     step_times = []
     for _ in range(10 if every is None else 3):
+        tr.sync()
         t0 = time.perf_counter()
         tr.forward_backward()
         tr.optimizer_step()
+        tr.sync()
         step_times.append(time.perf_counter() - t0)
     save_times = []
     root.mkdir(parents=True, exist_ok=True)
@@ -303,20 +392,34 @@ def bench_training(
     # 7 % of the run for torch.save) was below the spread of the runs themselves (the
     # no-checkpoint runs alone spread +-9 %).
     steps_at = {kk: -(-max(steps, min_checkpoints * kk, 2 * kk) // kk) * kk for kk in ks}
-    chosen = [(n, f) for n, f in train_systems() if systems is None or n in systems or n == "no checkpoint"]
+    chosen = [(n, f) for n, f in train_systems(device) if systems is None or n in systems or n == "no checkpoint"]
     baselines = sorted(set(steps_at.values()))
     configs = [("no checkpoint", f, 0, n_steps) for n, f in chosen if n == "no checkpoint" for n_steps in baselines] + [
         (n, f, kk, steps_at[kk]) for kk in ks for n, f in chosen if n != "no checkpoint"
     ]
     runs: dict[tuple[str, int, int], list[dict[str, Any]]] = {(n, kk, st): [] for n, _, kk, st in configs}
+    failed: list[dict[str, Any]] = []
     for rep in range(reps):
         for name, factory, kk, n_steps in configs:
+            if any(f["system"] == name and f["every"] == kk for f in failed):
+                continue
             log(f"  training: {name}" + (f", every {kk}" if kk else "") + f", {n_steps} steps (rep {rep + 1}/{reps})")
             free_memory()
-            runs[(name, kk, n_steps)].append(train_run(tr, factory(), n_steps, kk, root / "train_ckpt"))
+            try:
+                runs[(name, kk, n_steps)].append(train_run(tr, factory(), n_steps, kk, root / "train_ckpt"))
+            except Exception as exc:  # a peer that fails is a row that says so (no checkpoint: raised)
+                if name == "no checkpoint":
+                    raise
+                error = error_line(exc)
+                log(f"  training: {name} failed: {type(exc).__name__}: {exc}")
+                failed.append({"system": name, "every": kk, "error": error})
+                runs.pop((name, kk, n_steps), None)
+                tr.sync()
     base = {n_steps: med([r["time_s"] for r in runs[("no checkpoint", 0, n_steps)]]) for n_steps in baselines}
     by_every: dict[int, dict[str, Any]] = {kk: {} for kk in ks}
     for (name, kk, n_steps), rs in runs.items():
+        if not rs:
+            continue
         t = med([r["time_s"] for r in rs])
         per = {b: med([r[f"blocked_{b}_s"] / max(1, r["saves"]) for r in rs]) for b in ("save", "staging_wait", "poll")}
         entry = {
@@ -334,6 +437,9 @@ def bench_training(
     results = by_every[k]
     return {
         "config": tr.cfg,
+        "label": tr.label,
+        "device": device,
+        "failed": failed,
         "params": tr.n_params,
         "state_bytes": nbytes,
         "steps": steps_at[k],

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from benchmark.common import KiB, MiB, parse_size, tensors_of
-from benchmark.llm import LLM_SYSTEMS
+from benchmark.common import KiB, MiB, parse_size, tensors_of, to_device
+from benchmark.llm import LLM_GPU_SYSTEMS, LLM_SYSTEMS
 from benchmark.systems import DEFAULT_SYSTEM_KEYS
 
 DEFAULT_WORKLOADS = "256M/16,1G/16,1G/4096,sizes200,llm,fsdp2,train"
@@ -76,8 +76,10 @@ def make_sizes_state(n: int, lo: int, hi: int, seed: int = 0) -> dict[str, torch
     }
 
 
-def default_systems(spec: str) -> list[str]:
-    """The keys of the systems a workload runs unless --systems names them."""
+def default_systems(spec: str, device: str = "cpu") -> list[str]:
+    """The keys of the systems a workload on ``device`` runs unless --systems names them."""
+    if spec == "llm" and device == "cuda":
+        return list(LLM_GPU_SYSTEMS)
     if spec in ("llm", "fsdp2"):
         return list(LLM_SYSTEMS)
     if sizes_spec(spec) is not None:
@@ -90,20 +92,32 @@ def _size_label(nbytes: int) -> str:
 
 
 def make_workload(
-    spec: str, train_batch: int, llm_cfg: dict[str, int] | None = None, sizes_warmup: int = SIZES_WARMUP
+    spec: str,
+    train_batch: int,
+    llm_cfg: dict[str, int] | None = None,
+    sizes_warmup: int = SIZES_WARMUP,
+    device: str = "cpu",
 ) -> tuple[Any, dict[str, Any]]:
-    """The state of ``spec`` and what the report says of it: ``name``, ``label``,
-    ``tensors``; ``warmup`` (saves after the first and before the measured ones) and
-    ``interleave_raw`` (a raw write + fsync between the measured saves) where not 0 / False.
+    """The state of ``spec`` on ``device`` (``"cpu"`` or ``"cuda"``) and what the report
+    says of it: ``name``, ``label``, ``tensors``, ``device``; ``warmup`` (saves after the
+    first and before the measured ones) and ``interleave_raw`` (a raw write + fsync
+    between the measured saves) where not 0 / False.
 
     Raises:
         ValueError: a malformed spec.
     """
+    sd, info = _make_workload(spec, train_batch, llm_cfg, sizes_warmup, device)
+    return (sd if spec == "llm" else to_device(sd, device)), {**info, "device": device}
+
+
+def _make_workload(
+    spec: str, train_batch: int, llm_cfg: dict[str, int] | None, sizes_warmup: int, device: str
+) -> tuple[Any, dict[str, Any]]:
     if spec == "llm":
         from benchmark import llm
 
         cfg = llm_cfg or llm.LLM_FULL
-        model, opt, sd = llm.build_llm(cfg)
+        model, opt, sd = llm.build_llm(cfg, device=device)
         n_params = sum(p.numel() for p in model.parameters())
         del model, opt  # the state's tensors are the parameters and the optimizer's state
         info = {
