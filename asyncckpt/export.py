@@ -12,9 +12,10 @@ Memory stays bounded: the checkpoint is read tensor by tensor
 checkpoint of N ranks is assembled one tensor at a time from its chunks, with the
 loaders' path checks and, for a checkpoint of ours, every byte checked against the
 manifest's CRC-32s as it is read), and an output shard is written and freed as soon as
-it is complete, so the peak is about one output shard plus the largest tensor, never
-the model. The idea is DCP's ``HuggingFaceStorageWriter`` followed by
-``consolidate_safetensors_files``, without the intermediate per-rank files.
+it is complete, so the peak is about two output shards (one being written while a
+reader thread reads the next) plus the largest tensor, never the model. The idea is
+DCP's ``HuggingFaceStorageWriter`` followed by ``consolidate_safetensors_files``,
+without the intermediate per-rank files.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import re
 import secrets
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -204,7 +206,7 @@ def export_safetensors(
     it is read), a stock ``torch.distributed.checkpoint`` directory (no checksums: a
     ``UserWarning`` says so), an FSDP2 / DTensor checkpoint of N ranks (each tensor
     assembled whole from its chunks). Runs in this process alone, with memory for about
-    one output shard plus the largest tensor (see the module docstring).
+    two output shards plus the largest tensor (see the module docstring).
 
     Names: the selected entries' nested paths below ``key``, joined with ``.`` (a
     ``model.state_dict()`` saved as ``{"model": ...}`` gives its own names), then
@@ -276,26 +278,44 @@ def export_safetensors(
         token = secrets.token_hex(4)
         written: list[Path] = []
         weight_map: dict[str, str] = {}
+
+        def read_shard(shard: list[int]) -> dict[str, torch.Tensor]:
+            tensors: dict[str, torch.Tensor] = {}
+            for i in shard:
+                entry, name = names[i]
+                t = src.read(entry)
+                if cast is not None and t.dtype.is_floating_point and t.dtype != cast:
+                    t = t.to(cast)
+                tensors[name] = t.contiguous()
+            return tensors
+
         try:
             from safetensors.torch import save_file
 
-            for file, shard in zip(files, shards):
-                tensors: dict[str, torch.Tensor] = {}
-                for i in shard:
-                    entry, name = names[i]
-                    t = src.read(entry)
-                    if cast is not None and t.dtype.is_floating_point and t.dtype != cast:
-                        t = t.to(cast)
-                    tensors[name] = t.contiguous()
-                    weight_map[name] = file
-                tmp = out_path / f".{file}.tmp-{token}"
-                written.append(tmp)
-                save_file(tensors, str(tmp), metadata={"format": "pt"})
-                del tensors
-                _fsync_file(tmp)
-                final = out_path / file
-                os.rename(tmp, final)
-                written[-1] = final
+            # One reader thread reads shard k + 1 while this thread writes shard k (the
+            # reads and the CRC-32s release the GIL, and so do the write and the fsync):
+            # memory for two shards, time about max(read, write) rather than their sum.
+            with ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-export") as pool:
+                ahead: Future[dict[str, torch.Tensor]] | None = pool.submit(read_shard, shards[0])
+                try:
+                    for k, file in enumerate(files):
+                        assert ahead is not None
+                        tensors = ahead.result()
+                        ahead = pool.submit(read_shard, shards[k + 1]) if k + 1 < n else None
+                        for name in tensors:
+                            weight_map[name] = file
+                        tmp = out_path / f".{file}.tmp-{token}"
+                        written.append(tmp)
+                        save_file(tensors, str(tmp), metadata={"format": "pt"})
+                        del tensors
+                        _fsync_file(tmp)
+                        final = out_path / file
+                        os.rename(tmp, final)
+                        written[-1] = final
+                finally:
+                    if ahead is not None:  # an error: let the reader finish before the files close
+                        ahead.cancel()
+                        wait([ahead])
             total = sum(out_bytes(e) for e, _ in names)
             if n > 1:
                 index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

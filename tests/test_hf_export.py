@@ -167,20 +167,26 @@ def test_parse_size_as_huggingface_hub() -> None:
 
 
 # ----------------------------------------------------------------------------- FSDP2 on 2 ranks
-def _rank_save_fsdp(rank: int, world_size: int, root: str) -> None:
-    import torch.distributed.checkpoint as dcp
+def _fsdp_model(seed: int) -> torch.nn.Module:
     from torch import nn
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     # Uneven shards (dims 3 and 1: a rank holds an empty chunk) and a 2-d chunking of rows.
     model = nn.Sequential(nn.Linear(64, 130), nn.ReLU(), nn.Linear(130, 3), nn.Linear(3, 1))
     for layer in model.children():
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
     fully_shard(model)
+    return model
+
+
+def _rank_save_fsdp(rank: int, world_size: int, root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    torch.set_num_threads(1)
+    model = _fsdp_model(0)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     model(torch.randn(4, 64)).square().mean().backward()
     optim.step()
@@ -192,8 +198,22 @@ def _rank_save_fsdp(rank: int, world_size: int, root: str) -> None:
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(Path(root) / "stock"))
 
 
+def _rank_load_hf(rank: int, world_size: int, root: str) -> None:
+    """A fresh FSDP2 model (other weights) loads the export: each rank its DTensor shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    torch.set_num_threads(1)
+    model = _fsdp_model(1)
+    msd = get_model_state_dict(model)
+    asyncckpt.load(msd, Path(root) / "hf_ours")
+    set_model_state_dict(model, msd)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save(full, Path(root) / "loaded.pt")
+
+
 @pytest.mark.timeout(180)
-def test_fsdp2_checkpoint_of_two_ranks_exports_the_gathered_tensors(tmp_path: Path) -> None:
+def test_fsdp2_checkpoint_of_two_ranks_exports_the_gathered_tensors_and_loads_back(tmp_path: Path) -> None:
     preload_forkserver()
     run_ranks(_rank_save_fsdp, 2, str(tmp_path), timeout=150, start_method="forkserver")
     full = torch.load(tmp_path / "full.pt")
@@ -205,6 +225,9 @@ def test_fsdp2_checkpoint_of_two_ranks_exports_the_gathered_tensors(tmp_path: Pa
         asyncckpt.export_safetensors(tmp_path / "stock", tmp_path / "hf_stock")
     assert any("without checksum verification" in str(w.message) for w in caught)
     _assert_bitwise(full, _exported(tmp_path / "hf_stock"))
+    # HF -> FSDP2 on 2 ranks: the DTensor shards of a fresh model, gathered, are the export's.
+    run_ranks(_rank_load_hf, 2, str(tmp_path), timeout=150, start_method="forkserver")
+    _assert_bitwise(full, torch.load(tmp_path / "loaded.pt"))
 
 
 # ----------------------------------------------------------------------------- bounded memory
