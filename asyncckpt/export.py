@@ -20,6 +20,7 @@ without the intermediate per-rank files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -181,12 +183,14 @@ def _existing_export(out: Path) -> list[str]:
     return sorted(n for n in names if n in (HF_SINGLE_NAME, HF_INDEX_NAME) or _SHARD_NAME.match(n))
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _fsync_rename(tmp: Path, final: Path) -> None:
+    """fsync ``tmp``, then rename it to ``final``."""
+    fd = os.open(tmp, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+    os.rename(tmp, final)
 
 
 def export_safetensors(
@@ -238,8 +242,8 @@ def export_safetensors(
         InvalidArgumentError: a bad argument, no tensor under ``key``, two tensors
             mapped to the same name, or ``out`` already holds an export.
         CheckpointNotFoundError, CorruptCheckpointError: as :func:`asyncckpt.load`
-            (a checksum mismatch, a hostile ``.metadata``, ...); nothing is left in
-            ``out`` then.
+            (a checksum mismatch, a hostile ``.metadata``, ...); nothing of the export
+            is left in ``out`` then (nor ``out``, when this call created it).
     """
     check_path(checkpoint)
     out_path = Path(check_path(out, what="out"))
@@ -274,6 +278,7 @@ def export_safetensors(
         shards = _shards([out_bytes(e) for e, _ in names], limit)
         n = len(shards)
         files = [HF_SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        created = not out_path.exists()
         out_path.mkdir(parents=True, exist_ok=True)
         token = secrets.token_hex(4)
         written: list[Path] = []
@@ -292,39 +297,43 @@ def export_safetensors(
         try:
             from safetensors.torch import save_file
 
-            # One reader thread reads shard k + 1 while this thread writes shard k (the
-            # reads and the CRC-32s release the GIL, and so do the write and the fsync):
-            # memory for two shards, time about max(read, write) rather than their sum.
-            with ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-export") as pool:
-                ahead: Future[dict[str, torch.Tensor]] | None = pool.submit(read_shard, shards[0])
+            # One reader thread reads shard k + 1 while this thread writes shard k, and a
+            # syncer thread fsyncs and renames shard k - 1 (reads, CRC-32s, the write and
+            # fsync release the GIL): memory for two shards (a written shard is freed
+            # before its fsync), time about the slowest of the three rather than their sum.
+            with (
+                ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-export-read") as reader,
+                ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-export-sync") as syncer,
+            ):
+                ahead: Future[dict[str, torch.Tensor]] | None = reader.submit(read_shard, shards[0])
+                synced: list[Future[None]] = []
                 try:
                     for k, file in enumerate(files):
                         assert ahead is not None
                         tensors = ahead.result()
-                        ahead = pool.submit(read_shard, shards[k + 1]) if k + 1 < n else None
+                        ahead = reader.submit(read_shard, shards[k + 1]) if k + 1 < n else None
                         for name in tensors:
                             weight_map[name] = file
                         tmp = out_path / f".{file}.tmp-{token}"
-                        written.append(tmp)
+                        written += [tmp, out_path / file]
                         save_file(tensors, str(tmp), metadata={"format": "pt"})
                         del tensors
-                        _fsync_file(tmp)
-                        final = out_path / file
-                        os.rename(tmp, final)
-                        written[-1] = final
+                        synced.append(syncer.submit(_fsync_rename, tmp, out_path / file))
+                    for f in synced:
+                        f.result()
                 finally:
-                    if ahead is not None:  # an error: let the reader finish before the files close
+                    if ahead is not None:  # an error: let the threads finish before the files close
                         ahead.cancel()
-                        wait([ahead])
+                    pending: list[Future[Any]] = [*synced] + ([ahead] if ahead is not None else [])
+                    wait(pending)
             total = sum(out_bytes(e) for e, _ in names)
             if n > 1:
                 index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
                 tmp = out_path / f".{HF_INDEX_NAME}.tmp-{token}"
                 written.append(tmp)
+                written.append(out_path / HF_INDEX_NAME)
                 tmp.write_text(json.dumps(index, indent=2) + "\n")
-                _fsync_file(tmp)
-                os.rename(tmp, out_path / HF_INDEX_NAME)
-                written[-1] = out_path / HF_INDEX_NAME
+                _fsync_rename(tmp, out_path / HF_INDEX_NAME)
             _fs.fsync_directory(out_path)
         except BaseException:
             for p in written:
@@ -332,5 +341,8 @@ def export_safetensors(
                     os.unlink(p)
                 except FileNotFoundError:
                     pass
+            if created:
+                with contextlib.suppress(OSError):  # not empty: someone else's files
+                    out_path.rmdir()
             raise
     return ExportResult(out_path, files, weight_map, total, skipped)

@@ -210,6 +210,7 @@ class CheckpointTensors:
         self._metadata: Metadata = metadata
         where = str(path / METADATA_NAME)
         chunks: dict[str, list[_Chunk]] = {}
+        chunk_specs: dict[str, dict[tuple[int, ...], Any]] = {}
         for index, info in metadata.storage_data.items():
             if manifest is not None and info.relative_path not in listed:
                 raise CorruptCheckpointError(
@@ -220,7 +221,10 @@ class CheckpointTensors:
             if not isinstance(md, TensorStorageMetadata):
                 continue
             offsets = tuple(int(o) for o in (index.offset or ()))
-            chunk = next((c for c in md.chunks if tuple(c.offsets) == offsets), None)
+            by_offsets = chunk_specs.get(index.fqn)
+            if by_offsets is None:  # (a dict per entry: N ranks' chunks found in O(N), not O(N^2))
+                by_offsets = chunk_specs[index.fqn] = {tuple(int(o) for o in c.offsets): c for c in md.chunks}
+            chunk = by_offsets.get(offsets)
             if chunk is None:
                 raise CorruptCheckpointError(f"{where}: entry {index.fqn!r} has no chunk at offsets {offsets}", where)
             chunks.setdefault(index.fqn, []).append(_Chunk(offsets, tuple(int(s) for s in chunk.sizes), info))
