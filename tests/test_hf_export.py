@@ -252,7 +252,7 @@ _PEAK_SCRIPT = textwrap.dedent(
 def _peak_of_export(tmp_path: Path, total: int, shard: int) -> None:
     """Save ``total`` bytes in 16 MiB tensors, export with ``shard``-byte shards in a
     subprocess: its high-water RSS (the kernel's VmHWM) stays under its baseline RSS
-    (psutil, after the imports) + 2 shards (+ 32 MiB of slack)."""
+    (psutil, after the imports) + 2 shards (+ slack), far below the whole model."""
     n = total // (16 << 20)
     state = {"model": {f"layer{i}.weight": torch.full((4 << 20,), float(i)) for i in range(n)}}
     asyncckpt.save(state, tmp_path / "ckpt").result(timeout=120)
@@ -265,7 +265,10 @@ def _peak_of_export(tmp_path: Path, total: int, shard: int) -> None:
     found = json.loads(out.strip().splitlines()[-1])
     grown = found["peak"] - found["base"]
     print(f"export of {total >> 20} MiB, {shard >> 20} MiB shards: peak RSS grew by {grown / 2**20:.0f} MiB")
-    assert grown < 2 * shard + (32 << 20), f"peak RSS grew by {grown >> 20} MiB for {shard >> 20} MiB shards"
+    # Two shards (one written while the next is read) and the allocator's slack (freed
+    # tensors of the heap are not all returned at once): a quarter shard, 32 MiB at least.
+    slack = max(32 << 20, shard // 4)
+    assert grown < 2 * shard + slack, f"peak RSS grew by {grown >> 20} MiB for {shard >> 20} MiB shards"
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == n * (16 << 20)
     assert len(set(index["weight_map"].values())) == total // shard
