@@ -156,6 +156,26 @@ def test_export_checks_the_manifest_and_leaves_nothing_on_a_bad_checksum(
         asyncckpt.export_safetensors(trained[0], tmp_path / "r", rename=lambda n: "same")
 
 
+def test_cli_key_strip_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncckpt.cli import main
+
+    net = {"net.w": torch.randn(3, 4), "net.b": torch.arange(3), "head.w": torch.randn(2, 3)}
+    state = {"app": {"model": net, "opt": {"lr": torch.tensor(0.1)}}, "step": 7}
+    asyncckpt.save(state, tmp_path / "ckpt").result(timeout=60)
+    args = ["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--key", "app.model", "--strip", "net."]
+    assert main([*args, "--json", "--dtype", "fp16"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["files"] == ["model.safetensors"] and doc["tensors"] == 3 and doc["warnings"] == []
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(got) == ["b", "head.w", "w"]
+    assert torch.equal(got["w"], net["net.w"].half()) and torch.equal(got["b"], net["net.b"])  # ints not cast
+    # A usage problem is exit status 1 with a message (the export exists already; a bad size).
+    assert main(args) == 1
+    assert "already holds an export" in capsys.readouterr().err
+    assert main([*args[:2], str(tmp_path / "hf2"), "--max-shard-size", "lots"]) == 1
+    assert "cannot read the size" in capsys.readouterr().err
+
+
 def test_parse_size_as_huggingface_hub() -> None:
     assert parse_size("5GB") == 5 * 10**9
     assert parse_size("256MiB") == 256 * 2**20
