@@ -334,6 +334,24 @@ def test_a_good_sharded_directory_reads(tmp_path: Path) -> None:
     assert torch.equal(sd["a"], torch.arange(4, dtype=torch.float32)) and torch.equal(sd["b"], torch.ones(2, 3))
 
 
+def test_a_directory_of_dcps_huggingface_storage_writer_reads(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    # (floating only: its consolidation calls torch.finfo on every dtype)
+    sd = {"a.w": torch.randn(5, 3), "b": torch.randn(7).half(), "c": torch.randn(2).to(torch.bfloat16)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "torch.distributed is disabled" (one process, intended)
+        writer = HuggingFaceStorageWriter(
+            str(tmp_path / "hf"),
+            fqn_to_index_mapping={"a.w": 1, "b": 2, "c": 2},
+            save_distributed=True,
+            enable_consolidation=True,
+        )
+        dcp.save(sd, storage_writer=writer)
+    _assert_bitwise(sd, asyncckpt.read_state_dict(tmp_path / "hf"))
+
+
 def _refused(d: Path, match: str) -> None:
     with pytest.raises(CorruptCheckpointError, match=match):
         asyncckpt.read_state_dict(d)

@@ -109,9 +109,9 @@ def map_name(name: str, strip_prefix: str | None, rename: Callable[[str], str | 
 
 
 def is_hf_dir(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a Hugging Face safetensors directory: it holds
-    ``model.safetensors.index.json`` or ``model.safetensors`` (not through a symlink
-    check: a symlinked one is refused when read) and no DCP ``.metadata``."""
+    """Whether ``path`` is a Hugging Face safetensors directory: it holds (an entry
+    named) ``model.safetensors.index.json`` or ``model.safetensors``, and no DCP
+    ``.metadata``. A symlink of those names counts here and is refused when read."""
     p = Path(path)
     return (
         p.is_dir()
