@@ -39,6 +39,7 @@ _EXPORTS = {
     "load": "loading.api",
     "verify": "loading.api",
     "read_state_dict": "loading.read",
+    "export_safetensors": "export",
     "SaveHandle": "saving.handle",
     "SaveTimings": "saving.handle",
     "SaveResult": "saving.handle",
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
     from asyncckpt.errors import RankFailure as RankFailure
     from asyncckpt.errors import RootInUseError as RootInUseError
     from asyncckpt.errors import UnverifiableCheckpointError as UnverifiableCheckpointError
+    from asyncckpt.export import export_safetensors as export_safetensors
     from asyncckpt.loading.api import load as load
     from asyncckpt.loading.api import verify as verify
     from asyncckpt.loading.read import read_state_dict as read_state_dict

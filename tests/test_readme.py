@@ -286,6 +286,12 @@ def check_fsdp(d: Path, outs: list[str], pass_no: int) -> None:
     assert _committed_steps(d / "ckpt_sharded") == list(range(1, pass_no + 1))
 
 
+def check_export(d: Path, outs: list[str], pass_no: int) -> None:
+    assert "loaded ['0.bias', '0.weight', '2.bias', '2.weight']" in outs[0], outs[0]
+    assert outs[0].startswith("['model.safetensors'] {") and "'0.weight': (64, 16)" in outs[0], outs[0]
+    assert (d / "hf_model" / "model.safetensors").is_file()
+
+
 @dataclass(frozen=True)
 class Python:
     """How to run one python block: how many times per pass (the same file, the same
@@ -306,6 +312,7 @@ PYTHON: dict[str, Python] = {
     "With Lightning": Python(check_lightning),
     "The Megatron-style loop with `AsyncCallsQueue`": Python(check_megatron),
     "Sharded state (FSDP2 / DTensor) and resharding": Python(check_fsdp),  # torchrun, as its first line says
+    "Export to Hugging Face": Python(check_export),
 }
 
 

@@ -8,6 +8,8 @@ Usage (``asyncckpt SUBCOMMAND --help`` for each)::
     asyncckpt verify CKPT [CKPT ...]   sizes and CRC-32s against the manifest
     asyncckpt convert CKPT OUT.pt      one ``torch.save`` file, loaded safely
     asyncckpt clean ROOT [--yes|--force]  remove directories of saves that never committed
+    asyncckpt export CKPT OUT          the model as Hugging Face safetensors (--max-shard-size,
+                                       --key, --dtype, --strip)
 
 Every subcommand takes ``--json`` (one JSON document on stdout, also on error:
 ``{"error": ...}``). Exit status: 0 success, 1 a problem was found (a checkpoint failed
@@ -47,6 +49,7 @@ from asyncckpt.cli.commands import (
     inspect_checkpoint,
     remove_partial,
 )
+from asyncckpt.cli.export import add_export_parser
 from asyncckpt.cli.scan import (
     CheckpointEntry,
     CliError,
@@ -193,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="remove them even while a CheckpointManager holds the root (implies --yes)",
     )
     p.set_defaults(func=cmd_clean)
+
+    add_export_parser(sub, common)
     return parser
 
 

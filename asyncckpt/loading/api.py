@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ from asyncckpt.errors import (
     CheckpointNotFoundError,
     CheckpointPathError,
     CorruptCheckpointError,
+    InvalidArgumentError,
     RankFailure,
     UnverifiableCheckpointError,
 )
@@ -35,6 +37,7 @@ from asyncckpt.format.records import RECORDS_NAME
 from asyncckpt.io.storage import LOCAL
 from asyncckpt.loading.dcp import SafeFileSystemReader, SafeLoadPlanner
 from asyncckpt.loading.direct import direct_load, plan_direct_load
+from asyncckpt.loading.hf import is_hf_dir, load_hf
 from asyncckpt.loading.metadata import gc_paused
 from asyncckpt.root import is_stock_dcp
 
@@ -93,6 +96,8 @@ def load(
     process_group: Any = None,
     verify: bool | Literal["inline"] = "inline",
     allow_pickle: bool = False,
+    strip_prefix: str | None = None,
+    rename: Callable[[str], str | None] | None = None,
 ) -> None:
     """Load a checkpoint into ``state_dict`` in place, like ``torch.distributed.checkpoint.load``.
 
@@ -118,9 +123,19 @@ def load(
     a ``UserWarning`` says so. A checkpoint of an asyncckpt root that lost its manifest
     is refused as corrupt (see :func:`asyncckpt.root.is_in_root`).
 
+    A Hugging Face safetensors directory (``model.safetensors`` or
+    ``model.safetensors.index.json`` with its shards, no ``.metadata``: a released
+    model, or ``asyncckpt.export_safetensors``' output) is read tensor by tensor into
+    the state_dict's tensors, matched by name (DCP's flattened keys, after
+    ``strip_prefix`` and ``rename``), cast to the targets' dtypes; pass the model's
+    part of a training state (``load(state["model"], hf_dir)``). Its index and headers
+    are checked (:mod:`asyncckpt.loading.hf`); safetensors carry no checksums. Each
+    rank reads on its own (no collective).
+
     Args:
         state_dict: the structure to fill; its keys select what is read.
-        checkpoint_dir: a committed checkpoint directory, or a stock DCP directory.
+        checkpoint_dir: a committed checkpoint directory, a stock DCP directory, or a
+            Hugging Face safetensors directory.
         process_group: the ranks loading together.
         verify: ``"inline"`` (default): the CRC-32 of every byte is checked as it is
             read, in the same pass (the files' sizes and ``.metadata`` are checked
@@ -136,6 +151,10 @@ def load(
             ``weights_only=False``). Unpickling runs code chosen by whoever wrote the
             checkpoint: pass ``True`` only for checkpoints you trust. To allow a few
             classes instead, use ``torch.serialization.safe_globals([...])``.
+        strip_prefix: (a safetensors directory only) removed from the start of the
+            directory's tensor names that have it, before matching.
+        rename: (a safetensors directory only) ``rename(name) -> name | None``
+            (``None``: ignore that tensor), after ``strip_prefix``.
 
     Raises:
         CorruptCheckpointError: ``checkpoint_dir`` is not a committed checkpoint; a
@@ -157,6 +176,11 @@ def load(
     check_state_dict(state_dict, hint=hint)
     check_path(checkpoint_dir, hint=hint)
     path = Path(checkpoint_dir)
+    if is_hf_dir(path):
+        load_hf(state_dict, path, strip_prefix=strip_prefix, rename=rename)
+        return
+    if strip_prefix is not None or rename is not None:
+        raise InvalidArgumentError(f"strip_prefix and rename are for a safetensors directory; {path} is not one")
     try:
         _load(state_dict, path, process_group, verify, allow_pickle)
     except (CheckpointError, OSError) as exc:

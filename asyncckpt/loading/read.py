@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +26,13 @@ from asyncckpt._check import check_path, int_key
 from asyncckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    InvalidArgumentError,
 )
 from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME
 from asyncckpt.io.storage import LOCAL
 from asyncckpt.loading.api import from_dcp_exception, not_a_directory
 from asyncckpt.loading.dcp import SafeFileSystemReader, SafeLoadPlanner
+from asyncckpt.loading.hf import is_hf_dir, read_hf_state_dict
 from asyncckpt.root import is_in_root
 
 __all__ = ["read_state_dict"]
@@ -186,7 +188,12 @@ def _nest(
 
 
 def read_state_dict(
-    checkpoint_dir: str | os.PathLike, *, verify: bool = True, allow_pickle: bool = False
+    checkpoint_dir: str | os.PathLike,
+    *,
+    verify: bool = True,
+    allow_pickle: bool = False,
+    strip_prefix: str | None = None,
+    rename: Callable[[str], str | None] | None = None,
 ) -> dict[str, Any]:
     """Read a whole checkpoint into a new nested dict, like ``torch.load`` does for a file.
 
@@ -202,7 +209,11 @@ def read_state_dict(
     keyed by parameter index), so ``{0: ...}`` is read back as ``{0: ...}``; a stock DCP
     directory (no manifest) gives ``str`` keys, as DCP's ``dcp_to_torch_save`` does.
     Works on asyncckpt checkpoints and on any directory written by
-    ``torch.distributed.checkpoint.save`` to a filesystem.
+    ``torch.distributed.checkpoint.save`` to a filesystem. A Hugging Face safetensors
+    directory (``model.safetensors``, or ``model.safetensors.index.json`` and its
+    shards) gives a flat dict of its tensors by name (after ``strip_prefix`` and
+    ``rename``), its index and headers checked (:mod:`asyncckpt.loading.hf`; no pickle,
+    no checksums in that format).
 
     It reads in this process alone, whether or not ``torch.distributed`` is
     initialized (no collective is issued; every tensor is read in full, so the
@@ -226,6 +237,10 @@ def read_state_dict(
             ``weights_only=False``). Unpickling runs code chosen by whoever wrote the
             checkpoint: pass ``True`` only for checkpoints you trust. To allow a few
             classes instead, use ``torch.serialization.safe_globals([...])``.
+        strip_prefix: (a safetensors directory only) removed from the start of the
+            tensor names that have it.
+        rename: (a safetensors directory only) ``rename(name) -> name | None``
+            (``None``: leave that tensor out), after ``strip_prefix``.
 
     Returns:
         A new dict: the saved state_dict, with CPU tensors of the saved dtypes and
@@ -250,6 +265,10 @@ def read_state_dict(
         raise CheckpointNotFoundError("no such checkpoint directory", str(path))
     if not path.is_dir():
         raise not_a_directory(path)  # the same error as load and verify
+    if is_hf_dir(path):
+        return dict(read_hf_state_dict(path, strip_prefix=strip_prefix, rename=rename))
+    if strip_prefix is not None or rename is not None:
+        raise InvalidArgumentError(f"strip_prefix and rename are for a safetensors directory; {path} is not one")
     reader = SafeFileSystemReader(str(path), storage=LOCAL)
     manifest: dict[str, Any] | None = None
     if LOCAL.exists(path, MANIFEST_NAME):

@@ -147,6 +147,13 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
         help="MiB of the Lightning checkpoint compared with Lightning's AsyncCheckpointIO "
         "(scripts/bench_lightning.py; needs the lightning extra; 0 to skip) (%(default)s)",
     )
+    p.add_argument(
+        "--export-reps",
+        type=int,
+        default=3,
+        help="runs of each Hugging Face export route on the llm state's model (asyncckpt.export_safetensors, "
+        "DCP's HuggingFaceStorageWriter + consolidation, a raw write); 0 to skip (%(default)s)",
+    )
     p.add_argument("--no-memory", action="store_true", help="do not sample memory")
     p.add_argument(
         "--share-dcp-daemon",
@@ -200,6 +207,8 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
         if args.llm_config is None:
             args.llm_config = ",".join(f"{k}={v}" for k, v in llm.LLM_TINY.items())
         args.technique_reps = 1
+        if args.export_reps == p.get_default("export_reps"):
+            args.export_reps = 1
         if args.lightning_mb == p.get_default("lightning_mb"):
             args.lightning_mb = 8
     args.train_every = args.train_every or "1,4,16"
@@ -382,6 +391,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             res["workloads"].append(w)
             partial()
             free_memory()
+        if args.export_reps:
+            from benchmark import export as export_bench
+
+            log("export to Hugging Face safetensors")
+            res["export"] = export_bench.run(llm_cfg or llm.LLM_FULL, args.export_reps, base / "export")
+            res["export_md"] = export_bench.render_markdown(res["export"])
         if not args.no_train:
             log("training loop")
             every = (

@@ -272,6 +272,9 @@ def render_markdown(res: dict[str, Any]) -> str:
             met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
             L.append(f"| {t['target']} | {t['measured']} | {t['goal']} | {met} |")
         L.append("")
+    if res.get("export_md"):
+        L.append("## Export to Hugging Face safetensors\n")
+        L.append(res["export_md"] + "\n")
     if res.get("lightning_md"):
         L.append("## Lightning checkpoints\n")
         L.append(res["lightning_md"] + "\n")
