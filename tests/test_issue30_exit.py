@@ -151,10 +151,11 @@ def test_a_save_failing_at_exit_is_named_with_its_cause(tmp_path: Path) -> None:
 
 # ====================================================================== item 4: wait() inside its own callback
 _WAIT_IN_CALLBACK = """
-    import json, os, sys
+    import json, os, sys, threading
     import torch, asyncckpt
     root = sys.argv[1]
     seen = []
+    second_saved = threading.Event()
 
     def waiting_callback(handles, mode):
         def callback(result):
@@ -166,6 +167,13 @@ _WAIT_IN_CALLBACK = """
                     seen.append([mode, result.step, name, "returned"])
                 except Exception as exc:
                     seen.append([mode, result.step, name, type(exc).__name__])
+            if mode == "background" and result.step == 1:   # the next save, pending behind this callback
+                second_saved.wait(30)
+                try:
+                    handles[2].wait()
+                    seen.append([mode, 1, "wait for step 2", "returned"])
+                except Exception as exc:
+                    seen.append([mode, 1, "wait for step 2", type(exc).__name__])
         return callback
 
     state = {"w": torch.ones(1 << 16)}
@@ -176,10 +184,13 @@ _WAIT_IN_CALLBACK = """
         manager = asyncckpt.CheckpointManager(
             os.path.join(root, mode), calls_queue=queue, callback=waiting_callback(handles, mode)
         )
-        for step in (1, 2):   # the later save commits too
-            handles[step] = manager.save(step, state)   # its write sleeps 0.5 s: the handle is kept first
-            manager.maybe_finalize(blocking=True)       # foreground: its callback runs here
-            errors.append(repr(handles[step].exception(60)))
+        handles[1] = manager.save(1, state)   # its write sleeps 0.5 s: the handle is kept before the commit
+        if queue is not None:
+            manager.maybe_finalize(blocking=True)   # foreground: its callback runs here
+        handles[2] = manager.save(2, state)   # a later save commits too
+        second_saved.set()
+        manager.maybe_finalize(blocking=True)
+        errors += [repr(handles[step].exception(60)) for step in (1, 2)]
         if queue is not None:  # the background one is left to the exit: nothing must be named lost there
             manager.close()
             queue.close()
@@ -192,21 +203,21 @@ def test_wait_inside_the_saves_own_completion_callback_raises_at_once(tmp_path: 
     """Item 4: ``wait()``, ``result(timeout)`` and ``exception(timeout)`` inside a save's
     own completion callback (in the thread settling it: the queue's finalizer thread,
     or the training thread for a queue finalized in the training loop) raise
-    ``SaveDeadlockError`` at once, instead of deadlocking that thread; the save and the
-    later one commit; nothing is named lost at exit. (Before: the commit thread hung,
-    every later save stayed pending, and the process never ended.)"""
+    ``SaveDeadlockError`` at once, instead of deadlocking that thread; so does a wait
+    there for the next save, which that thread would settle; both saves commit;
+    nothing is named lost at exit. (Before: the commit thread hung, every later save
+    stayed pending, and the process never ended.)"""
     root = tmp_path / "root"
     code, out, err = _run_script(
         tmp_path, _WAIT_IN_CALLBACK, str(root), env={"ASYNCCKPT_FAULT": "mid_write:sleep=0.5"}, timeout=120
     )
     assert code == 0, err
     report = json.loads(out.strip().splitlines()[-1])
-    expected = [
-        [mode, step, name, "SaveDeadlockError"]
-        for mode in ("background", "foreground")
-        for step in (1, 2)
-        for name in ("wait", "result", "exception")
-    ]
+    own = ("wait", "result", "exception")
+    expected = [["background", 1, name, "SaveDeadlockError"] for name in own]
+    expected += [["background", 1, "wait for step 2", "SaveDeadlockError"]]
+    expected += [[mode, 2, name, "SaveDeadlockError"] for mode in ["background"] for name in own]
+    expected += [["foreground", step, name, "SaveDeadlockError"] for step in (1, 2) for name in own]
     assert report["seen"] == expected, report
     assert report["errors"] == ["None"] * 4, report
     for mode in ("background", "foreground"):
