@@ -124,8 +124,12 @@ _FAILING_AT_EXIT = """
         manager.save(2, {"w": torch.ones(1 << 16)})
 
     atexit.register(failing_save)   # runs after asyncckpt's exit hook
+    import concurrent.futures
     import torch, asyncckpt
-    os.environ["ASYNCCKPT_FAULT"] = "mid_write:sleep=1;mid_write:enospc"   # the worker inherits it
+    os.environ["ASYNCCKPT_FAULT"] = "mid_write:enospc"   # the default queue's worker inherits it
+    early = asyncckpt.save({"w": torch.ones(1 << 16)}, os.path.join(root, "early"), async_op=True)
+    concurrent.futures.wait([early], 60)   # failed before the exit; nobody is told (no wait())
+    os.environ["ASYNCCKPT_FAULT"] = "mid_write:sleep=1;mid_write:enospc"   # the manager's worker
     manager = asyncckpt.CheckpointManager(root)
     os.environ.pop("ASYNCCKPT_FAULT")
     manager.save(1, {"w": torch.ones(1 << 16)})   # pending at exit; fails while the exit waits
@@ -135,9 +139,10 @@ _FAILING_AT_EXIT = """
 @pytest.mark.timeout(120)
 def test_a_save_failing_at_exit_is_named_with_its_cause(tmp_path: Path) -> None:
     """Item 2: a save pending at exit that fails there is named with its cause on
-    stderr, in one line (before: "... failed on rank(s) 0:" and nothing after); a save
-    from an atexit handler that fails raises there, its cause on stderr, and leaves
-    nothing. (Python's exit status after an atexit handler raised stays 0, as with a
+    stderr, in one line (before: "... failed on rank(s) 0:" and nothing after), and so
+    is one that failed before the exit without anybody told (before: not named); a
+    save from an atexit handler that fails raises there, its cause on stderr, and
+    leaves nothing. (Python's exit status after an atexit handler raised stays 0, as with a
     ``torch.save`` that raises there.)"""
     root = tmp_path / "root"
     _, _, err = _run_script(tmp_path, _FAILING_AT_EXIT, str(root), env={"ASYNCCKPT_EXIT_TIMEOUT_S": "60"})
@@ -145,7 +150,10 @@ def test_a_save_failing_at_exit_is_named_with_its_cause(tmp_path: Path) -> None:
     assert len(named) == 1, err
     assert "pending at interpreter exit, failed: saving step 1 to" in named[0], err
     assert "No space left on device" in named[0], err
-    assert "saving step 2 to" in err and err.count("No space left on device") >= 2, err
+    early = [line for line in err.splitlines() if f"the save of {root / 'early'} failed" in line]
+    assert len(early) == 1 and "(not reported before interpreter exit)" in early[0], err
+    assert "No space left on device" in early[0], err
+    assert "saving step 2 to" in err and err.count("No space left on device") >= 3, err
     assert sorted(e for e in os.listdir(root) if e.startswith(("step_", ".step_"))) == [], os.listdir(root)
 
 

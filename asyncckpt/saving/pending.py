@@ -45,6 +45,9 @@ class PendingSaves(Protocol):
     def busy(self) -> bool:
         """True while a save is being staged (overlapped) or is pending."""
 
+    def unreported_failures(self) -> list[tuple[SaveInFlight, BaseException]]:
+        """The saves that failed and whose failure nobody was told of, in call order."""
+
     def release(self) -> None:
         """Free the staging buffers (never blocks on a write)."""
 
@@ -133,6 +136,20 @@ def _settle_or_name(
     return lost
 
 
+def name_unreported(failures: list[tuple[SaveInFlight, BaseException]], when: str) -> None:
+    """Name each save of ``failures`` (failed before ``when``, its failure never seen
+    through ``wait()`` or a harvest) with its cause, on logger ``asyncckpt``; each then
+    counts as reported (it is not named again)."""
+    for record, exc in failures:
+        record.reported = True
+        _log.warning(
+            "asyncckpt: the save of %s failed (not reported before %s): %s",
+            _describe_save(record),
+            when.removeprefix("when ").removeprefix("at "),
+            describe_failure(exc),
+        )
+
+
 def settle_pending(
     timeout: Callable[[AsyncCallsQueue], float],
     when: str,
@@ -219,17 +236,26 @@ def _settle_pending_at_exit() -> None:
     """The exit phase ``COMMIT_SAVES``: pending saves get ``ASYNCCKPT_EXIT_TIMEOUT_S``
     seconds (default 5) in all to commit; each one still pending then is named as lost
     (a ``logging`` warning on logger ``asyncckpt``, shown on stderr) and its queue is
-    aborted; interrupted (Ctrl-C, here or in an earlier phase), every queue with
-    pending saves is aborted at once. The workers are stopped later (phase
-    ``STOP_WORKERS``)."""
+    aborted; each that failed, then or before the exit without anybody told (no
+    ``wait()``, no ``maybe_finalize``), is named with its cause; interrupted (Ctrl-C,
+    here or in an earlier phase), every queue with pending saves is aborted at once.
+    The workers are stopped later (phase ``STOP_WORKERS``)."""
     bound = 0.0 if _exit.interrupted() else exit_timeout()  # after Ctrl-C: name and abort at once
-    settle_pending(
-        lambda _queue: bound,
-        "at interpreter exit",
-        "; call close() or wait() before exiting",
-        EXIT_TIMEOUT_ENV,
-        abort_lost=True,
-    )
+    earlier: list[tuple[SaveInFlight, BaseException]] = []
+    for saver in list(_live_savers):  # failed before the exit, never reported: named too
+        queue = saver.live_queue()
+        if queue is None or not queue.caller.foreign:
+            earlier += saver.unreported_failures()
+    try:
+        settle_pending(
+            lambda _queue: bound,
+            "at interpreter exit",
+            "; call close() or wait() before exiting",
+            EXIT_TIMEOUT_ENV,
+            abort_lost=True,
+        )
+    finally:
+        name_unreported(earlier, "at interpreter exit")
 
 
 _exit.register(_exit.COMMIT_SAVES, _settle_pending_at_exit, forget=_live_savers.clear)

@@ -47,7 +47,7 @@ from asyncckpt.root import CheckpointRoot
 from asyncckpt.saving.exchange import _LayoutCache, _LayoutExchange
 from asyncckpt.saving.handle import SaveCallback, SaveHandle, SaveResult, SaveTimings
 from asyncckpt.saving.overlap import _Overlapped, _small
-from asyncckpt.saving.pending import _describe_save, _live_savers, _settle_or_name, describe_failure
+from asyncckpt.saving.pending import _describe_save, _live_savers, _settle_or_name, name_unreported
 from asyncckpt.saving.phases import (
     MetadataPickle,
     _committed_on_disk,
@@ -666,23 +666,19 @@ class Saver:
         pending = self.pending_records()
         lost = _settle_or_name([(background, record) for record in pending], timeout, when)
         named = {id(record) for record in pending}
-        with self._state:  # failed before, never reported (no maybe_finalize since): named too
-            earlier = [
+        # Failed before, never reported (no maybe_finalize since): named too.
+        name_unreported([(r, exc) for r, exc in self.unreported_failures() if id(r) not in named], when)
+        return lost
+
+    def unreported_failures(self) -> list[tuple[SaveInFlight, BaseException]]:
+        """This saver's saves that failed and whose failure nobody was told of (no
+        ``wait()``, no harvest since), with their failures, in call order."""
+        with self._state:
+            return [
                 (record, exc)
                 for record in self._records
-                if id(record) not in named
-                and record.handle.done()
-                and not record.reported
-                and (exc := record.handle.exception(timeout=0)) is not None
+                if record.handle.done() and not record.reported and (exc := record.handle.exception(timeout=0))
             ]
-        for record, exc in earlier:
-            _log.warning(
-                "asyncckpt: the save of %s failed (not reported before %s): %s",
-                _describe_save(record),
-                when.removeprefix("when "),
-                describe_failure(exc),
-            )
-        return lost
 
     def release(self) -> None:
         """Free the staging buffers and stop listening to the queue; never blocks on a
