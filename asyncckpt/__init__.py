@@ -7,6 +7,11 @@ atomically, once all writes succeeded. Committed checkpoints are
 
 Names are imported lazily, so that a background worker that unpickles a function of
 this package does not import torch unless that function needs it.
+
+``import asyncckpt`` does one thing besides: it wraps
+``torch.distributed.destroy_process_group`` (now if ``torch.distributed`` is imported,
+else as soon as it is; :mod:`asyncckpt._destroy`), so that pending saves commit before
+the process groups they use are destroyed.
 """
 
 from __future__ import annotations
@@ -14,7 +19,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from asyncckpt import _destroy
+
 __version__ = "0.1.0"
+
+_destroy.install()
 
 _EXPORTS = {
     "AsyncRequest": "async_utils.request",
@@ -32,6 +41,7 @@ _EXPORTS = {
     "CheckpointPathError": "errors",
     "InvalidArgumentError": "errors",
     "RootInUseError": "errors",
+    "SaveDeadlockError": "errors",
     "UnverifiableCheckpointError": "errors",
     "SaveOptions": "options",
     "save": "saving.api",
@@ -67,6 +77,7 @@ if TYPE_CHECKING:
     from asyncckpt.errors import InvalidArgumentError as InvalidArgumentError
     from asyncckpt.errors import RankFailure as RankFailure
     from asyncckpt.errors import RootInUseError as RootInUseError
+    from asyncckpt.errors import SaveDeadlockError as SaveDeadlockError
     from asyncckpt.errors import UnverifiableCheckpointError as UnverifiableCheckpointError
     from asyncckpt.export import export_safetensors as export_safetensors
     from asyncckpt.loading.api import load as load

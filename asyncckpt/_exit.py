@@ -40,7 +40,18 @@ Interrupts: a hook that raises an ``Exception`` is logged and the next one runs.
 skipped, except ``COMMIT_SAVES``, which then waits no more (it names the pending saves
 as lost and aborts their queues, so that no finalizer thread is left inside a call
 while the interpreter finalizes), and ``STOP_WORKERS``. :func:`interrupted` tells a
-hook.
+hook. Only the first Ctrl-C interrupts: while :func:`run` runs in the main thread
+with Python's default SIGINT handler, it installs one that raises
+``KeyboardInterrupt`` once and ignores the later ones, so that a second Ctrl-C cannot
+cut short the naming of what is lost nor the stopping of the workers (it restores the
+previous handler when it returns).
+
+Saves from atexit handlers: a user's handler may run before :func:`run` (registered
+after asyncckpt's) or after it (registered before). :func:`in_atexit_handler` tells
+the save path that it runs in one, where a save is made synchronous (as ``torch.save``
+there); one made after :func:`run` finished then calls :func:`clean_up_again`, which
+runs the cleaning phases (``FINISH_DELETIONS``, ``STOP_WORKERS``, ``RELEASE_GROUPS``)
+once more.
 
 Fork: a child of ``os.fork()`` forgets its parent's entries (each phase's ``forget``
 callables run in the child); its workers, savers and removals are the parent's.
@@ -52,8 +63,10 @@ import atexit
 import logging
 import multiprocessing.util as mp_util  # before atexit.register below: see the module docstring
 import os
+import signal
 import threading
 from collections.abc import Callable
+from typing import Any
 
 __all__ = [
     "PHASES",
@@ -69,6 +82,8 @@ __all__ = [
     "run",
     "exiting",
     "interrupted",
+    "in_atexit_handler",
+    "clean_up_again",
 ]
 
 _log = logging.getLogger("asyncckpt")
@@ -82,6 +97,9 @@ RELEASE_GROUPS = "release the gloo groups"
 PHASES: tuple[str, ...] = (COMMIT_LIGHTNING, COMMIT_SAVES, FINISH_DELETIONS, STOP_WORKERS, RELEASE_GROUPS)
 #: The phases that run even after an interrupt ended an earlier one (without waiting).
 _ALWAYS = frozenset({COMMIT_SAVES, STOP_WORKERS, RELEASE_GROUPS})
+#: The phases that clean up (nothing of theirs waits for a save): run again by
+#: :func:`clean_up_again`.
+_CLEANING = (FINISH_DELETIONS, STOP_WORKERS, RELEASE_GROUPS)
 #: The priority of the ``multiprocessing.util.Finalize`` that runs :func:`run`.
 EXIT_PRIORITY = 100
 
@@ -106,6 +124,7 @@ _lock = threading.Lock()
 _finalizer: mp_util.Finalize | None = None
 _armed_pid: int | None = None
 _ran_pid: int | None = None
+_finished_pid: int | None = None
 _interrupted: BaseException | None = None
 
 
@@ -152,15 +171,85 @@ def interrupted() -> bool:
     return exiting() and _interrupted is not None
 
 
+def in_atexit_handler() -> bool:
+    """True in the main thread once its code has finished: in an atexit handler (or
+    in :func:`run`). ``threading`` marks the main thread stopped at the start of the
+    interpreter's shutdown, before the atexit handlers run; no other thread is the
+    main thread, so a thread still training after the main thread returned is not
+    taken for an exit. About a microsecond."""
+    main = threading.main_thread()
+    return threading.current_thread() is main and not main.is_alive()
+
+
+def clean_up_again() -> None:
+    """After :func:`run` finished in this process (an atexit handler registered before
+    asyncckpt's saved after it): run the cleaning phases once more (finish retention
+    removals, stop worker processes, release the gloo groups). No-op before."""
+    if _finished_pid != os.getpid():
+        return
+    with _lock:
+        hooks = [hook for phase in _CLEANING for hook in _hooks[phase].values()]
+    for hook in hooks:
+        try:
+            hook()
+        except Exception as exc:  # noqa: BLE001 - at exit: nobody left to raise it to
+            _log.warning("asyncckpt: at exit, cleaning up again failed: %s: %s", type(exc).__name__, exc)
+
+
+class _FirstInterruptOnly:
+    """While :func:`run` runs: the SIGINT handler that raises ``KeyboardInterrupt`` for
+    the first Ctrl-C only (the later ones find the exit already dropping what is
+    pending). Installed only in the main thread, over Python's default handler (a
+    handler of the user's own is left alone)."""
+
+    def __init__(self) -> None:
+        self.previous: Any = None
+        self.fired = False
+
+    def install(self) -> bool:
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        try:
+            if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+                return False
+            self.previous = signal.signal(signal.SIGINT, self)
+        except (ValueError, OSError):  # not the main interpreter, or no signals here
+            return False
+        return True
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if not self.fired:
+            self.fired = True  # before raising: a second SIGINT in between is ignored too
+            raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        try:
+            signal.signal(signal.SIGINT, self.previous)
+        except (ValueError, OSError):
+            pass
+
+
 def run() -> None:
     """Run the phases in order (once per process; later calls return at once)."""
-    global _ran_pid, _interrupted
+    global _ran_pid, _finished_pid, _interrupted
     with _lock:
         if _ran_pid == os.getpid():
             return
         _ran_pid = os.getpid()
         _interrupted = None
         phases = [(phase, list(_hooks[phase].values())) for phase in PHASES]
+    sigint = _FirstInterruptOnly()
+    installed = sigint.install()
+    try:
+        _run_phases(phases)
+    finally:
+        _finished_pid = os.getpid()
+        if installed:
+            sigint.restore()
+
+
+def _run_phases(phases: list[tuple[str, list[Callable[[], None]]]]) -> None:
+    global _interrupted
     for phase, hooks in phases:
         if _interrupted is not None and phase not in _ALWAYS:
             continue
@@ -182,9 +271,10 @@ def run() -> None:
 
 def _after_fork_in_child() -> None:
     """The child of ``os.fork()``: the parent's entries are not its own."""
-    global _lock, _ran_pid, _interrupted
+    global _lock, _ran_pid, _finished_pid, _interrupted
     _lock = threading.Lock()  # another thread may have held it at the fork
     _ran_pid = None
+    _finished_pid = None
     _interrupted = None
     for forget in list(_forgets.values()):
         forget()

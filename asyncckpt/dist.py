@@ -15,15 +15,15 @@ the collective and which ranks did not arrive: a rank still waiting after
 reads those records. Collectives that complete within that time (the steady state)
 touch no store.
 
-``torch.distributed.destroy_process_group`` is wrapped (once, at import) so that the
-functions registered with :func:`call_before_destroy` run before the user's groups are
-destroyed (the checkpoint layer commits its pending saves there).
+``torch.distributed.destroy_process_group`` is wrapped (:mod:`asyncckpt._destroy`,
+installed on ``import asyncckpt``) so that the functions registered with
+:func:`call_before_destroy` run before the user's groups are destroyed (the checkpoint
+layer commits its pending saves there).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import logging
 import pickle
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncckpt import _exit
+from asyncckpt import _destroy, _exit
 from asyncckpt.errors import CheckpointError, RankFailure
 
 __all__ = ["SyncGroup", "collective_timeout", "call_before_destroy"]
@@ -463,8 +463,13 @@ def call_before_destroy(fn: Callable[[Any], None]) -> None:
     (``group`` ``None``: every group is being destroyed), before any group is, whenever
     the group is the user's (never for asyncckpt's own gloo groups). An exception of
     ``fn`` is logged; a ``BaseException`` (Ctrl-C) propagates and nothing is destroyed.
+    Once per function (idempotent). The wrapper itself is installed on ``import
+    asyncckpt`` (:func:`asyncckpt._destroy.install`); this makes sure of it.
     """
-    _before_destroy.append(fn)
+    if fn not in _before_destroy:
+        _before_destroy.append(fn)
+    _destroy.call_before_destroy(_run_before_destroy)
+    _destroy.install()
 
 
 def _run_before_destroy(group: Any) -> None:
@@ -477,27 +482,3 @@ def _run_before_destroy(group: Any) -> None:
             fn(group)
         except Exception:  # noqa: BLE001 - the user's destroy goes on
             _log.exception("asyncckpt: a hook before destroy_process_group() raised")
-
-
-def _install_destroy_hook() -> None:
-    """Wrap ``destroy_process_group`` (in ``torch.distributed`` and its ``distributed_c10d``
-    module, where torch looks it up) so that :func:`call_before_destroy` hooks run first.
-    torch has no hook of its own for it. Idempotent."""
-    c10d = dist.distributed_c10d
-    original = c10d.destroy_process_group
-    if getattr(original, "__asyncckpt_original__", None) is not None:
-        return
-
-    @functools.wraps(original)
-    def destroy_process_group(group: Any = None) -> Any:
-        _run_before_destroy(group)
-        return original(group)
-
-    destroy_process_group.__asyncckpt_original__ = original  # type: ignore[attr-defined]
-    c10d.destroy_process_group = destroy_process_group
-    if getattr(dist, "destroy_process_group", None) is original:
-        dist.destroy_process_group = destroy_process_group
-
-
-if dist.is_available():
-    _install_destroy_hook()

@@ -45,6 +45,7 @@ __all__ = [
     "InvalidArgumentError",
     "RootInUseError",
     "UnverifiableCheckpointError",
+    "SaveDeadlockError",
 ]
 
 
@@ -300,6 +301,17 @@ class RootInUseError(AsyncckptError, RuntimeError):
 
     def __reduce__(self) -> tuple:
         return (type(self), (str(self), self.path, self.pid, self.host))
+
+
+class SaveDeadlockError(AsyncckptError, RuntimeError):
+    """Waiting for a save here would never return: this thread is the one that must
+    settle it. Raised at once by ``SaveHandle.wait()``, and by ``result()`` /
+    ``exception()`` with a timeout other than 0, on a save not settled yet, when they
+    are called in its own completion callback (which runs before its handle is
+    completed), or in the background finalizer thread of its queue (a completion
+    callback or ``add_done_callback`` function of another save waiting for it). As
+    ``threading.Thread.join()`` of the current thread raises a ``RuntimeError``.
+    The save itself goes on: it commits (or fails) as if nobody had waited."""
 
 
 _PATH_ERROR_CLASSES: dict[type, type] = {}

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 #: As a script that did ``from torch.distributed import destroy_process_group`` before
-#: asyncckpt was imported (``import asyncckpt`` alone imports none of its modules).
+#: asyncckpt was imported (``import asyncckpt`` wraps it; a name bound before stays torch's).
 EARLY_DESTROY = dist.destroy_process_group
 
 import asyncckpt  # noqa: E402

@@ -358,6 +358,13 @@ class AsyncCallsQueue:
     def closed(self) -> bool:
         return self._closed
 
+    def in_finalizer_thread(self) -> bool:
+        """True in this queue's background finalizer thread (where its ``finalize_fns``
+        and ``on_settled`` run): a blocking wait there for a call of this queue never
+        returns, since this thread is the one that would settle it."""
+        finalizer = self._finalizer
+        return finalizer is not None and threading.current_thread() is finalizer.thread
+
     @property
     def next_call_idx(self) -> int:
         """The ``call_idx`` the next :meth:`schedule_async_request` will assign (a caller

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+from asyncckpt.errors import SaveDeadlockError
+
 __all__ = ["SaveTimings", "SaveResult", "SaveCallback", "SaveDriver", "SaveHandle"]
 
 
@@ -105,6 +107,11 @@ class SaveDriver(Protocol):
             CallbackError: (``error`` is ``None``) a completion callback raised.
         """
 
+    def waits_on_itself(self) -> bool:
+        """True when the calling thread is the one that must settle this save (it runs
+        the save's completion callback now, or it is the queue's background finalizer
+        thread): a blocking wait here would never return."""
+
 
 class SaveHandle(concurrent.futures.Future[SaveResult]):
     """The future of one save: a :class:`concurrent.futures.Future` of its :class:`SaveResult`.
@@ -158,6 +165,12 @@ class SaveHandle(concurrent.futures.Future[SaveResult]):
     def _drive(self, timeout: float | None) -> None:
         if timeout == 0 or self.done() or self._driver is None:
             return
+        if self._driver.waits_on_itself():
+            raise SaveDeadlockError(
+                f"waiting for the save of {self.checkpoint_dir} in the thread that must settle it (its "
+                "completion callback, or its queue's finalizer thread) would never return; check "
+                "handle.done() there, or wait from another thread"
+            )
         self._driver.synchronize_staging()
         if not self.done():
             self._driver.drive(timeout)
@@ -175,6 +188,8 @@ class SaveHandle(concurrent.futures.Future[SaveResult]):
         Raises:
             CheckpointException: this save failed (on any rank).
             TimeoutError: not completed within ``timeout`` seconds (the save goes on).
+            SaveDeadlockError: (``timeout`` other than 0) called where the save must
+                be settled: in its completion callback, or its queue's finalizer thread.
         """
         self._drive(timeout)
         result: SaveResult = super().result(timeout)  # raises the save's failure
@@ -189,6 +204,8 @@ class SaveHandle(concurrent.futures.Future[SaveResult]):
 
         Raises:
             TimeoutError: not completed within ``timeout`` seconds.
+            SaveDeadlockError: (``timeout`` other than 0) called where the save must
+                be settled: in its completion callback, or its queue's finalizer thread.
         """
         self._drive(timeout)
         return super().exception(timeout)
@@ -225,6 +242,10 @@ class SaveHandle(concurrent.futures.Future[SaveResult]):
             CallbackError: a completion callback of this or an earlier save raised
                 (the checkpoint itself is committed).
             TimeoutError: not settled within ``timeout`` seconds (the save goes on).
+            SaveDeadlockError: called where the save must be settled, before it is: in
+                its own completion callback (which runs before the handle completes),
+                or in its queue's finalizer thread (another save's callback). Raised at
+                once; the save goes on.
         """
         try:
             self._drive(timeout)

@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 import torch
 
-from asyncckpt import _faults
+from asyncckpt import _exit, _faults
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 from asyncckpt.async_utils.request import AsyncRequest
 from asyncckpt.dist import SyncGroup
@@ -44,11 +44,10 @@ from asyncckpt.format.layout import RankLayout
 from asyncckpt.io.writer import RankWriteResult, WriteTask
 from asyncckpt.options import SaveOptions
 from asyncckpt.root import CheckpointRoot
-from asyncckpt.saving import destroy_hook as _destroy_hook  # noqa: F401 - pending saves commit before destroy_process_group()
 from asyncckpt.saving.exchange import _LayoutCache, _LayoutExchange
 from asyncckpt.saving.handle import SaveCallback, SaveHandle, SaveResult, SaveTimings
 from asyncckpt.saving.overlap import _Overlapped, _small
-from asyncckpt.saving.pending import _describe_save, _live_savers, _settle_or_name
+from asyncckpt.saving.pending import _describe_save, _live_savers, _settle_or_name, name_unreported
 from asyncckpt.saving.phases import (
     MetadataPickle,
     _committed_on_disk,
@@ -62,6 +61,17 @@ from asyncckpt.saving.record import SaveInFlight
 from asyncckpt.saving.staging import StagingBuffer, StagingCopier, StagingPool
 
 _log = logging.getLogger("asyncckpt")
+
+#: Per thread: the saves it is settling now (:meth:`Saver._settle`: the completion
+#: callback runs there, before the handle is completed).
+_settling = threading.local()
+
+
+def _settling_here() -> list[SaveInFlight]:
+    records: list[SaveInFlight] | None = getattr(_settling, "records", None)
+    if records is None:
+        records = _settling.records = []
+    return records
 
 
 class _SaveLink:
@@ -88,6 +98,13 @@ class _SaveLink:
     def reported(self) -> None:
         if self.record is not None:
             self.record.reported = True
+
+    def waits_on_itself(self) -> bool:
+        record = self.record
+        if record is not None and any(r is record for r in _settling_here()):
+            return True  # its completion callback runs in this thread, before the handle completes
+        queue = self._saver.live_queue()
+        return queue is not None and queue.background_finalize and queue.in_finalizer_thread()
 
     def check_callbacks(self, error: BaseException | None) -> None:
         if error is None:
@@ -142,6 +159,15 @@ class Saver:
         if queue is None:
             raise RuntimeError("the AsyncCallsQueue of this saver was garbage-collected")
         return queue
+
+    def live_queue(self) -> AsyncCallsQueue | None:
+        """The queue, ``None`` once it was garbage-collected."""
+        return self._queue_ref()
+
+    def overlapped_record(self) -> SaveInFlight | None:
+        """The overlapped save whose staging is not handed to the writer yet, else ``None``."""
+        overlapped = self._overlapped
+        return overlapped.save if overlapped is not None else None
 
     def set_options(self, options: SaveOptions) -> None:
         """Use ``options`` for the next saves (the pool grows or shrinks lazily)."""
@@ -212,7 +238,30 @@ class Saver:
         step: int | None = None,
         callback: SaveCallback | None = None,
     ) -> SaveHandle:
-        """Save ``state_dict`` (see :func:`asyncckpt.save`); the caller holds :attr:`lock`."""
+        """Save ``state_dict`` (see :func:`asyncckpt.save`); the caller holds :attr:`lock`.
+
+        In an atexit handler (:func:`asyncckpt._exit.in_atexit_handler`) every save is
+        synchronous, as a ``torch.save`` there: the exit would not wait for it past
+        ``ASYNCCKPT_EXIT_TIMEOUT_S``, or (a handler registered before asyncckpt's) has
+        already stopped waiting. After the exit's phases ran, their cleaning runs again.
+        """
+        if _exit.in_atexit_handler():
+            try:
+                return self._save(state_dict, checkpoint_dir, False, process_group, coordinator_rank, step, callback)
+            finally:
+                _exit.clean_up_again()
+        return self._save(state_dict, checkpoint_dir, async_op, process_group, coordinator_rank, step, callback)
+
+    def _save(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_dir: str | os.PathLike,
+        async_op: bool,
+        process_group: Any,
+        coordinator_rank: int,
+        step: int | None,
+        callback: SaveCallback | None,
+    ) -> SaveHandle:
         started = time.monotonic()
         self.synchronize_staging()  # an earlier overlapped save is scheduled first
         final_dir = Path(checkpoint_dir).absolute()
@@ -437,6 +486,8 @@ class Saver:
         handle = record.handle
         outcome: SaveResult | BaseException | None = None
         interrupt: BaseException | None = None
+        settling = _settling_here()
+        settling.append(record)  # a wait() on it in this thread (its callback) raises, never deadlocks
         try:
             _faults.hit("settle")
             if isinstance(exc, CheckpointException):  # named by the step and path, not the queue's call
@@ -465,6 +516,7 @@ class Saver:
             )
             outcome.__cause__ = error
         finally:
+            settling.pop()  # LIFO: a callback that settles another save has finished it
             record.planned = record.planned._replace(data=[])
             # A handle the user keeps (a global of the training script) holds its record:
             # it must not hold the process group's gloo group to interpreter finalization.
@@ -614,23 +666,19 @@ class Saver:
         pending = self.pending_records()
         lost = _settle_or_name([(background, record) for record in pending], timeout, when)
         named = {id(record) for record in pending}
-        with self._state:  # failed before, never reported (no maybe_finalize since): named too
-            earlier = [
+        # Failed before, never reported (no maybe_finalize since): named too.
+        name_unreported([(r, exc) for r, exc in self.unreported_failures() if id(r) not in named], when)
+        return lost
+
+    def unreported_failures(self) -> list[tuple[SaveInFlight, BaseException]]:
+        """This saver's saves that failed and whose failure nobody was told of (no
+        ``wait()``, no harvest since), with their failures, in call order."""
+        with self._state:
+            return [
                 (record, exc)
                 for record in self._records
-                if id(record) not in named
-                and record.handle.done()
-                and not record.reported
-                and (exc := record.handle.exception(timeout=0)) is not None
+                if record.handle.done() and not record.reported and (exc := record.handle.exception(timeout=0))
             ]
-        for record, exc in earlier:
-            _log.warning(
-                "asyncckpt: the save of %s failed (not reported before %s): %s",
-                _describe_save(record),
-                when.removeprefix("when "),
-                str(exc).splitlines()[0],
-            )
-        return lost
 
     def release(self) -> None:
         """Free the staging buffers and stop listening to the queue; never blocks on a

@@ -149,7 +149,10 @@ class StagingBuffer:
         #: Whether the pages are allocated (by :meth:`populate` or a first copy).
         self.populated = False
         # Dropped without release(): the mapping goes with its last view, the fd here.
+        # Not at interpreter exit (the kernel closes it then): weakref's own atexit
+        # function would close it before a user's atexit handler that saves runs.
         self._fd_finalizer = weakref.finalize(self, _close_fd, self._fd)
+        self._fd_finalizer.atexit = False
 
     def format(self, layout: Any) -> None:
         """Format the buffer for ``layout`` (a ``RankLayout``), once per layout.
@@ -483,10 +486,19 @@ class StagingCopier:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="asyncckpt-stage")
         befores = list(others) + [None] * (self.threads - 1 - len(others))
-        futures = [self._pool.submit(work, b) for b in befores]
+        futures = []
+        here: list[Callable[[], None] | None] = [first]
+        for b in befores:
+            try:
+                futures.append(self._pool.submit(work, b))
+            except RuntimeError:
+                # The interpreter is shutting down (a save from an atexit handler):
+                # thread pools take no new work then. This thread does it.
+                here.append(b)
         error: BaseException | None = None
         try:
-            work(first)
+            for before in here:
+                work(before)
         except BaseException as exc:  # noqa: BLE001 - the other threads are joined first
             error = exc
         for f in futures:
