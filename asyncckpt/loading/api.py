@@ -25,6 +25,7 @@ from asyncckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    InvalidArgumentError,
     RankFailure,
     UnverifiableCheckpointError,
 )
@@ -130,11 +131,13 @@ def load(
             exist, or was removed while it was being loaded (retention of a job that
             is still saving): retry with a newer step.
         InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``state_dict`` is not
-            a dict or ``checkpoint_dir`` not a path.
+            a dict, ``checkpoint_dir`` not a path, or ``verify`` not one of its values.
     """
     hint = "; the call is load(state_dict, checkpoint_dir)"
     check_state_dict(state_dict, hint=hint)
     check_path(checkpoint_dir, hint=hint)
+    if verify not in (True, False, "inline"):
+        raise InvalidArgumentError(f"verify must be True, False or 'inline', not {verify!r}")
     path = Path(checkpoint_dir)
     try:
         _load(state_dict, path, process_group, verify, allow_pickle)
@@ -165,8 +168,6 @@ def _raise_first(failures: dict[int, RankFailure], path: Path) -> None:
 
 
 def _load(state_dict: dict[str, Any], path: Path, process_group: Any, verify: bool | str, allow_pickle: bool) -> None:
-    if verify not in (True, False, "inline"):
-        raise ValueError(f"verify must be True, False or 'inline', not {verify!r}")
     # The direct path runs with the cyclic garbage collector off, and every object it
     # made (the unpickled metadata: tens of objects per entry) is freed before it is
     # back on: otherwise a full collection of the heap the metadata grew comes in the

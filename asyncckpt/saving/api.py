@@ -9,6 +9,7 @@ from typing import Any
 
 from asyncckpt._check import check_path, check_state_dict, check_step
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
+from asyncckpt.errors import InvalidArgumentError
 from asyncckpt.options import SaveOptions
 from asyncckpt.saving.handle import SaveCallback, SaveHandle
 from asyncckpt.saving.saver import Saver
@@ -109,10 +110,10 @@ def save(
             before anything is written).
         CheckpointException: (``async_op=False``) the write or commit failed on some
             rank; nothing was committed.
-        ValueError: ``overlap_staging`` without ``async_op``; both ``options`` and
-            ``overlap_staging``.
         InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``state_dict`` is not
-            a dict, ``checkpoint_dir`` not a path, ``step`` not a non-negative int.
+            a dict, ``checkpoint_dir`` not a path, ``step`` not a non-negative int;
+            ``overlap_staging`` without ``async_op``; both ``options`` and
+            ``overlap_staging``; a bad ``SaveOptions`` value.
     """
     hint = "; the call is save(state_dict, checkpoint_dir)"
     check_state_dict(state_dict, hint=hint)
@@ -121,7 +122,7 @@ def save(
         step = check_step(step)
     opts = SaveOptions.resolve(options, overlap_staging=overlap_staging)
     if opts.overlap_staging and not async_op:
-        raise ValueError("overlap_staging needs async_op=True")
+        raise InvalidArgumentError("overlap_staging needs async_op=True")
     queue = calls_queue if calls_queue is not None else default_calls_queue(process_group)
     saver = _saver_for(queue, opts)
     with _module_lock:

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+from asyncckpt.errors import CheckpointTimeoutError, InvalidArgumentError
+
 __all__ = ["SaveTimings", "SaveResult", "SaveCallback", "SaveDriver", "SaveHandle"]
 
 
@@ -174,10 +176,16 @@ class SaveHandle(concurrent.futures.Future[SaveResult]):
 
         Raises:
             CheckpointException: this save failed (on any rank).
-            TimeoutError: not completed within ``timeout`` seconds (the save goes on).
+            CheckpointTimeoutError: (a ``TimeoutError``) not completed within ``timeout``
+                seconds (the save goes on).
         """
         self._drive(timeout)
-        result: SaveResult = super().result(timeout)  # raises the save's failure
+        try:
+            result: SaveResult = super().result(timeout)  # raises the save's failure
+        except concurrent.futures.TimeoutError:
+            if self.done():
+                raise  # the save's own failure
+            raise self._timed_out(timeout) from None
         return result
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -188,10 +196,16 @@ class SaveHandle(concurrent.futures.Future[SaveResult]):
             timeout: seconds to wait (``None``: no limit; 0: only read the state).
 
         Raises:
-            TimeoutError: not completed within ``timeout`` seconds.
+            CheckpointTimeoutError: (a ``TimeoutError``) not completed within ``timeout`` seconds.
         """
         self._drive(timeout)
-        return super().exception(timeout)
+        try:
+            return super().exception(timeout)
+        except concurrent.futures.TimeoutError:
+            raise self._timed_out(timeout) from None
+
+    def _timed_out(self, timeout: float | None) -> CheckpointTimeoutError:
+        return CheckpointTimeoutError(f"the save of {self.checkpoint_dir} was not committed within {timeout} s")
 
     # ------------------------------------------------------------------ the save's API
     def synchronize_staging(self) -> None:
@@ -224,13 +238,14 @@ class SaveHandle(concurrent.futures.Future[SaveResult]):
             CheckpointException: this save failed (on any rank).
             CallbackError: a completion callback of this or an earlier save raised
                 (the checkpoint itself is committed).
-            TimeoutError: not settled within ``timeout`` seconds (the save goes on).
+            CheckpointTimeoutError: (a ``TimeoutError``) not settled within ``timeout``
+                seconds (the save goes on).
         """
         try:
             self._drive(timeout)
             error = super().exception(timeout)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"the save of {self.checkpoint_dir} was not committed within {timeout} s") from None
+            raise self._timed_out(timeout) from None
         if self._driver is not None:
             self._driver.reported()
             self._driver.check_callbacks(error)
@@ -244,4 +259,4 @@ class SaveHandle(concurrent.futures.Future[SaveResult]):
         return f"SaveHandle({str(self.checkpoint_dir)!r}, {state})"
 
     def __reduce__(self) -> Any:
-        raise TypeError("a SaveHandle belongs to the process that saved; it cannot be pickled")
+        raise InvalidArgumentError("a SaveHandle belongs to the process that saved; it cannot be pickled")

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from asyncckpt import _faults
 from asyncckpt._fs import current_umask
 from asyncckpt.dist import SyncGroup
-from asyncckpt.errors import CheckpointError, CheckpointException, RankFailure
+from asyncckpt.errors import CheckpointError, CheckpointException, InvalidArgumentError, RankFailure
 from asyncckpt.format import records as _records
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.layout import RankLayout
@@ -106,7 +106,7 @@ def plan(
             before anything is written (``failures`` by rank).
     """
     if not 0 <= coordinator_rank < sync.world_size:
-        raise ValueError(f"coordinator_rank {coordinator_rank} is not a rank of the group")
+        raise InvalidArgumentError(f"coordinator_rank {coordinator_rank} is not a rank of the group")
 
     def precheck() -> None:
         if in_flight is not None and in_flight(final_dir):

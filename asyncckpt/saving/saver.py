@@ -38,6 +38,8 @@ from asyncckpt.errors import (
     CallbackError,
     CheckpointError,
     CheckpointException,
+    CheckpointTimeoutError,
+    InvalidStateError,
     RankFailure,
 )
 from asyncckpt.format.layout import RankLayout
@@ -140,7 +142,7 @@ class Saver:
     def queue(self) -> AsyncCallsQueue:
         queue = self._queue_ref()
         if queue is None:
-            raise RuntimeError("the AsyncCallsQueue of this saver was garbage-collected")
+            raise InvalidStateError("the AsyncCallsQueue of this saver was garbage-collected")
         return queue
 
     def set_options(self, options: SaveOptions) -> None:
@@ -496,7 +498,8 @@ class Saver:
         save of this saver) is raised.
 
         Raises:
-            TimeoutError: this rank's write did not finish within ``timeout`` seconds.
+            CheckpointTimeoutError: (a ``TimeoutError``) this rank's write did not finish
+                within ``timeout`` seconds.
             CheckpointException: an earlier call of the queue, not a save of this
                 saver, failed.
         """
@@ -505,7 +508,7 @@ class Saver:
         if queue is None or queue.background_finalize or call_idx is None:
             return
         if timeout is not None and not queue.wait_local(call_idx, timeout):
-            raise TimeoutError(f"the write of {record.final_dir} did not finish within {timeout} s")
+            raise CheckpointTimeoutError(f"the write of {record.final_dir} did not finish within {timeout} s")
         while queue.is_pending(call_idx):
             try:
                 queue.maybe_finalize_async_calls(blocking=True, until=call_idx)
