@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ from asyncckpt import (
 )
 from asyncckpt.async_utils.callers import PersistentAsyncCaller
 from asyncckpt.async_utils.request import AsyncRequest
+
+from dist_utils import run_ranks
 
 STATE = {"w": torch.arange(1000, dtype=torch.float32), "step": 3}
 
@@ -170,3 +173,59 @@ def test_every_public_error_derives_from_the_base() -> None:
     assert "InvalidStateError" in names and "CheckpointTimeoutError" in names
     for name in names:
         assert issubclass(getattr(asyncckpt, name), AsyncckptError), name
+
+
+# ====================================================================== item 7: committed is committed
+def _save_with_faults(root: Path, rank: int) -> list[str]:
+    """Steps 1 (sync, failpoint ``after_rename:raise``) and 2 (async, ``after_latest:raise``)
+    on the coordinator; returns the warnings this rank saw."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manager = CheckpointManager(root, keep_last=1)
+        try:
+            manager.save(0, {"w": torch.full((64,), float(rank))}, async_op=False)
+            for step, point, async_op in ((1, "after_rename", False), (2, "after_latest", True)):
+                if rank == 0:
+                    os.environ["ASYNCCKPT_FAULT"] = f"{point}:raise"
+                try:
+                    handle = manager.save(step, {"w": torch.full((64,), float(step + rank))}, async_op=async_op)
+                    handle.wait()  # committed: no exception
+                finally:
+                    os.environ.pop("ASYNCCKPT_FAULT", None)
+        finally:
+            manager.close()
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def _check_committed(root: Path) -> None:
+    for step in (1, 2):
+        asyncckpt.verify(root / f"step_{step:08d}")
+        loaded = asyncckpt.read_state_dict(root / f"step_{step:08d}")
+        assert loaded["w"].shape == (64,)
+    assert (root / "latest").read_text().strip() == "step_00000002"
+    # after_latest:raise stopped step 2's retention (a warning): step 1 is still there
+    reader = CheckpointManager(root, read_only=True)
+    assert reader.steps() == [1, 2]
+    reader.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_after_the_commit_point_is_a_warning_one_rank(tmp_path: Path) -> None:
+    seen = _save_with_faults(tmp_path, 0)
+    assert any("step 1" in w and "is committed" in w and "after_rename" in w for w in seen), seen
+    assert any("step 2" in w and "is committed" in w and "after_latest" in w for w in seen), seen
+    _check_committed(tmp_path)
+
+
+def _two_rank_faults(rank: int, world_size: int, root: str) -> list[str]:
+    return _save_with_faults(Path(root), rank)
+
+
+@pytest.mark.timeout(180)
+def test_a_failure_after_the_commit_point_is_a_warning_two_ranks(tmp_path: Path) -> None:
+    """On 2 gloo ranks the coordinator still broadcasts the outcome: both ranks return
+    from the synchronous save and from ``wait`` of the asynchronous one."""
+    seen = run_ranks(_two_rank_faults, 2, str(tmp_path), timeout=150)
+    assert any("after_rename" in w for w in seen[0]) and any("after_latest" in w for w in seen[0]), seen
+    assert seen[1] == [], seen  # nothing failed on rank 1
+    _check_committed(tmp_path)
