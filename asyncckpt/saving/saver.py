@@ -136,6 +136,7 @@ class Saver:
         self._callback_errors: list[tuple[SaveHandle, BaseException]] = []
         #: Timings of the most recently committed save (``None`` before the first).
         self.last_committed_timings: SaveTimings | None = None
+        self._pid = os.getpid()  # a forked child never frees its parent's buffers
         _live_savers.add(self)
 
     @property
@@ -635,11 +636,23 @@ class Saver:
             )
         return lost
 
+    def free_idle_buffers(self) -> None:
+        """(caller holds :attr:`lock`; nothing pending) Free the staging buffers, keeping
+        the copy threads and the plan caches: a later save allocates a buffer again."""
+        if os.getpid() != self._pid:
+            return
+        queue = self._queue_ref()
+        self.pool.release_all(queue.caller.is_running if queue is not None else None)
+
     def release(self) -> None:
         """Free the staging buffers and stop listening to the queue; never blocks on a
         write (a buffer a write may still read is closed here but its memory is left
         to that write's process). An overlapped save not handed to the writer yet is
-        dropped: its handle fails."""
+        dropped: its handle fails. In a child of ``os.fork()`` it does nothing: the
+        buffers are the parent's (truncating a memfd there would free the parent's
+        memory under its mapping)."""
+        if os.getpid() != self._pid:
+            return
         pending, self._overlapped = self._overlapped, None
         if pending is not None:
             pending.wait_copied()  # optimizers stop waiting for it
