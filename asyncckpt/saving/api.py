@@ -194,10 +194,14 @@ def save(
             raises, the error is logged and raised as :class:`CallbackError` by the
             next ``wait`` (the queue and the checkpoint are unaffected).
         options: staging and writing options (:class:`SaveOptions`; default
-            ``SaveOptions()``). They apply to this call only: the saves of one queue
-            with equal options share their staging buffers, copy threads and plan
-            cache; a call with other options gets its own, and never changes what
-            a call with the first options gets.
+            ``SaveOptions()``). They apply to this call only: the asynchronous saves
+            of one queue with equal options share their staging buffers, copy threads
+            and plan cache; a call with other options gets its own, and never changes
+            what a call with the first options gets. Memory held: an asynchronous
+            save frees the idle staging buffers of the queue's other options (one
+            set of idle buffers per queue); a synchronous save uses its options'
+            buffer if asynchronous saves keep one, else a buffer and copy threads of
+            its own, released when it returns.
         step: the training step this state belongs to (a non-negative int), recorded
             in the manifest (``asyncckpt ls`` shows it) and in error messages;
             ``None`` (default): none.
