@@ -40,6 +40,8 @@ _EXPORTS = {
     "CheckpointNotFoundError": "errors",
     "CheckpointPathError": "errors",
     "InvalidArgumentError": "errors",
+    "InvalidStateError": "errors",
+    "CheckpointTimeoutError": "errors",
     "RootInUseError": "errors",
     "SaveDeadlockError": "errors",
     "UnverifiableCheckpointError": "errors",
@@ -73,8 +75,10 @@ if TYPE_CHECKING:
     from asyncckpt.errors import CheckpointException as CheckpointException
     from asyncckpt.errors import CheckpointNotFoundError as CheckpointNotFoundError
     from asyncckpt.errors import CheckpointPathError as CheckpointPathError
+    from asyncckpt.errors import CheckpointTimeoutError as CheckpointTimeoutError
     from asyncckpt.errors import CorruptCheckpointError as CorruptCheckpointError
     from asyncckpt.errors import InvalidArgumentError as InvalidArgumentError
+    from asyncckpt.errors import InvalidStateError as InvalidStateError
     from asyncckpt.errors import RankFailure as RankFailure
     from asyncckpt.errors import RootInUseError as RootInUseError
     from asyncckpt.errors import SaveDeadlockError as SaveDeadlockError

@@ -10,6 +10,9 @@ inherits the training process's environment when it is started). Points:
 - ``commit``: in the coordinator's commit, before the directory is renamed;
 - ``after_rename``: in the coordinator's commit, after the directory is renamed (the
   commit point) and its parent fsynced, before ``latest`` and retention;
+- ``after_latest``: in the coordinator's work after the commit point
+  (``CheckpointRoot.after_commit``), after ``latest`` is written, before retention and
+  the removal of leftovers;
 - ``stage``: in the training process, when a save starts its staging copy;
 - ``settle``: in the training process (the thread that settles the save: the
   finalizer thread in the background), when the saver starts settling a save, before

@@ -15,7 +15,17 @@ Every error the library raises on purpose derives from :class:`AsyncckptError` (
 - Errors that replace a builtin keep its type: :class:`CheckpointNotFoundError` (a
   ``FileNotFoundError``), :class:`CheckpointPathError` (the ``OSError`` subclass of the
   cause: ``PermissionError``, ``NotADirectoryError``, ...), :class:`InvalidArgumentError`
-  (a ``ValueError`` and a ``TypeError``), :class:`RootInUseError` (a ``RuntimeError``).
+  (a ``ValueError`` and a ``TypeError``), :class:`RootInUseError` and
+  :class:`InvalidStateError` (``RuntimeError`` s), :class:`CheckpointTimeoutError` (a
+  ``TimeoutError``).
+
+Which of the two checkpoint errors: a :class:`CheckpointException` is a save that was
+started and failed on some rank (its write or its commit: raised by ``wait``,
+``maybe_finalize``, ``close``, or a synchronous ``save``); a :class:`CheckpointError` is
+a save or a load refused or impossible as asked (bad input or target, found before
+anything is written, or a checkpoint that cannot be read). They are not merged:
+``CheckpointException`` keeps the shape (and name) of DCP's, whose users catch it, while
+``CheckpointError`` is a ``RuntimeError``.
 
 A rank's cause is a :class:`RankFailure`: the text (it *is* a ``str``, so existing
 code that searches it keeps working) plus the exception's type name, its ``errno``
@@ -43,6 +53,8 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointPathError",
     "InvalidArgumentError",
+    "InvalidStateError",
+    "CheckpointTimeoutError",
     "RootInUseError",
     "UnverifiableCheckpointError",
     "SaveDeadlockError",
@@ -281,6 +293,20 @@ class InvalidArgumentError(AsyncckptError, ValueError, TypeError):
     non-integer step, arguments given in the wrong order). Both a ``ValueError`` and a
     ``TypeError`` (like numpy's ``AxisError``), so that either builtin catches it.
     Raised before anything is staged or written."""
+
+
+class InvalidStateError(AsyncckptError, RuntimeError):
+    """An object is used in a state that does not allow the call: a closed
+    ``CheckpointManager`` or ``AsyncCallsQueue``, a frozen ``AsyncRequest``,
+    ``PreemptionSave`` outside the main thread or ``finish()`` before ``reached()``.
+    A ``RuntimeError``: the builtin error these calls raised before, still caught by
+    ``except RuntimeError``."""
+
+
+class CheckpointTimeoutError(AsyncckptError, TimeoutError):
+    """A wait with a ``timeout`` (seconds) ran out: ``SaveHandle.wait(timeout)`` /
+    ``result(timeout)`` before the save settled. A ``TimeoutError`` (which is also
+    ``concurrent.futures.TimeoutError``), as the ``Future`` contract asks; the save goes on."""
 
 
 class RootInUseError(AsyncckptError, RuntimeError):

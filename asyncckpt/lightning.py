@@ -51,6 +51,7 @@ itself, without the plugin; load the state dict through it instead:
 from __future__ import annotations
 
 import copy
+import errno
 import functools
 import io
 import logging
@@ -80,7 +81,7 @@ from asyncckpt import (
     save,
 )
 from asyncckpt._fs import remove_checkpoint
-from asyncckpt.errors import CheckpointError
+from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointPathError, InvalidArgumentError
 from asyncckpt.format import manifest as _manifest
 from asyncckpt.io.swap import remove_path, replace_path
 
@@ -438,14 +439,15 @@ class AsyncckptCheckpointIO(CheckpointIO):
             storage_options: not supported (must be ``None``), as in ``TorchCheckpointIO``.
 
         Raises:
-            TypeError: ``storage_options`` was given.
-            FileExistsError: ``path`` is a non-empty directory that is not a checkpoint.
+            InvalidArgumentError: (a ``TypeError``) ``storage_options`` was given.
+            CheckpointPathError: (a ``FileExistsError``) ``path`` is a non-empty
+                directory that is not a checkpoint.
             CheckpointException: an earlier save failed.
             CheckpointError: the checkpoint cannot be saved (e.g. a tensor of an
                 unsupported kind).
         """
         if storage_options is not None:
-            raise TypeError(
+            raise InvalidArgumentError(
                 f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by {type(self).__name__}"
             )
         final = Path(path).absolute()
@@ -464,7 +466,9 @@ class AsyncckptCheckpointIO(CheckpointIO):
                 and not os.path.lexists(final / _manifest.METADATA_NAME)
                 and any(final.iterdir())
             ):
-                raise FileExistsError(f"{final} is a directory that is not a checkpoint; not replacing it")
+                raise CheckpointPathError.of(
+                    errno.EEXIST, "a directory that is not a checkpoint; not replacing it", final
+                )
             # Written beside it, swapped in when it commits: `final` always names a whole checkpoint.
             target = final.parent / f".{final.name}.asyncckpt-new-{secrets.token_hex(6)}"
             callback = functools.partial(self._swap_in, target, final)
@@ -501,8 +505,9 @@ class AsyncckptCheckpointIO(CheckpointIO):
             The checkpoint dict.
 
         Raises:
-            FileNotFoundError: ``path`` does not exist.
-            TypeError: ``map_location`` is of another kind (e.g. a callable).
+            CheckpointNotFoundError: (a ``FileNotFoundError``) ``path`` does not exist.
+            InvalidArgumentError: (a ``TypeError``) ``map_location`` is of another kind
+                (e.g. a callable).
             CorruptCheckpointError: the checkpoint is corrupt (see ``read_state_dict``).
             CheckpointError: a value needs ``weights_only=False`` / ``allow_pickle``.
             CheckpointException: the pending save of ``path`` (or an earlier one) failed.
@@ -511,7 +516,7 @@ class AsyncckptCheckpointIO(CheckpointIO):
         self._wait_for(_key(final))
         device = _target_device(map_location)
         if not os.path.lexists(final):
-            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+            raise CheckpointNotFoundError("Checkpoint file not found", str(path))
         allow = self.allow_pickle if weights_only is None else not weights_only
         if final.is_file():
             return torch.load(final, map_location=device or "cpu", weights_only=not allow)
@@ -603,7 +608,7 @@ def _target_device(map_location: Any) -> torch.device | None:
             return None
     if isinstance(map_location, (str, torch.device)):
         return torch.device(map_location)
-    raise TypeError(
+    raise InvalidArgumentError(
         f"map_location must be None, a device or a dict mapping 'cpu' to one, not {type(map_location).__name__}"
     )
 

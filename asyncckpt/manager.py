@@ -25,6 +25,7 @@ from asyncckpt.errors import (
     CheckpointException,
     CheckpointNotFoundError,
     InvalidArgumentError,
+    InvalidStateError,
     PreemptionBudgetExpired,
     RankFailure,
 )
@@ -98,8 +99,7 @@ class CheckpointManager:
             ``coordinator_rank`` not an int, ``callback`` not callable); contradictory arguments (one that the
             others make ignored: ``start_method`` with ``persistent=False``,
             ``calls_queue`` with ``persistent`` or ``start_method``, ``read_only``
-            with ``keep_last``, ``callback`` or save options) and a bad option raise
-            ``ValueError`` naming both.
+            with ``keep_last``, ``callback`` or save options), naming both; a bad option.
         RootInUseError: another manager (this process or another, named by pid and
             host) holds ``root_dir``'s lock (on every rank).
         CheckpointPathError: ``root_dir`` cannot be created, is not a directory, or
@@ -144,7 +144,7 @@ class CheckpointManager:
         # constructor that raises leaves no lock behind, whatever holds its traceback.
         check_path(root_dir, what="root_dir")
         if calls_queue is not None and (persistent is not None or start_method is not None):
-            raise ValueError(
+            raise InvalidArgumentError(
                 "calls_queue= cannot be combined with persistent= or start_method=: "
                 "the queue already decides how calls run"
             )
@@ -165,12 +165,12 @@ class CheckpointManager:
                 if value is not None
             ]
             if ignored:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"read_only=True cannot be combined with {'=, '.join(ignored)}=: a read-only "
                     "manager never saves nor removes checkpoints"
                 )
         if start_method is not None and persistent is False:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"start_method={start_method!r} cannot be combined with persistent=False: the "
                 "persistent=False caller forks a child per save, with no worker to start"
             )
@@ -372,14 +372,14 @@ class CheckpointManager:
                 not callable; nothing is staged.
             CheckpointError: invalid input, or step ``step`` already exists (on every
                 rank).
-            RuntimeError: the manager is closed.
+            InvalidStateError: (a ``RuntimeError``) the manager is closed.
         """
         hint = "; the call is save(step, state_dict)"
         step = check_step(step, hint=hint)
         check_state_dict(state_dict, hint=hint)
         check_callback(callback)
         if self._closed:
-            raise RuntimeError("CheckpointManager is closed")
+            raise InvalidStateError("CheckpointManager is closed")
         if self.read_only:
             raise CheckpointError(f"this CheckpointManager of {self.root_dir} is read-only (read_only=True)")
         if self.save_interval is not None and self.save_interval.seconds is not None:
@@ -414,7 +414,7 @@ class CheckpointManager:
             CheckpointError: invalid input on any rank (raised on every rank).
         """
         if self._closed:
-            raise RuntimeError("CheckpointManager is closed")
+            raise InvalidStateError("CheckpointManager is closed")
         if self.read_only:
             raise CheckpointError(f"this CheckpointManager of {self.root_dir} is read-only (read_only=True)")
         return self._saver.prepare(state_dict, self.process_group, self.coordinator_rank)

@@ -11,6 +11,8 @@ import dataclasses
 import os
 from typing import Any
 
+from asyncckpt.errors import InvalidArgumentError
+
 __all__ = ["SaveOptions"]
 
 
@@ -78,7 +80,8 @@ class SaveOptions:
             killer. ``None`` turns the check off.
 
     Raises:
-        ValueError: a count below 1, a limit not > 0, or a value of the wrong type.
+        InvalidArgumentError: (a ``ValueError`` and a ``TypeError``) a count below 1, a
+            limit not > 0, or a value of the wrong type.
     """
 
     staging_buffers: int = 1
@@ -93,27 +96,27 @@ class SaveOptions:
         for name in ("staging_buffers", "copy_threads", "write_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"SaveOptions.{name} must be an int >= 1, not {value!r}")
+                raise InvalidArgumentError(f"SaveOptions.{name} must be an int >= 1, not {value!r}")
         for name in ("plan_cache", "overlap_staging", "drop_page_cache"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"SaveOptions.{name} must be a bool, not {getattr(self, name)!r}")
+                raise InvalidArgumentError(f"SaveOptions.{name} must be a bool, not {getattr(self, name)!r}")
         limit = self.staging_memory_limit
         if limit is not None and (not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0):
-            raise ValueError(f"SaveOptions.staging_memory_limit must be a number > 0 or None, not {limit!r}")
+            raise InvalidArgumentError(f"SaveOptions.staging_memory_limit must be a number > 0 or None, not {limit!r}")
 
     @classmethod
     def resolve(cls, options: SaveOptions | None, **given: Any) -> SaveOptions:
         """``options``, or one built from the keyword arguments that are not ``None``.
 
         Raises:
-            ValueError: both ``options`` and a keyword argument were given (one would
-                silently win over the other).
+            InvalidArgumentError: both ``options`` and a keyword argument were given (one
+                would silently win over the other), or ``options`` is not a ``SaveOptions``.
         """
         given = {k: v for k, v in given.items() if v is not None}
         if options is None:
             return cls(**given)
         if given:
-            raise ValueError(f"pass either options= or {', '.join(sorted(given))}=, not both")
+            raise InvalidArgumentError(f"pass either options= or {', '.join(sorted(given))}=, not both")
         if not isinstance(options, SaveOptions):
-            raise ValueError(f"options must be a SaveOptions, not {type(options).__name__}")
+            raise InvalidArgumentError(f"options must be a SaveOptions, not {type(options).__name__}")
         return options

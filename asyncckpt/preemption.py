@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from asyncckpt._check import check_step
 from asyncckpt.dist import SyncGroup
-from asyncckpt.errors import AsyncckptError, PreemptionBudgetExpired
+from asyncckpt.errors import AsyncckptError, InvalidArgumentError, InvalidStateError, PreemptionBudgetExpired
 
 __all__ = ["PreemptionSave"]
 
@@ -120,8 +120,8 @@ class PreemptionSave:
             ``False`` it returns instead (the budget's end interrupts all the same).
 
     Raises:
-        ValueError: ``grace_s`` is not positive, or ``signals`` is empty.
-        RuntimeError: constructed outside the main thread.
+        InvalidArgumentError: (a ``ValueError``) ``grace_s`` is not positive, or ``signals`` is empty.
+        InvalidStateError: (a ``RuntimeError``) constructed outside the main thread.
     """
 
     def __init__(
@@ -129,11 +129,11 @@ class PreemptionSave:
     ) -> None:
         self._signals = tuple(signal.Signals(s) for s in signals)
         if not self._signals:
-            raise ValueError("signals must name at least one signal")
+            raise InvalidArgumentError("signals must name at least one signal")
         if not (isinstance(grace_s, (int, float)) and grace_s > 0):
-            raise ValueError(f"grace_s must be a positive number of seconds, not {grace_s!r}")
+            raise InvalidArgumentError(f"grace_s must be a positive number of seconds, not {grace_s!r}")
         if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("PreemptionSave installs signal handlers: construct it in the main thread")
+            raise InvalidStateError("PreemptionSave installs signal handlers: construct it in the main thread")
         self.manager = manager
         if hasattr(manager, "preemption"):  # CheckpointManager.should_save says True once the ranks agreed
             manager.preemption = self
@@ -319,13 +319,13 @@ class PreemptionSave:
 
         Raises:
             SystemExit: with ``128 + signum``, unless ``exit=False``.
-            RuntimeError: :meth:`reached` has not returned True.
+            InvalidStateError: (a ``RuntimeError``) :meth:`reached` has not returned True.
             InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``step`` is not a
                 non-negative int; raised before anything is saved or closed.
         """
         step = check_step(step, hint="; the call is finish(step, state_dict)")
         if not self.agreed_signum:
-            raise RuntimeError("finish() is for after reached() returned True")
+            raise InvalidStateError("finish() is for after reached() returned True")
         signum = self.agreed_signum
         self._arm(signum)
         assert self.deadline is not None

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from asyncckpt import _exit
+from asyncckpt import _exit, _faults
 from asyncckpt._check import check_path
 from asyncckpt._exit import EXIT_TIMEOUT_ENV, exit_timeout
 from asyncckpt._fs import remove_checkpoint
@@ -591,6 +591,7 @@ class CheckpointRoot:
             write_latest(self.path, final_dir.name)
         except Exception as exc:  # noqa: BLE001 - after the commit point: a warning
             self._warn(f"{final_dir} is committed, but `latest` could not be updated: {type(exc).__name__}: {exc}")
+        _faults.hit("after_latest")
         if self.policy is not None:
             for old in steps_to_remove(self.policy, self.step_infos()):  # never the newest save
                 path = self.step_dir(old)

@@ -8,6 +8,8 @@ observed there; faults a process can be told through its environment are failpoi
 
 - :func:`staging_buffers`: the host staging buffers a saver holds (their memory is the
   point of several tests: released, bounded, pinned);
+- :func:`held_staging_bytes`: the bytes of staging memory held now, by one owner or by
+  the whole process (the memory a synchronous save must not keep);
 - :func:`pending_steps`: the saves a manager still tracks (a settled save must not stay);
 - :func:`lose_held_layouts`: a fault, a coordinator that no longer holds the file
   layouts the ranks sent it (as after a restart of its process).
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     from asyncckpt.saving.saver import Saver
     from asyncckpt.saving.staging import StagingBuffer
 
-__all__ = ["staging_buffers", "pending_steps", "lose_held_layouts"]
+__all__ = ["staging_buffers", "held_staging_bytes", "pending_steps", "lose_held_layouts"]
 
 
 def _savers(owner: Any) -> list[Saver]:
@@ -53,6 +55,27 @@ def staging_buffers(owner: CheckpointManager | Any) -> tuple[StagingBuffer, ...]
         TypeError: ``owner`` is neither.
     """
     return tuple(buffer for saver in _savers(owner) for buffer in saver.pool.buffers)
+
+
+def held_staging_bytes(owner: CheckpointManager | Any = None) -> int:
+    """Bytes of host staging memory (``StagingBuffer.nbytes``, whole pages) held now.
+
+    Args:
+        owner: a ``CheckpointManager`` or an ``AsyncCallsQueue`` (as for
+            :func:`staging_buffers`), or ``None``: every saver of this process (every
+            manager's, and those ``asyncckpt.save`` keeps per queue and ``SaveOptions``).
+
+    Raises:
+        TypeError: ``owner`` is none of these.
+    """
+    if owner is None:
+        from asyncckpt.saving.pending import _live_savers
+        from asyncckpt.saving.saver import Saver
+
+        savers = [saver for saver in _live_savers if isinstance(saver, Saver)]
+    else:
+        savers = _savers(owner)
+    return sum(buffer.nbytes for saver in savers for buffer in saver.pool.buffers)
 
 
 def pending_steps(manager: CheckpointManager) -> list[int]:

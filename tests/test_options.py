@@ -29,21 +29,23 @@ def _stage_threads() -> set[threading.Thread]:
 # ====================================================================== defect 2
 @pytest.mark.timeout(180)
 def test_a_save_without_options_keeps_an_earlier_calls_options(tmp_path: Path) -> None:
-    """``save(options=X)``, then ``save()``, then ``save(options=X)`` again: the second
-    call does not change what the third gets. X's copy threads are the same threads
-    (before, the second call made the one saver of the queue adopt the default
-    options: X's copy threads were stopped, and its plan cache dropped)."""
+    """``save(options=X)``, then ``save()``, then ``save(options=X)`` again, asynchronous:
+    the second call does not change what the third gets. X's copy threads are the same
+    threads (before, the second call made the one saver of the queue adopt the default
+    options: X's copy threads were stopped, and its plan cache dropped). Synchronous
+    saves release their copy threads when they return (tests/test_issue34_contract.py)."""
     threads = 3 if default_copy_threads() != 3 else 2
     mine = SaveOptions(copy_threads=threads)
     state = {"w": torch.randn(4 << 20), "b": torch.arange(1 << 20, dtype=torch.int64)}
     queue = AsyncCallsQueue(persistent=False)  # forked writer: nothing to start
     try:
         before = _stage_threads()
-        asyncckpt.save(state, tmp_path / "a", calls_queue=queue, options=mine)
+        asyncckpt.save(state, tmp_path / "a", calls_queue=queue, options=mine, async_op=True).wait()
         first = _stage_threads() - before
         assert first, "a save with copy_threads > 1 copies in threads"
-        asyncckpt.save(state, tmp_path / "b", calls_queue=queue)  # no options=: the defaults, for this call
-        asyncckpt.save(state, tmp_path / "c", calls_queue=queue, options=mine)
+        # no options=: the defaults, for this call
+        asyncckpt.save(state, tmp_path / "b", calls_queue=queue, async_op=True).wait()
+        asyncckpt.save(state, tmp_path / "c", calls_queue=queue, options=mine, async_op=True).wait()
         gone = [t.name for t in first if not t.is_alive()]
         assert gone == [], f"the copy threads of options= were stopped by a call without options=: {gone}"
     finally:

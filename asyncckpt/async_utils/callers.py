@@ -49,7 +49,7 @@ from asyncckpt.async_utils.worker import (
     _persistent_worker_main,
     _temporal_child_main,
 )
-from asyncckpt.errors import RankFailure
+from asyncckpt.errors import InvalidArgumentError, RankFailure
 
 __all__ = ["AsyncCaller", "CallOutcome", "PersistentAsyncCaller", "TemporalAsyncCaller", "TERMINATE_GRACE_S"]
 
@@ -359,7 +359,7 @@ class PersistentAsyncCaller(AsyncCaller):
             multiprocessing's fork server, which imported the main script already.
 
     Raises:
-        ValueError: an unknown ``start_method``, or ``import_main=False`` with
+        InvalidArgumentError: (a ``ValueError``) an unknown ``start_method``, or ``import_main=False`` with
             ``start_method="forkserver"`` (it cannot be honoured).
 
     The worker ignores SIGINT and SIGTERM sent to the process group; see
@@ -375,9 +375,9 @@ class PersistentAsyncCaller(AsyncCaller):
     def __init__(self, start_method: str = "spawn", import_main: bool | None = None) -> None:
         super().__init__()
         if start_method not in ("spawn", "forkserver"):
-            raise ValueError(f"start_method must be 'spawn' or 'forkserver', not {start_method!r}")
+            raise InvalidArgumentError(f"start_method must be 'spawn' or 'forkserver', not {start_method!r}")
         if import_main is False and start_method != "spawn":
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"import_main=False cannot be honoured with start_method={start_method!r}: the "
                 "fork server imports the main script itself; use start_method='spawn' for a "
                 "worker without the main script, or leave import_main out"

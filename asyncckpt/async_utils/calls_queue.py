@@ -45,7 +45,7 @@ from asyncckpt.async_utils.callers import (
 )
 from asyncckpt.async_utils.request import AsyncRequest
 from asyncckpt.dist import SyncGroup
-from asyncckpt.errors import CheckpointException, RankFailure
+from asyncckpt.errors import CheckpointException, InvalidArgumentError, InvalidStateError, RankFailure
 
 __all__ = ["AsyncCallsQueue", "SettleCallback"]
 
@@ -282,7 +282,7 @@ class AsyncCallsQueue:
             :meth:`maybe_finalize_async_calls` (see the module docstring).
 
     Raises:
-        ValueError: ``start_method`` or ``import_main`` without ``persistent=True``,
+        InvalidArgumentError: (a ``ValueError``) ``start_method`` or ``import_main`` without ``persistent=True``,
             or with ``caller`` (they would be ignored); see also
             :class:`PersistentAsyncCaller`.
 
@@ -316,11 +316,11 @@ class AsyncCallsQueue:
             if value is not None
         ]
         if given and caller is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{' and '.join(given)} cannot be combined with caller=: the caller already decides how calls run"
             )
         if given and not persistent:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{' and '.join(given)} need persistent=True: the persistent=False caller forks a "
                 "child per call, with no worker to start"
             )
@@ -379,10 +379,10 @@ class AsyncCallsQueue:
         :meth:`schedule_async_request` does it.
 
         Raises:
-            RuntimeError: the queue is closed.
+            InvalidStateError: (a ``RuntimeError``) the queue is closed.
         """
         if self._closed:
-            raise RuntimeError("AsyncCallsQueue is closed")
+            raise InvalidStateError("AsyncCallsQueue is closed")
         if isinstance(self.caller, PersistentAsyncCaller):
             self.caller.start()
         if self.background_finalize and self._finalizer is None:
@@ -404,7 +404,7 @@ class AsyncCallsQueue:
             The ``call_idx`` of the call (0, 1, 2, ... per queue, equal on all ranks).
 
         Raises:
-            RuntimeError: the queue is closed.
+            InvalidStateError: (a ``RuntimeError``) the queue is closed.
             KeyboardInterrupt: (or any ``BaseException`` that is not an ``Exception``)
                 interrupted the ``preload_fn``; the call is recorded as failed on this
                 rank (reported on every rank by finalization), then it is re-raised.
@@ -413,7 +413,7 @@ class AsyncCallsQueue:
         would go on and diverge): the failure is recorded and reported on every rank.
         """
         if self._closed:
-            raise RuntimeError("AsyncCallsQueue is closed")
+            raise InvalidStateError("AsyncCallsQueue is closed")
         if self.background_finalize and self._finalizer is None:
             self.start()
         call_idx = self._next_call_idx
@@ -470,7 +470,8 @@ class AsyncCallsQueue:
             background mode), in order.
 
         Raises:
-            ValueError: ``no_dist=True`` on a ``background_finalize`` queue (ignored there).
+            InvalidArgumentError: (a ``ValueError``) ``no_dist=True`` on a
+                ``background_finalize`` queue (ignored there).
             CheckpointException: the oldest pending call failed on some rank; the same
                 exception (``call_idx`` and per-rank causes) on every rank. The call is
                 dropped without running its finalize_fns; later calls stay pending.
@@ -479,7 +480,7 @@ class AsyncCallsQueue:
         """
         if self.background_finalize:
             if no_dist:
-                raise ValueError(
+                raise InvalidArgumentError(
                     "no_dist=True cannot be combined with background_finalize=True: the "
                     "background finalizer decides on every rank's status, collectively"
                 )

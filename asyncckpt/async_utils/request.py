@@ -12,6 +12,8 @@ from collections import namedtuple
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from asyncckpt.errors import InvalidStateError
+
 __all__ = ["AsyncRequest"]
 
 _AsyncRequestBase = namedtuple(
@@ -81,10 +83,10 @@ class AsyncRequest(_AsyncRequestBase):
         """Append ``fn`` to ``finalize_fns``.
 
         Raises:
-            RuntimeError: the request is frozen (it was already scheduled).
+            InvalidStateError: (a ``RuntimeError``) the request is frozen (it was already scheduled).
         """
         if self.is_frozen:
-            raise RuntimeError("cannot add a finalize function to a frozen AsyncRequest")
+            raise InvalidStateError("cannot add a finalize function to a frozen AsyncRequest")
         self.finalize_fns.append(fn)
 
     def freeze(self) -> AsyncRequest:

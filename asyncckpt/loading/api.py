@@ -170,11 +170,13 @@ def load(
             ``CheckpointNotFoundError``) ``checkpoint_dir`` is not a directory (a
             ``model.pt``): not a checkpoint directory.
         InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``state_dict`` is not
-            a dict or ``checkpoint_dir`` not a path.
+            a dict, ``checkpoint_dir`` not a path, or ``verify`` not one of its values.
     """
     hint = "; the call is load(state_dict, checkpoint_dir)"
     check_state_dict(state_dict, hint=hint)
     check_path(checkpoint_dir, hint=hint)
+    if verify not in (True, False, "inline"):
+        raise InvalidArgumentError(f"verify must be True, False or 'inline', not {verify!r}")
     path = Path(checkpoint_dir)
     if is_hf_dir(path):
         load_hf(state_dict, path, strip_prefix=strip_prefix, rename=rename)
@@ -213,8 +215,6 @@ def _raise_first(failures: dict[int, RankFailure], path: Path) -> None:
 
 
 def _load(state_dict: dict[str, Any], path: Path, process_group: Any, verify: bool | str, allow_pickle: bool) -> None:
-    if verify not in (True, False, "inline"):
-        raise ValueError(f"verify must be True, False or 'inline', not {verify!r}")
     # The direct path runs with the cyclic garbage collector off, and every object it
     # made (the unpickled metadata: tens of objects per entry) is freed before it is
     # back on: otherwise a full collection of the heap the metadata grew comes in the

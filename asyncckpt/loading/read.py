@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed.checkpoint.api import (
@@ -190,7 +190,7 @@ def _nest(
 def read_state_dict(
     checkpoint_dir: str | os.PathLike,
     *,
-    verify: bool = True,
+    verify: bool | Literal["inline"] = True,
     allow_pickle: bool = False,
     strip_prefix: str | None = None,
     rename: Callable[[str], str | None] | None = None,
@@ -232,7 +232,8 @@ def read_state_dict(
         verify: check the sizes and CRC-32 checksums of every file against the
             manifest before reading. A stock DCP directory has no manifest: it is read
             without that check and a ``UserWarning`` says so (not with
-            ``verify=False``).
+            ``verify=False``). ``"inline"`` (``load``'s default) is accepted and
+            checks the same way, before reading; any other value is refused.
         allow_pickle: unpickle non-tensor values of any class (stock DCP's
             ``weights_only=False``). Unpickling runs code chosen by whoever wrote the
             checkpoint: pass ``True`` only for checkpoints you trust. To allow a few
@@ -251,7 +252,8 @@ def read_state_dict(
             exist.
         CheckpointPathError: (a ``NotADirectoryError``) ``checkpoint_dir`` is not a
             directory.
-        InvalidArgumentError: ``checkpoint_dir`` is not a path.
+        InvalidArgumentError: ``checkpoint_dir`` is not a path, or ``verify`` is not
+            ``True``, ``False`` or ``"inline"`` (as :func:`asyncckpt.load`).
         CorruptCheckpointError: ``.metadata`` is missing, unreadable or holds a
             disallowed global; a file is missing or does not match the manifest (with
             ``verify``); the metadata or the manifest names a path outside the
@@ -261,6 +263,8 @@ def read_state_dict(
             named).
     """
     path = Path(check_path(checkpoint_dir))
+    if verify not in (True, False, "inline"):
+        raise InvalidArgumentError(f"verify must be True, False or 'inline', not {verify!r}")
     if not path.exists():
         raise CheckpointNotFoundError("no such checkpoint directory", str(path))
     if not path.is_dir():

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from asyncckpt.errors import SaveDeadlockError
+from asyncckpt.errors import CheckpointTimeoutError, InvalidArgumentError, SaveDeadlockError
 
 __all__ = ["SaveTimings", "SaveResult", "SaveCallback", "SaveDriver", "SaveHandle"]
 
@@ -187,12 +187,18 @@ class SaveHandle(concurrent.futures.Future[SaveResult]):
 
         Raises:
             CheckpointException: this save failed (on any rank).
-            TimeoutError: not completed within ``timeout`` seconds (the save goes on).
+            CheckpointTimeoutError: (a ``TimeoutError``) not completed within ``timeout``
+                seconds (the save goes on).
             SaveDeadlockError: (``timeout`` other than 0) called where the save must
                 be settled: in its completion callback, or its queue's finalizer thread.
         """
         self._drive(timeout)
-        result: SaveResult = super().result(timeout)  # raises the save's failure
+        try:
+            result: SaveResult = super().result(timeout)  # raises the save's failure
+        except concurrent.futures.TimeoutError:
+            if self.done():
+                raise  # the save's own failure
+            raise self._timed_out(timeout) from None
         return result
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -203,12 +209,18 @@ class SaveHandle(concurrent.futures.Future[SaveResult]):
             timeout: seconds to wait (``None``: no limit; 0: only read the state).
 
         Raises:
-            TimeoutError: not completed within ``timeout`` seconds.
+            CheckpointTimeoutError: (a ``TimeoutError``) not completed within ``timeout`` seconds.
             SaveDeadlockError: (``timeout`` other than 0) called where the save must
                 be settled: in its completion callback, or its queue's finalizer thread.
         """
         self._drive(timeout)
-        return super().exception(timeout)
+        try:
+            return super().exception(timeout)
+        except concurrent.futures.TimeoutError:
+            raise self._timed_out(timeout) from None
+
+    def _timed_out(self, timeout: float | None) -> CheckpointTimeoutError:
+        return CheckpointTimeoutError(f"the save of {self.checkpoint_dir} was not committed within {timeout} s")
 
     # ------------------------------------------------------------------ the save's API
     def synchronize_staging(self) -> None:
@@ -241,7 +253,8 @@ class SaveHandle(concurrent.futures.Future[SaveResult]):
             CheckpointException: this save failed (on any rank).
             CallbackError: a completion callback of this or an earlier save raised
                 (the checkpoint itself is committed).
-            TimeoutError: not settled within ``timeout`` seconds (the save goes on).
+            CheckpointTimeoutError: (a ``TimeoutError``) not settled within ``timeout``
+                seconds (the save goes on).
             SaveDeadlockError: called where the save must be settled, before it is: in
                 its own completion callback (which runs before the handle completes),
                 or in its queue's finalizer thread (another save's callback). Raised at
@@ -251,7 +264,7 @@ class SaveHandle(concurrent.futures.Future[SaveResult]):
             self._drive(timeout)
             error = super().exception(timeout)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"the save of {self.checkpoint_dir} was not committed within {timeout} s") from None
+            raise self._timed_out(timeout) from None
         if self._driver is not None:
             self._driver.reported()
             self._driver.check_callbacks(error)
@@ -265,4 +278,4 @@ class SaveHandle(concurrent.futures.Future[SaveResult]):
         return f"SaveHandle({str(self.checkpoint_dir)!r}, {state})"
 
     def __reduce__(self) -> Any:
-        raise TypeError("a SaveHandle belongs to the process that saved; it cannot be pickled")
+        raise InvalidArgumentError("a SaveHandle belongs to the process that saved; it cannot be pickled")

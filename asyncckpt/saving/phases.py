@@ -32,6 +32,7 @@ import os
 import pickle
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from asyncckpt import _faults
 from asyncckpt._fs import current_umask
 from asyncckpt.dist import SyncGroup
-from asyncckpt.errors import CheckpointError, CheckpointException, RankFailure
+from asyncckpt.errors import CheckpointError, CheckpointException, InvalidArgumentError, RankFailure
 from asyncckpt.format import records as _records
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.layout import RankLayout
@@ -106,7 +107,7 @@ def plan(
             before anything is written (``failures`` by rank).
     """
     if not 0 <= coordinator_rank < sync.world_size:
-        raise ValueError(f"coordinator_rank {coordinator_rank} is not a rank of the group")
+        raise InvalidArgumentError(f"coordinator_rank {coordinator_rank} is not a rank of the group")
 
     def precheck() -> None:
         if in_flight is not None and in_flight(final_dir):
@@ -248,7 +249,9 @@ def commit(
        fsync, rename the temporary directory to its final name, fsync the parent:
        the rename is the commit point.
     3. (coordinator) after the commit point: ``latest``, retention, leftovers
-       (``save.root``); a failure here is a warning on a committed save.
+       (``save.root``). Every failure after the commit point (the parent's fsync, the
+       ``after_rename`` failpoint, ``latest``, retention, leftovers) is a
+       ``RuntimeWarning`` on a committed save, never a failed one, and step 4 runs.
     4. (all ranks) broadcast the coordinator's outcome of step 2.
 
     A collective of 1 or 4 that breaks (a rank destroyed its groups, or left) does not
@@ -295,10 +298,15 @@ def commit(
             metadata_bytes, records = metadata_pickle.encode(metadata)
             save.storage.commit(save.tmp_dir, save.final_dir, metadata_bytes, files, info, records)
         except Exception as exc:  # noqa: BLE001 - funnelled to every rank below
-            failure = RankFailure.from_exception(exc, "commit failed: ")
-        else:
-            if save.root is not None:
+            if _renamed(save):  # it failed after the commit point: committed all the same
+                _warn_committed(save, "its commit raised after the rename", exc)
+            else:
+                failure = RankFailure.from_exception(exc, "commit failed: ")
+        if failure is None and save.root is not None:
+            try:
                 save.root.after_commit(save.final_dir, pending_steps)
+            except Exception as exc:  # noqa: BLE001 - after the commit point: a warning, and the outcome is sent
+                _warn_committed(save, "its cleanup after the commit point (latest, retention, leftovers) failed", exc)
     try:
         failure = sync.broadcast_object(failure, save.coordinator_rank)
     except BaseException as exc:
@@ -324,6 +332,28 @@ def commit(
     write_s = max(r.write_s for _, r in gathered)
     nbytes = sum(r.nbytes for _, r in gathered)
     return save.finish_timings(write_s, time.monotonic() - started, nbytes)
+
+
+def _renamed(save: SaveInFlight) -> bool:
+    """(coordinator, after its commit raised) Whether the rename, the commit point, took
+    place: the temporary directory is gone and ``final_dir``'s manifest carries this
+    save's token."""
+    if save.tmp_dir.exists():
+        return False
+    try:
+        manifest: dict[str, Any] | None = save.storage.read_manifest(save.final_dir)
+    except Exception:  # noqa: BLE001 - absent or unreadable: not committed by this save
+        return False
+    return manifest is not None and manifest.get("save_token") == save.planned.token
+
+
+def _warn_committed(save: SaveInFlight, what: str, exc: Exception) -> None:
+    """A failure after the commit point: a ``RuntimeWarning`` (and a log line) that names
+    the committed checkpoint; the save is reported committed."""
+    name = f"step {save.step} ({save.final_dir})" if save.step is not None else str(save.final_dir)
+    message = f"asyncckpt: {name} is committed, but {what}: {type(exc).__name__}: {exc}"
+    _log.warning("%s", message)
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
 #: Seconds a rank whose commit collective broke waits for the coordinator's decision.

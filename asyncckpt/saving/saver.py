@@ -38,6 +38,8 @@ from asyncckpt.errors import (
     CallbackError,
     CheckpointError,
     CheckpointException,
+    CheckpointTimeoutError,
+    InvalidStateError,
     RankFailure,
 )
 from asyncckpt.format.layout import RankLayout
@@ -151,13 +153,14 @@ class Saver:
         self._callback_errors: list[tuple[SaveHandle, BaseException]] = []
         #: Timings of the most recently committed save (``None`` before the first).
         self.last_committed_timings: SaveTimings | None = None
+        self._pid = os.getpid()  # a forked child never frees its parent's buffers
         _live_savers.add(self)
 
     @property
     def queue(self) -> AsyncCallsQueue:
         queue = self._queue_ref()
         if queue is None:
-            raise RuntimeError("the AsyncCallsQueue of this saver was garbage-collected")
+            raise InvalidStateError("the AsyncCallsQueue of this saver was garbage-collected")
         return queue
 
     def live_queue(self) -> AsyncCallsQueue | None:
@@ -548,7 +551,8 @@ class Saver:
         save of this saver) is raised.
 
         Raises:
-            TimeoutError: this rank's write did not finish within ``timeout`` seconds.
+            CheckpointTimeoutError: (a ``TimeoutError``) this rank's write did not finish
+                within ``timeout`` seconds.
             CheckpointException: an earlier call of the queue, not a save of this
                 saver, failed.
         """
@@ -557,7 +561,7 @@ class Saver:
         if queue is None or queue.background_finalize or call_idx is None:
             return
         if timeout is not None and not queue.wait_local(call_idx, timeout):
-            raise TimeoutError(f"the write of {record.final_dir} did not finish within {timeout} s")
+            raise CheckpointTimeoutError(f"the write of {record.final_dir} did not finish within {timeout} s")
         while queue.is_pending(call_idx):
             try:
                 queue.maybe_finalize_async_calls(blocking=True, until=call_idx)
@@ -680,11 +684,23 @@ class Saver:
                 if record.handle.done() and not record.reported and (exc := record.handle.exception(timeout=0))
             ]
 
+    def free_idle_buffers(self) -> None:
+        """(caller holds :attr:`lock`; nothing pending) Free the staging buffers, keeping
+        the copy threads and the plan caches: a later save allocates a buffer again."""
+        if os.getpid() != self._pid:
+            return
+        queue = self._queue_ref()
+        self.pool.release_all(queue.caller.is_running if queue is not None else None)
+
     def release(self) -> None:
         """Free the staging buffers and stop listening to the queue; never blocks on a
         write (a buffer a write may still read is closed here but its memory is left
         to that write's process). An overlapped save not handed to the writer yet is
-        dropped: its handle fails."""
+        dropped: its handle fails. In a child of ``os.fork()`` it does nothing: the
+        buffers are the parent's (truncating a memfd there would free the parent's
+        memory under its mapping)."""
+        if os.getpid() != self._pid:
+            return
         pending, self._overlapped = self._overlapped, None
         if pending is not None:
             pending.wait_copied()  # optimizers stop waiting for it
