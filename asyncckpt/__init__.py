@@ -33,6 +33,8 @@ _EXPORTS = {
     "InvalidArgumentError": "errors",
     "RootInUseError": "errors",
     "UnverifiableCheckpointError": "errors",
+    "RemoteStorageError": "errors",
+    "UploadError": "errors",
     "SaveOptions": "options",
     "save": "saving.api",
     "default_calls_queue": "saving.api",
@@ -44,6 +46,8 @@ _EXPORTS = {
     "SaveResult": "saving.handle",
     "CheckpointManager": "manager",
     "PreemptionSave": "preemption",
+    "UploadResult": "upload",
+    "UploadWarning": "upload",
 }
 
 __all__ = sorted(_EXPORTS)  # noqa: PLE0605 (the names above, kept in one place)
@@ -65,8 +69,10 @@ if TYPE_CHECKING:
     from asyncckpt.errors import CorruptCheckpointError as CorruptCheckpointError
     from asyncckpt.errors import InvalidArgumentError as InvalidArgumentError
     from asyncckpt.errors import RankFailure as RankFailure
+    from asyncckpt.errors import RemoteStorageError as RemoteStorageError
     from asyncckpt.errors import RootInUseError as RootInUseError
     from asyncckpt.errors import UnverifiableCheckpointError as UnverifiableCheckpointError
+    from asyncckpt.errors import UploadError as UploadError
     from asyncckpt.loading.api import load as load
     from asyncckpt.loading.api import verify as verify
     from asyncckpt.loading.read import read_state_dict as read_state_dict
@@ -78,6 +84,8 @@ if TYPE_CHECKING:
     from asyncckpt.saving.handle import SaveHandle as SaveHandle
     from asyncckpt.saving.handle import SaveResult as SaveResult
     from asyncckpt.saving.handle import SaveTimings as SaveTimings
+    from asyncckpt.upload import UploadResult as UploadResult
+    from asyncckpt.upload import UploadWarning as UploadWarning
 
 
 def __getattr__(name: str) -> Any:

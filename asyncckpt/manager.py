@@ -34,6 +34,7 @@ from asyncckpt.root import CheckpointRoot
 from asyncckpt.saving.handle import SaveCallback, SaveHandle, SaveTimings
 from asyncckpt.saving.pending import release_when_settled
 from asyncckpt.saving.saver import Saver
+from asyncckpt.upload import Uploader
 
 __all__ = ["CheckpointManager"]
 
@@ -65,7 +66,21 @@ class CheckpointManager:
         read_only: only read the root (``steps``, ``latest_step``, ``load``; e.g. an
             evaluation job following a training job's root): no lock is taken, and
             :meth:`save` and :meth:`prepare` raise ``CheckpointError``; not together
-            with ``keep_last``, ``callback`` or save options.
+            with ``keep_last``, ``keep_remote``, ``callback`` or save options.
+        upload_to: ``s3://bucket/prefix``: upload every committed step there, in the
+            background (:mod:`asyncckpt.upload`; the ``s3`` extra; configured by the
+            standard AWS variables, ``AWS_ENDPOINT_URL`` for S3-compatible stores).
+            ``latest_step`` and ``load`` then restore from the newest step over both
+            tiers; committed local steps not yet uploaded are uploaded at start.
+        keep_remote: keep this many newest uploaded steps remotely (``None``: all).
+        upload_failure: ``"warn"`` (default: an ``UploadWarning`` from
+            :meth:`maybe_finalize` / :meth:`close`) or ``"raise"`` (``UploadError``).
+            Either way the outcome of each step's upload (``UploadResult`` or
+            ``UploadError``) also goes to the completion callback, and training is
+            never blocked.
+        upload_timeout_s: seconds :meth:`close` waits for the uploads in flight (then
+            they are resumed at the next start), and the coordinator for the other
+            ranks' objects of a step.
 
     The manager holds an exclusive lock on ``root_dir`` for its lifetime (taken by
     the ``coordinator_rank``, the one rank that writes ``latest`` and runs retention;
@@ -114,6 +129,10 @@ class CheckpointManager:
         callback: SaveCallback | None = None,
         options: SaveOptions | None = None,
         read_only: bool = False,
+        upload_to: str | None = None,
+        keep_remote: int | None = None,
+        upload_failure: Literal["warn", "raise"] = "warn",
+        upload_timeout_s: float = 600.0,
     ) -> None:
         self._closed = True  # until constructed
         if calls_queue is not None and (persistent is not None or start_method is not None):
@@ -133,6 +152,7 @@ class CheckpointManager:
                     ("plan_cache", plan_cache),
                     ("overlap_staging", overlap_staging),
                     ("callback", callback),
+                    ("keep_remote", keep_remote),
                 )
                 if value is not None
             ]
@@ -192,6 +212,7 @@ class CheckpointManager:
         )
         self._release.atexit = False
         self._release_root.detach()
+        self._upload = self._open_upload(upload_to, keep_remote, upload_failure, upload_timeout_s)
         self._closed = False
 
     @staticmethod
@@ -225,6 +246,45 @@ class CheckpointManager:
             raise CheckpointError(f"opening the checkpoint root {root_dir} failed: {first}", failures)
         assert root is not None
         return root
+
+    def _open_upload(self, url: str | None, keep: int | None, failure: Any, timeout_s: float) -> Uploader | None:
+        """The upload tier (``upload_to``), or ``None``; ``keep_remote`` and the other
+        upload options without ``upload_to`` raise ``ValueError``."""
+        if url is None:
+            if keep is not None:
+                raise ValueError("keep_remote= needs upload_to=: there is no remote tier to keep steps in")
+            return None
+        sync = SyncGroup(self.process_group)
+        return Uploader(
+            self._root,
+            url,
+            keep_remote=keep,
+            failure=failure,
+            timeout_s=timeout_s,
+            rank=sync.rank,
+            coordinator=sync.rank == self.coordinator_rank,
+            callback=self.callback,
+            read_only=self.read_only,
+        )
+
+    @property
+    def upload_to(self) -> str | None:
+        """The remote tier's URL (``upload_to``), or ``None``."""
+        return None if self._upload is None else self._upload.url
+
+    def remote_steps(self) -> list[int]:
+        """The steps committed in the remote tier (``upload_to``), ascending; ``[]``
+        without one.
+
+        Raises:
+            RemoteStorageError: the remote tier cannot be listed.
+        """
+        return [] if self._upload is None else self._upload.tier.steps()
+
+    def wait_uploads(self, timeout: float | None = None) -> bool:
+        """Wait until every queued upload is done (its outcome reported to the
+        callbacks); ``False`` if ``timeout`` seconds passed first. Not collective."""
+        return True if self._upload is None else self._upload.wait(timeout)
 
     @property
     def overlap_staging(self) -> bool:
@@ -274,6 +334,9 @@ class CheckpointManager:
             raise RuntimeError("CheckpointManager is closed")
         if self.read_only:
             raise CheckpointError(f"this CheckpointManager of {self.root_dir} is read-only (read_only=True)")
+        callback = callback if callback is not None else self.callback
+        if self._upload is not None:
+            callback = self._upload.wrap(callback)
         with self._saver.lock:
             return self._saver.save(
                 state_dict,
@@ -282,7 +345,7 @@ class CheckpointManager:
                 process_group=self.process_group,
                 coordinator_rank=self.coordinator_rank,
                 step=step,
-                callback=callback if callback is not None else self.callback,
+                callback=callback,
             )
 
     def prepare(self, state_dict: dict[str, Any]) -> int:
@@ -344,6 +407,8 @@ class CheckpointManager:
         self._saver.synchronize_staging()
         steps = [record.step for record in self._saver.harvest(blocking) if record.step is not None]
         self._saver.raise_callback_errors()
+        if self._upload is not None:
+            self._upload.report()
         return steps
 
     def steps(self) -> list[int]:
@@ -359,7 +424,11 @@ class CheckpointManager:
         rename is the commit), and ``latest`` is replaced only after it, so ``latest``
         can lag one save behind (a crash between the two) but never lead.
         """
-        return self._root.latest()
+        local = self._root.latest()
+        if self._upload is None:
+            return local
+        newest = self._upload.newest(local)
+        return None if newest is None else newest[0]
 
     def load(
         self,
@@ -392,14 +461,22 @@ class CheckpointManager:
         if step is not None:
             step = check_step(step, hint=hint)
         self._saver.synchronize_staging()  # never load into tensors an overlapped copy still reads
+        where: str | os.PathLike | None = None
+        if step is None and self._upload is not None:
+            newest = self._upload.newest(self._root.latest())
+            if newest is not None:
+                step, where = newest[0], None if newest[1] == "local" else newest[1]
         if step is None:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError("no committed checkpoint", str(self.root_dir))
         path = self.step_dir(step)
-        if not _manifest.is_committed(path):
+        if where is None and not _manifest.is_committed(path) and self._upload is not None:
+            where = self._upload.remote_url(step)  # only in the remote tier
+        if where is None and not _manifest.is_committed(path):
             raise CheckpointNotFoundError(f"step {step} has no committed checkpoint", str(path))
-        load(state_dict, path, process_group=self.process_group, verify=verify, allow_pickle=allow_pickle)
+        source = path if where is None else where
+        load(state_dict, source, process_group=self.process_group, verify=verify, allow_pickle=allow_pickle)
         return int(step)
 
     def close(self, abort: bool = False) -> None:
@@ -441,6 +518,8 @@ class CheckpointManager:
                 abort = True  # interrupted (Ctrl-C): drop the pending saves at once
             raise
         finally:
+            if self._upload is not None:  # the uploads of the saves just committed, bounded
+                self._upload.close(0 if abort else None)
             if self._owns_queue:
                 try:
                     self.queue.close(abort=abort)
@@ -456,6 +535,8 @@ class CheckpointManager:
             raise first_error
         if not abort:
             self._saver.raise_callback_errors()
+            if self._upload is not None:
+                self._upload.report()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -89,6 +89,8 @@ class S3Server:
         names = ["master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3", "s3.grpc"]
         self.ports = dict(zip(names, _free_ports(len(names))))
         self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
+        #: The bucket the tests share (each test under a prefix of its own).
+        self.bucket = "asyncckpt-tests"
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: Any = None
 
@@ -119,8 +121,11 @@ class S3Server:
             f"-s3.port={p['s3']}",
             f"-s3.port.grpc={p['s3.grpc']}",
             f"-s3.config={self._config}",
-            "-volume.max=30",
-            "-master.volumeSizeLimitMB=256",
+            "-s3.autoCreateBucket=false",  # as on AWS: a PUT into a missing bucket fails
+            # Each bucket is a collection that grows several volumes at its first write:
+            # room for many, small ones (nothing is preallocated).
+            "-volume.max=200",
+            "-master.volumeSizeLimitMB=64",
         ]
         self._log = open(self.directory / "weed.log", "ab")  # closed by stop() / kill()
         self._proc = subprocess.Popen(
@@ -136,7 +141,6 @@ class S3Server:
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         client = self.client(connect_timeout=2, read_timeout=5, retries=0)
-        probe = "ready-" + uuid.uuid4().hex[:8]
         last: BaseException | None = None
         while time.monotonic() < deadline:
             assert self._proc is not None
@@ -144,12 +148,13 @@ class S3Server:
                 raise RuntimeError(
                     f"weed server exited with {self._proc.returncode} during start-up:\n{self.log_tail()}"
                 )
-            try:  # the filer and a volume must be up: create, write and remove a probe bucket
-                client.create_bucket(Bucket=probe)
-                client.put_object(Bucket=probe, Key="probe", Body=b"x")
-                client.delete_object(Bucket=probe, Key="probe")
-                client.delete_bucket(Bucket=probe)
-                return
+            try:  # the filer and a volume must be up: write and read an object of the tests' bucket
+                if self.bucket not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+                    client.create_bucket(Bucket=self.bucket)
+                client.put_object(Bucket=self.bucket, Key="probe", Body=b"x" * 4096)
+                if client.get_object(Bucket=self.bucket, Key="probe")["Body"].read() == b"x" * 4096:
+                    client.delete_object(Bucket=self.bucket, Key="probe")
+                    return
             except Exception as exc:  # noqa: BLE001 - not up yet: any failure means retry until the deadline
                 last = exc
             time.sleep(0.25)
@@ -227,8 +232,6 @@ class S3Server:
             ),
         )
 
-    def make_bucket(self) -> str:
-        """A new, empty bucket with a unique name."""
-        name = "b-" + uuid.uuid4().hex[:12]
-        self.client().create_bucket(Bucket=name)
-        return name
+    def make_prefix(self) -> str:
+        """A new, empty ``s3://`` prefix of the tests' bucket."""
+        return f"s3://{self.bucket}/t-{uuid.uuid4().hex[:12]}"
