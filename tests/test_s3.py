@@ -143,6 +143,30 @@ def test_a_step_without_marker_is_absent(remote, tmp_path):
         assert manager.remote_steps() == [7]
 
 
+@pytest.mark.parametrize("tier", ["local", "s3"])
+def test_step_index_of_both_tiers(remote, tmp_path, tier):
+    from asyncckpt.io.storage import LocalStepIndex, StepIndex
+
+    with asyncckpt.CheckpointManager(tmp_path / "ix", upload_to=remote) as manager:
+        manager.save(20, state(20, 0.1))
+        manager.maybe_finalize(blocking=True)
+        target = zeroed(state(20, 0.1))
+        manager.load(target, 20)
+        for step in (11, 12):  # saved after 20: newer saves, smaller steps
+            manager.save(step, state(step, 0.1))
+            manager.maybe_finalize(blocking=True)
+        uploaded(manager)
+    index: StepIndex = LocalStepIndex(tmp_path / "ix") if tier == "local" else s3tier.S3Tier(remote)
+    assert index.steps() == [11, 12, 20]
+    assert index.commit_order() == [20, 11, 12]
+    assert index.read_latest() == 12
+    index.remove_step(11)
+    assert index.steps() == [12, 20]
+    index.write_latest(20)
+    assert index.read_latest() == 20
+    index.remove_step(11)  # absent: no error
+
+
 # ----------------------------------------------------------------------------- failures
 def test_wrong_credentials_warn_once_per_step_and_training_goes_on(remote, tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
@@ -307,3 +331,31 @@ def test_cli_reads_urls(remote, tmp_path, capsys):
     assert main(["convert", url, str(out_file), "--allow-pickle"]) == 0
     assert_same(state(2, 0.25), torch.load(out_file, weights_only=False))
     assert main(["verify", f"{remote}/step_00000009"]) == 1
+
+
+# ----------------------------------------------------------------------------- two ranks
+def _two_ranks_upload(rank: int, world_size: int, root: str, url: str) -> list:
+    outcomes = Outcomes()
+    g = torch.Generator().manual_seed(100 + rank)
+    sd = {f"own{rank}": torch.randn(1 << 18, generator=g), "step": 1}
+    with asyncckpt.CheckpointManager(root, upload_to=url, callback=outcomes, upload_timeout_s=60) as manager:
+        manager.save(1, sd)
+        manager.maybe_finalize(blocking=True)
+        assert manager.wait_uploads(60)
+    return [(o.step, o.bytes) for o in outcomes.of(asyncckpt.UploadResult)] + [
+        str(e) for e in outcomes.of(asyncckpt.UploadError)
+    ]
+
+
+def test_two_ranks_upload_their_own_files_and_the_coordinator_commits(remote, tmp_path):
+    from dist_utils import preload_forkserver, run_ranks
+
+    preload_forkserver()
+    results = run_ranks(_two_ranks_upload, 2, str(tmp_path / "root"), remote, timeout=120, start_method="forkserver")
+    size = {rank: (tmp_path / "root" / "step_00000001" / f"__{rank}_0.distcp").stat().st_size for rank in (0, 1)}
+    assert results[1] == [(1, size[1])]  # rank 1: its data file alone
+    assert results[0][0][0] == 1 and results[0][0][1] > size[0]  # rank 0: its data file and the metadata
+    got = asyncckpt.read_state_dict(f"{remote}/step_00000001")
+    for rank in (0, 1):
+        expected = torch.randn(1 << 18, generator=torch.Generator().manual_seed(100 + rank))
+        assert torch.equal(got[f"own{rank}"], expected)

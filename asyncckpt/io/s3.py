@@ -55,7 +55,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from asyncckpt import _faults
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, RemoteStorageError
@@ -63,7 +63,6 @@ from asyncckpt.format import manifest as _manifest
 from asyncckpt.format.naming import parse_step_dir, step_dir_name
 
 __all__ = [
-    "StepIndex",
     "S3Url",
     "S3Tier",
     "is_url",
@@ -86,33 +85,6 @@ _DATA_FILE_RE = re.compile(r"^__([0-9]+)_[0-9]+\.distcp$", re.ASCII)
 _AUTH_CODES = {"SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "InvalidToken", "ExpiredToken"}
 _CODE_IN_TEXT = re.compile(r"An error occurred \((\w+)\)")
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
-
-
-class StepIndex(Protocol):
-    """What a tier offers beyond a checkpoint's writes and reads: the steps it holds,
-    its ``latest``, and the removal of a step (retention). Implemented by
-    :class:`S3Tier`; the local root's equivalent is :class:`asyncckpt.root.CheckpointRoot`
-    (``steps``, ``commit_order``, ``latest``)."""
-
-    def steps(self) -> list[int]:
-        """The committed steps (those with a commit marker), ascending."""
-        ...
-
-    def commit_order(self) -> list[int]:
-        """The committed steps, oldest commit first."""
-        ...
-
-    def read_latest(self) -> int | None:
-        """The step ``latest`` names, or ``None`` (missing or not a step name)."""
-        ...
-
-    def write_latest(self, step: int) -> None:
-        """Name ``step`` in ``latest``."""
-        ...
-
-    def remove_step(self, step: int) -> None:
-        """Remove step ``step`` (its marker first); no error if it is absent."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -211,7 +183,8 @@ def _is_missing(exc: BaseException) -> bool:
 
 @dataclass
 class S3Tier:
-    """The checkpoints under one ``s3://bucket/prefix`` (see the module docstring).
+    """The checkpoints under one ``s3://bucket/prefix`` (see the module docstring); a
+    :class:`asyncckpt.io.storage.StepIndex`.
 
     Args:
         url: ``s3://bucket/prefix``; the bucket must exist.
