@@ -120,6 +120,8 @@ class S3Server:
             "-s3",
             f"-s3.port={p['s3']}",
             f"-s3.port.grpc={p['s3.grpc']}",
+            "-s3.port.iceberg=0",  # no Iceberg catalog nor Lance namespace: their fixed ports
+            "-s3.port.lance=0",  # would clash with another server on the machine
             f"-s3.config={self._config}",
             "-s3.autoCreateBucket=false",  # as on AWS: a PUT into a missing bucket fails
             # Each bucket is a collection that grows several volumes at its first write:

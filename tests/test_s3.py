@@ -11,6 +11,7 @@ import os
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,6 +262,29 @@ def test_server_killed_mid_upload_then_resumed(s3_server, remote, tmp_path, monk
     assert_same(state(6), asyncckpt.read_state_dict(f"{remote}/step_00000006"))
 
 
+def test_close_is_bounded_by_upload_timeout(remote, tmp_path, monkeypatch):
+    reached = tmp_path / "reached"
+    monkeypatch.setenv("ASYNCCKPT_FAULT", f"upload:touch={reached};upload:sleep=4")
+    outcomes = Outcomes()
+    manager = asyncckpt.CheckpointManager(tmp_path / "b", upload_to=remote, callback=outcomes, upload_timeout_s=0.2)
+    for step in (1, 2):
+        manager.save(step, state(step, 0.1))
+    assert manager.maybe_finalize(blocking=True) == [1, 2]
+    deadline = time.monotonic() + 60
+    while not reached.exists():  # step 1's upload is in flight (held at the failpoint), step 2 queued
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    start = time.monotonic()
+    with pytest.warns(asyncckpt.UploadWarning, match="step 2 .* did not start within upload_timeout_s=0.2"):
+        manager.close()
+    assert time.monotonic() - start < 3.5  # not the 4 s the upload in flight still takes
+    assert [e.step for e in outcomes.of(asyncckpt.UploadError)] == [2]
+    monkeypatch.delenv("ASYNCCKPT_FAULT")
+    with asyncckpt.CheckpointManager(tmp_path / "b", upload_to=remote) as manager:  # step 2 is resumed
+        uploaded(manager)
+        assert manager.remote_steps() == [1, 2]
+
+
 def test_corrupted_object_is_refused(remote, tmp_path):
     from asyncckpt.cli import main
 
@@ -359,3 +383,40 @@ def test_two_ranks_upload_their_own_files_and_the_coordinator_commits(remote, tm
     for rank in (0, 1):
         expected = torch.randn(1 << 18, generator=torch.Generator().manual_seed(100 + rank))
         assert torch.equal(got[f"own{rank}"], expected)
+
+
+# ----------------------------------------------------------------------------- README
+def test_readme_object_storage_snippet(s3_server, tmp_path):
+    """README's "Object storage" snippet, as written, against this server; with
+    ``ASYNCCKPT_LONG=1`` also again (it resumes), then on a fresh machine (an empty local
+    root restores from the bucket)."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("### Object storage\n", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None
+    script = tmp_path / "snippet.py"
+    script.write_text(code.group(1))
+    env = dict(os.environ, **s3_server.env(), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env.pop("ASYNCCKPT_FAULT", None)
+
+    def run() -> str:
+        proc = subprocess.run(
+            [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    out = run()
+    assert "uploaded step 20 to s3://ckpts/run1/step_00000020" in out and "in the bucket: [0, 10, 20]" in out, out
+    if os.environ.get("ASYNCCKPT_LONG") != "1":  # the rest: ~2 runs more (the fresh machine: see the first test)
+        return
+    out = run()
+    assert "in the bucket: [10, 20, 30, 40, 50]" in out, out
+    shutil.rmtree(tmp_path / "ckpt_s3")  # a fresh machine
+    out = run()
+    assert "in the bucket: [40, 50, 60, 70, 80]" in out, out
