@@ -567,6 +567,8 @@ class CheckpointManager:
         when = f"when the `with CheckpointManager` block of {self.root_dir} ended with {exc_type.__name__}"
         try:
             lost = self._saver.settle_within(exit_timeout(), when)
+            if self._upload is not None:  # a crash: the uploads get the exit's bound too (then resumed at start)
+                self._upload.close(exit_timeout())
         except BaseException:
             self.close(abort=True)  # interrupted while waiting (Ctrl-C): drop at once
             raise

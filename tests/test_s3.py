@@ -354,6 +354,9 @@ def test_cli_reads_urls(remote, tmp_path, capsys):
     out_file = tmp_path / "out.pt"
     assert main(["convert", url, str(out_file), "--allow-pickle"]) == 0
     assert_same(state(2, 0.25), torch.load(out_file, weights_only=False))
+    assert main(["verify", remote]) == 0  # a root: its committed steps
+    out = capsys.readouterr().out
+    assert f"OK      {remote}/step_00000001" in out and f"OK      {remote}/step_00000002" in out
     assert main(["verify", f"{remote}/step_00000009"]) == 1
 
 

@@ -46,6 +46,19 @@ def list_remote(url: str) -> dict[str, Any]:
     return {"root": tier.url, "latest": latest, "checkpoints": rows, "partial": sorted(unmarked)}
 
 
+def _root_steps(url: str) -> list[str] | None:
+    """The committed steps' URLs when ``url`` is a root (no commit marker of its own),
+    else ``None``."""
+    tier = _s3.S3Tier(url)
+    where = _s3.parse_url(url)
+    try:
+        _s3.read_marker(tier, where)
+        return None  # a checkpoint
+    except FileNotFoundError:
+        steps = tier.steps()
+    return [tier.step_url(step) for step in steps] or None
+
+
 def _ls(args: argparse.Namespace, out: TextIO) -> int:
     info = list_remote(args.root)
     if args.json:
@@ -75,6 +88,14 @@ def run_remote(args: argparse.Namespace, out: TextIO, local: Callable[[argparse.
     urls = [v for v in (value if isinstance(value, list) else [value]) if _s3.is_url(v)]
     if not urls:
         return None
+    if args.command == "verify":  # a root URL stands for its committed steps, as a local root does
+        expanded: list[str] = []
+        for v in value:
+            steps = _root_steps(v) if _s3.is_url(v) else None
+            expanded.extend(steps if steps else [v])
+        value = expanded
+        setattr(args, attr, value)
+        urls = [v for v in value if _s3.is_url(v)]
     with contextlib.ExitStack() as stack:
         places = {url: stack.enter_context(_s3.fetched(url)) for url in dict.fromkeys(urls)}
         if isinstance(value, list):

@@ -39,7 +39,9 @@ S3-compatible stores, ``AWS_DEFAULT_REGION``; retries with backoff are botocore'
 (``standard`` mode). boto3 is the ``s3`` extra (``pip install 'asyncckpt[s3]'``),
 imported on first use.
 
-Torch-free; no collective.
+Torch-free; no collective. One module (over 600 lines): the upload, the listing and the
+reads are one protocol (the marker, the token, the names, the error mapping), and a
+change of one side must be read with the others.
 """
 
 from __future__ import annotations
