@@ -423,3 +423,29 @@ def test_readme_object_storage_snippet(s3_server, tmp_path):
     shutil.rmtree(tmp_path / "ckpt_s3")  # a fresh machine
     out = run()
     assert "in the bucket: [40, 50, 60, 70, 80]" in out, out
+
+
+# ----------------------------------------------------------------------------- the training example
+def test_train_example_uploads_and_resumes_from_the_bucket(remote, tmp_path):
+    """``scripts/train.py --upload-to``: one line per uploaded checkpoint; ``--resume`` in
+    an empty directory restores from the bucket (bitwise: the load tests above)."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+    tiny = "--n-layer 1 --n-embd 32 --n-head 2 --block-size 16 --batch-size 8 --data-mb 0.002 --quiet".split()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+    def train(cwd: Path, *args: str) -> str:
+        cwd.mkdir(exist_ok=True)
+        proc = subprocess.run(
+            [sys.executable, str(script), *tiny, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=150
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    out = train(tmp_path / "a", "--steps", "8", "--ckpt-every", "3", "--stop-at", "6", "--upload-to", remote)
+    for step in (3, 6):
+        assert f"checkpoint step {step} uploaded | {remote}/step_{step:08d} |" in out, out
+    out = train(tmp_path / "b", "--steps", "8", "--ckpt-every", "3", "--resume", "--upload-to", remote)
+    assert f"resumed from step 6 in {remote}/step_00000006" in out, out  # the empty root restored from the bucket
