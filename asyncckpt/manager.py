@@ -99,6 +99,7 @@ class CheckpointManager:
             ``ValueError`` naming both.
         RootInUseError: another manager (this process or another, named by pid and
             host) holds ``root_dir``'s lock (on every rank).
+        RemoteStorageError: ``upload_to`` without boto3 (the ``s3`` extra) installed.
         CheckpointPathError: ``root_dir`` cannot be created or its lock file not
             written (with the builtin type of the cause, e.g. ``PermissionError`` for a
             read-only root; on every rank).
@@ -161,6 +162,10 @@ class CheckpointManager:
                     f"read_only=True cannot be combined with {'=, '.join(ignored)}=: a read-only "
                     "manager never saves nor removes checkpoints"
                 )
+        if upload_to is not None:  # before the root's lock and the worker: nothing to undo
+            Uploader.check_options(upload_to, keep_remote, upload_failure, upload_timeout_s)
+        elif keep_remote is not None:
+            raise ValueError("keep_remote= needs upload_to=: there is no remote tier to keep steps in")
         if start_method is not None and persistent is False:
             raise ValueError(
                 f"start_method={start_method!r} cannot be combined with persistent=False: the "
@@ -251,8 +256,6 @@ class CheckpointManager:
         """The upload tier (``upload_to``), or ``None``; ``keep_remote`` and the other
         upload options without ``upload_to`` raise ``ValueError``."""
         if url is None:
-            if keep is not None:
-                raise ValueError("keep_remote= needs upload_to=: there is no remote tier to keep steps in")
             return None
         sync = SyncGroup(self.process_group)
         return Uploader(

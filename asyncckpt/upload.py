@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from asyncckpt.errors import AsyncckptError, CheckpointNotFoundError, UploadError
+from asyncckpt.errors import AsyncckptError, CheckpointNotFoundError, InvalidArgumentError, UploadError
 from asyncckpt.format import manifest as _manifest
 from asyncckpt.io import s3 as _s3
 from asyncckpt.root import CheckpointRoot
@@ -118,6 +118,7 @@ class Uploader:
 
     Raises:
         InvalidArgumentError: a bad ``url``, ``keep_remote``, ``failure`` or ``timeout_s``.
+        RemoteStorageError: boto3 (the ``s3`` extra) is not installed.
     """
 
     def __init__(
@@ -134,18 +135,7 @@ class Uploader:
         read_only: bool = False,
         tier: _s3.S3Tier | None = None,
     ) -> None:
-        from asyncckpt.errors import InvalidArgumentError
-
-        if not _s3.is_url(url):
-            raise InvalidArgumentError(f"upload_to must be an s3://bucket/prefix URL, not {url!r}")
-        if keep_remote is not None and (
-            not isinstance(keep_remote, int) or isinstance(keep_remote, bool) or keep_remote < 1
-        ):
-            raise InvalidArgumentError(f"keep_remote must be an int >= 1 or None, not {keep_remote!r}")
-        if failure not in ("warn", "raise"):
-            raise InvalidArgumentError(f"upload_failure must be 'warn' or 'raise', not {failure!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise InvalidArgumentError(f"upload_timeout_s must be a number of seconds > 0, not {timeout_s!r}")
+        self.check_options(url, keep_remote, failure, timeout_s)
         self.root = root
         self.tier = tier or _s3.S3Tier(url)
         self.url = self.tier.url
@@ -165,6 +155,27 @@ class Uploader:
         if not read_only:
             self._thread = threading.Thread(target=self._run, name="asyncckpt-upload", daemon=True)
             self._thread.start()
+
+    @staticmethod
+    def check_options(url: Any, keep_remote: Any, failure: Any, timeout_s: Any) -> None:
+        """Check the options of an upload tier, before anything starts.
+
+        Raises:
+            InvalidArgumentError: a bad ``url``, ``keep_remote``, ``failure`` or ``timeout_s``.
+            RemoteStorageError: boto3 (the ``s3`` extra) is not installed: a setup
+                error, raised now rather than once per step.
+        """
+        if not _s3.is_url(url):
+            raise InvalidArgumentError(f"upload_to must be an s3://bucket/prefix URL, not {url!r}")
+        if keep_remote is not None and (
+            not isinstance(keep_remote, int) or isinstance(keep_remote, bool) or keep_remote < 1
+        ):
+            raise InvalidArgumentError(f"keep_remote must be an int >= 1 or None, not {keep_remote!r}")
+        if failure not in ("warn", "raise"):
+            raise InvalidArgumentError(f"upload_failure must be 'warn' or 'raise', not {failure!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise InvalidArgumentError(f"upload_timeout_s must be a number of seconds > 0, not {timeout_s!r}")
+        _s3.require_client()
 
     # ------------------------------------------------------------------ queueing
     def _open(self, step: int, step_dir: Path) -> tuple[dict[str, int], dict[str, Any]]:

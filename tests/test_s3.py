@@ -12,6 +12,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -210,6 +211,33 @@ def test_server_down_fails_each_step_once_and_training_goes_on(remote, tmp_path,
     assert len(messages) == 2 and all("cannot be reached" in m for m in messages), messages
     assert sorted(e.step for e in outcomes.of(asyncckpt.UploadError)) == [1, 2]
     assert asyncckpt.CheckpointManager(tmp_path / "down", read_only=True).steps() == [1, 2]
+
+
+def test_upload_options_are_checked_before_anything_starts(tmp_path):
+    cases: list[tuple[dict[str, Any], type[Exception]]] = [
+        ({"keep_remote": 2}, ValueError),  # no remote tier
+        ({"upload_to": "/not/a/url"}, asyncckpt.InvalidArgumentError),
+        ({"upload_to": "s3://b/p", "keep_remote": 0}, asyncckpt.InvalidArgumentError),
+        ({"upload_to": "s3://b/p", "upload_failure": "ignore"}, asyncckpt.InvalidArgumentError),
+        ({"upload_to": "s3://b/p", "upload_timeout_s": 0}, asyncckpt.InvalidArgumentError),
+        ({"upload_to": "s3://b/p", "read_only": True, "keep_remote": 3}, ValueError),
+    ]
+    for kwargs, error in cases:
+        with pytest.raises(error):
+            asyncckpt.CheckpointManager(tmp_path / "opts", **kwargs)
+    assert not (tmp_path / "opts").exists() or not any((tmp_path / "opts").iterdir())
+
+
+def test_upload_to_without_the_s3_extra_is_refused_at_once(remote, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "boto3", None)  # as if the `s3` extra were not installed
+    with pytest.raises(asyncckpt.RemoteStorageError, match=r"pip install 'asyncckpt\[s3\]'"):
+        asyncckpt.CheckpointManager(tmp_path / "x", upload_to=remote)
+    with pytest.raises(asyncckpt.RemoteStorageError, match="boto3"):
+        asyncckpt.read_state_dict(f"{remote}/step_00000001")
+    with asyncckpt.CheckpointManager(tmp_path / "x") as manager:  # the root's lock was released
+        manager.save(1, state(1, 0.1))
 
 
 def test_missing_bucket_raises_with_upload_failure_raise(s3_server, remote, tmp_path):

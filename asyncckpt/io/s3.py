@@ -74,6 +74,7 @@ __all__ = [
     "read_marker",
     "Marker",
     "rank_files",
+    "require_client",
     "TOKEN_META",
     "SEQ_META",
 ]
@@ -149,6 +150,11 @@ def _boto3() -> Any:
             "s3:// URLs need boto3, the `s3` extra: pip install 'asyncckpt[s3]'", code="ImportError"
         ) from exc
     return boto3
+
+
+def require_client() -> None:
+    """Raise :class:`RemoteStorageError` now when boto3 (the ``s3`` extra) is missing."""
+    _boto3()
 
 
 def _error_code(exc: BaseException) -> str:
