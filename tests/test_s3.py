@@ -397,6 +397,11 @@ def _two_ranks_upload(rank: int, world_size: int, root: str, url: str) -> list:
         manager.save(1, sd)
         manager.maybe_finalize(blocking=True)
         assert manager.wait_uploads(60)
+    # Both ranks on fresh machines: empty roots, restored from the bucket (collective load).
+    with asyncckpt.CheckpointManager(f"{root}-fresh", upload_to=url) as fresh:
+        target = {f"own{rank}": torch.zeros(1 << 18), "step": 0}
+        assert fresh.load(target) == 1
+        assert torch.equal(target[f"own{rank}"], sd[f"own{rank}"]) and target["step"] == 1
     return [(o.step, o.bytes) for o in outcomes.of(asyncckpt.UploadResult)] + [
         str(e) for e in outcomes.of(asyncckpt.UploadError)
     ]
