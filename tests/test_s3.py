@@ -392,14 +392,14 @@ def test_cli_reads_urls(remote, tmp_path, capsys):
 def _two_ranks_upload(rank: int, world_size: int, root: str, url: str) -> list:
     outcomes = Outcomes()
     g = torch.Generator().manual_seed(100 + rank)
-    sd = {f"own{rank}": torch.randn(1 << 18, generator=g), "step": 1}
+    sd: dict[str, Any] = {f"own{rank}": torch.randn(1 << 18, generator=g), "step": 1}
     with asyncckpt.CheckpointManager(root, upload_to=url, callback=outcomes, upload_timeout_s=60) as manager:
         manager.save(1, sd)
         manager.maybe_finalize(blocking=True)
         assert manager.wait_uploads(60)
     # Both ranks on fresh machines: empty roots, restored from the bucket (collective load).
     with asyncckpt.CheckpointManager(f"{root}-fresh", upload_to=url) as fresh:
-        target = {f"own{rank}": torch.zeros(1 << 18), "step": 0}
+        target: dict[str, Any] = {f"own{rank}": torch.zeros(1 << 18), "step": 0}
         assert fresh.load(target) == 1
         assert torch.equal(target[f"own{rank}"], sd[f"own{rank}"]) and target["step"] == 1
     return [(o.step, o.bytes) for o in outcomes.of(asyncckpt.UploadResult)] + [
