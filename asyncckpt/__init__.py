@@ -45,7 +45,15 @@ _EXPORTS = {
     "RootInUseError": "errors",
     "SaveDeadlockError": "errors",
     "UnverifiableCheckpointError": "errors",
+    "RemoteStorageError": "errors",
+    "UploadError": "errors",
     "SaveOptions": "options",
+    "LatestN": "policy",
+    "EveryNSteps": "policy",
+    "EveryNSeconds": "policy",
+    "BestN": "policy",
+    "AnyOf": "policy",
+    "SaveInterval": "policy",
     "save": "saving.api",
     "default_calls_queue": "saving.api",
     "load": "loading.api",
@@ -57,6 +65,8 @@ _EXPORTS = {
     "SaveResult": "saving.handle",
     "CheckpointManager": "manager",
     "PreemptionSave": "preemption",
+    "UploadResult": "upload",
+    "UploadWarning": "upload",
 }
 
 __all__ = sorted(_EXPORTS)  # noqa: PLE0605 (the names above, kept in one place)
@@ -80,21 +90,31 @@ if TYPE_CHECKING:
     from asyncckpt.errors import InvalidArgumentError as InvalidArgumentError
     from asyncckpt.errors import InvalidStateError as InvalidStateError
     from asyncckpt.errors import RankFailure as RankFailure
+    from asyncckpt.errors import RemoteStorageError as RemoteStorageError
     from asyncckpt.errors import RootInUseError as RootInUseError
     from asyncckpt.errors import SaveDeadlockError as SaveDeadlockError
     from asyncckpt.errors import UnverifiableCheckpointError as UnverifiableCheckpointError
+    from asyncckpt.errors import UploadError as UploadError
     from asyncckpt.export import export_safetensors as export_safetensors
     from asyncckpt.loading.api import load as load
     from asyncckpt.loading.api import verify as verify
     from asyncckpt.loading.read import read_state_dict as read_state_dict
     from asyncckpt.manager import CheckpointManager as CheckpointManager
     from asyncckpt.options import SaveOptions as SaveOptions
+    from asyncckpt.policy import AnyOf as AnyOf
+    from asyncckpt.policy import BestN as BestN
+    from asyncckpt.policy import EveryNSeconds as EveryNSeconds
+    from asyncckpt.policy import EveryNSteps as EveryNSteps
+    from asyncckpt.policy import LatestN as LatestN
+    from asyncckpt.policy import SaveInterval as SaveInterval
     from asyncckpt.preemption import PreemptionSave as PreemptionSave
     from asyncckpt.saving.api import default_calls_queue as default_calls_queue
     from asyncckpt.saving.api import save as save
     from asyncckpt.saving.handle import SaveHandle as SaveHandle
     from asyncckpt.saving.handle import SaveResult as SaveResult
     from asyncckpt.saving.handle import SaveTimings as SaveTimings
+    from asyncckpt.upload import UploadResult as UploadResult
+    from asyncckpt.upload import UploadWarning as UploadWarning
 
 
 def __getattr__(name: str) -> Any:

@@ -58,6 +58,8 @@ __all__ = [
     "RootInUseError",
     "UnverifiableCheckpointError",
     "SaveDeadlockError",
+    "RemoteStorageError",
+    "UploadError",
 ]
 
 
@@ -384,3 +386,46 @@ class PreemptionBudgetExpired(SystemExit):
     uncaught, the process exits with that code. Not an :class:`AsyncckptError`: like
     ``KeyboardInterrupt``, it is an interrupt, and every wait of the library treats it
     as one (pending saves are dropped at once, nothing partial is committed)."""
+
+
+class RemoteStorageError(AsyncckptError, OSError):
+    """An object store (``s3://`` URLs, :mod:`asyncckpt.io.s3`) refused or failed a
+    request: wrong credentials, a bucket that does not exist, a server that cannot be
+    reached (after the client library's retries with backoff), or the ``s3`` extra
+    (boto3) is not installed. An ``OSError``: code written for I/O errors keeps working.
+
+    Attributes:
+        url: the URL of the request (``s3://bucket/key``).
+        code: the server's error code (``"SignatureDoesNotMatch"``, ``"NoSuchBucket"``,
+            ...), or the client's exception name when no response came.
+    """
+
+    def __init__(self, message: str, url: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.code = code
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.url, self.code))
+
+
+class UploadError(AsyncckptError):
+    """The upload of a committed step to a remote tier failed (``CheckpointManager(...,
+    upload_to=...)``). The local checkpoint is intact; the remote step has no commit
+    marker (it is absent remotely) and is uploaded again when a manager opens the root.
+
+    Attributes:
+        step: the step.
+        url: the remote step's URL.
+    """
+
+    def __init__(self, message: str, step: int | None = None, url: str | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.url = url
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.step, self.url))

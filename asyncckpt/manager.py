@@ -37,6 +37,7 @@ from asyncckpt.root import CheckpointRoot
 from asyncckpt.saving.handle import SaveCallback, SaveHandle, SaveTimings
 from asyncckpt.saving.pending import release_when_settled
 from asyncckpt.saving.saver import Saver
+from asyncckpt.upload import Uploader
 
 __all__ = ["CheckpointManager"]
 
@@ -80,7 +81,21 @@ class CheckpointManager:
             evaluation job following a training job's root): nothing is created, no
             lock is taken, and :meth:`save` and :meth:`prepare` raise
             ``CheckpointError``; not together with ``keep_last``, ``keep``,
-            ``callback`` or save options.
+            ``keep_remote``, ``callback`` or save options.
+        upload_to: ``s3://bucket/prefix``: upload every committed step there, in the
+            background (:mod:`asyncckpt.upload`; the ``s3`` extra; configured by the
+            standard AWS variables, ``AWS_ENDPOINT_URL`` for S3-compatible stores).
+            ``latest_step`` and ``load`` then restore from the newest step over both
+            tiers; committed local steps not yet uploaded are uploaded at start.
+        keep_remote: keep this many newest uploaded steps remotely (``None``: all).
+        upload_failure: ``"warn"`` (default: an ``UploadWarning`` from
+            :meth:`maybe_finalize` / :meth:`close`) or ``"raise"`` (``UploadError``).
+            Either way the outcome of each step's upload (``UploadResult`` or
+            ``UploadError``) also goes to the completion callback, and training is
+            never blocked.
+        upload_timeout_s: seconds :meth:`close` waits for the uploads in flight (then
+            they are resumed at the next start), and the coordinator for the other
+            ranks' objects of a step.
 
     The manager holds an exclusive lock on ``root_dir`` for its lifetime (taken by
     the ``coordinator_rank``, the one rank that writes ``latest`` and runs retention;
@@ -102,6 +117,7 @@ class CheckpointManager:
             with ``keep_last``, ``callback`` or save options), naming both; a bad option.
         RootInUseError: another manager (this process or another, named by pid and
             host) holds ``root_dir``'s lock (on every rank).
+        RemoteStorageError: ``upload_to`` without boto3 (the ``s3`` extra) installed.
         CheckpointPathError: ``root_dir`` cannot be created, is not a directory, or
             cannot be written (with the builtin type and ``errno`` of the cause:
             ``EROFS`` for a read-only mount, a ``PermissionError`` with ``EACCES`` for
@@ -138,6 +154,10 @@ class CheckpointManager:
         read_only: bool = False,
         keep: PreservationPolicy | None = None,
         save_interval: SaveInterval | None = None,
+        upload_to: str | None = None,
+        keep_remote: int | None = None,
+        upload_failure: Literal["warn", "raise"] = "warn",
+        upload_timeout_s: float = 600.0,
     ) -> None:
         self._closed = True  # until constructed
         # Every argument is checked before the root is locked (item 6 of issue 30): a
@@ -161,6 +181,7 @@ class CheckpointManager:
                     ("plan_cache", plan_cache),
                     ("overlap_staging", overlap_staging),
                     ("callback", callback),
+                    ("keep_remote", keep_remote),
                 )
                 if value is not None
             ]
@@ -169,6 +190,10 @@ class CheckpointManager:
                     f"read_only=True cannot be combined with {'=, '.join(ignored)}=: a read-only "
                     "manager never saves nor removes checkpoints"
                 )
+        if upload_to is not None:  # before the root's lock and the worker: nothing to undo
+            Uploader.check_options(upload_to, keep_remote, upload_failure, upload_timeout_s)
+        elif keep_remote is not None:
+            raise InvalidArgumentError("keep_remote= needs upload_to=: there is no remote tier to keep steps in")
         if start_method is not None and persistent is False:
             raise InvalidArgumentError(
                 f"start_method={start_method!r} cannot be combined with persistent=False: the "
@@ -211,6 +236,7 @@ class CheckpointManager:
             persistent, process_group=process_group, background_finalize=True, **worker
         )
         root: CheckpointRoot | None = None
+        self._upload: Uploader | None = None
         try:
             root = self._root = self._open_root(
                 root_dir, keep_last, keep, process_group, coordinator_rank, self.read_only
@@ -224,6 +250,7 @@ class CheckpointManager:
             if self._owns_queue and isinstance(self.queue.caller, PersistentAsyncCaller) and not self.read_only:
                 self.queue.caller.start()  # ready before the first save: no start-up stall
             self._saver = Saver(self.queue, self.options, root)
+            self._upload = self._open_upload(upload_to, keep_remote, upload_failure, upload_timeout_s)
         except BaseException:
             # Nothing of this manager outlives the raise: the lock is released now (not
             # when the traceback, which holds this object, is collected), the queue closed.
@@ -279,6 +306,43 @@ class CheckpointManager:
             raise CheckpointError(f"opening the checkpoint root {root_dir} failed: {first}", failures)
         assert root is not None
         return root
+
+    def _open_upload(self, url: str | None, keep: int | None, failure: Any, timeout_s: float) -> Uploader | None:
+        """The upload tier (``upload_to``), or ``None``; ``keep_remote`` and the other
+        upload options without ``upload_to`` raise ``InvalidArgumentError``."""
+        if url is None:
+            return None
+        sync = SyncGroup(self.process_group)
+        return Uploader(
+            self._root,
+            url,
+            keep_remote=keep,
+            failure=failure,
+            timeout_s=timeout_s,
+            rank=sync.rank,
+            coordinator=sync.rank == self.coordinator_rank,
+            callback=self.callback,
+            read_only=self.read_only,
+        )
+
+    @property
+    def upload_to(self) -> str | None:
+        """The remote tier's URL (``upload_to``), or ``None``."""
+        return None if self._upload is None else self._upload.url
+
+    def remote_steps(self) -> list[int]:
+        """The steps committed in the remote tier (``upload_to``), ascending; ``[]``
+        without one.
+
+        Raises:
+            RemoteStorageError: the remote tier cannot be listed.
+        """
+        return [] if self._upload is None else self._upload.tier.steps()
+
+    def wait_uploads(self, timeout: float | None = None) -> bool:
+        """Wait until every queued upload is done (its outcome reported to the
+        callbacks); ``False`` if ``timeout`` seconds passed first. Not collective."""
+        return True if self._upload is None else self._upload.wait(timeout)
 
     @property
     def overlap_staging(self) -> bool:
@@ -384,6 +448,9 @@ class CheckpointManager:
             raise CheckpointError(f"this CheckpointManager of {self.root_dir} is read-only (read_only=True)")
         if self.save_interval is not None and self.save_interval.seconds is not None:
             self._agree_on_time(step)
+        callback = callback if callback is not None else self.callback
+        if self._upload is not None:
+            callback = self._upload.wrap(callback)
         with self._saver.lock:
             return self._saver.save(
                 state_dict,
@@ -392,7 +459,7 @@ class CheckpointManager:
                 process_group=self.process_group,
                 coordinator_rank=self.coordinator_rank,
                 step=step,
-                callback=callback if callback is not None else self.callback,
+                callback=callback,
             )
 
     def prepare(self, state_dict: dict[str, Any]) -> int:
@@ -454,6 +521,8 @@ class CheckpointManager:
         self._saver.synchronize_staging()
         steps = [record.step for record in self._saver.harvest(blocking) if record.step is not None]
         self._saver.raise_callback_errors()
+        if self._upload is not None:
+            self._upload.report()
         return steps
 
     def steps(self) -> list[int]:
@@ -469,7 +538,11 @@ class CheckpointManager:
         rename is the commit), and ``latest`` is replaced only after it, so ``latest``
         can lag one save behind (a crash between the two) but never lead.
         """
-        return self._root.latest()
+        local = self._root.latest()
+        if self._upload is None:
+            return local
+        newest = self._upload.newest(local)
+        return None if newest is None else newest[0]
 
     def load(
         self,
@@ -502,14 +575,22 @@ class CheckpointManager:
         if step is not None:
             step = check_step(step, hint=hint)
         self._saver.synchronize_staging()  # never load into tensors an overlapped copy still reads
+        where: str | os.PathLike | None = None
+        if step is None and self._upload is not None:
+            newest = self._upload.newest(self._root.latest())
+            if newest is not None:
+                step, where = newest[0], None if newest[1] == "local" else newest[1]
         if step is None:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError("no committed checkpoint", str(self.root_dir))
         path = self.step_dir(step)
-        if not _manifest.is_committed(path):
+        if where is None and not _manifest.is_committed(path) and self._upload is not None:
+            where = self._upload.remote_url(step)  # only in the remote tier
+        if where is None and not _manifest.is_committed(path):
             raise CheckpointNotFoundError(f"step {step} has no committed checkpoint", str(path))
-        load(state_dict, path, process_group=self.process_group, verify=verify, allow_pickle=allow_pickle)
+        source = path if where is None else where
+        load(state_dict, source, process_group=self.process_group, verify=verify, allow_pickle=allow_pickle)
         return int(step)
 
     def close(self, abort: bool = False) -> None:
@@ -551,6 +632,8 @@ class CheckpointManager:
                 abort = True  # interrupted (Ctrl-C): drop the pending saves at once
             raise
         finally:
+            if self._upload is not None:  # the uploads of the saves just committed, bounded
+                self._upload.close(0 if abort else None)
             if self._owns_queue:
                 try:
                     self.queue.close(abort=abort)
@@ -566,6 +649,8 @@ class CheckpointManager:
             raise first_error
         if not abort:
             self._saver.raise_callback_errors()
+            if self._upload is not None:
+                self._upload.report()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -596,6 +681,8 @@ class CheckpointManager:
         when = f"when the `with CheckpointManager` block of {self.root_dir} ended with {exc_type.__name__}"
         try:
             lost = self._saver.settle_within(exit_timeout(), when)
+            if self._upload is not None:  # a crash: the uploads get the exit's bound too (then resumed at start)
+                self._upload.close(exit_timeout())
         except BaseException:
             self.close(abort=True)  # interrupted while waiting (Ctrl-C): drop at once
             raise

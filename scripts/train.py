@@ -86,7 +86,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--ckpt-every", type=int, default=100, metavar="N", help="checkpoint every N steps (%(default)s)")
     a("--ckpt-dir", default="./checkpoints", help="checkpoint root directory (%(default)s)")
     a("--keep-last", type=int, default=3, metavar="N", help="keep the newest N checkpoints (%(default)s)")
-    a("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    a("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir (or --upload-to)")
+    a(
+        "--upload-to",
+        metavar="URL",
+        help="also upload each committed checkpoint to s3://bucket/prefix in the background (the s3 extra; "
+        "AWS_ENDPOINT_URL for S3-compatible stores); --resume restores from there when --ckpt-dir is behind",
+    )
+    a("--keep-remote", type=int, metavar="N", help="with --upload-to: keep the newest N uploaded (default: all)")
     a(
         "--grace-s",
         type=float,
@@ -142,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--steps and --ckpt-every must be positive")
     if args.log_every < 0:
         p.error("--log-every must be 0 (off) or positive")
+    if args.keep_remote is not None and args.upload_to is None:
+        p.error("--keep-remote needs --upload-to")
     if args.fresh and args.resume:
         p.error("--fresh starts over, --resume continues: pass one of them")
     if args.warmup is None:
@@ -543,10 +552,24 @@ def main(argv: list[str] | None = None) -> int:
         remove_checkpoint_dir(args.ckpt_dir, remove=rank == 0)
         if use_pg:
             dist.barrier()
-    mgr = asyncckpt.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last, persistent=not args.temporal)
+
+    def on_upload(outcome: Any) -> None:  # --upload-to: in the upload thread, once per checkpoint
+        if isinstance(outcome, asyncckpt.UploadResult):
+            log(
+                f"checkpoint step {outcome.step} uploaded | {outcome.url} | "
+                f"{outcome.bytes / 1e6:.1f} MB in {outcome.seconds:.2f} s"
+            )
+
+    upload: dict[str, Any] = {}
+    if args.upload_to:
+        upload = {"upload_to": args.upload_to, "keep_remote": args.keep_remote, "callback": on_upload}
+    mgr = asyncckpt.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last, persistent=not args.temporal, **upload)
 
     def ckpt_path(s: int) -> str:
-        """Step ``s``'s directory, as the command line named the root (``./checkpoints/step_00000100``)."""
+        """Step ``s``'s directory, as the command line named the root (``./checkpoints/step_00000100``),
+        or its URL when only the remote tier (``--upload-to``) holds it."""
+        if args.upload_to and not mgr.step_dir(s).is_dir():
+            return f"{args.upload_to.rstrip('/')}/{mgr.step_dir(s).name}"
         return os.path.join(args.ckpt_dir, mgr.step_dir(s).name)
 
     def latest_committed() -> str:

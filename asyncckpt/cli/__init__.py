@@ -50,6 +50,7 @@ from asyncckpt.cli.commands import (
     remove_partial,
 )
 from asyncckpt.cli.export import add_export_parser
+from asyncckpt.cli.remote import run_remote
 from asyncckpt.cli.scan import (
     CheckpointEntry,
     CliError,
@@ -214,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = sys.stdout
     try:
-        return args.func(args, out)
+        code = run_remote(args, out, args.func)  # s3:// URLs (asyncckpt.cli.remote)
+        return args.func(args, out) if code is None else code
     except BrokenPipeError:
         # The reader went away (`asyncckpt ls ROOT | head`): not worth a traceback.
         devnull = os.open(os.devnull, os.O_WRONLY)

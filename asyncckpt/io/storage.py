@@ -30,6 +30,12 @@ Collective contract of a load: none. Every rank calls the read side
 hands out POSIX descriptors for positioned reads (``os.preadv``): a tier that is not a
 local file system serves reads from a local copy.
 
+A tier that keeps a root of steps also offers a :class:`StepIndex`: the committed
+steps, their commit order, ``latest``, and the removal of a step (retention). The
+local root's is :class:`LocalStepIndex` (a thin reader of a root directory;
+:class:`asyncckpt.root.CheckpointRoot` adds the lock, leftovers and retention policy),
+the object store's :class:`asyncckpt.io.s3.S3Tier` (a commit marker per step).
+
 Torch-free.
 """
 
@@ -42,12 +48,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from asyncckpt import _fs
+from asyncckpt.errors import AsyncckptError
 from asyncckpt.format import manifest as _manifest
+from asyncckpt.format.naming import parse_step_dir, step_dir_name
 from asyncckpt.io import commit as _commit
 from asyncckpt.io import writer as _writer
 from asyncckpt.io.writer import FileResult, RankWriteResult, WriteTask
 
-__all__ = ["Storage", "LocalStorage", "LOCAL"]
+__all__ = ["Storage", "LocalStorage", "LOCAL", "StepIndex", "LocalStepIndex"]
 
 
 class Storage(Protocol):
@@ -214,3 +222,76 @@ class LocalStorage:
 
 #: The local file system tier (the default everywhere).
 LOCAL: Storage = LocalStorage()
+
+
+class StepIndex(Protocol):
+    """The steps a tier holds under one root (a local directory, an ``s3://`` prefix),
+    beyond a checkpoint's writes and reads: listing, ``latest``, removal (retention).
+    Step names are :mod:`asyncckpt.format.naming`'s. No collective; any rank."""
+
+    def steps(self) -> list[int]:
+        """The committed steps, ascending (a step without its commit point is absent)."""
+        ...
+
+    def commit_order(self) -> list[int]:
+        """The committed steps, the oldest commit first (the newest save last)."""
+        ...
+
+    def read_latest(self) -> int | None:
+        """The step ``latest`` names, or ``None`` (missing, or not a step's name). A
+        hint written after the commit point: it can lag, never lead."""
+        ...
+
+    def write_latest(self, step: int) -> None:
+        """Name ``step`` in ``latest``, atomically."""
+        ...
+
+    def remove_step(self, step: int) -> None:
+        """Remove step ``step``: first its commit point (so that it is absent at once),
+        then its data; no error if it is absent."""
+        ...
+
+
+@dataclass(frozen=True)
+class LocalStepIndex:
+    """:class:`StepIndex` of a local root directory: ``step_%08d`` directories with a
+    manifest, ordered by their manifests' ``commit_seq``; ``latest`` through
+    :func:`asyncckpt.io.commit.write_latest`; removal through a hidden ``.deleting-``
+    name (:func:`asyncckpt._fs.remove_checkpoint`)."""
+
+    root: Path
+
+    def _committed(self) -> list[tuple[int, int]]:
+        found = []
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        for entry in entries:
+            step = parse_step_dir(entry.name)
+            if step is None or not entry.is_dir(follow_symlinks=False) or not _manifest.is_committed(Path(entry.path)):
+                continue
+            try:
+                seq = _manifest.read_manifest(entry.path).get("commit_seq", 0)
+            except AsyncckptError:
+                seq = 0
+            found.append((seq if isinstance(seq, int) and not isinstance(seq, bool) else 0, step))
+        return sorted(found)
+
+    def steps(self) -> list[int]:
+        return sorted(step for _, step in self._committed())
+
+    def commit_order(self) -> list[int]:
+        return [step for _, step in self._committed()]
+
+    def read_latest(self) -> int | None:
+        name = _commit.read_latest(Path(self.root))
+        return None if name is None else parse_step_dir(name)
+
+    def write_latest(self, step: int) -> None:
+        _commit.write_latest(Path(self.root), step_dir_name(step))
+
+    def remove_step(self, step: int) -> None:
+        path = Path(self.root) / step_dir_name(step)
+        if os.path.lexists(path):
+            _fs.remove_checkpoint(path)

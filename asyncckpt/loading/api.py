@@ -9,10 +9,11 @@ checkpoint: see :mod:`asyncckpt.loading.metadata`, :mod:`asyncckpt.loading.dcp` 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.api import (
 from asyncckpt._check import check_path, check_state_dict
 from asyncckpt.dist import SyncGroup
 from asyncckpt.errors import (
+    AsyncckptError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointPathError,
@@ -34,6 +36,7 @@ from asyncckpt.errors import (
 )
 from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME
 from asyncckpt.format.records import RECORDS_NAME
+from asyncckpt.io import s3 as _s3
 from asyncckpt.io.storage import LOCAL
 from asyncckpt.loading.dcp import SafeFileSystemReader, SafeLoadPlanner
 from asyncckpt.loading.direct import direct_load, plan_direct_load
@@ -74,6 +77,9 @@ def verify(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
             directory (a ``model.pt``): not a checkpoint directory.
         InvalidArgumentError: ``checkpoint_dir`` is not a path.
     """
+    if _s3.is_url(checkpoint_dir):
+        with _s3.fetched(str(checkpoint_dir)) as local:
+            return verify(local)
     check_path(checkpoint_dir)
     path = Path(checkpoint_dir)
     if not os.path.lexists(path):
@@ -134,8 +140,10 @@ def load(
 
     Args:
         state_dict: the structure to fill; its keys select what is read.
-        checkpoint_dir: a committed checkpoint directory, a stock DCP directory, or a
-            Hugging Face safetensors directory.
+        checkpoint_dir: a committed checkpoint directory, a stock DCP directory, a
+            Hugging Face safetensors directory, or an ``s3://bucket/prefix/step_N`` URL
+            (:mod:`asyncckpt.io.s3`: ranged GETs in parallel into memory, then this
+            same load; needs the ``s3`` extra).
         process_group: the ranks loading together.
         verify: ``"inline"`` (default): the CRC-32 of every byte is checked as it is
             read, in the same pass (the files' sizes and ``.metadata`` are checked
@@ -174,6 +182,10 @@ def load(
     """
     hint = "; the call is load(state_dict, checkpoint_dir)"
     check_state_dict(state_dict, hint=hint)
+    if _s3.is_url(checkpoint_dir):
+        with fetched_on_every_rank(str(checkpoint_dir), process_group) as local:
+            load(state_dict, local, process_group=process_group, verify=verify, allow_pickle=allow_pickle)
+        return
     check_path(checkpoint_dir, hint=hint)
     if verify not in (True, False, "inline"):
         raise InvalidArgumentError(f"verify must be True, False or 'inline', not {verify!r}")
@@ -196,6 +208,32 @@ def load(
             "loaded (e.g. by retention): load a newer step",
             str(path),
         ) from exc
+
+
+@contextlib.contextmanager
+def fetched_on_every_rank(url: str, process_group: Any) -> Iterator[Path]:
+    """(all ranks) :func:`asyncckpt.io.s3.fetched` on each rank, with the error funnel:
+    a rank that cannot read the checkpoint fails every rank, with the lowest rank's
+    error (its type kept: ``CheckpointNotFoundError``, ``RemoteStorageError``, ...)."""
+    sync = SyncGroup(process_group)
+    with contextlib.ExitStack() as stack:
+        failure: RankFailure | None = None
+        local: Path | None = None
+        try:
+            local = stack.enter_context(_s3.fetched(url))
+        except (AsyncckptError, OSError) as exc:
+            if not sync.active:
+                raise
+            failure = RankFailure.from_exception(exc)
+        if sync.active:
+            failures = sync.gather_failures(failure)
+            if failures:
+                first = failures[min(failures)]
+                if isinstance(first.exception, AsyncckptError):
+                    raise first.exception
+                raise CheckpointError(f"reading {url} failed: {first}", failures)
+        assert local is not None
+        yield local
 
 
 class _Stock(Exception):

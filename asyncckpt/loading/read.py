@@ -29,6 +29,7 @@ from asyncckpt.errors import (
     InvalidArgumentError,
 )
 from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME
+from asyncckpt.io import s3 as _s3
 from asyncckpt.io.storage import LOCAL
 from asyncckpt.loading.api import from_dcp_exception, not_a_directory
 from asyncckpt.loading.dcp import SafeFileSystemReader, SafeLoadPlanner
@@ -226,7 +227,9 @@ def read_state_dict(
     semantics unless ``allow_pickle``.
 
     Args:
-        checkpoint_dir: a checkpoint directory: committed by asyncckpt (it has a
+        checkpoint_dir: an ``s3://bucket/prefix/step_N`` URL (read with ranged GETs in
+            parallel into memory first, :mod:`asyncckpt.io.s3`), or a checkpoint
+            directory: committed by asyncckpt (it has a
             ``.manifest.json``), or a stock DCP directory (no manifest; a step of an
             asyncckpt root without one is corrupt, see :func:`asyncckpt.root.is_in_root`).
         verify: check the sizes and CRC-32 checksums of every file against the
@@ -262,6 +265,9 @@ def read_state_dict(
         CheckpointError: a non-tensor value needs ``allow_pickle=True`` (its entry is
             named).
     """
+    if _s3.is_url(checkpoint_dir):
+        with _s3.fetched(str(checkpoint_dir)) as local:
+            return read_state_dict(local, verify=verify, allow_pickle=allow_pickle)
     path = Path(check_path(checkpoint_dir))
     if verify not in (True, False, "inline"):
         raise InvalidArgumentError(f"verify must be True, False or 'inline', not {verify!r}")

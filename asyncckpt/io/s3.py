@@ -1,0 +1,671 @@
+"""The object-storage tier: checkpoints under an ``s3://bucket/prefix`` (S3 or any
+S3-compatible store), with a commit protocol of its own.
+
+Layout (the same names as a local root, :mod:`asyncckpt.format.naming`)::
+
+    s3://bucket/prefix/step_00000007/__0_0.distcp      data objects (each rank its own)
+    s3://bucket/prefix/step_00000007/.metadata         the coordinator's small objects
+    s3://bucket/prefix/step_00000007/.records.json
+    s3://bucket/prefix/step_00000007/.manifest.json    the commit marker, written last
+    s3://bucket/prefix/latest                          the newest step's name, after it
+
+**The remote commit.** Object storage has no rename, so a step *exists* remotely once
+its commit marker exists: the manifest (sizes and CRC-32 segments of every file),
+written only after every object it lists is in place, with the save's token. A reader
+treats a step without a marker as absent; ``latest`` is written after the marker and
+is a hint, never an authority (it can lag, never lead). A crash or a failed request
+before the marker leaves objects without a marker: absent, re-uploaded by the next
+:meth:`S3Tier.upload_step` of that step, removed by retention (:meth:`S3Tier.remove_step`).
+A removal deletes the marker first, so a step is never half-present to a new reader,
+and a reader that already read the marker fails with ``CheckpointNotFoundError``.
+
+**Integrity.** Uploads are multipart (boto3's ``TransferConfig``: parts of
+``part_size`` bytes, ``max_concurrency`` in flight) with ``ChecksumAlgorithm="CRC32"``:
+the server checks every part as it arrives. Every object carries the save's token
+(``x-amz-meta-asyncckpt-token``); the coordinator writes the marker only when every
+rank's object has the manifest's size and token, and a reader refuses an object of
+another save. End to end, the manifest's CRC-32s are checked by the loaders on the
+bytes read.
+
+**Reads.** :func:`fetched` reads a remote checkpoint with ranged GETs in parallel
+into a private scratch directory in memory (``/dev/shm`` when it has room, else the
+temporary directory; ``ASYNCCKPT_S3_SCRATCH`` chooses), removed when the context
+ends, so that every loader (``load``, ``read_state_dict``, ``verify``, the CLI) reads
+it with its own ``preadv`` path and CRC checks. Nothing is cached on disk.
+
+**Configuration** is the AWS SDK's: the standard credential chain (environment,
+``~/.aws``, instance roles), ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``) for
+S3-compatible stores, ``AWS_DEFAULT_REGION``; retries with backoff are botocore's
+(``standard`` mode). boto3 is the ``s3`` extra (``pip install 'asyncckpt[s3]'``),
+imported on first use.
+
+Torch-free; no collective. One module (over 600 lines): the upload, the listing and the
+reads are one protocol (the marker, the token, the names, the error mapping), and a
+change of one side must be read with the others.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncckpt import _faults
+from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, RemoteStorageError
+from asyncckpt.format import manifest as _manifest
+from asyncckpt.format.naming import parse_step_dir, step_dir_name
+
+__all__ = [
+    "S3Url",
+    "S3Tier",
+    "is_url",
+    "parse_url",
+    "fetched",
+    "fetch_url",
+    "read_marker",
+    "Marker",
+    "rank_files",
+    "require_client",
+    "TOKEN_META",
+    "SEQ_META",
+]
+
+SCHEME = "s3://"
+#: Object metadata (``x-amz-meta-...``): the save token of every object of a step.
+TOKEN_META = "asyncckpt-token"
+#: The commit marker's metadata: its upload sequence number (the remote commit order).
+SEQ_META = "asyncckpt-seq"
+_DATA_FILE_RE = re.compile(r"^__([0-9]+)_[0-9]+\.distcp$", re.ASCII)
+_AUTH_CODES = {"SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "InvalidToken", "ExpiredToken"}
+_CODE_IN_TEXT = re.compile(r"An error occurred \((\w+)\)")
+_MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+
+
+@dataclass(frozen=True)
+class S3Url:
+    """``s3://bucket/prefix``: ``prefix`` without leading or trailing ``/`` (may be empty)."""
+
+    bucket: str
+    prefix: str
+
+    def key(self, *parts: str) -> str:
+        """The object key of ``parts`` under the prefix."""
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def child(self, name: str) -> S3Url:
+        return S3Url(self.bucket, self.key(name))
+
+    def __str__(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.prefix}" if self.prefix else f"{SCHEME}{self.bucket}"
+
+
+def is_url(value: Any) -> bool:
+    """Whether ``value`` is an ``s3://`` URL (a ``str``)."""
+    return isinstance(value, str) and value.startswith(SCHEME)
+
+
+def parse_url(url: str) -> S3Url:
+    """Split ``s3://bucket/prefix``.
+
+    Raises:
+        ValueError: not an ``s3://`` URL, or no bucket.
+    """
+    if not is_url(url):
+        raise ValueError(f"not an s3:// URL: {url!r}")
+    bucket, _, prefix = url[len(SCHEME) :].partition("/")
+    if not bucket:
+        raise ValueError(f"no bucket in {url!r}")
+    return S3Url(bucket, prefix.strip("/"))
+
+
+def rank_files(names: Iterable[str], rank: int, coordinator: bool) -> list[str]:
+    """The files of a checkpoint that ``rank`` uploads: its data files
+    (``__<rank>_<n>.distcp``), and, on the coordinator, every other file but the
+    manifest (the commit marker, written last)."""
+    out = []
+    for name in names:
+        m = _DATA_FILE_RE.match(name)
+        if m is not None:
+            if int(m.group(1)) == rank:
+                out.append(name)
+        elif coordinator and name != _manifest.MANIFEST_NAME:
+            out.append(name)
+    return sorted(out)
+
+
+def _boto3() -> Any:
+    try:
+        import boto3
+    except ImportError as exc:
+        raise RemoteStorageError(
+            "s3:// URLs need boto3, the `s3` extra: pip install 'asyncckpt[s3]'", code="ImportError"
+        ) from exc
+    return boto3
+
+
+def require_client() -> None:
+    """Raise :class:`RemoteStorageError` now when boto3 (the ``s3`` extra) is missing."""
+    _boto3()
+
+
+def _error_code(exc: BaseException) -> str:
+    """The server's error code of a botocore error (also of boto3's transfer errors,
+    which carry it only in their text), else the exception's type name."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        if code:
+            return str(code)
+    m = _CODE_IN_TEXT.search(str(exc))
+    if m is not None:
+        return m.group(1)
+    cause = exc.__cause__ or exc.__context__
+    return _error_code(cause) if cause is not None and cause is not exc else type(exc).__name__
+
+
+def _remote_error(exc: BaseException, what: str, url: str) -> RemoteStorageError:
+    """Our error for a failed request, with a hint for the usual causes."""
+    code = _error_code(exc)
+    hint = ""
+    if code in _AUTH_CODES:
+        hint = " (check the credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws, the role)"
+    elif code == "NoSuchBucket":
+        hint = " (the bucket does not exist)"
+    elif "Endpoint" in code or "Connect" in code or "Timeout" in code or "Connection" in str(exc):
+        hint = " (the server cannot be reached: AWS_ENDPOINT_URL?)"
+    return RemoteStorageError(f"{what} {url} failed: {code}: {exc}{hint}", url, code)
+
+
+def _is_missing(exc: BaseException) -> bool:
+    return _error_code(exc) in _MISSING_CODES
+
+
+@dataclass
+class S3Tier:
+    """The checkpoints under one ``s3://bucket/prefix`` (see the module docstring); a
+    :class:`asyncckpt.io.storage.StepIndex`.
+
+    Args:
+        url: ``s3://bucket/prefix``; the bucket must exist.
+        endpoint_url: the S3 endpoint; default ``AWS_ENDPOINT_URL`` (or
+            ``AWS_ENDPOINT_URL_S3``), else AWS.
+        part_size: bytes per multipart part and per ranged GET (default 16 MiB; S3
+            needs >= 5 MiB per part but the last).
+        max_concurrency: parts in flight per object, and GETs in flight per read.
+        connect_timeout, read_timeout: seconds, per request (botocore's).
+        max_attempts: attempts per request, with botocore's backoff (``standard`` mode).
+
+    Thread-safe (boto3 clients are). Not picklable (it holds a client); the torch-free
+    worker never sees it: uploads run in a thread of the training process, over
+    committed files.
+    """
+
+    url: str
+    endpoint_url: str | None = None
+    part_size: int = 16 << 20
+    max_concurrency: int = 8
+    connect_timeout: float = 5.0
+    read_timeout: float = 60.0
+    max_attempts: int = 4
+    _where: S3Url = field(init=False, repr=False)
+    _client: Any = field(init=False, default=None, repr=False)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self._where = parse_url(self.url)
+        self.url = str(self._where)
+
+    # ------------------------------------------------------------------ client
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client (made on first use).
+
+        Raises:
+            RemoteStorageError: boto3 is not installed.
+        """
+        with self._lock:
+            if self._client is None:
+                boto3 = _boto3()
+                from botocore.config import Config
+
+                endpoint = (
+                    self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+                )
+                self._client = boto3.session.Session().client(
+                    "s3",
+                    endpoint_url=endpoint or None,
+                    config=Config(
+                        connect_timeout=self.connect_timeout,
+                        read_timeout=self.read_timeout,
+                        retries={"max_attempts": self.max_attempts, "mode": "standard"},
+                        max_pool_connections=max(10, 2 * self.max_concurrency),
+                        request_checksum_calculation="when_supported",
+                        response_checksum_validation="when_supported",
+                    ),
+                )
+            return self._client
+
+    def _call(self, what: str, url: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        try:
+            return fn(**kwargs)
+        except RemoteStorageError:
+            raise
+        except Exception as exc:  # botocore's errors have no common base but Exception
+            raise _remote_error(exc, what, url) from exc
+
+    @property
+    def bucket(self) -> str:
+        return self._where.bucket
+
+    def step_url(self, step: int) -> str:
+        """``s3://bucket/prefix/step_%08d``."""
+        return str(self._where.child(step_dir_name(step)))
+
+    def _key(self, step: int, name: str) -> str:
+        return self._where.key(step_dir_name(step), name)
+
+    def check_bucket(self) -> None:
+        """Raise :class:`RemoteStorageError` when the bucket cannot be used (missing,
+        credentials refused, server unreachable)."""
+        self._call("HEAD bucket", f"{SCHEME}{self.bucket}", self.client.head_bucket, Bucket=self.bucket)
+
+    # ------------------------------------------------------------------ listing (StepIndex)
+    def _list(self, prefix: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        while True:
+            page = self._call("LIST", f"{SCHEME}{self.bucket}/{prefix}", self.client.list_objects_v2, **kwargs)
+            out.extend(page.get("Contents", []))
+            if not page.get("IsTruncated"):
+                return out
+            kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
+    def scan(self) -> tuple[set[int], set[int]]:
+        """``(committed, unmarked)``: the steps with a commit marker, and those with
+        objects but no marker (an upload in flight, or one that failed)."""
+        base = self._where.key("")
+        committed: set[int] = set()
+        seen: set[int] = set()
+        for obj in self._list(base + "/" if base else ""):
+            rel = obj["Key"][len(base) + 1 :] if base else obj["Key"]
+            head, _, name = rel.partition("/")
+            step = parse_step_dir(head)
+            if step is None or not name:
+                continue
+            seen.add(step)
+            if name == _manifest.MANIFEST_NAME:
+                committed.add(step)
+        return committed, seen - committed
+
+    def steps(self) -> list[int]:
+        return sorted(self.scan()[0])
+
+    def _seq(self, step: int) -> int:
+        head = self.head(step, _manifest.MANIFEST_NAME)
+        if head is None:
+            return -1
+        try:
+            return int(head.get("Metadata", {}).get(SEQ_META, 0))
+        except ValueError:
+            return 0
+
+    def sequenced(self) -> list[tuple[int, int]]:
+        """``(upload sequence, step)`` of every committed step, oldest first (one HEAD
+        per step, in parallel); a step removed meanwhile is left out."""
+        steps = self.steps()
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(16, len(steps)))) as pool:
+            seqs = list(pool.map(self._seq, steps))
+        return sorted((seq, step) for seq, step in zip(seqs, steps) if seq >= 0)
+
+    def commit_order(self) -> list[int]:
+        return [step for _, step in self.sequenced()]
+
+    def latest(self) -> int | None:
+        """The newest committed step in commit (upload) order, or ``None``."""
+        order = self.commit_order()
+        return order[-1] if order else None
+
+    def read_latest(self) -> int | None:
+        key = self._where.key(_manifest.LATEST_NAME)
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        except Exception as exc:  # botocore's errors
+            if _is_missing(exc):
+                return None
+            raise _remote_error(exc, "GET", f"{SCHEME}{self.bucket}/{key}") from exc
+        return parse_step_dir(body.decode("ascii", "replace").strip())
+
+    def write_latest(self, step: int) -> None:
+        key = self._where.key(_manifest.LATEST_NAME)
+        self._call(
+            "PUT",
+            f"{SCHEME}{self.bucket}/{key}",
+            self.client.put_object,
+            Bucket=self.bucket,
+            Key=key,
+            Body=(step_dir_name(step) + "\n").encode(),
+            ChecksumAlgorithm="CRC32",
+        )
+
+    def remove_step(self, step: int) -> None:
+        marker = self._key(step, _manifest.MANIFEST_NAME)
+        url = self.step_url(step)
+        self._call("DELETE", url, self.client.delete_object, Bucket=self.bucket, Key=marker)
+        keys = [obj["Key"] for obj in self._list(self._key(step, ""))]
+        for i in range(0, len(keys), 1000):
+            batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
+            self._call("DELETE", url, self.client.delete_objects, Bucket=self.bucket, Delete=batch)
+
+    # ------------------------------------------------------------------ objects
+    def head(self, step: int, name: str) -> dict[str, Any] | None:
+        """The HEAD of one object of a step, or ``None`` when it does not exist."""
+        key = self._key(step, name)
+        try:
+            return dict(self.client.head_object(Bucket=self.bucket, Key=key))
+        except Exception as exc:  # botocore's errors
+            if _is_missing(exc):
+                return None
+            raise _remote_error(exc, "HEAD", f"{SCHEME}{self.bucket}/{key}") from exc
+
+    def upload_file(self, step: int, name: str, path: str, token: str) -> int:
+        """Upload the local file ``path`` as object ``name`` of step ``step`` (multipart
+        with CRC32 per part above ``part_size``), tagged with the save ``token``.
+
+        Returns:
+            Its size in bytes.
+        """
+        from boto3.s3.transfer import TransferConfig
+
+        config = TransferConfig(
+            multipart_threshold=self.part_size,
+            multipart_chunksize=self.part_size,
+            max_concurrency=self.max_concurrency,
+            use_threads=True,
+        )
+        key = self._key(step, name)
+        self._call(
+            "upload to",
+            f"{SCHEME}{self.bucket}/{key}",
+            self.client.upload_file,
+            Filename=path,
+            Bucket=self.bucket,
+            Key=key,
+            ExtraArgs={"ChecksumAlgorithm": "CRC32", "Metadata": {TOKEN_META: token}},
+            Config=config,
+        )
+        return os.path.getsize(path)
+
+    def wait_objects(self, step: int, expected: Mapping[str, int], token: str, timeout: float) -> None:
+        """Wait (polling HEAD, at most ``timeout`` seconds) until every object of
+        ``expected`` (name -> size in bytes) of step ``step`` carries ``token``.
+
+        Raises:
+            TimeoutError: naming the objects still missing or of another save.
+        """
+        deadline = time.monotonic() + timeout
+        pending = dict(expected)
+        delay = 0.05
+        while True:
+            for name, size in list(pending.items()):
+                head = self.head(step, name)
+                if (
+                    head is not None
+                    and head.get("ContentLength") == size
+                    and head.get("Metadata", {}).get(TOKEN_META) == token
+                ):
+                    del pending[name]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{self.step_url(step)}: the objects {sorted(pending)} of the other ranks were not "
+                    f"uploaded within {timeout:.0f} s"
+                )
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
+
+    def commit_step(self, step: int, manifest_path: str, token: str) -> None:
+        """Write step ``step``'s commit marker (the manifest at ``manifest_path``), then
+        ``latest``. Call it only once every object the manifest lists is uploaded."""
+        seq = 1 + max((s for s, _ in self.sequenced()), default=0)
+        key = self._key(step, _manifest.MANIFEST_NAME)
+        with open(manifest_path, "rb") as f:
+            body = f.read()
+        self._call(
+            "PUT",
+            f"{SCHEME}{self.bucket}/{key}",
+            self.client.put_object,
+            Bucket=self.bucket,
+            Key=key,
+            Body=body,
+            ChecksumAlgorithm="CRC32",
+            Metadata={TOKEN_META: token, SEQ_META: str(seq)},
+        )
+        self.write_latest(step)
+
+    def upload_step(
+        self,
+        step: int,
+        files: Mapping[str, str],
+        manifest: Mapping[str, Any],
+        *,
+        rank: int = 0,
+        coordinator: bool = True,
+        timeout: float = 600.0,
+    ) -> int:
+        """Upload this rank's share of a committed local step, and commit it remotely
+        when this is the coordinator.
+
+        Args:
+            step: the step.
+            files: file name -> a local path to read it from (e.g. ``/proc/self/fd/N``
+                of a descriptor opened at the local commit, so that local retention
+                cannot take it away during the upload); every file of the manifest
+                and the manifest itself (coordinator), this rank's data files (others).
+            manifest: the step's manifest (its ``files`` and ``save_token``).
+            rank: this rank (which data files are its own, :func:`rank_files`).
+            coordinator: upload the metadata, wait for every rank's objects, then write
+                the marker and ``latest``.
+            timeout: seconds the coordinator waits for the other ranks' objects.
+
+        Returns:
+            Bytes this rank uploaded.
+
+        Raises:
+            RemoteStorageError: a request failed (after botocore's retries).
+            TimeoutError: another rank's objects did not come in time.
+        """
+        token = str(manifest.get("save_token", ""))
+        names = rank_files(manifest["files"], rank, coordinator)
+        sent = 0
+        for name in names:
+            sent += self.upload_file(step, name, files[name], token)
+        _faults.hit("upload")
+        if coordinator:
+            others = {n: e["size"] for n, e in manifest["files"].items() if n not in names}
+            others.pop(_manifest.MANIFEST_NAME, None)
+            self.wait_objects(step, others, token, timeout)
+            self.commit_step(step, files[_manifest.MANIFEST_NAME], token)
+        return sent
+
+    # ------------------------------------------------------------------ reads
+    def fetch(self, step: int, dest: str | os.PathLike) -> dict[str, Any]:
+        """Read committed step ``step`` into the empty local directory ``dest``
+        (see :meth:`fetch_url`)."""
+        return fetch_url(self, self._where.child(step_dir_name(step)), dest)
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A remote checkpoint's commit marker: its bytes, its save token, the manifest."""
+
+    body: bytes
+    token: str | None
+    manifest: dict[str, Any]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(int(e["size"]) for e in self.manifest["files"].values())
+
+
+def read_marker(tier: S3Tier, where: S3Url) -> Marker:
+    """The commit marker of the checkpoint at ``where``, checked as a local manifest is
+    (:func:`asyncckpt.format.manifest.read_manifest`: plain names, well-formed entries).
+
+    Raises:
+        CheckpointNotFoundError: there is none (the checkpoint is absent).
+        CorruptCheckpointError: it is malformed.
+        RemoteStorageError: the request failed.
+    """
+    url = str(where)
+    try:
+        response = tier.client.get_object(Bucket=where.bucket, Key=where.key(_manifest.MANIFEST_NAME))
+        body = response["Body"].read()
+    except Exception as exc:  # botocore's errors
+        if _is_missing(exc):
+            raise CheckpointNotFoundError("no committed checkpoint (no commit marker)", url) from None
+        raise _remote_error(exc, "GET", f"{url}/{_manifest.MANIFEST_NAME}") from exc
+    with tempfile.TemporaryDirectory(prefix="asyncckpt-marker-") as check_dir:
+        Path(check_dir, _manifest.MANIFEST_NAME).write_bytes(body)
+        try:
+            manifest = _manifest.read_manifest(check_dir)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{url}: {exc}", url) from None
+    return Marker(body, response.get("Metadata", {}).get(TOKEN_META), manifest)
+
+
+def fetch_url(tier: S3Tier, where: S3Url, dest: str | os.PathLike, marker: Marker | None = None) -> dict[str, Any]:
+    """Read the committed checkpoint at ``where`` into the local directory ``dest``:
+    the marker first (a checkpoint without one is absent; ``marker``: already read),
+    then every file it lists, with ranged GETs of ``part_size`` bytes,
+    ``max_concurrency`` in flight, written in place with ``pwrite``; each response must
+    carry the marker's save token. The manifest is written last.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        CheckpointNotFoundError: no marker, or an object was removed meanwhile (a
+            remote retention racing this read).
+        CorruptCheckpointError: an object of another save or of another size.
+        RemoteStorageError: a request failed.
+    """
+    client = tier.client
+    url = str(where)
+    dest = Path(dest)
+    if marker is None:
+        marker = read_marker(tier, where)
+    manifest, token, body = marker.manifest, marker.token, marker.body
+    _faults.hit("s3_read")
+
+    jobs: list[tuple[str, int, int, int]] = []  # name, fd, offset, length
+    fds: dict[str, int] = {}
+    try:
+        for name, entry in sorted(manifest["files"].items()):
+            if name == _manifest.MANIFEST_NAME:
+                continue
+            fd = fds[name] = os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            size = int(entry["size"])
+            os.ftruncate(fd, size)
+            jobs.extend((name, fd, off, min(tier.part_size, size - off)) for off in range(0, size, tier.part_size))
+            if size == 0:
+                jobs.append((name, fd, 0, 0))
+
+        def get(job: tuple[str, int, int, int]) -> None:
+            name, fd, offset, length = job
+            key = where.key(name)
+            kwargs: dict[str, Any] = {"Bucket": where.bucket, "Key": key}
+            if length:
+                kwargs["Range"] = f"bytes={offset}-{offset + length - 1}"
+            try:
+                response = client.get_object(**kwargs)
+            except Exception as exc:  # botocore's errors
+                if _is_missing(exc):
+                    raise CheckpointNotFoundError(
+                        f"{name} was removed while the checkpoint was being read (retention?): load a newer step",
+                        url,
+                    ) from None
+                raise _remote_error(exc, "GET", f"{url}/{name}") from exc
+            got = response.get("Metadata", {}).get(TOKEN_META)
+            total = int(manifest["files"][name]["size"])
+            if token is not None and got != token:
+                raise CorruptCheckpointError(f"{url}/{name} belongs to another save than its manifest", url)
+            content_range = response.get("ContentRange")
+            if length and content_range and not content_range.endswith(f"/{total}"):
+                raise CorruptCheckpointError(
+                    f"{url}/{name} has another size than its manifest's {total} bytes ({content_range})", url
+                )
+            stream = response["Body"]
+            done = 0
+            while done < length:
+                chunk = stream.read(min(8 << 20, length - done))
+                if not chunk:
+                    break
+                os.pwrite(fd, chunk, offset + done)
+                done += len(chunk)
+            if done != length:
+                raise CorruptCheckpointError(f"{url}/{name}: short read at byte {offset + done}", url)
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, tier.max_concurrency), "asyncckpt-s3-get") as pool:
+            futures = [pool.submit(get, job) for job in jobs]
+            try:
+                for future in concurrent.futures.as_completed(futures):
+                    future.result()
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    (dest / _manifest.MANIFEST_NAME).write_bytes(body)
+    return manifest
+
+
+def _scratch_parent(nbytes: int) -> str:
+    chosen = os.environ.get("ASYNCCKPT_S3_SCRATCH")
+    if chosen:
+        return chosen
+    try:
+        st = os.statvfs("/dev/shm")
+        if st.f_bavail * st.f_frsize > nbytes + (256 << 20):
+            return "/dev/shm"
+    except OSError:
+        pass
+    return tempfile.gettempdir()
+
+
+@contextlib.contextmanager
+def fetched(url: str, *, endpoint_url: str | None = None) -> Iterator[Path]:
+    """A committed remote checkpoint (``s3://bucket/prefix/step_00000007``) as a local
+    directory for the duration of the ``with`` block (see :func:`fetch_url`), in
+    memory when ``/dev/shm`` has room (``ASYNCCKPT_S3_SCRATCH``: another parent);
+    removed at the end.
+
+    Yields:
+        The local directory (named as the URL's last component, e.g. ``step_00000007``).
+
+    Raises:
+        CheckpointNotFoundError: no committed checkpoint at ``url`` (or removed meanwhile).
+        CorruptCheckpointError, RemoteStorageError: see :func:`fetch_url`.
+    """
+    where = parse_url(url)
+    tier = S3Tier(f"{SCHEME}{where.bucket}", endpoint_url=endpoint_url)
+    marker = read_marker(tier, where)
+    parent = tempfile.mkdtemp(prefix="asyncckpt-s3-", dir=_scratch_parent(marker.total_bytes))
+    try:
+        dest = Path(parent) / (where.prefix.rsplit("/", 1)[-1] or where.bucket)
+        dest.mkdir()
+        fetch_url(tier, where, dest, marker)
+        yield dest
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)

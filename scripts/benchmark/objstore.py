@@ -1,0 +1,238 @@
+"""Object storage rows (issue 32): asyncckpt's S3 tier against raw boto3 on the same
+server, in one run.
+
+- **upload**: a committed step (the manager's files) uploaded by the tier
+  (``S3Tier.upload_step``: multipart, CRC32 per part, token metadata, marker, latest)
+  against a raw ``upload_file`` of the same files with the same client, part size and
+  concurrency (no checksum, no marker). Goal: >= 0.9x the raw throughput.
+- **load**: ``asyncckpt.load(state, "s3://...")`` (ranged GETs into memory, then the
+  direct path with inline CRC-32s) and ``read_state_dict`` against a raw parallel ranged
+  GET of the same objects into memory. Goal: <= 1.2x the raw time.
+- **training**: the loop of a small MLP with a save every K steps (K = 4, 16), with
+  ``upload_to`` and without: the slowdown of the upload tier over the local one.
+
+By default it starts a SeaweedFS server (``weed server -s3``, the tests' fixture
+``tests/s3_server.py``) on 127.0.0.1 in a temporary directory; ``--endpoint`` (with
+the standard AWS variables for the keys) uses another S3 server instead.
+
+    python scripts/bench_s3.py                       # 1 GiB in 4096 tensors, K = 4, 16
+    python scripts/bench_s3.py --mib 256 --tensors 1024 --no-train
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import asyncckpt
+from asyncckpt.format import manifest as _manifest
+from asyncckpt.io import s3 as _s3
+from benchmark.common import ROOT, MiB, log
+
+
+def _state(mib: int, tensors: int, seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    per = max(1, mib * MiB // 4 // tensors)
+    return {f"layer{i:05d}.weight": torch.randn(per, generator=g) for i in range(tensors)}
+
+
+@contextlib.contextmanager
+def _server(endpoint: str | None) -> Iterator[dict[str, str]]:
+    if endpoint:
+        yield {"AWS_ENDPOINT_URL": endpoint}
+        return
+    sys.path.insert(0, str(ROOT / "tests"))
+    from s3_server import S3Server
+
+    with tempfile.TemporaryDirectory(prefix="asyncckpt-bench-s3-") as d:
+        server = S3Server(d)
+        try:
+            server.start()
+            yield server.env()
+        finally:
+            server.stop()
+
+
+def _files(step_dir: Path) -> dict[str, str]:
+    return {p.name: str(p) for p in step_dir.iterdir() if p.is_file()}
+
+
+def _raw_upload(tier: _s3.S3Tier, prefix: str, files: dict[str, str]) -> None:
+    from boto3.s3.transfer import TransferConfig
+
+    config = TransferConfig(
+        multipart_threshold=tier.part_size,
+        multipart_chunksize=tier.part_size,
+        max_concurrency=tier.max_concurrency,
+        use_threads=True,
+    )
+    for name, path in sorted(files.items()):
+        tier.client.upload_file(Filename=path, Bucket=tier.bucket, Key=f"{prefix}/{name}", Config=config)
+
+
+def _raw_get(tier: _s3.S3Tier, prefix: str, sizes: dict[str, int]) -> int:
+    """Ranged GETs of ``part_size`` bytes, ``max_concurrency`` in flight, into memory."""
+    bufs = {name: bytearray(size) for name, size in sizes.items()}
+    jobs = [(n, off, min(tier.part_size, s - off)) for n, s in sizes.items() for off in range(0, s, tier.part_size)]
+
+    def get(job: tuple[str, int, int]) -> None:
+        name, off, length = job
+        body = tier.client.get_object(
+            Bucket=tier.bucket, Key=f"{prefix}/{name}", Range=f"bytes={off}-{off + length - 1}"
+        )["Body"]
+        view = memoryview(bufs[name])[off : off + length]
+        got = 0
+        while got < length:
+            n = body.readinto(view[got:]) if hasattr(body, "readinto") else 0
+            if not n:
+                chunk = body.read(length - got)
+                if not chunk:
+                    break
+                view[got : got + len(chunk)] = chunk
+                n = len(chunk)
+            got += n
+
+    with concurrent.futures.ThreadPoolExecutor(tier.max_concurrency) as pool:
+        list(pool.map(get, jobs))
+    return sum(sizes.values())
+
+
+def _median_time(fn: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_upload_load(url_base: str, mib: int, tensors: int, reps: int, work: Path) -> list[tuple[str, str]]:
+    state = _state(mib, tensors)
+    root = work / "root"
+    with asyncckpt.CheckpointManager(root) as manager:
+        manager.save(1, state, async_op=False)
+    step_dir = root / "step_00000001"
+    manifest = _manifest.read_manifest(step_dir)
+    files = _files(step_dir)
+    nbytes = sum(e["size"] for e in manifest["files"].values())
+    tier = _s3.S3Tier(url_base)
+    tier.check_bucket()
+    rows = []
+
+    def ours() -> None:
+        tier.upload_step(1, files, manifest, rank=0, coordinator=True)
+
+    prefix = _s3.parse_url(url_base).prefix
+    n = iter(range(10**6))
+
+    def raw() -> None:
+        _raw_upload(tier, f"{prefix}/raw-{next(n)}", files)
+
+    ours()  # warm: connections, volumes
+    raw()
+    t_raw = _median_time(raw, reps)
+    t_ours = _median_time(ours, reps)
+    gb = nbytes / 1e9
+    rows.append(("upload: raw boto3 upload_file (same client, parts, concurrency)", f"{gb / t_raw:.2f} GB/s"))
+    rows.append(
+        (
+            "upload: asyncckpt S3Tier.upload_step (CRC32 parts, marker, latest)",
+            f"{gb / t_ours:.2f} GB/s ({t_raw / t_ours:.2f}x raw; goal >= 0.9x)",
+        )
+    )
+
+    url = tier.step_url(1)
+    sizes = {name: e["size"] for name, e in manifest["files"].items() if name != _manifest.MANIFEST_NAME}
+    step_prefix = _s3.parse_url(url).prefix
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    _raw_get(tier, step_prefix, sizes)  # warm: connections, imports, the page cache of the server
+    asyncckpt.load(target, url)
+    t_get = _median_time(lambda: _raw_get(tier, step_prefix, sizes), reps)
+    t_load = _median_time(lambda: asyncckpt.load(target, url), reps)
+    t_read = _median_time(lambda: asyncckpt.read_state_dict(url), reps)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    rows.append(("load: raw parallel ranged GET into memory", f"{t_get:.2f} s ({gb / t_get:.2f} GB/s)"))
+    load_row = f"{t_load:.2f} s ({t_load / t_get:.2f}x raw; goal <= 1.2x)"
+    rows.append(("load: asyncckpt.load(state, s3://...) (verify inline)", load_row))
+    read_row = f"{t_read:.2f} s ({t_read / t_get:.2f}x raw)"
+    rows.append(("load: asyncckpt.read_state_dict(s3://...) (verify first)", read_row))
+    return rows
+
+
+def _train(root: Path, every: int, steps: int, upload_to: str | None) -> float:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])  # 32 MiB of weights
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(64, 1024)
+    with asyncckpt.CheckpointManager(root, keep_last=2, upload_to=upload_to, keep_remote=2 if upload_to else None) as m:
+        t = time.perf_counter()
+        for step in range(steps):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            m.maybe_finalize()
+            if step % every == 0:
+                m.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+        elapsed = time.perf_counter() - t
+        m.wait_uploads(600)
+    return elapsed
+
+
+def bench_training(url_base: str, ks: list[int], steps: int, reps: int, work: Path) -> list[tuple[str, str]]:
+    rows = []
+    for k in ks:
+        local, remote = [], []
+        for r in range(reps):  # interleaved
+            local.append(_train(work / f"l{k}-{r}", k, steps, None))
+            remote.append(_train(work / f"r{k}-{r}", k, steps, f"{url_base}/train-{k}-{r}"))
+        lm, rm = statistics.median(local), statistics.median(remote)
+        spread = (max(local) - min(local)) / lm
+        rows.append(
+            (
+                f"training, a save every K={k} of {steps} steps: upload_to vs local only",
+                f"{rm:.2f} s vs {lm:.2f} s ({rm / lm - 1:+.1%}; local run-to-run spread {spread:.1%})",
+            )
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench_s3.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--endpoint", default=None, help="an S3 endpoint (default: start a local SeaweedFS)")
+    p.add_argument("--bucket", default="asyncckpt-bench", help="bucket (created if missing)")
+    p.add_argument("--mib", type=int, default=1024, help="state size in MiB (%(default)s)")
+    p.add_argument("--tensors", type=int, default=4096, help="tensors (%(default)s)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions (%(default)s)")
+    p.add_argument("--train-k", default="4,16", help="training rows: a save every K steps (%(default)s)")
+    p.add_argument("--train-steps", type=int, default=64, help="steps per training run (%(default)s)")
+    p.add_argument("--no-train", action="store_true")
+    args = p.parse_args(argv)
+    with _server(args.endpoint) as env, tempfile.TemporaryDirectory(prefix="asyncckpt-bench-") as work:
+        os.environ.update(env)
+        tier = _s3.S3Tier(f"s3://{args.bucket}")
+        with contextlib.suppress(Exception):
+            tier.client.create_bucket(Bucket=args.bucket)
+        base = f"s3://{args.bucket}/bench-{uuid.uuid4().hex[:8]}"
+        log(f"upload / load of {args.mib} MiB in {args.tensors} tensors")
+        rows = bench_upload_load(base, args.mib, args.tensors, args.reps, Path(work))
+        if not args.no_train:
+            ks = [int(k) for k in args.train_k.split(",") if k]
+            log(f"training loop, K = {ks}")
+            rows += bench_training(base, ks, args.train_steps, args.reps, Path(work))
+    print(f"| object storage ({args.mib} MiB / {args.tensors} tensors, one run) | |")
+    print("|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+    return 0
