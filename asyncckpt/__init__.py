@@ -58,6 +58,7 @@ _EXPORTS = {
     "default_calls_queue": "saving.api",
     "load": "loading.api",
     "verify": "loading.api",
+    "read_metadata": "loading.api",
     "read_state_dict": "loading.read",
     "export_safetensors": "export",
     "SaveHandle": "saving.handle",
@@ -97,6 +98,7 @@ if TYPE_CHECKING:
     from asyncckpt.errors import UploadError as UploadError
     from asyncckpt.export import export_safetensors as export_safetensors
     from asyncckpt.loading.api import load as load
+    from asyncckpt.loading.api import read_metadata as read_metadata
     from asyncckpt.loading.api import verify as verify
     from asyncckpt.loading.read import read_state_dict as read_state_dict
     from asyncckpt.manager import CheckpointManager as CheckpointManager

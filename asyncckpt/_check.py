@@ -7,8 +7,11 @@ is planned, staged or written.
 
 from __future__ import annotations
 
+import json
+import math
 import operator
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from asyncckpt.errors import InvalidArgumentError
@@ -105,3 +108,43 @@ def int_key(name: str) -> int | None:
     except ValueError:
         return None
     return value if str(value) == name else None
+
+
+def check_step_info(metrics: Any, metadata: Any) -> dict[str, Any]:
+    """The manifest fields of a save's ``metrics`` and user ``metadata`` (only those
+    given), checked at the API.
+
+    Args:
+        metrics: ``None``, or a mapping of ``str`` names to finite numbers (``int`` or
+            ``float``, ``bool`` excluded), e.g. ``{"val_loss": 0.31}``: what ``BestN``
+            ranks steps by.
+        metadata: ``None``, or a ``dict`` with ``str`` keys that ``json.dumps`` writes
+            (no NaN or infinity), e.g. ``{"epoch": 3, "data": "shard-17"}``.
+
+    Returns:
+        ``{"metrics": {...}, "metadata": {...}}`` with the given ones (floats and
+        plain dicts).
+
+    Raises:
+        InvalidArgumentError: either is of the wrong shape (nothing is staged).
+    """
+    fields: dict[str, Any] = {}
+    if metrics is not None:
+        if not isinstance(metrics, Mapping):
+            raise InvalidArgumentError(f"metrics must be a dict of names to numbers, not {type(metrics).__name__}")
+        out: dict[str, float] = {}
+        for name, value in metrics.items():
+            if not isinstance(name, str) or not name:
+                raise InvalidArgumentError(f"a metric's name must be a non-empty str, not {name!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise InvalidArgumentError(f"metric {name!r} must be a finite int or float, not {value!r}")
+            out[name] = float(value)
+        fields["metrics"] = out
+    if metadata is not None:
+        if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+            raise InvalidArgumentError("metadata must be a dict with str keys (stored as JSON in the manifest)")
+        try:
+            fields["metadata"] = json.loads(json.dumps(metadata, allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"metadata must be JSON-serializable: {exc}") from None
+    return fields

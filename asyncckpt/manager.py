@@ -11,10 +11,11 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from asyncckpt._check import check_callback, check_path, check_state_dict, check_step
+from asyncckpt._check import check_callback, check_path, check_state_dict, check_step, check_step_info
 from asyncckpt._exit import exit_timeout
 from asyncckpt.async_utils.callers import PersistentAsyncCaller
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
@@ -30,7 +31,7 @@ from asyncckpt.errors import (
     RankFailure,
 )
 from asyncckpt.format import manifest as _manifest
-from asyncckpt.loading.api import load
+from asyncckpt.loading.api import load, read_metadata
 from asyncckpt.options import SaveOptions
 from asyncckpt.policy import PreservationPolicy, SaveInterval, as_policy
 from asyncckpt.root import CheckpointRoot
@@ -411,7 +412,14 @@ class CheckpointManager:
         self._timed_due = self.save_interval.next_timed_step(step, [r / 1e6 for r in rates])
 
     def save(
-        self, step: int, state_dict: dict[str, Any], *, async_op: bool = True, callback: SaveCallback | None = None
+        self,
+        step: int,
+        state_dict: dict[str, Any],
+        *,
+        async_op: bool = True,
+        callback: SaveCallback | None = None,
+        metrics: Mapping[str, float] | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> SaveHandle:
         """Save ``state_dict`` as step ``step`` (see :func:`asyncckpt.save`).
 
@@ -425,6 +433,10 @@ class CheckpointManager:
                 (it must be thread-safe). If it raises, the error is logged and
                 raised as :class:`CallbackError` by the next :meth:`maybe_finalize`,
                 ``handle.wait`` or :meth:`close`; the queue goes on.
+            metrics: numbers by name (``{"val_loss": 0.31}``), stored with the step
+                (in its manifest; the coordinator's): ``BestN`` ranks steps by them,
+                :meth:`metadata` reads them back without reading any tensor.
+            metadata: a JSON-serializable ``dict`` (``str`` keys) stored the same way.
 
         Returns:
             The handle; committed steps are also reported by :meth:`maybe_finalize`.
@@ -432,8 +444,9 @@ class CheckpointManager:
         Raises:
             InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``step`` is not a
                 non-negative int (``bool``, ``1.5``, ``"7"``, ``-1``; numpy / torch
-                integer scalars are fine), ``state_dict`` not a dict, or ``callback``
-                not callable; nothing is staged.
+                integer scalars are fine), ``state_dict`` not a dict, ``callback``
+                not callable, or ``metrics`` / ``metadata`` of the wrong shape;
+                nothing is staged.
             CheckpointError: invalid input, or step ``step`` already exists (on every
                 rank).
             InvalidStateError: (a ``RuntimeError``) the manager is closed.
@@ -442,6 +455,7 @@ class CheckpointManager:
         step = check_step(step, hint=hint)
         check_state_dict(state_dict, hint=hint)
         check_callback(callback)
+        user_info = check_step_info(metrics, metadata)
         if self._closed:
             raise InvalidStateError("CheckpointManager is closed")
         if self.read_only:
@@ -460,7 +474,28 @@ class CheckpointManager:
                 coordinator_rank=self.coordinator_rank,
                 step=step,
                 callback=callback,
+                user_info=user_info,
             )
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """What step ``step`` (default: the latest) was saved with, read from its
+        manifest without reading any tensor (see :func:`asyncckpt.read_metadata`).
+
+        Raises:
+            InvalidArgumentError: ``step`` is not ``None`` or a non-negative int.
+            CheckpointNotFoundError: there is no committed checkpoint of that step.
+            CorruptCheckpointError: its manifest is unreadable or of a newer format.
+        """
+        if step is not None:
+            step = check_step(step)
+        else:
+            step = self._root.latest()
+            if step is None:
+                raise CheckpointNotFoundError("no committed checkpoint", str(self.root_dir))
+        path = self.step_dir(step)
+        if not _manifest.is_committed(path):
+            raise CheckpointNotFoundError(f"step {step} has no committed checkpoint", str(path))
+        return read_metadata(path)
 
     def prepare(self, state_dict: dict[str, Any]) -> int:
         """Get ready for saves of ``state_dict``'s structure before the first one (collective).

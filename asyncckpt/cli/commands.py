@@ -36,7 +36,7 @@ from asyncckpt.cli.scan import (
     scan_root,
 )
 from asyncckpt.errors import AsyncckptError, CheckpointError, CorruptCheckpointError, RootInUseError
-from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, is_committed
+from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, is_committed, step_metadata
 from asyncckpt.io.storage import LOCAL
 
 __all__ = [
@@ -171,6 +171,7 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         "committed": manifest is not None and is_committed(path),
         "step": manifest_int("step"),
         "world_size": manifest_int("world_size"),
+        "saved_with": step_metadata(manifest) if manifest is not None else None,
         "entries": entries,
         "totals": {
             "entries": len(entries),
@@ -505,6 +506,13 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     ws = "-" if info["world_size"] is None else info["world_size"]
     step = "-" if info["step"] is None else info["step"]
     print(f"world_size: {ws}  step: {step}", file=out)
+    saved_with = info.get("saved_with") or {}
+    if saved_with.get("metrics"):
+        print("metrics: " + ", ".join(f"{k}={v:g}" for k, v in sorted(saved_with["metrics"].items())), file=out)
+    if saved_with.get("metadata"):
+        print(f"metadata: {json.dumps(saved_with['metadata'], sort_keys=True)}", file=out)
+    if saved_with.get("asyncckpt_version"):
+        print(f"written by asyncckpt {saved_with['asyncckpt_version']}", file=out)
     return 0
 
 

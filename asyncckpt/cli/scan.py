@@ -12,10 +12,11 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from asyncckpt import root as _root
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, is_committed
+from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, is_committed, step_metadata
 from asyncckpt.io.commit import read_latest
 from asyncckpt.io.storage import LOCAL
 
@@ -72,6 +73,8 @@ class CheckpointEntry:
         world_size: ranks that saved it (from the manifest), or ``None``.
         latest: ``latest`` names this directory.
         error: why the manifest could not be read, else ``None``.
+        metrics, metadata, asyncckpt_version: what it was saved with (its manifest;
+            :func:`asyncckpt.format.manifest.step_metadata`).
         foreign: in a root, its name is not one a ``CheckpointManager`` writes
             (``step_%08d``): committed by someone else (``asyncckpt.save`` to
             ``root/step_6``, a Lightning ``dirpath``'s ``epoch=0-step=16.ckpt``), so it
@@ -87,6 +90,9 @@ class CheckpointEntry:
     latest: bool = False
     error: str | None = None
     foreign: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    asyncckpt_version: str | None = None
 
 
 @dataclass
@@ -156,11 +162,13 @@ def _checkpoint_entry(path: Path, step: int | None) -> CheckpointEntry:
     error = None
     world_size = None
     nbytes: int | None = None
+    saved_with: dict[str, Any] = {}
     try:
         manifest = LOCAL.read_manifest(path)
     except CorruptCheckpointError as exc:
         error = str(exc)
     else:
+        saved_with = step_metadata(manifest)
         total = manifest.get("total_bytes")
         nbytes = total if isinstance(total, int) else sum(e["size"] for e in manifest["files"].values())
         ws = manifest.get("world_size")
@@ -179,6 +187,9 @@ def _checkpoint_entry(path: Path, step: int | None) -> CheckpointEntry:
         committed_unix_s=committed,
         world_size=world_size,
         error=error,
+        metrics=saved_with.get("metrics", {}),
+        metadata=saved_with.get("metadata", {}),
+        asyncckpt_version=saved_with.get("asyncckpt_version"),
     )
 
 

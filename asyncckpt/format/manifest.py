@@ -34,6 +34,7 @@ __all__ = [
     "manifest_bytes",
     "read_manifest",
     "verify_checkpoint",
+    "step_metadata",
     "is_committed",
     "run_in_order",
 ]
@@ -130,6 +131,14 @@ def read_manifest(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         or not isinstance(manifest.get("files"), dict)
     ):
         raise CorruptCheckpointError(f"{path} is not an asyncckpt manifest", str(path))
+    version = manifest.get("version", MANIFEST_VERSION)
+    if not (isinstance(version, int) and not isinstance(version, bool) and 0 <= version <= MANIFEST_VERSION):
+        raise CorruptCheckpointError(
+            f"{path} is of manifest format version {version!r}, and this asyncckpt reads versions up to "
+            f"{MANIFEST_VERSION}: written by a newer asyncckpt "
+            f"({manifest.get('asyncckpt_version', 'version unknown')}); upgrade asyncckpt to read it",
+            str(path),
+        )
     for name, entry in manifest["files"].items():
         if not is_plain_name(name):
             raise CorruptCheckpointError(f"{path} names a file outside the checkpoint: {name!r}", str(path))
@@ -141,6 +150,32 @@ def read_manifest(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         ):
             raise CorruptCheckpointError(f"{path}: malformed entry for {name!r}", str(path))
     return manifest
+
+
+def step_metadata(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """What a checkpoint was saved with, from its manifest (no tensor is read).
+
+    Returns:
+        ``step`` (or ``None``), ``metrics`` (``{name: float}``, ``{}`` when none),
+        ``metadata`` (the user's dict, ``{}`` when none), ``asyncckpt_version`` (the
+        library that wrote it, ``None`` before it was recorded), ``format_version``
+        (the manifest's), ``world_size``, ``total_bytes``, ``created_unix_s`` (the
+        commit's time, seconds since the epoch) and ``commit_seq`` (``None`` when
+        absent).
+    """
+    metrics = manifest.get("metrics")
+    metadata = manifest.get("metadata")
+    return {
+        "step": manifest.get("step"),
+        "metrics": dict(metrics) if isinstance(metrics, dict) else {},
+        "metadata": dict(metadata) if isinstance(metadata, dict) else {},
+        "asyncckpt_version": manifest.get("asyncckpt_version"),
+        "format_version": manifest.get("version"),
+        "world_size": manifest.get("world_size"),
+        "total_bytes": manifest.get("total_bytes"),
+        "created_unix_s": manifest.get("created_unix_s"),
+        "commit_seq": manifest.get("commit_seq"),
+    }
 
 
 def is_committed(checkpoint_dir: Path) -> bool:

@@ -34,7 +34,7 @@ from asyncckpt.errors import (
     RankFailure,
     UnverifiableCheckpointError,
 )
-from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME
+from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, step_metadata
 from asyncckpt.format.records import RECORDS_NAME
 from asyncckpt.io import s3 as _s3
 from asyncckpt.io.storage import LOCAL
@@ -44,7 +44,7 @@ from asyncckpt.loading.hf import is_hf_dir, load_hf
 from asyncckpt.loading.metadata import gc_paused
 from asyncckpt.root import is_stock_dcp
 
-__all__ = ["load", "verify", "from_dcp_exception", "not_a_directory"]
+__all__ = ["load", "verify", "read_metadata", "from_dcp_exception", "not_a_directory"]
 
 
 def not_a_directory(path: Path) -> CheckpointPathError:
@@ -57,6 +57,40 @@ def not_a_directory(path: Path) -> CheckpointPathError:
         "not a checkpoint directory (a checkpoint is a directory; for a torch.save file use torch.load)",
         path,
     )
+
+
+def read_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """What a committed checkpoint was saved with, from its manifest alone: no tensor
+    (and no other file) is read. Orbax's ``metadata(step)``, in our words.
+
+    Args:
+        checkpoint_dir: a committed checkpoint directory, or an
+            ``s3://bucket/prefix/step_N`` URL (only its commit marker is read).
+
+    Returns:
+        ``step``, ``metrics`` and ``metadata`` as given to ``save`` (``{}`` when
+        none), ``asyncckpt_version``, ``format_version``, ``world_size``,
+        ``total_bytes``, ``created_unix_s``, ``commit_seq``
+        (:func:`asyncckpt.format.manifest.step_metadata`).
+
+    Raises:
+        CheckpointNotFoundError: (a ``FileNotFoundError``) ``checkpoint_dir`` does not
+            exist.
+        CheckpointPathError: (a ``NotADirectoryError``) it is not a directory.
+        CorruptCheckpointError: it has no manifest (a stock DCP directory has none),
+            an unreadable one, or one of a newer format than this asyncckpt reads.
+        InvalidArgumentError: ``checkpoint_dir`` is not a path.
+    """
+    if _s3.is_url(checkpoint_dir):
+        where = _s3.parse_url(str(checkpoint_dir))
+        return step_metadata(_s3.read_marker(_s3.S3Tier(f"{_s3.SCHEME}{where.bucket}"), where).manifest)
+    check_path(checkpoint_dir)
+    path = Path(checkpoint_dir)
+    if not os.path.lexists(path):
+        raise CheckpointNotFoundError("no such checkpoint directory", str(path))
+    if path.exists() and not path.is_dir():
+        raise not_a_directory(path)
+    return step_metadata(LOCAL.read_manifest(path))
 
 
 def verify(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:

@@ -6,11 +6,12 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
 
-from asyncckpt._check import check_callback, check_path, check_state_dict, check_step
+from asyncckpt._check import check_callback, check_path, check_state_dict, check_step, check_step_info
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 from asyncckpt.errors import InvalidArgumentError
 from asyncckpt.options import SaveOptions
@@ -168,6 +169,8 @@ def save(
     callback: SaveCallback | None = None,
     options: SaveOptions | None = None,
     step: int | None = None,
+    metrics: Mapping[str, float] | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> SaveHandle:
     """Save ``state_dict`` as a torch.distributed.checkpoint directory, atomically.
 
@@ -205,6 +208,11 @@ def save(
         step: the training step this state belongs to (a non-negative int), recorded
             in the manifest (``asyncckpt ls`` shows it) and in error messages;
             ``None`` (default): none.
+        metrics: numbers by name (``{"val_loss": 0.31}``) stored in the manifest
+            (the coordinator's); read back by :func:`asyncckpt.read_metadata` without
+            reading any tensor, ranked by ``BestN``.
+        metadata: a JSON-serializable ``dict`` with ``str`` keys stored the same way
+            (the coordinator's).
 
     Returns:
         A :class:`SaveHandle`; for ``async_op=False`` it is already committed.
@@ -216,9 +224,9 @@ def save(
             rank; nothing was committed.
         InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``state_dict`` is not
             a dict, ``checkpoint_dir`` not a path, ``step`` not a non-negative int,
-            ``callback`` not callable (nothing is staged); ``overlap_staging``
-            without ``async_op``; both ``options`` and ``overlap_staging``; a bad
-            ``SaveOptions`` value.
+            ``callback`` not callable, ``metrics`` / ``metadata`` of the wrong shape
+            (nothing is staged); ``overlap_staging`` without ``async_op``; both
+            ``options`` and ``overlap_staging``; a bad ``SaveOptions`` value.
     """
     hint = "; the call is save(state_dict, checkpoint_dir)"
     check_state_dict(state_dict, hint=hint)
@@ -226,6 +234,7 @@ def save(
     if step is not None:
         step = check_step(step)
     check_callback(callback)
+    user_info = check_step_info(metrics, metadata)
     opts = SaveOptions.resolve(options, overlap_staging=overlap_staging)
     if opts.overlap_staging and not async_op:
         raise InvalidArgumentError("overlap_staging needs async_op=True")
@@ -254,6 +263,7 @@ def save(
                 coordinator_rank=coordinator_rank,
                 callback=callback,
                 step=step,
+                user_info=user_info,
             )
     finally:
         if transient:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
-from asyncckpt import _faults
+from asyncckpt import __version__, _faults
 from asyncckpt._fs import current_umask
 from asyncckpt.dist import SyncGroup
 from asyncckpt.errors import CheckpointError, CheckpointException, InvalidArgumentError, RankFailure
@@ -295,6 +295,8 @@ def commit(
                 info["int_keys"] = {fqn: list(ints) for fqn, ints in save.planned.int_keys.items()}
             if save.root is not None:
                 info["commit_seq"] = save.root.next_commit_seq()  # the rollback order (root.py)
+            info["asyncckpt_version"] = __version__
+            info.update(save.user_info)  # metrics, metadata (the coordinator's)
             metadata_bytes, records = metadata_pickle.encode(metadata)
             save.storage.commit(save.tmp_dir, save.final_dir, metadata_bytes, files, info, records)
         except Exception as exc:  # noqa: BLE001 - funnelled to every rank below

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from typing import Any
 
 from asyncckpt.dist import SyncGroup
 from asyncckpt.format.layout import RankLayout
@@ -39,6 +40,8 @@ class SaveInFlight:
             or a synchronous save).
         callback: the completion callback, run once when the save is settled.
         storage: the tier the save is written to, committed in or discarded from.
+        user_info: extra manifest fields of this save (``metrics``, ``metadata``;
+            :func:`asyncckpt._check.check_step_info`), written by the coordinator.
         reported: the user saw the outcome (``wait``/``result``/``exception``): the
             owner's harvest does not report it again.
     """
@@ -60,6 +63,7 @@ class SaveInFlight:
     callback: SaveCallback | None = None
     reported: bool = False
     storage: Storage = LOCAL
+    user_info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def finish_timings(self, write_s: float, finalize_s: float, nbytes: int) -> SaveTimings:
         """Set and return :attr:`timings`, the save being committed now."""

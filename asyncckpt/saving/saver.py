@@ -240,8 +240,10 @@ class Saver:
         coordinator_rank: int,
         step: int | None = None,
         callback: SaveCallback | None = None,
+        user_info: dict[str, Any] | None = None,
     ) -> SaveHandle:
         """Save ``state_dict`` (see :func:`asyncckpt.save`); the caller holds :attr:`lock`.
+        ``user_info``: extra manifest fields (``metrics``, ``metadata``), already checked.
 
         In an atexit handler (:func:`asyncckpt._exit.in_atexit_handler`) every save is
         synchronous, as a ``torch.save`` there: the exit would not wait for it past
@@ -250,10 +252,14 @@ class Saver:
         """
         if _exit.in_atexit_handler():
             try:
-                return self._save(state_dict, checkpoint_dir, False, process_group, coordinator_rank, step, callback)
+                return self._save(
+                    state_dict, checkpoint_dir, False, process_group, coordinator_rank, step, callback, user_info
+                )
             finally:
                 _exit.clean_up_again()
-        return self._save(state_dict, checkpoint_dir, async_op, process_group, coordinator_rank, step, callback)
+        return self._save(
+            state_dict, checkpoint_dir, async_op, process_group, coordinator_rank, step, callback, user_info
+        )
 
     def _save(
         self,
@@ -264,6 +270,7 @@ class Saver:
         coordinator_rank: int,
         step: int | None,
         callback: SaveCallback | None,
+        user_info: dict[str, Any] | None = None,
     ) -> SaveHandle:
         started = time.monotonic()
         self.synchronize_staging()  # an earlier overlapped save is scheduled first
@@ -288,6 +295,7 @@ class Saver:
             in_flight=self._in_flight,
         )
         record.started, record.callback = started, callback
+        record.user_info = dict(user_info or {})
         link.record = record
         if not async_op:
             self._save_sync(record, started)
