@@ -250,6 +250,16 @@ def check_manager_loop(d: Path, outs: list[str], pass_no: int) -> None:
     assert "trained steps 201-299; checkpoints of steps [0, 100, 200]" in outs[1], outs[1]
 
 
+def check_policies(d: Path, outs: list[str], pass_no: int) -> None:
+    # steps 0..119 saved every 10; kept: the newest two, the best, every 100th
+    m = re.search(r"kept steps \[([0-9, ]+)\]; best val_loss at step (\d+)", outs[0])
+    assert m, outs[0]
+    kept = [int(s) for s in m.group(1).split(", ")]
+    last = 110 if pass_no == 1 else 230  # run again, it goes on after its newest step
+    assert kept[-2:] == [last - 10, last] and 0 in kept and int(m.group(2)) in kept, outs[0]
+    assert all(s % 10 == 0 for s in kept) and len(kept) <= 5, outs[0]
+
+
 def check_overlapped(d: Path, outs: list[str], pass_no: int) -> None:
     expected = [0, 100, 200] if pass_no == 1 else [300, 400, 500]  # pass 2: resumed at 201, to 500
     committed = [int(s) for s in re.findall(r"^committed .*/ckpt_overlap/step_(\d+)$", outs[0], re.M)]
@@ -306,6 +316,7 @@ class Python:
 
 PYTHON: dict[str, Python] = {
     "`CheckpointManager` in a training loop": Python(check_manager_loop, times=2),  # the 2nd run resumes
+    "Retention and save policies": Python(check_policies),
     "Overlapped staging, completion callbacks, a warm first save": Python(check_overlapped),
     # "Run this twice": preempted, then resumed; on the second pass, resumed both times.
     "Preemption save on SIGTERM": Python(
