@@ -43,6 +43,8 @@ _EXPORTS = {
     "SaveTimings": "saving.handle",
     "SaveResult": "saving.handle",
     "CheckpointManager": "manager",
+    "LocalTier": "io.local_tier",
+    "RestoreResult": "replication",
     "PreemptionSave": "preemption",
 }
 
@@ -67,12 +69,14 @@ if TYPE_CHECKING:
     from asyncckpt.errors import RankFailure as RankFailure
     from asyncckpt.errors import RootInUseError as RootInUseError
     from asyncckpt.errors import UnverifiableCheckpointError as UnverifiableCheckpointError
+    from asyncckpt.io.local_tier import LocalTier as LocalTier
     from asyncckpt.loading.api import load as load
     from asyncckpt.loading.api import verify as verify
     from asyncckpt.loading.read import read_state_dict as read_state_dict
     from asyncckpt.manager import CheckpointManager as CheckpointManager
     from asyncckpt.options import SaveOptions as SaveOptions
     from asyncckpt.preemption import PreemptionSave as PreemptionSave
+    from asyncckpt.replication import RestoreResult as RestoreResult
     from asyncckpt.saving.api import default_calls_queue as default_calls_queue
     from asyncckpt.saving.api import save as save
     from asyncckpt.saving.handle import SaveHandle as SaveHandle

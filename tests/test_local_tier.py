@@ -1,0 +1,156 @@
+"""The node-local tier (issue 31) on 4 real gloo ranks standing for 2 nodes of 2 ranks.
+
+``LocalTier(node=rank // 2)`` places ranks 0-1 on "node 0" and 2-3 on "node 1", each
+node with its own tier directory, as two machines would have. One ``run_ranks`` call
+runs a scenario's phases on every rank (saves, wiping a node, restores) and returns
+what each rank observed; the assertions run here. The torchrun version of the same
+(two agents, a killed worker) is in ``tests/test_local_tier_torchrun.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import asyncckpt
+from asyncckpt.errors import InvalidArgumentError
+from asyncckpt.replication import replica_map
+
+from dist_utils import preload_forkserver, run_ranks
+from helpers import flip_byte
+
+WORLD = 4
+
+
+def _state(rank: int, step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return {"w": torch.randn(4096, generator=g), "b": torch.arange(7) * step, "step": step, "rank": rank}
+
+
+def _template() -> dict[str, Any]:
+    return {"w": torch.zeros(4096), "b": torch.zeros(7, dtype=torch.int64), "step": -1, "rank": -1}
+
+
+def _tier(base: str, rank: int) -> asyncckpt.LocalTier:
+    node = rank // 2
+    return asyncckpt.LocalTier(dir=os.path.join(base, f"node{node}"), every=2, replicas=1, node=node)
+
+
+def _restore(base: str, rank: int) -> dict[str, Any]:
+    with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=_tier(base, rank)) as mgr:
+        got = _template()
+        result = mgr.restore(got)
+        assert mgr.local is not None and mgr.local.restored == result
+    expected = _state(rank, result.step) if result is not None else None
+    same = expected is not None and all(
+        torch.equal(got[k], expected[k]) if isinstance(got[k], torch.Tensor) else got[k] == expected[k]
+        for k in expected
+    )
+    return {"result": result, "same": same}
+
+
+def _scenario(rank: int, world: int, base: str) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=_tier(base, rank)) as mgr:
+        assert mgr.local is not None
+        restorable: list[int] = []
+        for step in range(1, 8):
+            if step == 4:  # rank 3's local commit of step 4 fails: no rank marks step 4
+                restorable += mgr.local.maybe_finalize(blocking=True)
+                if rank == 3:
+                    os.environ["ASYNCCKPT_FAULT"] = "commit:raise"
+            handle = mgr.local.save(step, _state(rank, step))
+            assert (handle is None) == (step % 2 == 1)
+            if step == 4:
+                mgr.save(step, _state(rank, step))  # the persistent tier: step 4
+                restorable += mgr.local.maybe_finalize(blocking=True)
+                os.environ.pop("ASYNCCKPT_FAULT", None)
+                seen["after_failed"] = list(restorable)
+            restorable += mgr.local.maybe_finalize()
+        restorable += mgr.local.maybe_finalize(blocking=True)
+        seen["restorable"] = restorable
+    node_dir = Path(base) / f"node{rank // 2}"
+    seen["files"] = sorted(str(p.relative_to(node_dir)) for p in node_dir.rglob("*") if p.is_file())
+    dist.barrier()
+    seen["intact"] = _restore(base, rank)  # every shard on its own node
+    dist.barrier()
+    if rank == 2:  # node 1 replaced (its tier is empty), the persistent root moved away
+        shutil.rmtree(Path(base) / "node1")
+    if rank == 0:
+        os.rename(Path(base) / "root", Path(base) / "root.away")
+    dist.barrier()
+    seen["replaced"] = _restore(base, rank)
+    dist.barrier()
+    if rank == 2:  # a flipped byte in node 1's copy of rank 3's shard: it takes its replica on node 0
+        flip_byte(Path(base) / "node1" / "rank_00003" / "step_00000006" / "__0_0.distcp", 100)
+    dist.barrier()
+    seen["flipped"] = _restore(base, rank)
+    return seen
+
+
+@pytest.mark.timeout(240)
+def test_local_tier_replicates_and_restores(tmp_path: Path) -> None:
+    preload_forkserver()
+    seen = run_ranks(_scenario, WORLD, str(tmp_path), timeout=200, start_method="forkserver")
+    for rank, s in enumerate(seen):
+        # step 4 failed on rank 3 (its commit), so it is restorable nowhere; 2 and 6 are
+        assert s["after_failed"] == [2], (rank, s)
+        assert s["restorable"] == [2, 6], (rank, s)
+    # each node keeps the newest restorable step only, of its ranks' shards and its replicas
+    assert seen[0]["files"] == seen[2]["files"]
+    assert {f.split("/")[0] for f in seen[0]["files"]} == {f"rank_0000{r}" for r in range(WORLD)}
+    assert {f.split("/")[1] for f in seen[0]["files"] if "/step_" in f} == {"step_00000006"}
+    for rank, s in enumerate(seen):
+        intact = s["intact"]["result"]
+        assert (intact.step, intact.tier, intact.peers, intact.source) == (6, "local", {}, "local"), intact
+        assert s["intact"]["same"], rank
+        replaced = s["replaced"]["result"]
+        assert (replaced.step, replaced.tier) == (6, "local"), replaced
+        assert replaced.peers == {2: 0, 3: 1}, replaced  # from their replicas (each rank's replica target)
+        assert s["replaced"]["same"], rank
+        flipped = s["flipped"]["result"]
+        assert flipped.peers == {3: 1}, flipped
+        assert "rank 3's copy from its own node failed" in str(flipped) and "checksum mismatch" in str(flipped)
+        assert s["flipped"]["same"], rank
+    assert seen[3]["flipped"]["result"].source == "peer 1"
+
+
+def _other_world(rank: int, world: int, base: str) -> Any:
+    tier = asyncckpt.LocalTier(dir=os.path.join(base, "node0"), every=2, replicas=0, node=0)
+    with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=tier) as mgr:
+        if world == WORLD:
+            for step in (2, 4):
+                mgr.local.save(step, _state(rank, step))  # type: ignore[union-attr]
+            mgr.save(2, _state(0, 2))
+            mgr.maybe_finalize(blocking=True)
+            mgr.local.maybe_finalize(blocking=True)  # type: ignore[union-attr]
+            return None
+        got = _template()
+        return mgr.restore(got), got["step"]
+
+
+@pytest.mark.timeout(180)
+def test_other_world_size_restores_from_the_persistent_tier(tmp_path: Path) -> None:
+    preload_forkserver()
+    run_ranks(_other_world, WORLD, str(tmp_path), timeout=120, start_method="forkserver")
+    for result, step in run_ranks(_other_world, 2, str(tmp_path), timeout=120, start_method="forkserver"):
+        assert (result.step, result.tier, step) == (2, "persistent", 2), result
+        assert "saved by [4] ranks, this job has 2: restoring from the persistent tier" in str(result), result
+
+
+def test_replica_map_and_policy() -> None:
+    # two nodes of two ranks: each rank's shard goes to the rank of the same position on the other node
+    assert replica_map([0, 0, 1, 1], 1) == [[2], [3], [0], [1]]
+    assert replica_map([0, 0, 1, 1, 2, 2], 2) == [[2, 4], [3, 5], [4, 0], [5, 1], [0, 2], [1, 3]]
+    assert replica_map([0, 0], 0) == [[], []]
+    with pytest.raises(InvalidArgumentError, match="needs at least 2 nodes"):
+        replica_map([0, 0], 1)
+    for bad in ({"every": 0}, {"replicas": -1}, {"every": True}, {"node": -2}, {"dir": 3}):
+        with pytest.raises(InvalidArgumentError):
+            asyncckpt.LocalTier(**bad)
