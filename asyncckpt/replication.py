@@ -56,6 +56,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from asyncckpt import _fs
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 from asyncckpt.dist import SyncGroup
 from asyncckpt.errors import (
@@ -265,6 +266,8 @@ class LocalCheckpoints:
             queue = saver.queue
             queue.start()  # collective the first time (the finalizer's group)
             final_dir = self.storage.step_dir(self.rank, step)
+            if final_dir.exists() and not saver._in_flight(final_dir):
+                self._drop_stale(step, final_dir)
             link = _SaveLink(saver)
             handle = SaveHandle(final_dir, step, link)
             failure: RankFailure | None = None
@@ -295,6 +298,15 @@ class LocalCheckpoints:
             saver._schedule(record, lambda: saver._stage_now(record))
             record.stall_s += time.monotonic() - started
             return handle
+
+    def _drop_stale(self, step: int, final_dir: Path) -> None:
+        """Remove this rank's copy of ``step`` left by an earlier run (training went back,
+        e.g. restored from an older step): the step is being saved again. The restorable
+        step itself is kept (the plan then refuses the save, on every rank)."""
+        marker = self.storage.marker(self.rank)
+        if marker is None or marker["step"] != step:
+            _log.info("asyncckpt: removing the local tier's stale copy of step %d (%s)", step, final_dir)
+            _fs.remove_checkpoint(final_dir, best_effort=True)
 
     def _commit_replicate_mark(self, record: SaveInFlight, result: Any, sync: SyncGroup) -> None:
         """Phases commit, replicate and mark of a local save (finalizer thread, all ranks).
@@ -490,7 +502,8 @@ class LocalCheckpoints:
                 failure = RankFailure.from_exception(exc, f"reading a copy of step {step} to send failed: ")
                 packed = {}
             with sync.describing(f"the restore of step {step} from the local tier"):
-                headers = sync.all_gather_object({r: files for r, (files, _) in packed.items()})
+                # (every rank knows ``serve``: with no transfer, as in a restart on intact nodes, no exchange)
+                headers = sync.all_gather_object({r: files for r, (files, _) in packed.items()}) if serve else []
                 mine = serve.get(self.rank)
                 incoming = {}
                 if mine is not None:
