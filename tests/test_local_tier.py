@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 import asyncckpt
-from asyncckpt.errors import InvalidArgumentError
+from asyncckpt.errors import CorruptCheckpointError, InvalidArgumentError
+from asyncckpt.io.local_tier import NodeLocalStorage
 from asyncckpt.replication import replica_map
 
 from dist_utils import preload_forkserver, run_ranks
@@ -206,3 +207,24 @@ def test_fsdp2_shards_restore_from_peers(tmp_path: Path) -> None:
     preload_forkserver()
     for rank, different in enumerate(run_ranks(_fsdp2, WORLD, str(tmp_path), timeout=150, start_method="forkserver")):
         assert not different, (rank, different)
+
+
+def test_a_replica_damaged_in_transit_is_refused(tmp_path: Path) -> None:
+    # one process (no torch.distributed): a local tier without replicas, then its shard
+    # sent by hand to another node's tier, intact and with one byte flipped on the way
+    tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        assert mgr.local is not None
+        mgr.local.save(3, _state(0, 3))
+        assert mgr.local.maybe_finalize(blocking=True) == [3]
+        files, data = mgr.local.storage.pack(0, 3)
+    other = NodeLocalStorage(tmp_path / "node1")
+    bad = bytearray(data)
+    bad[len(bad) // 3] ^= 0x01
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        other.receive(0, 3, files, memoryview(bad))
+    assert not other.shard_dir(0).exists() or not any(other.shard_dir(0).iterdir())
+    asyncckpt.verify(other.receive(0, 3, files, memoryview(data)))
+    got = _template()
+    asyncckpt.load(got, other.step_dir(0, 3))
+    assert torch.equal(got["w"], _state(0, 3)["w"]) and got["step"] == 3

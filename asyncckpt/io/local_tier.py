@@ -37,6 +37,7 @@ from typing import Any
 from asyncckpt import _fs
 from asyncckpt.errors import CorruptCheckpointError, InvalidArgumentError
 from asyncckpt.format import manifest as _manifest
+from asyncckpt.format.crc import crc32
 from asyncckpt.format.naming import parse_step_dir, step_dir_name
 from asyncckpt.io.storage import LOCAL
 from asyncckpt.io.writer import FileResult, RankWriteResult, WriteTask
@@ -258,18 +259,16 @@ class NodeLocalStorage:
             OSError: any I/O failure (nothing is kept).
         """
         final = self.step_dir(rank, step)
+        _check_received(files, data, final)  # every byte, in memory: no second read of the files
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = LOCAL.temporary_dir(final, secrets.token_hex(8))
         tmp.mkdir()
         try:
             pos = 0
             for name, size in files:
-                if not _manifest.is_plain_name(name):
-                    raise CorruptCheckpointError(f"a replica names a file {name!r}", str(final))
                 _write_new(tmp / name, data[pos : pos + size])
                 pos += size
             _fs.fsync_directory(tmp)
-            _manifest.verify_checkpoint(tmp)
             if final.exists():
                 _fs.remove_checkpoint(final, best_effort=True)
             os.rename(tmp, final)
@@ -278,6 +277,38 @@ class NodeLocalStorage:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return final
+
+
+def _check_received(files: list[tuple[str, int]], data: memoryview, where: Path) -> None:
+    """Check a received shard (:meth:`NodeLocalStorage.pack`'s layout: the files, the
+    manifest last) against its manifest: the same files, sizes and CRC-32 of every segment.
+
+    Raises:
+        CorruptCheckpointError: naming the first file that does not match.
+    """
+    if sum(size for _, size in files) != len(data) or not files or files[-1][0] != _manifest.MANIFEST_NAME:
+        raise CorruptCheckpointError("a replica arrived with a layout other than its header's", str(where))
+    try:
+        manifest = json.loads(bytes(data[len(data) - files[-1][1] :]))
+        entries = manifest["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"a replica arrived with an unreadable manifest: {exc}", str(where)) from exc
+    names = [name for name, _ in files[:-1]]
+    if not isinstance(entries, dict) or sorted(entries) != sorted(names):
+        raise CorruptCheckpointError(f"a replica's files {names} are not its manifest's", str(where))
+    pos = 0
+    for name, size in files[:-1]:
+        if not _manifest.is_plain_name(name) or entries[name].get("size") != size:
+            raise CorruptCheckpointError(f"a replica's {name!r} does not match its manifest", str(where / name))
+        for offset, length, expected in entries[name]["segments"]:
+            actual = crc32(data[pos + offset : pos + offset + length]) if offset + length <= size else -1
+            if actual != expected:
+                raise CorruptCheckpointError(
+                    f"{where / name}: checksum mismatch in bytes [{offset}, {offset + length}) of the replica "
+                    f"received (crc32 {actual & 0xFFFFFFFF:08x}, manifest {expected:08x})",
+                    str(where / name),
+                )
+        pos += size
 
 
 def _write_new(path: Path, data: memoryview) -> None:
