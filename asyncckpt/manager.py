@@ -552,6 +552,8 @@ class CheckpointManager:
         when = f"when the `with CheckpointManager` block of {self.root_dir} ended with {exc_type.__name__}"
         try:
             lost = self._saver.settle_within(exit_timeout(), when)
+            if self.local is not None:
+                lost += self.local.settle_within(exit_timeout(), when)
         except BaseException:
             self.close(abort=True)  # interrupted while waiting (Ctrl-C): drop at once
             raise

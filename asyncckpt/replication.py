@@ -63,6 +63,7 @@ from asyncckpt.errors import (
     AsyncckptError,
     CheckpointError,
     CheckpointException,
+    CheckpointPathError,
     InvalidArgumentError,
     RankFailure,
 )
@@ -183,7 +184,7 @@ class _LocalSaver(Saver):
                 f"the local tier needs {tier_need:,} bytes in {base} for this step (this rank's shard and "
                 f"{len(self.owner.sources)} replicas), more than {limit:g} x the {free:,} bytes free there"
             )
-        if str(base.resolve()).startswith("/dev/shm"):
+        if self.owner._on_ram:
             staging = self.pool.bytes_to_allocate(layout.slab_nbytes, self.queue.caller.is_running)
             available = psutil.virtual_memory().available
             if tier_need + staging > limit * available:
@@ -233,9 +234,21 @@ class LocalCheckpoints:
         if self.sync.distributed:  # this rank alone: its local saves and loads involve no other rank
             me = dist.get_rank()
             self._self_group = dist.new_group(ranks=[me], backend="gloo", use_local_synchronization=True)
-        self.storage.shard_dir(self.rank).mkdir(parents=True, exist_ok=True)
-        for shard in (self.rank, *self.sources):
-            self.storage.remove_leftovers(shard)
+        failure: RankFailure | None = None
+        try:
+            self.storage.shard_dir(self.rank).mkdir(parents=True, exist_ok=True)
+            for shard in (self.rank, *self.sources):
+                self.storage.remove_leftovers(shard)
+        except OSError as exc:
+            error = CheckpointPathError.of(exc.errno, f"the local tier {self.storage.base} cannot be used: {exc}")
+            failure = RankFailure.from_exception(error)
+        failures = self.sync.gather_failures(failure)  # every rank raises, none goes on alone
+        if failures:
+            first = failures[min(failures)]
+            if isinstance(first.exception, AsyncckptError):
+                raise first.exception
+            raise CheckpointError(f"opening the local tier failed: {first}", failures)
+        self._on_ram = str(self.storage.base.resolve()).startswith("/dev/shm/")
         self._saver = _LocalSaver(self, queue, dataclasses.replace(options, overlap_staging=False))
         self.restored: RestoreResult | None = None
 
@@ -380,6 +393,11 @@ class LocalCheckpoints:
                 continue
             steps += [r.step for r in records if r.step is not None]
             return steps
+
+    def settle_within(self, timeout: float, when: str) -> list[SaveInFlight]:
+        """Let the pending local saves settle for up to ``timeout`` seconds (a crashed
+        ``with`` block); returns those still pending (named on logger ``asyncckpt``)."""
+        return self._saver.settle_within(timeout, when)
 
     def close(self, abort: bool = False) -> None:
         """Wait for the local saves (``abort``: drop them), then free the staging buffers."""

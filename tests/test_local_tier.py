@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import asyncckpt
-from asyncckpt.errors import CorruptCheckpointError, InvalidArgumentError
+from asyncckpt.errors import CheckpointPathError, CorruptCheckpointError, InvalidArgumentError
 from asyncckpt.io.local_tier import NodeLocalStorage
 from asyncckpt.replication import replica_map
 
@@ -228,3 +228,14 @@ def test_a_replica_damaged_in_transit_is_refused(tmp_path: Path) -> None:
     got = _template()
     asyncckpt.load(got, other.step_dir(0, 3))
     assert torch.equal(got["w"], _state(0, 3)["w"]) and got["step"] == 3
+
+
+def test_a_tier_that_cannot_be_made_is_refused_at_construction(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    tier = asyncckpt.LocalTier(dir=tmp_path / "file" / "tier", replicas=0)
+    with pytest.raises(CheckpointPathError, match=r"the local tier .* cannot be used") as info:
+        asyncckpt.CheckpointManager(tmp_path / "root", local=tier)
+    assert isinstance(info.value, NotADirectoryError)
+    asyncckpt.CheckpointManager(tmp_path / "root").close()  # the root was released
+    with pytest.raises(InvalidArgumentError):
+        asyncckpt.CheckpointManager(tmp_path / "root", local="/dev/shm/x")  # type: ignore[arg-type]
