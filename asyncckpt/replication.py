@@ -313,13 +313,15 @@ class LocalCheckpoints:
             return handle
 
     def _drop_stale(self, step: int, final_dir: Path) -> None:
-        """Remove this rank's copy of ``step`` left by an earlier run (training went back,
-        e.g. restored from an older step): the step is being saved again. The restorable
-        step itself is kept (the plan then refuses the save, on every rank)."""
+        """Remove this rank's copy of ``step`` left by an earlier run or timeline (training
+        went back: a fresh start, or a restore of an older step): the step is saved
+        again, and the new copy replaces it. If it was the restorable one, the marker
+        goes first: an old timeline's step must never be restored as this one's."""
         marker = self.storage.marker(self.rank)
-        if marker is None or marker["step"] != step:
-            _log.info("asyncckpt: removing the local tier's stale copy of step %d (%s)", step, final_dir)
-            _fs.remove_checkpoint(final_dir, best_effort=True)
+        if marker is not None and marker["step"] == step:
+            self.storage.unmark(self.rank)
+        _log.info("asyncckpt: removing the local tier's stale copy of step %d (%s)", step, final_dir)
+        _fs.remove_checkpoint(final_dir, best_effort=True)
 
     def _commit_replicate_mark(self, record: SaveInFlight, result: Any, sync: SyncGroup) -> None:
         """Phases commit, replicate and mark of a local save (finalizer thread, all ranks).

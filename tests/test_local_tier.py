@@ -239,3 +239,19 @@ def test_a_tier_that_cannot_be_made_is_refused_at_construction(tmp_path: Path) -
     asyncckpt.CheckpointManager(tmp_path / "root").close()  # the root was released
     with pytest.raises(InvalidArgumentError):
         asyncckpt.CheckpointManager(tmp_path / "root", local="/dev/shm/x")  # type: ignore[arg-type]
+
+
+def test_a_step_saved_again_replaces_an_earlier_runs_copy(tmp_path: Path) -> None:
+    # a fresh run (or one restored from an older step) saves a step the tier holds from
+    # before, even the restorable one: the new copy replaces it, and is what restores
+    tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
+    for run in (1, 2):
+        with asyncckpt.CheckpointManager(tmp_path / f"root{run}", local=tier) as mgr:
+            assert mgr.local is not None
+            mgr.local.save(2, _state(run, 2))
+            assert mgr.local.maybe_finalize(blocking=True) == [2]
+    with asyncckpt.CheckpointManager(tmp_path / "root2", local=tier) as mgr:
+        got = _template()
+        result = mgr.restore(got)
+    assert result is not None and (result.step, result.tier) == (2, "local")
+    assert got["rank"] == 2 and torch.equal(got["w"], _state(2, 2)["w"])

@@ -181,6 +181,11 @@ class NodeLocalStorage:
             if other is not None and other != step:
                 _fs.remove_checkpoint(entry, best_effort=True)
 
+    def unmark(self, rank: int) -> None:
+        """Remove rank ``rank``'s restorable marker (durably): its shard has none now."""
+        (self.shard_dir(rank) / RESTORABLE_NAME).unlink(missing_ok=True)
+        _fs.fsync_directory(self.shard_dir(rank))
+
     def held(self) -> list[tuple[int, int, int]]:
         """The restorable shards on this node: ``(rank, step, world_size)`` for each
         shard whose marked step is committed here (its manifest present; not CRC-checked:
