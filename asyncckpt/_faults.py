@@ -10,6 +10,8 @@ inherits the training process's environment when it is started). Points:
 - ``commit``: in the coordinator's commit, before the directory is renamed;
 - ``after_rename``: in the coordinator's commit, after the directory is renamed (the
   commit point) and its parent fsynced, before ``latest`` and retention;
+- ``replicate``: in the training process's finalizer thread, when a replica of the
+  local tier has arrived, before it is checked and written (``asyncckpt.replication``);
 - ``stage``: in the training process, when a save starts its staging copy;
 - ``settle``: in the training process (the thread that settles the save: the
   finalizer thread in the background), when the saver starts settling a save, before

@@ -56,7 +56,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from asyncckpt import _fs
+from asyncckpt import _faults, _fs
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 from asyncckpt.dist import SyncGroup
 from asyncckpt.errors import (
@@ -370,6 +370,7 @@ class LocalCheckpoints:
                 failure = RankFailure(f"rank {s} could not read its shard of step {step} to send it here")
 
         def store(src: int, files: list[tuple[str, int]], data: memoryview) -> None:
+            _faults.hit("replicate")  # a receiver that fails (raise) or dies (kill) with the bytes in hand
             self.storage.receive(src, step, files, data)
             received.append(src)
 

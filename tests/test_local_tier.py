@@ -61,18 +61,21 @@ def _scenario(rank: int, world: int, base: str) -> dict[str, Any]:
     with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=_tier(base, rank)) as mgr:
         assert mgr.local is not None
         restorable: list[int] = []
-        for step in range(1, 8):
-            if step == 4:  # rank 3's local commit of step 4 fails: no rank marks step 4
-                restorable += mgr.local.maybe_finalize(blocking=True)
-                if rank == 3:
+        for step in range(1, 10):
+            if step in (4, 6):  # rank 3's local commit of step 4 fails, rank 2's receive of step 6:
+                restorable += mgr.local.maybe_finalize(blocking=True)  # no rank marks either
+                if (rank, step) == (3, 4):
                     os.environ["ASYNCCKPT_FAULT"] = "commit:raise"
+                if (rank, step) == (2, 6):
+                    os.environ["ASYNCCKPT_FAULT"] = "replicate:raise"
             handle = mgr.local.save(step, _state(rank, step))
             assert (handle is None) == (step % 2 == 1)
             if step == 4:
                 mgr.save(step, _state(rank, step))  # the persistent tier: step 4
+            if step in (4, 6):
                 restorable += mgr.local.maybe_finalize(blocking=True)
                 os.environ.pop("ASYNCCKPT_FAULT", None)
-                seen["after_failed"] = list(restorable)
+                seen[f"after_failed_{step}"] = list(restorable)
             restorable += mgr.local.maybe_finalize()
         restorable += mgr.local.maybe_finalize(blocking=True)
         seen["restorable"] = restorable
@@ -89,7 +92,7 @@ def _scenario(rank: int, world: int, base: str) -> dict[str, Any]:
     seen["replaced"] = _restore(base, rank)
     dist.barrier()
     if rank == 2:  # a flipped byte in node 1's copy of rank 3's shard: it takes its replica on node 0
-        flip_byte(Path(base) / "node1" / "rank_00003" / "step_00000006" / "__0_0.distcp", 100)
+        flip_byte(Path(base) / "node1" / "rank_00003" / "step_00000008" / "__0_0.distcp", 100)
     dist.barrier()
     seen["flipped"] = _restore(base, rank)
     return seen
@@ -100,19 +103,20 @@ def test_local_tier_replicates_and_restores(tmp_path: Path) -> None:
     preload_forkserver()
     seen = run_ranks(_scenario, WORLD, str(tmp_path), timeout=200, start_method="forkserver")
     for rank, s in enumerate(seen):
-        # step 4 failed on rank 3 (its commit), so it is restorable nowhere; 2 and 6 are
-        assert s["after_failed"] == [2], (rank, s)
-        assert s["restorable"] == [2, 6], (rank, s)
+        # step 4 failed on rank 3 (its commit), step 6 on rank 2 (a replica it received): both are
+        # restorable nowhere, training went on; 2 and 8 are
+        assert s["after_failed_4"] == [2] and s["after_failed_6"] == [2], (rank, s)
+        assert s["restorable"] == [2, 8], (rank, s)
     # each node keeps the newest restorable step only, of its ranks' shards and its replicas
     assert seen[0]["files"] == seen[2]["files"]
     assert {f.split("/")[0] for f in seen[0]["files"]} == {f"rank_0000{r}" for r in range(WORLD)}
-    assert {f.split("/")[1] for f in seen[0]["files"] if "/step_" in f} == {"step_00000006"}
+    assert {f.split("/")[1] for f in seen[0]["files"] if "/step_" in f} == {"step_00000008"}
     for rank, s in enumerate(seen):
         intact = s["intact"]["result"]
-        assert (intact.step, intact.tier, intact.peers, intact.source) == (6, "local", {}, "local"), intact
+        assert (intact.step, intact.tier, intact.peers, intact.source) == (8, "local", {}, "local"), intact
         assert s["intact"]["same"], rank
         replaced = s["replaced"]["result"]
-        assert (replaced.step, replaced.tier) == (6, "local"), replaced
+        assert (replaced.step, replaced.tier) == (8, "local"), replaced
         assert replaced.peers == {2: 0, 3: 1}, replaced  # from their replicas (each rank's replica target)
         assert s["replaced"]["same"], rank
         flipped = s["flipped"]["result"]
