@@ -43,12 +43,13 @@ its docstring for the contract.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,7 @@ from asyncckpt.errors import (
     RankFailure,
 )
 from asyncckpt.format.layout import RankLayout
-from asyncckpt.io.local_tier import LocalTier, NodeLocalStorage
+from asyncckpt.io.local_tier import Arrival, LocalTier, NodeLocalStorage, Packed
 from asyncckpt.loading.api import load
 from asyncckpt.options import SaveOptions
 from asyncckpt.saving.handle import SaveHandle
@@ -357,31 +358,35 @@ class LocalCheckpoints:
     def _replicate(self, step: int, sync: SyncGroup, received: list[int]) -> RankFailure | None:
         """Send this rank's shard of ``step`` to its targets, receive its sources' shards
         (all ranks); returns this rank's failure (a receive that does not check)."""
-        packed: tuple[list[tuple[str, int]], bytearray] | None = None
+        packed: Packed | None = None
         failure: RankFailure | None = None
         if self.targets[self.rank]:
             try:
                 packed = self.storage.pack(self.rank, step)
-            except Exception as exc:  # noqa: BLE001 - funnelled; the sizes say "nothing"
+            except Exception as exc:  # noqa: BLE001 - funnelled; the header says "nothing"
                 failure = RankFailure.from_exception(exc, "reading the local shard to replicate failed: ")
-        headers = sync.all_gather_object(packed[0] if packed is not None else None)
-        for s in self.sources:
-            if headers[s] is None and failure is None:
-                failure = RankFailure(f"rank {s} could not read its shard of step {step} to send it here")
+        try:
+            headers = sync.all_gather_object(packed.files if packed is not None else None)
+            for s in self.sources:
+                if headers[s] is None and failure is None:
+                    failure = RankFailure(f"rank {s} could not read its shard of step {step} to send it here")
 
-        def store(src: int, files: list[tuple[str, int]], data: memoryview) -> None:
-            _faults.hit("replicate")  # a receiver that fails (raise) or dies (kill) with the bytes in hand
-            self.storage.receive(src, step, files, data)
-            received.append(src)
+            def finish(src: int, arrival: Arrival) -> None:
+                _faults.hit("replicate")  # a receiver that fails (raise) or dies (kill) with the bytes in hand
+                arrival.finish()
+                received.append(src)
 
-        failure = _transfer(
-            sync,
-            {t: packed[1] for t in self.targets[self.rank]} if packed is not None else {},
-            {s: headers[s] for s in self.sources if headers[s] is not None},
-            store,
-            failure,
-        )
-        return failure
+            return _transfer(
+                sync,
+                {t: packed for t in self.targets[self.rank]} if packed is not None else {},
+                {s: headers[s] for s in self.sources if headers[s] is not None},
+                lambda src, files: self.storage.arrival(src, step, files),
+                finish,
+                failure,
+            )
+        finally:
+            if packed is not None:
+                packed.close()
 
     def maybe_finalize(self, blocking: bool = False) -> list[int]:
         """The local steps that became restorable since the last call (any rank, no
@@ -514,17 +519,16 @@ class LocalCheckpoints:
             src = [holders[r][attempt[r]] for r in range(world)]
             serve = {r: src[r] for r in range(world) if not done[r] and src[r] != r}
             failure: RankFailure | None = None
-            try:
-                packed: dict[int, tuple[list[tuple[str, int]], bytearray]] = {}
-                for r, h in serve.items():
-                    if h == self.rank:
+            packed: dict[int, Packed] = {}
+            for r, h in serve.items():
+                if h == self.rank:
+                    try:
                         packed[r] = self.storage.pack(r, step)
-            except Exception as exc:  # noqa: BLE001 - the receiver fails this round, the funnel says why
-                failure = RankFailure.from_exception(exc, f"reading a copy of step {step} to send failed: ")
-                packed = {}
-            with sync.describing(f"the restore of step {step} from the local tier"):
+                    except Exception as exc:  # noqa: BLE001 - the receiver fails this round; the funnel says why
+                        failure = RankFailure.from_exception(exc, f"reading a copy of step {step} to send failed: ")
+            with sync.describing(f"the restore of step {step} from the local tier"), _closing(packed):
                 # (every rank knows ``serve``: with no transfer, as in a restart on intact nodes, no exchange)
-                headers = sync.all_gather_object({r: files for r, (files, _) in packed.items()}) if serve else []
+                headers = sync.all_gather_object({r: p.files for r, p in packed.items()}) if serve else []
                 mine = serve.get(self.rank)
                 incoming = {}
                 if mine is not None:
@@ -535,9 +539,10 @@ class LocalCheckpoints:
                         failure = RankFailure(f"rank {mine} could not read its copy of rank {self.rank}'s shard")
                 failure = _transfer(
                     sync,
-                    {r: buf for r, (_, buf) in packed.items()},
+                    packed,
                     incoming,
-                    lambda s, f, d: self.storage.receive(self.rank, step, f, d),
+                    lambda src, files: self.storage.arrival(self.rank, step, files),
+                    lambda src, arrival: arrival.finish(),
                     failure,
                 )
                 if not done[self.rank] and failure is None:
@@ -570,35 +575,74 @@ class LocalCheckpoints:
                 return None
 
 
+@contextlib.contextmanager
+def _closing(packed: dict[int, Packed]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for p in packed.values():
+            p.close()
+
+
 def _transfer(
     sync: SyncGroup,
-    send: dict[int, bytearray],
+    send: dict[int, Packed],
     receive: dict[int, list[tuple[str, int]]],
-    store: Callable[[int, list[tuple[str, int]], memoryview], Any],
+    open_arrival: Callable[[int, list[tuple[str, int]]], Arrival],
+    finish: Callable[[int, Arrival], Any],
     failure: RankFailure | None,
 ) -> RankFailure | None:
-    """Point-to-point transfers on ``sync``'s gloo group (every rank posts its own):
-    ``send[dst]`` to group rank ``dst``; from each ``receive`` source, the files it
-    lists, then ``store(src, files, data)``. Returns this rank's failure (or the one given)."""
+    """Point-to-point transfers on ``sync``'s gloo group, every rank posting its own:
+    each file of ``send[dst]`` to group rank ``dst`` (one isend per file, tagged by its
+    position, straight from its mapping); from each ``receive`` source, the files it
+    lists, straight into the mappings of ``open_arrival(src, files)``, then
+    ``finish(src, arrival)``. A receiver that cannot open its arrival still drains the
+    bytes (no sender waits for it). Returns this rank's failure (or the one given)."""
     group = sync.gloo if sync.active else None
-    works = []
-    bufs: dict[int, bytearray] = {}
+    works: list[Any] = []
+    tensors: list[torch.Tensor] = []
+    arrivals: dict[int, Arrival | None] = {}
+
+    def post(buf: Any, peer: int, tag: int, op: Callable[..., Any]) -> None:
+        tensors.append(torch.frombuffer(buf, dtype=torch.uint8))
+        works.append(op(tensors[-1], sync.global_rank(peer), group=group, tag=tag))
+
     try:
-        for dst, buf in send.items():
-            works.append(dist.isend(torch.frombuffer(buf, dtype=torch.uint8), sync.global_rank(dst), group=group))
-        for src, files in receive.items():
-            bufs[src] = bytearray(max(1, sum(size for _, size in files)))
-            works.append(dist.irecv(torch.frombuffer(bufs[src], dtype=torch.uint8), sync.global_rank(src), group=group))
-        for work in works:
-            if work is not None:
-                work.wait()
-    except Exception as exc:  # noqa: BLE001 - funnelled by the caller
-        return failure or RankFailure.from_exception(exc, "a transfer of the local tier failed: ")
-    for src, files in receive.items():
         try:
-            store(src, files, memoryview(bufs[src]))
+            for dst, packed in send.items():
+                for tag, m in enumerate(packed.maps):
+                    if m is not None:
+                        post(m, dst, tag, dist.isend)
+            for src, files in receive.items():
+                bufs: list[Any]
+                try:
+                    arrival: Arrival | None = open_arrival(src, files)
+                    assert arrival is not None
+                    bufs = list(arrival.maps)
+                except Exception as exc:  # noqa: BLE001 - funnelled; the bytes are drained all the same
+                    failure = failure or RankFailure.from_exception(exc, f"storing rank {src}'s shard failed: ")
+                    arrival, bufs = None, [bytearray(size) if size else None for _, size in files]
+                arrivals[src] = arrival
+                for tag, buf in enumerate(bufs):
+                    if buf is not None:
+                        post(buf, src, tag, dist.irecv)
+            for work in works:
+                if work is not None:
+                    work.wait()
+        finally:
+            works.clear()
+            tensors.clear()  # they hold the mappings' buffers
+    except Exception as exc:  # noqa: BLE001 - funnelled by the caller
+        for arrival in arrivals.values():
+            if arrival is not None:
+                arrival.discard()
+        return failure or RankFailure.from_exception(exc, "a transfer of the local tier failed: ")
+    for src, arrival in arrivals.items():
+        if arrival is None:
+            continue
+        try:
+            finish(src, arrival)
         except Exception as exc:  # noqa: BLE001 - funnelled by the caller
-            failure = failure or RankFailure.from_exception(
-                exc, f"the shard received from rank {src} failed its check: "
-            )
+            arrival.discard()  # nothing of it is kept (finish discards what it refused; this is the rest)
+            failure = failure or RankFailure.from_exception(exc, f"the shard received from rank {src} failed: ")
     return failure

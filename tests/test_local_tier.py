@@ -221,7 +221,9 @@ def test_a_replica_damaged_in_transit_is_refused(tmp_path: Path) -> None:
         assert mgr.local is not None
         mgr.local.save(3, _state(0, 3))
         assert mgr.local.maybe_finalize(blocking=True) == [3]
-        files, data = mgr.local.storage.pack(0, 3)
+        packed = mgr.local.storage.pack(0, 3)
+        files, data = packed.files, b"".join(bytes(m) if m is not None else b"" for m in packed.maps)
+        packed.close()
     other = NodeLocalStorage(tmp_path / "node1")
     bad = bytearray(data)
     bad[len(bad) // 3] ^= 0x01

@@ -101,6 +101,7 @@ def test_node_replaced_restores_from_peers_bitwise(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("ASYNCCKPT_LONG") != "1", reason="4 two-agent runs (~100 s): ASYNCCKPT_LONG=1")
 @pytest.mark.timeout(600)
 def test_intact_nodes_restore_locally_and_a_flipped_byte_takes_the_replica(tmp_path: Path) -> None:
     straight, job = tmp_path / "straight", tmp_path / "job"

@@ -26,6 +26,7 @@ Torch-free.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import secrets
 import shutil
@@ -42,7 +43,7 @@ from asyncckpt.format.naming import parse_step_dir, step_dir_name
 from asyncckpt.io.storage import LOCAL
 from asyncckpt.io.writer import FileResult, RankWriteResult, WriteTask
 
-__all__ = ["LocalTier", "NodeLocalStorage", "RESTORABLE_NAME"]
+__all__ = ["LocalTier", "NodeLocalStorage", "Packed", "Arrival", "RESTORABLE_NAME"]
 
 #: The marker of a shard's newest restorable step.
 RESTORABLE_NAME = "restorable.json"
@@ -218,43 +219,72 @@ class NodeLocalStorage:
                     entry.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ replicas
-    def pack(self, rank: int, step: int) -> tuple[list[tuple[str, int]], bytearray]:
-        """Rank ``rank``'s shard of ``step`` as one buffer: its files (the manifest's
-        data files, then the manifest) in order, and ``[(name, size)]``.
+    def pack(self, rank: int, step: int) -> Packed:
+        """Rank ``rank``'s shard of ``step``, to send: its files (the manifest's data files,
+        then the manifest), each mapped read-only-in-effect (``MAP_PRIVATE``: no copy of
+        the bytes, which are in memory already on a RAM tier). Close it after the send.
 
         Raises:
-            CorruptCheckpointError: the shard is missing, or its manifest unreadable.
-            OSError: a file could not be read.
+            CorruptCheckpointError: the shard is missing, a file shorter than its manifest.
+            OSError: a file could not be opened or mapped.
         """
         directory = self.step_dir(rank, step)
         manifest = _manifest.read_manifest(directory)
         names = sorted(manifest["files"]) + [_manifest.MANIFEST_NAME]
-        sizes = [manifest["files"][n]["size"] for n in names[:-1]]
-        sizes.append(os.stat(directory / _manifest.MANIFEST_NAME).st_size)
-        buf = bytearray(sum(sizes))
-        view, pos = memoryview(buf), 0
+        packed = Packed([], [])
         dir_fd = _fs.open_dir(str(directory))
         try:
-            for name, size in zip(names, sizes):
+            for name in names:
                 fd = _fs.open_member(dir_fd, str(directory), name)
                 try:
-                    got = os.preadv(fd, [view[pos : pos + size]], 0)
+                    size = os.fstat(fd).st_size
+                    want = manifest["files"][name]["size"] if name != _manifest.MANIFEST_NAME else size
+                    if size != want:
+                        raise CorruptCheckpointError(f"{directory / name} has {size} bytes, not {want}", str(directory))
+                    packed.files.append((name, size))
+                    packed.maps.append(mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None)
                 finally:
                     os.close(fd)
-                if got != size:
-                    raise CorruptCheckpointError(
-                        f"{directory / name} is shorter than its manifest says", str(directory)
-                    )
-                pos += size
+        except BaseException:
+            packed.close()
+            raise
         finally:
             os.close(dir_fd)
-        return list(zip(names, sizes)), buf
+        return packed
+
+    def arrival(self, rank: int, step: int, files: list[tuple[str, int]]) -> Arrival:
+        """Where rank ``rank``'s shard of ``step`` is received: its files created in a
+        hidden directory with their sizes and mapped (``MAP_SHARED``), so that the
+        transfer writes into them directly; :meth:`Arrival.finish` checks and commits.
+
+        Raises:
+            CorruptCheckpointError: a file name that is not a plain name.
+            OSError: any I/O failure (nothing is kept).
+        """
+        final = self.step_dir(rank, step)
+        for name, _ in files:
+            if not _manifest.is_plain_name(name):
+                raise CorruptCheckpointError(f"a replica names a file {name!r}", str(final))
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = LOCAL.temporary_dir(final, secrets.token_hex(8))
+        tmp.mkdir()
+        arrival = Arrival(final, tmp, list(files), [], [])
+        try:
+            for name, size in files:
+                fd = os.open(tmp / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                arrival.fds.append(fd)
+                os.ftruncate(fd, size)
+                arrival.maps.append(mmap.mmap(fd, size) if size else None)
+        except BaseException:
+            arrival.discard()
+            raise
+        return arrival
 
     def receive(self, rank: int, step: int, files: list[tuple[str, int]], data: memoryview) -> Path:
-        """Store rank ``rank``'s shard of ``step`` from ``data`` (what :meth:`pack` made
-        on another node): written into a hidden directory, fsynced, every byte checked
-        against the manifest's sizes and CRC-32s, then renamed into place (replacing a
-        copy of the same step that is there).
+        """Store rank ``rank``'s shard of ``step`` from ``data`` (the files in order, the
+        manifest last): written into a hidden directory, every byte checked against the
+        manifest's sizes and CRC-32s, fsynced, then renamed into place (replacing a copy
+        of the same step that is there).
 
         Returns:
             The committed directory.
@@ -263,65 +293,119 @@ class NodeLocalStorage:
             CorruptCheckpointError: a file does not match the manifest (nothing is kept).
             OSError: any I/O failure (nothing is kept).
         """
-        final = self.step_dir(rank, step)
-        _check_received(files, data, final)  # every byte, in memory: no second read of the files
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = LOCAL.temporary_dir(final, secrets.token_hex(8))
-        tmp.mkdir()
+        arrival = self.arrival(rank, step, files)
         try:
             pos = 0
-            for name, size in files:
-                _write_new(tmp / name, data[pos : pos + size])
+            for buf, (_, size) in zip(arrival.maps, files):
+                if buf is not None:
+                    buf[:] = data[pos : pos + size]
                 pos += size
-            _fs.fsync_directory(tmp)
-            if final.exists():
-                _fs.remove_checkpoint(final, best_effort=True)
-            os.rename(tmp, final)
-            _fs.fsync_directory(final.parent)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            arrival.discard()
             raise
-        return final
+        return arrival.finish()
 
 
-def _check_received(files: list[tuple[str, int]], data: memoryview, where: Path) -> None:
-    """Check a received shard (:meth:`NodeLocalStorage.pack`'s layout: the files, the
-    manifest last) against its manifest: the same files, sizes and CRC-32 of every segment.
+@dataclass
+class Packed:
+    """A shard to send (:meth:`NodeLocalStorage.pack`): ``files`` ``[(name, size)]`` and
+    the mapping of each (``None`` for an empty file). :meth:`close` unmaps them."""
+
+    files: list[tuple[str, int]]
+    maps: list[mmap.mmap | None]
+
+    def close(self) -> None:
+        for m in self.maps:
+            if m is not None:
+                m.close()
+        self.maps = []
+
+
+@dataclass
+class Arrival:
+    """A shard being received (:meth:`NodeLocalStorage.arrival`): its hidden directory,
+    and each file's descriptor and shared mapping (``None`` for an empty file)."""
+
+    final: Path
+    tmp: Path
+    files: list[tuple[str, int]]
+    fds: list[int]
+    maps: list[mmap.mmap | None]
+
+    def _close(self) -> None:
+        for m in self.maps:
+            if m is not None:
+                m.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.maps, self.fds = [], []
+
+    def finish(self) -> Path:
+        """Check every byte against the manifest received, make the files durable and
+        rename the directory into place (a copy of the same step there is replaced).
+
+        Returns:
+            The committed directory.
+
+        Raises:
+            CorruptCheckpointError: a file does not match (nothing is kept).
+            OSError: any I/O failure (nothing is kept).
+        """
+        try:
+            views = [memoryview(m) if m is not None else memoryview(b"") for m in self.maps]
+            try:
+                _check_received(self.files, views, self.final)
+            finally:
+                for view in views:
+                    view.release()  # before the mappings close
+            for fd in self.fds:
+                os.fsync(fd)
+            self._close()
+            _fs.fsync_directory(self.tmp)
+            if self.final.exists():
+                _fs.remove_checkpoint(self.final, best_effort=True)
+            os.rename(self.tmp, self.final)
+            _fs.fsync_directory(self.final.parent)
+        except BaseException:
+            self.discard()
+            raise
+        return self.final
+
+    def discard(self) -> None:
+        """Remove what arrived (never raises)."""
+        try:
+            self._close()
+        except (OSError, BufferError):
+            pass
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _check_received(files: list[tuple[str, int]], views: list[memoryview], where: Path) -> None:
+    """Check a received shard (the files of :meth:`NodeLocalStorage.pack`, the manifest
+    last; ``views[i]`` holds file ``i``) against its manifest: the same files, sizes and
+    the CRC-32 of every segment.
 
     Raises:
         CorruptCheckpointError: naming the first file that does not match.
     """
-    if sum(size for _, size in files) != len(data) or not files or files[-1][0] != _manifest.MANIFEST_NAME:
+    if not files or files[-1][0] != _manifest.MANIFEST_NAME or [len(v) for v in views] != [n for _, n in files]:
         raise CorruptCheckpointError("a replica arrived with a layout other than its header's", str(where))
     try:
-        manifest = json.loads(bytes(data[len(data) - files[-1][1] :]))
+        manifest = json.loads(bytes(views[-1]))
         entries = manifest["files"]
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(f"a replica arrived with an unreadable manifest: {exc}", str(where)) from exc
     names = [name for name, _ in files[:-1]]
     if not isinstance(entries, dict) or sorted(entries) != sorted(names):
         raise CorruptCheckpointError(f"a replica's files {names} are not its manifest's", str(where))
-    pos = 0
-    for name, size in files[:-1]:
-        if not _manifest.is_plain_name(name) or entries[name].get("size") != size:
+    for view, (name, size) in zip(views, files[:-1]):
+        if entries[name].get("size") != size:
             raise CorruptCheckpointError(f"a replica's {name!r} does not match its manifest", str(where / name))
         for offset, length, expected in entries[name]["segments"]:
-            actual = crc32(data[pos + offset : pos + offset + length]) if offset + length <= size else -1
+            actual = crc32(view[offset : offset + length]) if offset + length <= size else -1
             if actual != expected:
                 raise CorruptCheckpointError(
                     f"{where / name}: checksum mismatch in bytes [{offset}, {offset + length}) of the replica "
                     f"received (crc32 {actual & 0xFFFFFFFF:08x}, manifest {expected:08x})",
                     str(where / name),
                 )
-        pos += size
-
-
-def _write_new(path: Path, data: memoryview) -> None:
-    """Create ``path`` (``O_EXCL``), write ``data`` (no copy) and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    try:
-        while data:
-            data = data[os.write(fd, data) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
