@@ -132,7 +132,8 @@ def replica_map(nodes: list[int], replicas: int) -> list[list[int]]:
     if replicas and len(order) < replicas + 1:
         raise InvalidArgumentError(
             f"LocalTier(replicas={replicas}) needs at least {replicas + 1} nodes; this job has {len(order)} "
-            f"(nodes from GROUP_RANK / LOCAL_WORLD_SIZE, or LocalTier(node=...))"
+            f"(nodes from GROUP_RANK / LOCAL_WORLD_SIZE, or LocalTier(node=...)); LocalTier(replicas=0) keeps "
+            "the tier on each node without copies"
         )
     members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
     targets = []
