@@ -306,7 +306,8 @@ class LocalCheckpoints:
             with self.sync.describing(f"the plan of the local save of step {step}"):
                 failures = self.sync.gather_failures(failure)
             if failures:
-                raise CheckpointError(f"the local save of step {step} was refused", failures)
+                causes = "; ".join(f"rank {r}: {str(f).splitlines()[0]}" for r, f in sorted(failures.items()))
+                raise CheckpointError(f"the local save of step {step} was refused ({causes})", failures)
             assert record is not None
             record.started = started
             link.record = record

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 import asyncckpt
-from asyncckpt.errors import CheckpointPathError, CorruptCheckpointError, InvalidArgumentError
+from asyncckpt.errors import CheckpointError, CheckpointPathError, CorruptCheckpointError, InvalidArgumentError
 from asyncckpt.io.local_tier import NodeLocalStorage
 from asyncckpt.replication import replica_map
 
 from dist_utils import preload_forkserver, run_ranks
-from helpers import flip_byte
+from helpers import flip_byte, small_tmpfs
 
 WORLD = 4
 
@@ -261,3 +261,21 @@ def test_a_step_saved_again_replaces_an_earlier_runs_copy(tmp_path: Path) -> Non
         result = mgr.restore(got)
     assert result is not None and (result.step, result.tier) == (2, "local")
     assert got["rank"] == 2 and torch.equal(got["w"], _state(2, 2)["w"])
+
+
+def test_the_memory_guard_counts_the_tiers_bytes(tmp_path: Path) -> None:
+    # a 1 MiB tier for a 2 MiB shard: the save is refused before anything is staged or written
+    with small_tmpfs(tmp_path / "tier", "1m") as mounted:
+        if not mounted:
+            pytest.skip("mounting a tmpfs needs root")
+        tier = asyncckpt.LocalTier(dir=tmp_path / "tier", every=1, replicas=0)
+        with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+            assert mgr.local is not None
+            with pytest.raises(CheckpointError, match=r"the local tier needs [\d,]+ bytes in .* more than 0.9 x"):
+                mgr.local.save(1, {"w": torch.zeros(1 << 19)})
+            assert mgr.local.save(2, {"w": torch.zeros(1 << 10)}) is not None  # a small one fits
+            assert mgr.local.maybe_finalize(blocking=True) == [2]
+        assert sorted(p.name for p in (tmp_path / "tier" / "rank_00000").iterdir()) == [
+            "restorable.json",
+            "step_00000002",
+        ]
