@@ -279,3 +279,25 @@ def test_the_memory_guard_counts_the_tiers_bytes(tmp_path: Path) -> None:
             "restorable.json",
             "step_00000002",
         ]
+
+
+def test_the_newest_tier_wins(tmp_path: Path) -> None:
+    tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        assert mgr.local is not None
+        got = _template()
+        assert mgr.restore(got) is None and got["step"] == -1  # nothing anywhere: start at step 0
+        mgr.local.save(2, _state(0, 2))
+        mgr.save(4, _state(0, 4))  # the root is newer
+        mgr.maybe_finalize(blocking=True)
+        assert mgr.local.maybe_finalize(blocking=True) == [2]
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        result = mgr.restore(got)
+        assert result is not None and (result.step, result.tier, result.source) == (4, "persistent", "persistent")
+        assert got["step"] == 4
+        assert mgr.local is not None
+        mgr.local.save(4, _state(1, 4))  # a tie: the local tier (no shared storage read)
+        assert mgr.local.maybe_finalize(blocking=True) == [4]
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        result = mgr.restore(got)
+        assert result is not None and (result.step, result.tier) == (4, "local") and got["rank"] == 1
