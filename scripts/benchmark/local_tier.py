@@ -11,7 +11,10 @@ within one run, each against its limit measured in the same processes:
   state) / memcpy of the same bytes;
 - peer restore (node 1's tier wiped: ranks 2 and 3 receive their shards from node 0 over
   gloo, write them into their tier, check and load them) / the raw gloo transfer
-  (isend/irecv of the same bytes between the same ranks).
+  (isend/irecv of the same bytes between the same ranks);
+- training slowdown: ``--train-steps`` steps (fixed compute, a small all-reduce, a
+  write to the state) with a local save every step, and with a persistent save every 4
+  steps, each / the same loop without checkpoints.
 
     python scripts/bench_local_tier.py --mb 64
 """
@@ -19,6 +22,7 @@ within one run, each against its limit measured in the same processes:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import statistics
@@ -35,6 +39,7 @@ import torch.multiprocessing as mp
 
 import asyncckpt
 
+from .common import mutate
 from .limits import bench_memcpy
 
 WORLD = 4
@@ -56,6 +61,40 @@ def _raw_transfer(nbytes: int, rank: int) -> float:
     work.wait()
     dist.barrier()
     return time.perf_counter() - t0
+
+
+def _training(args: argparse.Namespace, sd: dict[str, Any], base: Path, rank: int, tier: Any) -> dict[str, float]:
+    """Seconds of ``--train-steps`` training steps (a fixed compute, then an all-reduce
+    of a small gradient, then a write to the state): without checkpoints, with a local
+    save every step, with a persistent save every 4 steps (each in a root of its own)."""
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    grad = torch.zeros(1 << 16)
+
+    def run(mode: str) -> float:
+        root = base / f"train_{mode}"
+        local = dataclasses.replace(tier, dir=str(base / f"train_{mode}_node{rank // 2}")) if mode == "local" else None
+        with asyncckpt.CheckpointManager(root, local=local) as mgr:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for step in range(1, args.train_steps + 1):
+                for _ in range(8):
+                    torch.mm(a, b)
+                dist.all_reduce(grad)
+                mutate(sd)
+                if mode == "local":
+                    assert mgr.local is not None
+                    mgr.local.save(step, sd)
+                    mgr.local.maybe_finalize()
+                elif mode == "persistent" and step % 4 == 0:
+                    mgr.save(step, sd)
+                    mgr.maybe_finalize()
+            elapsed = time.perf_counter() - t0
+            if mgr.local is not None:
+                mgr.local.maybe_finalize(blocking=True)
+            mgr.maybe_finalize(blocking=True)
+        return elapsed
+
+    return {mode: run(mode) for mode in ("none", "local", "persistent")}
 
 
 def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
@@ -81,6 +120,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                 stalls.append(time.perf_counter() - t0)
                 mgr.local.maybe_finalize(blocking=True)  # the steady state: the previous save is done
         stall = statistics.median(stalls[1:])
+        train = _training(args, sd, base, rank, tier)
         local_times, peer_times, raw_times = [], [], []
         for _ in range(args.reps):
             with asyncckpt.CheckpointManager(base / "root", local=tier) as mgr:
@@ -110,6 +150,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                     "local": statistics.median(local_times),
                     "peer": statistics.median(peer_times),
                     "raw_gloo": statistics.median(raw_times),
+                    "train": train,
                 }
             )
     finally:
@@ -122,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mb", type=int, default=64, help="MB of state per rank (%(default)s)")
     p.add_argument("--tensors", type=int, default=8, help="tensors per rank (%(default)s)")
     p.add_argument("--saves", type=int, default=6, help="local saves (the first is cold) (%(default)s)")
+    p.add_argument("--train-steps", type=int, default=16, help="steps of each training loop (%(default)s)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of each restore (%(default)s)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a new one under /dev/shm)")
     args = p.parse_args(argv)
@@ -149,6 +191,16 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for name, t, limit, what in rows:
         print(f"| {name} | {t * 1e3:.1f} ms | {what} {limit * 1e3:.1f} ms | {t / limit:.2f}x |")
+    t = r["train"]
+    steps = args.train_steps
+    print(
+        f"| {steps} training steps, local save every step | {t['local']:.2f} s | none {t['none']:.2f} s | "
+        f"{t['local'] / t['none']:.2f}x |"
+    )
+    print(
+        f"| {steps} training steps, persistent save every 4 | {t['persistent']:.2f} s | none {t['none']:.2f} s | "
+        f"{t['persistent'] / t['none']:.2f}x |"
+    )
     return 0
 
 
