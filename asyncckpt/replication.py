@@ -417,6 +417,11 @@ class LocalCheckpoints:
             except Exception as exc:  # noqa: BLE001 - the persistent tier's close goes on
                 _log.warning("asyncckpt: closing the local tier: %s", exc)
         self._saver.release()
+        group, self._self_group = self._self_group, None
+        if group is not None and not abort:  # (aborted: a dropped save may still name it)
+            with contextlib.suppress(Exception):
+                if dist.is_initialized():
+                    dist.destroy_process_group(group)
 
     # ------------------------------------------------------------------ restore
     def restore(
