@@ -434,7 +434,7 @@ class LocalCheckpoints:
 
         Call sequence:
 
-        1. (all ranks) one all_gather: the shards each node holds (``(rank, step,
+        1. (all ranks) one ``all_gather_object``: the shards each node holds (``(rank, step,
            world_size)`` of every restorable marker; every rank of a node reports its
            node's), and rank 0's newest persistent step.
         2. (each rank, the same result) the newest step for which every rank's shard is
