@@ -65,6 +65,8 @@ _EXPORTS = {
     "SaveTimings": "saving.handle",
     "SaveResult": "saving.handle",
     "CheckpointManager": "manager",
+    "LocalTier": "io.local_tier",
+    "RestoreResult": "replication",
     "PreemptionSave": "preemption",
     "UploadResult": "upload",
     "UploadWarning": "upload",
@@ -97,6 +99,7 @@ if TYPE_CHECKING:
     from asyncckpt.errors import UnverifiableCheckpointError as UnverifiableCheckpointError
     from asyncckpt.errors import UploadError as UploadError
     from asyncckpt.export import export_safetensors as export_safetensors
+    from asyncckpt.io.local_tier import LocalTier as LocalTier
     from asyncckpt.loading.api import load as load
     from asyncckpt.loading.api import read_metadata as read_metadata
     from asyncckpt.loading.api import verify as verify
@@ -110,6 +113,7 @@ if TYPE_CHECKING:
     from asyncckpt.policy import LatestN as LatestN
     from asyncckpt.policy import SaveInterval as SaveInterval
     from asyncckpt.preemption import PreemptionSave as PreemptionSave
+    from asyncckpt.replication import RestoreResult as RestoreResult
     from asyncckpt.saving.api import default_calls_queue as default_calls_queue
     from asyncckpt.saving.api import save as save
     from asyncckpt.saving.handle import SaveHandle as SaveHandle

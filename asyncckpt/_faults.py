@@ -13,6 +13,8 @@ inherits the training process's environment when it is started). Points:
 - ``after_latest``: in the coordinator's work after the commit point
   (``CheckpointRoot.after_commit``), after ``latest`` is written, before retention and
   the removal of leftovers;
+- ``replicate``: in the training process's finalizer thread, when a replica of the
+  local tier has arrived, before it is checked and written (``asyncckpt.replication``);
 - ``stage``: in the training process, when a save starts its staging copy;
 - ``settle``: in the training process (the thread that settles the save: the
   finalizer thread in the background), when the saver starts settling a save, before

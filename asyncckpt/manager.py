@@ -31,9 +31,11 @@ from asyncckpt.errors import (
     RankFailure,
 )
 from asyncckpt.format import manifest as _manifest
+from asyncckpt.io.local_tier import LocalTier
 from asyncckpt.loading.api import load, read_metadata
 from asyncckpt.options import SaveOptions
 from asyncckpt.policy import PreservationPolicy, SaveInterval, as_policy
+from asyncckpt.replication import LocalCheckpoints, RestoreResult
 from asyncckpt.root import CheckpointRoot
 from asyncckpt.saving.handle import SaveCallback, SaveHandle, SaveTimings
 from asyncckpt.saving.pending import release_when_settled
@@ -97,6 +99,10 @@ class CheckpointManager:
         upload_timeout_s: seconds :meth:`close` waits for the uploads in flight (then
             they are resumed at the next start), and the coordinator for the other
             ranks' objects of a step.
+        local: a node-local tier beside the root (:class:`~asyncckpt.LocalTier`: a
+            directory on each node, saved every ``every`` steps with
+            ``manager.local.save(step, state)``, replicated to ``replicas`` peer
+            nodes; :meth:`restore` restores the newest of both tiers). ``None``: none.
 
     The manager holds an exclusive lock on ``root_dir`` for its lifetime (taken by
     the ``coordinator_rank``, the one rank that writes ``latest`` and runs retention;
@@ -159,8 +165,14 @@ class CheckpointManager:
         keep_remote: int | None = None,
         upload_failure: Literal["warn", "raise"] = "warn",
         upload_timeout_s: float = 600.0,
+        local: LocalTier | None = None,
     ) -> None:
         self._closed = True  # until constructed
+        #: The node-local tier (``None`` without ``local=``): ``local.save(step, state)``,
+        #: ``local.maybe_finalize()``; see :class:`asyncckpt.replication.LocalCheckpoints`.
+        self.local: LocalCheckpoints | None = None
+        if local is not None and (not isinstance(local, LocalTier) or read_only):
+            raise InvalidArgumentError(f"local must be a LocalTier (and not read_only), not {local!r}")
         # Every argument is checked before the root is locked (item 6 of issue 30): a
         # constructor that raises leaves no lock behind, whatever holds its traceback.
         check_path(root_dir, what="root_dir")
@@ -252,6 +264,8 @@ class CheckpointManager:
                 self.queue.caller.start()  # ready before the first save: no start-up stall
             self._saver = Saver(self.queue, self.options, root)
             self._upload = self._open_upload(upload_to, keep_remote, upload_failure, upload_timeout_s)
+            if local is not None:
+                self.local = LocalCheckpoints(local, self.queue, self.options, process_group)
         except BaseException:
             # Nothing of this manager outlives the raise: the lock is released now (not
             # when the traceback, which holds this object, is collected), the queue closed.
@@ -628,6 +642,27 @@ class CheckpointManager:
         load(state_dict, source, process_group=self.process_group, verify=verify, allow_pickle=allow_pickle)
         return int(step)
 
+    def restore(self, state_dict: dict[str, Any]) -> RestoreResult | None:
+        """Restore the newest checkpoint of either tier into ``state_dict`` (collective).
+
+        Without a local tier: the root's newest step (:meth:`load`). With one: see
+        :meth:`asyncckpt.replication.LocalCheckpoints.restore` (one collective census,
+        peers send missing shards, every byte CRC-checked, a bad copy falls back to a
+        replica, then to the root). The result is also logged (rank 0) and kept as
+        ``manager.local.restored``.
+
+        Returns:
+            The step, tier and peers restored from, or ``None`` when neither tier holds
+            a checkpoint (start from step 0).
+        """
+        if self.local is None:
+            step = self.latest_step()
+            if step is None:
+                return None
+            return RestoreResult(self.load(state_dict, step), "persistent", {}, "persistent")
+        self._saver.synchronize_staging()
+        return self.local.restore(state_dict, self.latest_step(), lambda step: self.load(state_dict, step))
+
     def close(self, abort: bool = False) -> None:
         """Commit pending saves and stop the worker; ``abort`` drops them instead.
 
@@ -651,6 +686,8 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        if self.local is not None:
+            self.local.close(abort)
         first_error: BaseException | None = None
         try:
             if not abort:
@@ -718,6 +755,8 @@ class CheckpointManager:
             lost = self._saver.settle_within(exit_timeout(), when)
             if self._upload is not None:  # a crash: the uploads get the exit's bound too (then resumed at start)
                 self._upload.close(exit_timeout())
+            if self.local is not None:
+                lost += self.local.settle_within(exit_timeout(), when)
         except BaseException:
             self.close(abort=True)  # interrupted while waiting (Ctrl-C): drop at once
             raise

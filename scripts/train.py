@@ -33,6 +33,13 @@ its shards (DTensors from ``get_state_dict``), and --resume also works with a di
 number of ranks: the checkpoint is resharded on load. The data order stays the same if
 the global batch (--batch-size times the number of ranks) does; dropout streams of ranks
 that did not exist in the checkpoint start from their seeds.
+
+With --local-dir DIR (a node-local directory, e.g. under /dev/shm) every --local-every
+steps also go to the node-local tier (:class:`asyncckpt.LocalTier`), replicated to
+--replicas peer nodes; --resume restores the newest step of either tier (a rank whose
+shard is not on its node fetches it from a peer) and prints where it came from. The
+environment variable ``TRAIN_KILL=RANK:STEP`` (a test's stand-in for a node loss) makes
+that rank SIGKILL itself after that step, once its local saves are restorable.
 """
 
 from __future__ import annotations
@@ -86,7 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--ckpt-every", type=int, default=100, metavar="N", help="checkpoint every N steps (%(default)s)")
     a("--ckpt-dir", default="./checkpoints", help="checkpoint root directory (%(default)s)")
     a("--keep-last", type=int, default=3, metavar="N", help="keep the newest N checkpoints (%(default)s)")
-    a("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir (or --upload-to)")
+    a(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --ckpt-dir (or --upload-to, or the local tier)",
+    )
     a(
         "--upload-to",
         metavar="URL",
@@ -94,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "AWS_ENDPOINT_URL for S3-compatible stores); --resume restores from there when --ckpt-dir is behind",
     )
     a("--keep-remote", type=int, metavar="N", help="with --upload-to: keep the newest N uploaded (default: all)")
+    a("--local-dir", default=None, metavar="DIR", help="node-local tier directory (e.g. /dev/shm/...): see above")
+    a("--local-every", type=int, default=1, metavar="N", help="save to the local tier every N steps (%(default)s)")
+    a("--replicas", type=int, default=1, metavar="R", help="local tier copies on other nodes (%(default)s)")
     a(
         "--grace-s",
         type=float,
@@ -563,7 +577,16 @@ def main(argv: list[str] | None = None) -> int:
     upload: dict[str, Any] = {}
     if args.upload_to:
         upload = {"upload_to": args.upload_to, "keep_remote": args.keep_remote, "callback": on_upload}
-    mgr = asyncckpt.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last, persistent=not args.temporal, **upload)
+    local = (
+        asyncckpt.LocalTier(dir=args.local_dir, every=args.local_every, replicas=args.replicas)
+        if args.local_dir
+        else None
+    )
+    mgr = asyncckpt.CheckpointManager(
+        args.ckpt_dir, keep_last=args.keep_last, persistent=not args.temporal, local=local, **upload
+    )
+    kill = os.environ.get("TRAIN_KILL", "")
+    kill_rank, kill_step = (int(x) for x in kill.split(":")) if kill else (-1, -1)
 
     def ckpt_path(s: int) -> str:
         """Step ``s``'s directory, as the command line named the root (``./checkpoints/step_00000100``),
@@ -581,7 +604,31 @@ def main(argv: list[str] | None = None) -> int:
     step, exit_code = 0, 0
     try:
         latest = mgr.latest_step()
-        if args.resume and latest is not None:
+        if args.resume and mgr.local is not None:
+            t0 = time.perf_counter()
+            sd = state_dict(0, rng_ranks=world_size)  # the local tier holds this world size's steps only
+            saved = [world_size]
+
+            def load_persistent(s: int) -> None:  # the persistent tier: any world size (resharded)
+                probe = {"world_size": 0}
+                mgr.load(probe, s, verify=False)
+                saved[0] = int(probe["world_size"])
+                sd.clear()
+                sd.update(state_dict(0, rng_ranks=saved[0]))
+                mgr.load(sd, s)
+
+            restored = mgr.local.restore(sd, latest, load_persistent)
+            if restored is None:
+                log(f"nothing to restore in {args.ckpt_dir} or {args.local_dir}: starting from step 0")
+            else:
+                step = restored.step
+                set_state_dict(raw_model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+                scheduler.load_state_dict(sd["sched"])
+                sampler.load_state_dict(sd["data"])
+                if rank < saved[0]:
+                    set_rng_state(sd["rng"][f"rank{rank}"], device)
+                log(f"{restored} ({time.perf_counter() - t0:.2f} s)")
+        elif args.resume and latest is not None:
             t0 = time.perf_counter()
             # The saving world size first (a small read): it fixes which RNG states exist.
             probe = {"world_size": 0}
@@ -662,14 +709,26 @@ def main(argv: list[str] | None = None) -> int:
                 # collective (all ranks, every step), else read only when shown (no sync per step)
                 progress.step(step, global_loss(loss) if args.fsdp and distributed else loss.detach())
             last = step == args.steps or step == args.stop_at
+            state = None
             if step % args.ckpt_every == 0 or last:
                 t1 = time.perf_counter()
-                handles[step] = mgr.save(step, state_dict(step))
+                state = state_dict(step)
+                handles[step] = mgr.save(step, state)
                 stalls[step] = time.perf_counter() - t1
                 log(
                     f"checkpoint step {step} staged in {stalls[step] * 1e3:.1f} ms (stall), "
                     f"writing {ckpt_path(step)} in the background"
                 )
+            if mgr.local is not None:
+                if mgr.local.due(step):
+                    t1 = time.perf_counter()
+                    mgr.local.save(step, state if state is not None else state_dict(step))
+                    log(f"local checkpoint step {step} staged in {(time.perf_counter() - t1) * 1e3:.1f} ms (stall)")
+                for s in mgr.local.maybe_finalize(blocking=step == kill_step and rank == kill_rank):
+                    log(f"local checkpoint step {s} restorable | {args.local_dir} | {args.replicas} replicas")
+                if step == kill_step and rank == kill_rank:
+                    print(f"rank {rank}: TRAIN_KILL at step {step}: SIGKILL", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
             try:
                 report(mgr.maybe_finalize())
             except asyncckpt.CheckpointException as exc:  # raised on every rank alike
@@ -705,6 +764,9 @@ def main(argv: list[str] | None = None) -> int:
             return exit_code
         t0 = time.perf_counter()
         report(mgr.maybe_finalize(blocking=True))
+        if mgr.local is not None:
+            for s in mgr.local.maybe_finalize(blocking=True):
+                log(f"local checkpoint step {s} restorable | {args.local_dir} | {args.replicas} replicas")
         mgr.close()
         report([s for s in list(handles) if handles[s].done()])
         close_s = time.perf_counter() - t0

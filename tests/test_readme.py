@@ -223,6 +223,14 @@ def check_training_example(d: Path, out: str, pass_no: int) -> None:
     assert "temporal checkpoint writer" in out and "kept [16, 20, 24] in ckpt_temporal" in out, out
 
 
+def check_local_tier(d: Path, outs: list[str], pass_no: int) -> None:
+    out = outs[0]
+    assert "exit codes: [0, 0]" in out, out
+    assert "restored step 10 from the local tier (fetched from peers: rank 2 from rank 0, rank 3 from rank 1)" in out, (
+        out
+    )
+
+
 #: bash blocks run here, by heading, with what must hold after each pass.
 BASH: dict[str, Callable[[Path, str, int], None]] = {
     "Set up and run": check_setup,
@@ -326,6 +334,7 @@ PYTHON: dict[str, Python] = {
     "The Megatron-style loop with `AsyncCallsQueue`": Python(check_megatron),
     "Sharded state (FSDP2 / DTensor) and resharding": Python(check_fsdp),  # torchrun, as its first line says
     "Export to Hugging Face": Python(check_export),
+    "Fast recovery: the local tier": Python(check_local_tier),
 }
 
 

@@ -43,6 +43,7 @@ from asyncckpt.errors import (
     RankFailure,
 )
 from asyncckpt.format.layout import RankLayout
+from asyncckpt.io.storage import LOCAL, Storage
 from asyncckpt.io.writer import RankWriteResult, WriteTask
 from asyncckpt.options import SaveOptions
 from asyncckpt.root import CheckpointRoot
@@ -130,12 +131,18 @@ class Saver:
         queue: the queue that runs the writes (held weakly: the saver goes with it).
         options: staging and writing options.
         root: the checkpoint root of a ``CheckpointManager`` (``latest``, retention).
+        storage: the tier its saves are written to (default the local file system).
     """
 
     def __init__(
-        self, queue: AsyncCallsQueue, options: SaveOptions | None = None, root: CheckpointRoot | None = None
+        self,
+        queue: AsyncCallsQueue,
+        options: SaveOptions | None = None,
+        root: CheckpointRoot | None = None,
+        storage: Storage = LOCAL,
     ) -> None:
         self.options = options or SaveOptions()
+        self.storage = storage
         self._queue_ref = weakref.ref(queue)
         self.root = root
         self.pool = StagingPool(self.options.staging_buffers)
@@ -293,6 +300,7 @@ class Saver:
             layouts=self.layouts,
             check_layout=self._check_memory,
             in_flight=self._in_flight,
+            storage=self.storage,
         )
         record.started, record.callback = started, callback
         record.user_info = dict(user_info or {})

@@ -1,0 +1,411 @@
+"""The node-local tier: each rank's own shard and its replicas of other ranks' shards.
+
+Policy as data (:class:`LocalTier`, given as ``CheckpointManager(root, local=...)``) and
+the files of the tier (:class:`NodeLocalStorage`, a :class:`~asyncckpt.io.storage.Storage`).
+The shape follows NVIDIA resiliency-ext's ``LocalCheckpointManager`` (a rank's parts
+in a node-local directory, replicated to a clique) and Orbax's emergency
+``CheckpointManager`` (local every few steps, persistent rarely); the code is ours.
+
+A node's tier directory holds one directory per shard it stores, whether the shard is
+one of its own ranks' or a replica of a rank on another node::
+
+    <dir>/rank_00002/step_00000010/   a one-rank DCP checkpoint (.metadata, __0_0.distcp,
+                                      .records.json, .manifest.json with CRC-32s)
+    <dir>/rank_00002/restorable.json  {"step": 10, "world_size": 4, "rank": 2}
+
+A shard's step is written and committed as any checkpoint (a hidden temporary
+directory renamed at the commit), by its own rank, or, for a replica, by the rank that
+received it. ``restorable.json`` names the newest step that the job decided, together,
+is stored on ``replicas + 1`` nodes for every rank (``asyncckpt.replication``); older
+steps of the shard are removed then, so a shard holds the restorable step and the one
+in flight.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncckpt import _fs
+from asyncckpt.errors import CorruptCheckpointError, InvalidArgumentError
+from asyncckpt.format import manifest as _manifest
+from asyncckpt.format.crc import crc32
+from asyncckpt.format.naming import parse_step_dir, step_dir_name
+from asyncckpt.io.storage import LOCAL
+from asyncckpt.io.writer import FileResult, RankWriteResult, WriteTask
+
+__all__ = ["LocalTier", "NodeLocalStorage", "Packed", "Arrival", "RESTORABLE_NAME"]
+
+#: The marker of a shard's newest restorable step.
+RESTORABLE_NAME = "restorable.json"
+
+
+@dataclass(frozen=True)
+class LocalTier:
+    """The node-local tier's policy (data, like :class:`~asyncckpt.SaveOptions`).
+
+    Args:
+        dir: the node-local directory (RAM-backed ``/dev/shm/...`` or a local NVMe
+            path). Every rank of a node passes the same one; it outlives the job, so
+            that a restarted job restores from it.
+        every: save to the tier every this many steps (``CheckpointManager.local.save``
+            skips the other steps).
+        replicas: each rank's shard is also stored on this many other nodes
+            (0: local only). The job needs at least ``replicas + 1`` nodes.
+        node: this rank's node (default: torchrun's ``GROUP_RANK``, else
+            ``rank // LOCAL_WORLD_SIZE``).
+
+    Raises:
+        InvalidArgumentError: ``every`` not an int >= 1, ``replicas`` not an int >= 0,
+            ``node`` not ``None`` or an int >= 0, ``dir`` not a path.
+    """
+
+    dir: str | os.PathLike = "/dev/shm/asyncckpt"
+    every: int = 1
+    replicas: int = 1
+    node: int | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not isinstance(self.dir, (str, os.PathLike)) or not os.fspath(self.dir):
+            raise InvalidArgumentError(f"LocalTier.dir must be a path, not {self.dir!r}")
+        if not is_int(self.every) or self.every < 1:
+            raise InvalidArgumentError(f"LocalTier.every must be an int >= 1, not {self.every!r}")
+        if not is_int(self.replicas) or self.replicas < 0:
+            raise InvalidArgumentError(f"LocalTier.replicas must be an int >= 0, not {self.replicas!r}")
+        if self.node is not None and (not is_int(self.node) or self.node < 0):
+            raise InvalidArgumentError(f"LocalTier.node must be None or an int >= 0, not {self.node!r}")
+
+
+@dataclass(frozen=True)
+class NodeLocalStorage:
+    """The files of a node's local tier (a :class:`~asyncckpt.io.storage.Storage`).
+
+    The save side and the read side are the local file system's (:data:`LOCAL`): a
+    shard's step is a one-rank checkpoint directory, committed by a rename. Added: the
+    shard directories, the restorable marker, retention, and a replica's arrival
+    (:meth:`receive`: written, fsynced, CRC-checked against its manifest, then renamed).
+    Picklable (it goes to the torch-free worker with each write).
+
+    Attributes:
+        base: the node's tier directory (:attr:`LocalTier.dir`).
+    """
+
+    base: Path
+
+    # ------------------------------------------------------------------ Storage
+    def temporary_dir(self, final_dir: Path, token: str) -> Path:
+        return LOCAL.temporary_dir(final_dir, token)
+
+    def write_rank(self, task: WriteTask) -> RankWriteResult:
+        return LOCAL.write_rank(task)
+
+    def commit(
+        self,
+        tmp_dir: Path,
+        final_dir: Path,
+        metadata_bytes: bytes,
+        files: Iterable[FileResult],
+        info: dict[str, Any],
+        records: bytes | None = None,
+    ) -> dict[str, Any]:
+        return LOCAL.commit(tmp_dir, final_dir, metadata_bytes, files, info, records)
+
+    def discard(self, tmp_dir: Path) -> None:
+        LOCAL.discard(tmp_dir)
+
+    def read_manifest(self, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+        return LOCAL.read_manifest(checkpoint_dir)
+
+    def verify(
+        self,
+        checkpoint_dir: str | os.PathLike,
+        names: Iterable[str] | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        threads: int | None = None,
+    ) -> dict[str, Any]:
+        return LOCAL.verify(checkpoint_dir, names, on_bytes, threads)
+
+    def exists(self, checkpoint_dir: str | os.PathLike, name: str) -> bool:
+        return LOCAL.exists(checkpoint_dir, name)
+
+    def open_dir(self, checkpoint_dir: str) -> int:
+        return LOCAL.open_dir(checkpoint_dir)
+
+    def open_file(self, dir_fd: int, checkpoint_dir: str, name: str) -> int:
+        return LOCAL.open_file(dir_fd, checkpoint_dir, name)
+
+    # ------------------------------------------------------------------ the tier's layout
+    def shard_dir(self, rank: int) -> Path:
+        """The directory of rank ``rank``'s shard on this node."""
+        return self.base / f"rank_{rank:05d}"
+
+    def step_dir(self, rank: int, step: int) -> Path:
+        """Rank ``rank``'s shard of step ``step`` on this node."""
+        return self.shard_dir(rank) / step_dir_name(step)
+
+    def marker(self, rank: int) -> dict[str, int] | None:
+        """Rank ``rank``'s restorable marker (``step``, ``world_size``, ``rank``), or
+        ``None`` (none, or unreadable)."""
+        try:
+            data = json.loads((self.shard_dir(rank) / RESTORABLE_NAME).read_bytes())
+            marker = {k: int(data[k]) for k in ("step", "world_size", "rank")}
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return marker if marker["rank"] == rank else None
+
+    def mark_restorable(self, rank: int, step: int, world_size: int) -> None:
+        """Record ``step`` as rank ``rank``'s newest restorable step (atomic, durable),
+        then remove the shard's older steps and leftovers (not a save in flight).
+
+        Raises:
+            OSError: the marker could not be written.
+        """
+        shard = self.shard_dir(rank)
+        tmp = shard / f".{RESTORABLE_NAME}.tmp-{secrets.token_hex(4)}"
+        _fs.write_new_file(tmp, json.dumps({"step": step, "world_size": world_size, "rank": rank}).encode())
+        os.replace(tmp, shard / RESTORABLE_NAME)
+        _fs.fsync_directory(shard)
+        for entry in list(shard.iterdir()):
+            other = parse_step_dir(entry.name)
+            if other is not None and other != step:
+                _fs.remove_checkpoint(entry, best_effort=True)
+
+    def unmark(self, rank: int) -> None:
+        """Remove rank ``rank``'s restorable marker (durably): its shard has none now."""
+        (self.shard_dir(rank) / RESTORABLE_NAME).unlink(missing_ok=True)
+        _fs.fsync_directory(self.shard_dir(rank))
+
+    def held(self) -> list[tuple[int, int, int]]:
+        """The restorable shards on this node: ``(rank, step, world_size)`` for each
+        shard whose marked step is committed here (its manifest present; not CRC-checked:
+        the restore checks every byte it reads)."""
+        found = []
+        try:
+            entries = sorted(self.base.iterdir())
+        except OSError:
+            return []
+        for entry in entries:
+            if not entry.name.startswith("rank_") or not entry.name[5:].isdigit():
+                continue
+            marker = self.marker(int(entry.name[5:]))
+            if marker is not None and _manifest.is_committed(self.step_dir(marker["rank"], marker["step"])):
+                found.append((marker["rank"], marker["step"], marker["world_size"]))
+        return found
+
+    def remove_leftovers(self, rank: int) -> None:
+        """Remove the hidden leftovers of rank ``rank``'s shard (saves or arrivals that
+        died: no save of this process is in flight when this is called)."""
+        try:
+            entries = list(self.shard_dir(rank).iterdir())
+        except OSError:
+            return
+        for entry in entries:
+            if entry.name.startswith(".") and (".tmp-" in entry.name or ".deleting-" in entry.name):
+                if entry.is_dir() and not entry.is_symlink():
+                    _fs.remove_checkpoint(entry, best_effort=True)
+                else:
+                    entry.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ replicas
+    def pack(self, rank: int, step: int) -> Packed:
+        """Rank ``rank``'s shard of ``step``, to send: its files (the manifest's data files,
+        then the manifest), each mapped read-only-in-effect (``MAP_PRIVATE``: no copy of
+        the bytes, which are in memory already on a RAM tier). Close it after the send.
+
+        Raises:
+            CorruptCheckpointError: the shard is missing, a file shorter than its manifest.
+            OSError: a file could not be opened or mapped.
+        """
+        directory = self.step_dir(rank, step)
+        manifest = _manifest.read_manifest(directory)
+        names = sorted(manifest["files"]) + [_manifest.MANIFEST_NAME]
+        packed = Packed([], [])
+        dir_fd = _fs.open_dir(str(directory))
+        try:
+            for name in names:
+                fd = _fs.open_member(dir_fd, str(directory), name)
+                try:
+                    size = os.fstat(fd).st_size
+                    want = manifest["files"][name]["size"] if name != _manifest.MANIFEST_NAME else size
+                    if size != want:
+                        raise CorruptCheckpointError(f"{directory / name} has {size} bytes, not {want}", str(directory))
+                    packed.files.append((name, size))
+                    packed.maps.append(mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None)
+                finally:
+                    os.close(fd)
+        except BaseException:
+            packed.close()
+            raise
+        finally:
+            os.close(dir_fd)
+        return packed
+
+    def arrival(self, rank: int, step: int, files: list[tuple[str, int]]) -> Arrival:
+        """Where rank ``rank``'s shard of ``step`` is received: its files created in a
+        hidden directory with their sizes and mapped (``MAP_SHARED``), so that the
+        transfer writes into them directly; :meth:`Arrival.finish` checks and commits.
+
+        Raises:
+            CorruptCheckpointError: a file name that is not a plain name.
+            OSError: any I/O failure (nothing is kept).
+        """
+        final = self.step_dir(rank, step)
+        for name, _ in files:
+            if not _manifest.is_plain_name(name):
+                raise CorruptCheckpointError(f"a replica names a file {name!r}", str(final))
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = LOCAL.temporary_dir(final, secrets.token_hex(8))
+        tmp.mkdir()
+        arrival = Arrival(final, tmp, list(files), [], [])
+        try:
+            for name, size in files:
+                fd = os.open(tmp / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                arrival.fds.append(fd)
+                os.ftruncate(fd, size)
+                arrival.maps.append(mmap.mmap(fd, size) if size else None)
+        except BaseException:
+            arrival.discard()
+            raise
+        return arrival
+
+    def receive(self, rank: int, step: int, files: list[tuple[str, int]], data: memoryview) -> Path:
+        """Store rank ``rank``'s shard of ``step`` from ``data`` (the files in order, the
+        manifest last): written into a hidden directory, every byte checked against the
+        manifest's sizes and CRC-32s, fsynced, then renamed into place (replacing a copy
+        of the same step that is there).
+
+        Returns:
+            The committed directory.
+
+        Raises:
+            CorruptCheckpointError: a file does not match the manifest (nothing is kept).
+            OSError: any I/O failure (nothing is kept).
+        """
+        arrival = self.arrival(rank, step, files)
+        try:
+            pos = 0
+            for buf, (_, size) in zip(arrival.maps, files):
+                if buf is not None:
+                    buf[:] = data[pos : pos + size]
+                pos += size
+        except BaseException:
+            arrival.discard()
+            raise
+        return arrival.finish()
+
+
+@dataclass
+class Packed:
+    """A shard to send (:meth:`NodeLocalStorage.pack`): ``files`` ``[(name, size)]`` and
+    the mapping of each (``None`` for an empty file). :meth:`close` unmaps them."""
+
+    files: list[tuple[str, int]]
+    maps: list[mmap.mmap | None]
+
+    def close(self) -> None:
+        for m in self.maps:
+            if m is not None:
+                m.close()
+        self.maps = []
+
+
+@dataclass
+class Arrival:
+    """A shard being received (:meth:`NodeLocalStorage.arrival`): its hidden directory,
+    and each file's descriptor and shared mapping (``None`` for an empty file)."""
+
+    final: Path
+    tmp: Path
+    files: list[tuple[str, int]]
+    fds: list[int]
+    maps: list[mmap.mmap | None]
+
+    def _close(self) -> None:
+        for m in self.maps:
+            if m is not None:
+                m.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.maps, self.fds = [], []
+
+    def finish(self) -> Path:
+        """Check every byte against the manifest received, make the files durable and
+        rename the directory into place (a copy of the same step there is replaced).
+
+        Returns:
+            The committed directory.
+
+        Raises:
+            CorruptCheckpointError: a file does not match (nothing is kept).
+            OSError: any I/O failure (nothing is kept).
+        """
+        try:
+            views = [memoryview(m) if m is not None else memoryview(b"") for m in self.maps]
+            try:
+                _check_received(self.files, views, self.final)
+            finally:
+                for view in views:
+                    view.release()  # before the mappings close
+            for fd in self.fds:
+                os.fsync(fd)
+            self._close()
+            _fs.fsync_directory(self.tmp)
+            if self.final.exists():
+                _fs.remove_checkpoint(self.final, best_effort=True)
+            os.rename(self.tmp, self.final)
+            _fs.fsync_directory(self.final.parent)
+        except BaseException:
+            self.discard()
+            raise
+        return self.final
+
+    def discard(self) -> None:
+        """Remove what arrived (never raises)."""
+        try:
+            self._close()
+        except (OSError, BufferError):
+            pass
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _check_received(files: list[tuple[str, int]], views: list[memoryview], where: Path) -> None:
+    """Check a received shard (the files of :meth:`NodeLocalStorage.pack`, the manifest
+    last; ``views[i]`` holds file ``i``) against its manifest: the same files, sizes and
+    the CRC-32 of every segment.
+
+    Raises:
+        CorruptCheckpointError: naming the first file that does not match.
+    """
+    if not files or files[-1][0] != _manifest.MANIFEST_NAME or [len(v) for v in views] != [n for _, n in files]:
+        raise CorruptCheckpointError("a replica arrived with a layout other than its header's", str(where))
+    try:
+        manifest = json.loads(bytes(views[-1]))
+        entries = manifest["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"a replica arrived with an unreadable manifest: {exc}", str(where)) from exc
+    names = [name for name, _ in files[:-1]]
+    if not isinstance(entries, dict) or sorted(entries) != sorted(names):
+        raise CorruptCheckpointError(f"a replica's files {names} are not its manifest's", str(where))
+    for view, (name, size) in zip(views, files[:-1]):
+        if entries[name].get("size") != size:
+            raise CorruptCheckpointError(f"a replica's {name!r} does not match its manifest", str(where / name))
+        for offset, length, expected in entries[name]["segments"]:
+            actual = crc32(view[offset : offset + length]) if offset + length <= size else -1
+            if actual != expected:
+                raise CorruptCheckpointError(
+                    f"{where / name}: checksum mismatch in bytes [{offset}, {offset + length}) of the replica "
+                    f"received (crc32 {actual & 0xFFFFFFFF:08x}, manifest {expected:08x})",
+                    str(where / name),
+                )

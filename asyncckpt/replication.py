@@ -1,0 +1,655 @@
+"""The node-local tier's phases: local save, replication to peer nodes, and restore.
+
+Beside the persistent tier's save, not in it: a local save is planned and staged by a
+:class:`~asyncckpt.saving.saver.Saver` of its own (its own staging buffers) on the
+manager's queue (the same worker writes it), into the node's tier directory
+(:class:`~asyncckpt.io.local_tier.NodeLocalStorage`). Each rank saves *its own* state
+as a one-rank checkpoint (planned on a process group of this rank alone, so nothing is
+deduplicated away: a DDP rank keeps the full state, an FSDP rank its shards), so that
+a rank restores without reading any other rank's data.
+
+Phases of a local save of step ``s`` (after NVIDIA resiliency-ext's
+``LocalCheckpointManager`` + ``CliqueReplicationStrategy``; Orbax's emergency manager):
+
+=========  ================================  ==================================  ==========
+phase      what                              thread / process                    ranks
+=========  ================================  ==================================  ==========
+plan       this rank's one-rank plan; then   training thread                     all (one
+           the error funnel of the job                                           int64
+                                                                                 all_gather)
+stage      copy into the local saver's       training thread                     each
+           staging buffer
+write      this rank's files, fsynced        the manager's worker                each
+commit     this rank's ``.metadata``,        the queue's finalizer thread        each
+           manifest, rename (local)
+replicate  the funnel of the local commits;  the finalizer thread, on its        all
+           each rank sends its shard's       private gloo group                  (collective)
+           files to its ``replicas`` peers
+           on other nodes (gloo isend/
+           irecv); each receiver writes,
+           CRC-checks and renames; the
+           funnel of the arrivals
+mark       ``restorable.json`` of every      the finalizer thread                each
+           shard this node stored, older
+           steps removed
+=========  ================================  ==================================  ==========
+
+A step is restorable once every rank's shard is stored on ``replicas + 1`` nodes: the
+replicate phase's last funnel decides it for all ranks together, like a commit; a step
+whose replication failed anywhere is marked nowhere (its handle fails; training goes
+on). Restore (:meth:`LocalCheckpoints.restore`) is one collective at (re)start; see
+its docstring for the contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from asyncckpt import _faults, _fs
+from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
+from asyncckpt.dist import SyncGroup
+from asyncckpt.errors import (
+    AsyncckptError,
+    CheckpointError,
+    CheckpointException,
+    CheckpointPathError,
+    InvalidArgumentError,
+    RankFailure,
+)
+from asyncckpt.format.layout import RankLayout
+from asyncckpt.io.local_tier import Arrival, LocalTier, NodeLocalStorage, Packed
+from asyncckpt.loading.api import load
+from asyncckpt.options import SaveOptions
+from asyncckpt.saving.handle import SaveHandle
+from asyncckpt.saving.phases import commit, plan
+from asyncckpt.saving.record import SaveInFlight
+from asyncckpt.saving.saver import Saver, _SaveLink
+
+__all__ = ["LocalCheckpoints", "RestoreResult", "replica_map"]
+
+_log = logging.getLogger("asyncckpt")
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreResult:
+    """What :meth:`LocalCheckpoints.restore` (``CheckpointManager.restore``) restored.
+
+    Attributes:
+        step: the step restored.
+        tier: ``"local"`` (the node-local tier, shards from this node or from peers)
+            or ``"persistent"`` (the manager's root).
+        peers: for the local tier, ``rank -> the rank that sent it its shard``, for
+            every rank whose shard was not on its own node (empty: no transfer).
+        source: this rank's source: ``"local"``, ``"peer <rank>"`` or ``"persistent"``.
+        notes: the fallbacks taken on the way (a bad or missing copy, another world
+            size), one line each.
+    """
+
+    step: int
+    tier: str
+    peers: dict[int, int]
+    source: str
+    notes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        where = "the persistent tier" if self.tier == "persistent" else "the local tier"
+        if self.peers:
+            fetched = ", ".join(f"rank {r} from rank {p}" for r, p in sorted(self.peers.items()))
+            where += f" (fetched from peers: {fetched})"
+        elif self.tier == "local":
+            where += " (every shard on its own node)"
+        return f"restored step {self.step} from {where}" + "".join(f"; {n}" for n in self.notes)
+
+
+def replica_map(nodes: list[int], replicas: int) -> list[list[int]]:
+    """For every rank, the ranks that store its shard: one rank on each of the next
+    ``replicas`` nodes (in node order, wrapping), the one of the same position among
+    its node's ranks (after ``CliqueReplicationStrategy``'s ring of nodes).
+
+    Args:
+        nodes: ``nodes[r]`` is rank ``r``'s node id.
+        replicas: copies on other nodes per shard.
+
+    Returns:
+        ``targets[r]``: the ranks storing rank ``r``'s shard besides ``r`` itself.
+
+    Raises:
+        InvalidArgumentError: fewer than ``replicas + 1`` nodes.
+    """
+    order = sorted(set(nodes))
+    if replicas and len(order) < replicas + 1:
+        raise InvalidArgumentError(
+            f"LocalTier(replicas={replicas}) needs at least {replicas + 1} nodes; this job has {len(order)} "
+            f"(nodes from GROUP_RANK / LOCAL_WORLD_SIZE, or LocalTier(node=...)); LocalTier(replicas=0) keeps "
+            "the tier on each node without copies"
+        )
+    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
+    targets = []
+    for rank, node in enumerate(nodes):
+        i, j = order.index(node), members[node].index(rank)
+        row = []
+        for k in range(1, replicas + 1):
+            peers = members[order[(i + k) % len(order)]]
+            row.append(peers[j % len(peers)])
+        targets.append(row)
+    return targets
+
+
+def _node_of(tier: LocalTier, rank: int) -> int:
+    if tier.node is not None:
+        return tier.node
+    if "GROUP_RANK" in os.environ:
+        return int(os.environ["GROUP_RANK"])
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return rank // max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    return 0  # one node
+
+
+class _LocalSaver(Saver):
+    """A :class:`Saver` whose saves are one-rank checkpoints in the node-local tier, and
+    whose commit phase is the tier's (local commit, replicate, mark)."""
+
+    def __init__(self, owner: LocalCheckpoints, queue: AsyncCallsQueue, options: SaveOptions) -> None:
+        super().__init__(queue, options, None, storage=owner.storage)
+        self.owner = owner
+
+    def _check_memory(self, layout: RankLayout) -> None:
+        """The memory guard of a local save: the staging buffer (as any save), and the
+        tier's bytes for the new step (this rank's shard and the replicas it receives,
+        about one shard each), against the free space of the tier's file system, and
+        against the memory available too when the tier is RAM (``/dev/shm``).
+
+        Raises:
+            CheckpointError: not enough room (funnelled to every rank by ``save``).
+        """
+        super()._check_memory(layout)
+        limit = self.options.staging_memory_limit
+        if limit is None:
+            return
+        tier_need = layout.slab_nbytes * (1 + len(self.owner.sources))
+        base = self.owner.storage.base
+        free = shutil.disk_usage(base).free
+        if tier_need > limit * free:
+            raise CheckpointError(
+                f"the local tier needs {tier_need:,} bytes in {base} for this step (this rank's shard and "
+                f"{len(self.owner.sources)} replicas), more than {limit:g} x the {free:,} bytes free there"
+            )
+        if self.owner._on_ram:
+            staging = self.pool.bytes_to_allocate(layout.slab_nbytes, self.queue.caller.is_running)
+            available = psutil.virtual_memory().available
+            if tier_need + staging > limit * available:
+                raise CheckpointError(
+                    f"the local tier in {base} (RAM) and the staging buffer need {tier_need + staging:,} bytes, "
+                    f"more than {limit:g} x the {available:,} bytes of memory available"
+                )
+
+    def _commit_call(self, record: SaveInFlight) -> None:
+        """The finalize function of a local save: commit, replicate, mark (finalizer thread)."""
+        if record.call_idx is None:
+            raise CheckpointError(f"the local save of step {record.step} was committed before it was scheduled")
+        queue = self.queue
+        self.owner._commit_replicate_mark(record, queue.get_result(record.call_idx), queue.finalize_sync)
+
+
+class LocalCheckpoints:
+    """The node-local tier of a :class:`~asyncckpt.CheckpointManager` (``manager.local``).
+
+    Args:
+        tier: the policy (:class:`~asyncckpt.io.local_tier.LocalTier`).
+        queue: the manager's queue (its worker writes the local saves too).
+        options: the manager's save options (overlapped staging is not used here).
+        process_group: the ranks saving together.
+
+    Collective contract: the constructor (one all_gather of the nodes; a one-rank
+    group per rank), :meth:`save` on the steps it is due (every rank, the same steps),
+    :meth:`restore` and :meth:`close`: all ranks. :meth:`maybe_finalize`: any rank.
+
+    Raises:
+        InvalidArgumentError: fewer nodes than ``replicas + 1``.
+        CheckpointPathError: (an ``OSError``) the tier directory cannot be created.
+    """
+
+    def __init__(
+        self, tier: LocalTier, queue: AsyncCallsQueue, options: SaveOptions, process_group: Any = None
+    ) -> None:
+        self.tier = tier
+        self.process_group = process_group
+        self.sync = SyncGroup(process_group)
+        self.rank, self.world_size = self.sync.rank, self.sync.world_size
+        self.storage = NodeLocalStorage(Path(os.path.abspath(os.fspath(tier.dir))))
+        self.nodes = [n[0] for n in self.sync.all_gather_ints([_node_of(tier, self.rank)])]
+        self.targets = replica_map(self.nodes, tier.replicas)
+        self.sources = [r for r, row in enumerate(self.targets) if self.rank in row]
+        self._self_group = None
+        if self.sync.distributed:  # this rank alone: its local saves and loads involve no other rank
+            me = dist.get_rank()
+            self._self_group = dist.new_group(ranks=[me], backend="gloo", use_local_synchronization=True)
+        failure: RankFailure | None = None
+        try:
+            self.storage.shard_dir(self.rank).mkdir(parents=True, exist_ok=True)
+            for shard in (self.rank, *self.sources):
+                self.storage.remove_leftovers(shard)
+        except OSError as exc:
+            error = CheckpointPathError.of(exc.errno, f"the local tier {self.storage.base} cannot be used: {exc}")
+            failure = RankFailure.from_exception(error)
+        failures = self.sync.gather_failures(failure)  # every rank raises, none goes on alone
+        if failures:
+            first = failures[min(failures)]
+            if isinstance(first.exception, AsyncckptError):
+                raise first.exception
+            raise CheckpointError(f"opening the local tier failed: {first}", failures)
+        self._on_ram = str(self.storage.base.resolve()).startswith("/dev/shm/")
+        self._saver = _LocalSaver(self, queue, dataclasses.replace(options, overlap_staging=False))
+        self.restored: RestoreResult | None = None
+
+    # ------------------------------------------------------------------ save
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is saved to the tier (``step % every == 0``)."""
+        return step % self.tier.every == 0
+
+    def save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle | None:
+        """Save this rank's ``state_dict`` as step ``step`` of the local tier, if due
+        (all ranks, the same steps; asynchronous: returns once staged).
+
+        The handle completes once the step is restorable (stored on ``replicas + 1``
+        nodes for every rank) or failed; :meth:`maybe_finalize` reports both.
+
+        Returns:
+            The handle, or ``None`` when ``step`` is not due.
+
+        Raises:
+            CheckpointError: this save was refused on some rank (invalid state, the
+                memory guard), on every rank.
+        """
+        if not self.due(step):
+            return None
+        saver = self._saver
+        with saver.lock:
+            started = time.monotonic()
+            queue = saver.queue
+            queue.start()  # collective the first time (the finalizer's group)
+            final_dir = self.storage.step_dir(self.rank, step)
+            if final_dir.exists() and not saver._in_flight(final_dir):
+                self._drop_stale(step, final_dir)
+            link = _SaveLink(saver)
+            handle = SaveHandle(final_dir, step, link)
+            failure: RankFailure | None = None
+            record: SaveInFlight | None = None
+            try:
+                record = plan(
+                    state_dict,
+                    final_dir,
+                    handle,
+                    sync=SyncGroup(self._self_group),
+                    coordinator_rank=0,
+                    step=step,
+                    cache=saver.plan_cache,
+                    layouts=saver.layouts,
+                    check_layout=saver._check_memory,
+                    in_flight=saver._in_flight,
+                    storage=self.storage,
+                )
+            except Exception as exc:  # noqa: BLE001 - funnelled to every rank
+                failure = RankFailure.from_exception(exc)
+            with self.sync.describing(f"the plan of the local save of step {step}"):
+                failures = self.sync.gather_failures(failure)
+            if failures:
+                causes = "; ".join(f"rank {r}: {str(f).splitlines()[0]}" for r, f in sorted(failures.items()))
+                raise CheckpointError(f"the local save of step {step} was refused ({causes})", failures)
+            assert record is not None
+            record.started = started
+            link.record = record
+            saver._schedule(record, lambda: saver._stage_now(record))
+            record.stall_s += time.monotonic() - started
+            return handle
+
+    def _drop_stale(self, step: int, final_dir: Path) -> None:
+        """Remove this rank's copy of ``step`` left by an earlier run or timeline (training
+        went back: a fresh start, or a restore of an older step): the step is saved
+        again, and the new copy replaces it. If it was the restorable one, the marker
+        goes first: an old timeline's step must never be restored as this one's."""
+        marker = self.storage.marker(self.rank)
+        if marker is not None and marker["step"] == step:
+            self.storage.unmark(self.rank)
+        _log.info("asyncckpt: removing the local tier's stale copy of step %d (%s)", step, final_dir)
+        _fs.remove_checkpoint(final_dir, best_effort=True)
+
+    def _commit_replicate_mark(self, record: SaveInFlight, result: Any, sync: SyncGroup) -> None:
+        """Phases commit, replicate and mark of a local save (finalizer thread, all ranks).
+
+        Raises:
+            CheckpointException: the step is not restorable (a commit, a transfer or a
+                check failed on some rank; the same on every rank).
+        """
+        step = record.step
+        assert step is not None
+        call = record.call_idx if record.call_idx is not None else -1
+        failure: RankFailure | None = None
+        try:  # (each rank) this rank's one-rank checkpoint, committed in the tier
+            commit(record, result, record.sync, (), self._saver.layout_exchange, self._saver.metadata_pickle)
+        except Exception as exc:  # noqa: BLE001 - funnelled below
+            failure = RankFailure.from_exception(exc, "the local commit failed: ")
+        with sync.describing(f"the local commit of step {step}"):
+            failures = sync.gather_failures(failure)
+        if failures:
+            raise CheckpointException(call, failures, step, record.final_dir)
+        received: list[int] = []
+        with sync.describing(f"the replication of step {step}"):
+            failure = self._replicate(step, sync, received)
+            failures = sync.gather_failures(failure)
+        if failures:
+            raise CheckpointException(call, failures, step, record.final_dir)
+        for shard in (self.rank, *received):  # decided: restorable on every rank's replicas + 1 nodes
+            try:
+                self.storage.mark_restorable(shard, step, self.world_size)
+            except OSError as exc:
+                _log.warning("asyncckpt: could not mark step %d of rank %d restorable: %s", step, shard, exc)
+
+    def _replicate(self, step: int, sync: SyncGroup, received: list[int]) -> RankFailure | None:
+        """Send this rank's shard of ``step`` to its targets, receive its sources' shards
+        (all ranks); returns this rank's failure (a receive that does not check)."""
+        packed: Packed | None = None
+        failure: RankFailure | None = None
+        if self.targets[self.rank]:
+            try:
+                packed = self.storage.pack(self.rank, step)
+            except Exception as exc:  # noqa: BLE001 - funnelled; the header says "nothing"
+                failure = RankFailure.from_exception(exc, "reading the local shard to replicate failed: ")
+        try:
+            headers = sync.all_gather_object(packed.files if packed is not None else None)
+            for s in self.sources:
+                if headers[s] is None and failure is None:
+                    failure = RankFailure(f"rank {s} could not read its shard of step {step} to send it here")
+
+            def finish(src: int, arrival: Arrival) -> None:
+                _faults.hit("replicate")  # a receiver that fails (raise) or dies (kill) with the bytes in hand
+                arrival.finish()
+                received.append(src)
+
+            return _transfer(
+                sync,
+                {t: packed for t in self.targets[self.rank]} if packed is not None else {},
+                {s: headers[s] for s in self.sources if headers[s] is not None},
+                lambda src, files: self.storage.arrival(src, step, files),
+                finish,
+                failure,
+            )
+        finally:
+            if packed is not None:
+                packed.close()
+
+    def maybe_finalize(self, blocking: bool = False) -> list[int]:
+        """The local steps that became restorable since the last call (any rank, no
+        collective); a local save that failed is logged as a warning on logger
+        ``asyncckpt`` (the tier keeps its last restorable step), never raised."""
+        steps: list[int] = []
+        while True:
+            try:
+                records = self._saver.harvest(blocking)
+            except CheckpointException as exc:
+                _log.warning("asyncckpt: a local checkpoint is not restorable: %s", str(exc).splitlines()[0])
+                continue
+            steps += [r.step for r in records if r.step is not None]
+            return steps
+
+    def settle_within(self, timeout: float, when: str) -> list[SaveInFlight]:
+        """Let the pending local saves settle for up to ``timeout`` seconds (a crashed
+        ``with`` block); returns those still pending (named on logger ``asyncckpt``)."""
+        return self._saver.settle_within(timeout, when)
+
+    def close(self, abort: bool = False) -> None:
+        """Wait for the local saves (``abort``: drop them), then free the staging buffers."""
+        if not abort:
+            try:
+                self.maybe_finalize(blocking=True)
+            except Exception as exc:  # noqa: BLE001 - the persistent tier's close goes on
+                _log.warning("asyncckpt: closing the local tier: %s", exc)
+        self._saver.release()
+        group, self._self_group = self._self_group, None
+        if group is not None and not abort:  # (aborted: a dropped save may still name it)
+            with contextlib.suppress(Exception):
+                if dist.is_initialized():
+                    dist.destroy_process_group(group)
+
+    # ------------------------------------------------------------------ restore
+    def restore(
+        self,
+        state_dict: dict[str, Any],
+        persistent_step: int | None,
+        load_persistent: Callable[[int], Any],
+    ) -> RestoreResult | None:
+        """Restore the newest step into ``state_dict`` in place (collective, all ranks).
+
+        Call sequence:
+
+        1. (all ranks) one ``all_gather_object``: the shards each node holds (``(rank, step,
+           world_size)`` of every restorable marker; every rank of a node reports its
+           node's), and rank 0's newest persistent step.
+        2. (each rank, the same result) the newest step for which every rank's shard is
+           held somewhere, saved by this world size; newest wins against the persistent
+           tier (equal: the local tier). A local tier of another world size is named
+           once and the persistent tier restores (resharding).
+        3. (all ranks) rounds: every rank takes its shard from the first holder in its
+           list (itself, then one rank per other node); a peer sends it over gloo, the
+           receiver writes it into its node's tier (CRC-checked, renamed); each rank
+           loads its copy (every byte CRC-checked inline); one funnel. A rank whose copy
+           failed takes the next holder in the next round; when a rank has none left,
+           every rank loads the persistent tier.
+
+        Args:
+            state_dict: the template to load into (the structure saved).
+            persistent_step: the persistent tier's newest step (rank 0's counts), or ``None``.
+            load_persistent: loads a persistent step into ``state_dict`` (collective).
+
+        Returns:
+            What was restored (also :attr:`restored`), or ``None`` if neither tier
+            holds a checkpoint.
+
+        Raises:
+            CheckpointError: a copy failed on some rank and the persistent tier holds
+                nothing to fall back to (the same on every rank).
+        """
+        sync = self.sync
+        with sync.describing("the restore's census of the local tier"):
+            census = sync.all_gather_object((self.storage.held(), persistent_step))
+        persistent = census[0][1]
+        held: dict[tuple[int, int], list[int]] = {}
+        worlds: set[int] = set()
+        for holder, (shards, _) in enumerate(census):
+            for shard, step, world in shards:
+                worlds.add(world)
+                if world == self.world_size and 0 <= shard < self.world_size:
+                    held.setdefault((shard, step), []).append(holder)
+        steps = {s for _, s in held}
+        covered = [s for s in steps if all((r, s) in held for r in range(self.world_size))]
+        local_step = max(covered) if covered else None
+        notes: list[str] = []
+        if local_step is None and worlds - {self.world_size}:
+            notes.append(
+                f"the local tier holds steps saved by {sorted(worlds - {self.world_size})} ranks, this job has "
+                f"{self.world_size}: restoring from the persistent tier (resharding)"
+            )
+        if local_step is not None and (persistent is None or local_step >= persistent):
+            result = self._restore_local(state_dict, local_step, held, notes)
+            if result is not None:
+                return self._done(result)
+            if persistent is None:
+                raise CheckpointError(
+                    f"no copy of step {local_step} could be restored on every rank, and the persistent tier "
+                    "holds no checkpoint; " + "; ".join(notes)
+                )
+        if persistent is None:
+            if notes and self.rank == 0:
+                _log.warning("asyncckpt: %s", notes[0])
+            return None
+        load_persistent(persistent)
+        return self._done(RestoreResult(int(persistent), "persistent", {}, "persistent", tuple(notes)))
+
+    def _done(self, result: RestoreResult) -> RestoreResult:
+        self.restored = result
+        if self.rank == 0:
+            _log.warning("asyncckpt: %s", result)
+        return result
+
+    def _restore_local(
+        self, state_dict: dict[str, Any], step: int, held: dict[tuple[int, int], list[int]], notes: list[str]
+    ) -> RestoreResult | None:
+        """Step 3 of :meth:`restore`; ``None``: some rank ran out of copies."""
+        sync, world = self.sync, self.world_size
+        holders: list[list[int]] = []
+        for r in range(world):
+            row, seen = [], set()
+            # itself, then one rank per other node: the one that received it (its replica target) first
+            order = sorted(
+                held[(r, step)], key=lambda h: (h != r, self.nodes[h] == self.nodes[r], h not in self.targets[r], h)
+            )
+            for h in order:
+                if h == r or self.nodes[h] not in seen:
+                    row.append(h)
+                    seen.add(self.nodes[h])
+            holders.append(row)
+        attempt = [0] * world
+        done = [False] * world
+        while True:
+            src = [holders[r][attempt[r]] for r in range(world)]
+            serve = {r: src[r] for r in range(world) if not done[r] and src[r] != r}
+            failure: RankFailure | None = None
+            packed: dict[int, Packed] = {}
+            for r, h in serve.items():
+                if h == self.rank:
+                    try:
+                        packed[r] = self.storage.pack(r, step)
+                    except Exception as exc:  # noqa: BLE001 - the receiver fails this round; the funnel says why
+                        failure = RankFailure.from_exception(exc, f"reading a copy of step {step} to send failed: ")
+            with sync.describing(f"the restore of step {step} from the local tier"), _closing(packed):
+                # (every rank knows ``serve``: with no transfer, as in a restart on intact nodes, no exchange)
+                headers = sync.all_gather_object({r: p.files for r, p in packed.items()}) if serve else []
+                mine = serve.get(self.rank)
+                incoming = {}
+                if mine is not None:
+                    files = headers[mine].get(self.rank)
+                    if files is not None:
+                        incoming[mine] = files
+                    elif failure is None:
+                        failure = RankFailure(f"rank {mine} could not read its copy of rank {self.rank}'s shard")
+                failure = _transfer(
+                    sync,
+                    packed,
+                    incoming,
+                    lambda src, files: self.storage.arrival(self.rank, step, files),
+                    lambda src, arrival: arrival.finish(),
+                    failure,
+                )
+                if not done[self.rank] and failure is None:
+                    try:
+                        load(state_dict, self.storage.step_dir(self.rank, step), process_group=self._self_group)
+                        if mine is not None:
+                            self.storage.mark_restorable(self.rank, step, world)
+                    except (AsyncckptError, OSError) as exc:
+                        where = "its own node" if mine is None else f"rank {mine}"
+                        failure = RankFailure.from_exception(exc, f"the copy of step {step} from {where}: ")
+                failures = sync.gather_failures(failure if not done[self.rank] else None)
+            for r in range(world):
+                if r not in failures:
+                    done[r] = True
+            if all(done):
+                peers = {r: src[r] for r in range(world) if src[r] != r}
+                mine = src[self.rank]
+                return RestoreResult(
+                    step, "local", peers, "local" if mine == self.rank else f"peer {mine}", tuple(notes)
+                )
+            for r, why in sorted(failures.items()):
+                attempt[r] += 1
+                left = attempt[r] < len(holders[r])
+                notes.append(
+                    f"rank {r}'s copy from {'its own node' if src[r] == r else f'rank {src[r]}'} failed "
+                    f"({str(why).splitlines()[0]}); "
+                    + (f"taking the replica from rank {holders[r][attempt[r]]}" if left else "no copy left")
+                )
+            if any(attempt[r] >= len(holders[r]) for r in range(world)):
+                return None
+
+
+@contextlib.contextmanager
+def _closing(packed: dict[int, Packed]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for p in packed.values():
+            p.close()
+
+
+def _transfer(
+    sync: SyncGroup,
+    send: dict[int, Packed],
+    receive: dict[int, list[tuple[str, int]]],
+    open_arrival: Callable[[int, list[tuple[str, int]]], Arrival],
+    finish: Callable[[int, Arrival], Any],
+    failure: RankFailure | None,
+) -> RankFailure | None:
+    """Point-to-point transfers on ``sync``'s gloo group, every rank posting its own:
+    each file of ``send[dst]`` to group rank ``dst`` (one isend per file, tagged by its
+    position, straight from its mapping); from each ``receive`` source, the files it
+    lists, straight into the mappings of ``open_arrival(src, files)``, then
+    ``finish(src, arrival)``. A receiver that cannot open its arrival still drains the
+    bytes (no sender waits for it). Returns this rank's failure (or the one given)."""
+    group = sync.gloo if sync.active else None
+    works: list[Any] = []
+    tensors: list[torch.Tensor] = []
+    arrivals: dict[int, Arrival | None] = {}
+
+    def post(buf: Any, peer: int, tag: int, op: Callable[..., Any]) -> None:
+        tensors.append(torch.frombuffer(buf, dtype=torch.uint8))
+        works.append(op(tensors[-1], sync.global_rank(peer), group=group, tag=tag))
+
+    try:
+        try:
+            for dst, packed in send.items():
+                for tag, m in enumerate(packed.maps):
+                    if m is not None:
+                        post(m, dst, tag, dist.isend)
+            for src, files in receive.items():
+                bufs: list[Any]
+                try:
+                    arrival: Arrival | None = open_arrival(src, files)
+                    assert arrival is not None
+                    bufs = list(arrival.maps)
+                except Exception as exc:  # noqa: BLE001 - funnelled; the bytes are drained all the same
+                    failure = failure or RankFailure.from_exception(exc, f"storing rank {src}'s shard failed: ")
+                    arrival, bufs = None, [bytearray(size) if size else None for _, size in files]
+                arrivals[src] = arrival
+                for tag, buf in enumerate(bufs):
+                    if buf is not None:
+                        post(buf, src, tag, dist.irecv)
+            for work in works:
+                if work is not None:
+                    work.wait()
+        finally:
+            works.clear()
+            tensors.clear()  # they hold the mappings' buffers
+    except Exception as exc:  # noqa: BLE001 - funnelled by the caller
+        for arrival in arrivals.values():
+            if arrival is not None:
+                arrival.discard()
+        return failure or RankFailure.from_exception(exc, "a transfer of the local tier failed: ")
+    for src, arrival in arrivals.items():
+        if arrival is None:
+            continue
+        try:
+            finish(src, arrival)
+        except Exception as exc:  # noqa: BLE001 - funnelled by the caller
+            arrival.discard()  # nothing of it is kept (finish discards what it refused; this is the rest)
+            failure = failure or RankFailure.from_exception(exc, f"the shard received from rank {src} failed: ")
+    return failure

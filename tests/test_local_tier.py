@@ -1,0 +1,303 @@
+"""The node-local tier (issue 31) on 4 real gloo ranks standing for 2 nodes of 2 ranks.
+
+``LocalTier(node=rank // 2)`` places ranks 0-1 on "node 0" and 2-3 on "node 1", each
+node with its own tier directory, as two machines would have. One ``run_ranks`` call
+runs a scenario's phases on every rank (saves, wiping a node, restores) and returns
+what each rank observed; the assertions run here. The torchrun version of the same
+(two agents, a killed worker) is in ``tests/test_local_tier_torchrun.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import asyncckpt
+from asyncckpt.errors import CheckpointError, CheckpointPathError, CorruptCheckpointError, InvalidArgumentError
+from asyncckpt.io.local_tier import NodeLocalStorage
+from asyncckpt.replication import replica_map
+
+from dist_utils import preload_forkserver, run_ranks
+from helpers import flip_byte, small_tmpfs
+
+WORLD = 4
+
+
+def _state(rank: int, step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return {"w": torch.randn(4096, generator=g), "b": torch.arange(7) * step, "step": step, "rank": rank}
+
+
+def _template() -> dict[str, Any]:
+    return {"w": torch.zeros(4096), "b": torch.zeros(7, dtype=torch.int64), "step": -1, "rank": -1}
+
+
+def _tier(base: str, rank: int) -> asyncckpt.LocalTier:
+    node = rank // 2
+    return asyncckpt.LocalTier(dir=os.path.join(base, f"node{node}"), every=2, replicas=1, node=node)
+
+
+def _restore(base: str, rank: int) -> dict[str, Any]:
+    with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=_tier(base, rank)) as mgr:
+        got = _template()
+        result = mgr.restore(got)
+        assert mgr.local is not None and mgr.local.restored == result
+    expected = _state(rank, result.step) if result is not None else None
+    same = expected is not None and all(
+        torch.equal(got[k], expected[k]) if isinstance(got[k], torch.Tensor) else got[k] == expected[k]
+        for k in expected
+    )
+    return {"result": result, "same": same}
+
+
+def _scenario(rank: int, world: int, base: str) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=_tier(base, rank)) as mgr:
+        assert mgr.local is not None
+        restorable: list[int] = []
+        for step in range(1, 10):
+            if step in (4, 6):  # rank 3's local commit of step 4 fails, rank 2's receive of step 6:
+                restorable += mgr.local.maybe_finalize(blocking=True)  # no rank marks either
+                if (rank, step) == (3, 4):
+                    os.environ["ASYNCCKPT_FAULT"] = "commit:raise"
+                if (rank, step) == (2, 6):
+                    os.environ["ASYNCCKPT_FAULT"] = "replicate:raise"
+            handle = mgr.local.save(step, _state(rank, step))
+            assert (handle is None) == (step % 2 == 1)
+            if step == 4:
+                mgr.save(step, _state(rank, step))  # the persistent tier: step 4
+            if step in (4, 6):
+                restorable += mgr.local.maybe_finalize(blocking=True)
+                os.environ.pop("ASYNCCKPT_FAULT", None)
+                seen[f"after_failed_{step}"] = list(restorable)
+            restorable += mgr.local.maybe_finalize()
+        restorable += mgr.local.maybe_finalize(blocking=True)
+        seen["restorable"] = restorable
+    node_dir = Path(base) / f"node{rank // 2}"
+    seen["files"] = sorted(str(p.relative_to(node_dir)) for p in node_dir.rglob("*") if p.is_file())
+    dist.barrier()
+    seen["intact"] = _restore(base, rank)  # every shard on its own node
+    dist.barrier()
+    if rank == 2:  # node 1 replaced (its tier is empty), the persistent root moved away
+        shutil.rmtree(Path(base) / "node1")
+    if rank == 0:
+        os.rename(Path(base) / "root", Path(base) / "root.away")
+    dist.barrier()
+    seen["replaced"] = _restore(base, rank)
+    dist.barrier()
+    if rank == 2:  # a flipped byte in node 1's copy of rank 3's shard: it takes its replica on node 0
+        flip_byte(Path(base) / "node1" / "rank_00003" / "step_00000008" / "__0_0.distcp", 100)
+    dist.barrier()
+    seen["flipped"] = _restore(base, rank)
+    return seen
+
+
+@pytest.mark.timeout(240)
+def test_local_tier_replicates_and_restores(tmp_path: Path) -> None:
+    preload_forkserver()
+    seen = run_ranks(_scenario, WORLD, str(tmp_path), timeout=200, start_method="forkserver")
+    for rank, s in enumerate(seen):
+        # step 4 failed on rank 3 (its commit), step 6 on rank 2 (a replica it received): both are
+        # restorable nowhere, training went on; 2 and 8 are
+        assert s["after_failed_4"] == [2] and s["after_failed_6"] == [2], (rank, s)
+        assert s["restorable"] == [2, 8], (rank, s)
+    # each node keeps the newest restorable step only, of its ranks' shards and its replicas
+    assert seen[0]["files"] == seen[2]["files"]
+    assert {f.split("/")[0] for f in seen[0]["files"]} == {f"rank_0000{r}" for r in range(WORLD)}
+    assert {f.split("/")[1] for f in seen[0]["files"] if "/step_" in f} == {"step_00000008"}
+    for rank, s in enumerate(seen):
+        intact = s["intact"]["result"]
+        assert (intact.step, intact.tier, intact.peers, intact.source) == (8, "local", {}, "local"), intact
+        assert s["intact"]["same"], rank
+        replaced = s["replaced"]["result"]
+        assert (replaced.step, replaced.tier) == (8, "local"), replaced
+        assert replaced.peers == {2: 0, 3: 1}, replaced  # from their replicas (each rank's replica target)
+        assert s["replaced"]["same"], rank
+        flipped = s["flipped"]["result"]
+        assert flipped.peers == {3: 1}, flipped
+        assert "rank 3's copy from its own node failed" in str(flipped) and "checksum mismatch" in str(flipped)
+        assert s["flipped"]["same"], rank
+    assert seen[3]["flipped"]["result"].source == "peer 1"
+
+
+def _other_world(rank: int, world: int, base: str) -> Any:
+    tier = asyncckpt.LocalTier(dir=os.path.join(base, "node0"), every=2, replicas=0, node=0)
+    with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=tier) as mgr:
+        if world == WORLD:
+            for step in (2, 4):
+                mgr.local.save(step, _state(rank, step))  # type: ignore[union-attr]
+            mgr.save(2, _state(0, 2))
+            mgr.maybe_finalize(blocking=True)
+            mgr.local.maybe_finalize(blocking=True)  # type: ignore[union-attr]
+            return None
+        got = _template()
+        return mgr.restore(got), got["step"]
+
+
+@pytest.mark.timeout(180)
+def test_other_world_size_restores_from_the_persistent_tier(tmp_path: Path) -> None:
+    preload_forkserver()
+    run_ranks(_other_world, WORLD, str(tmp_path), timeout=120, start_method="forkserver")
+    for result, step in run_ranks(_other_world, 2, str(tmp_path), timeout=120, start_method="forkserver"):
+        assert (result.step, result.tier, step) == (2, "persistent", 2), result
+        assert "saved by [4] ranks, this job has 2: restoring from the persistent tier" in str(result), result
+
+
+def test_replica_map_and_policy() -> None:
+    # two nodes of two ranks: each rank's shard goes to the rank of the same position on the other node
+    assert replica_map([0, 0, 1, 1], 1) == [[2], [3], [0], [1]]
+    assert replica_map([0, 0, 1, 1, 2, 2], 2) == [[2, 4], [3, 5], [4, 0], [5, 1], [0, 2], [1, 3]]
+    assert replica_map([0, 0], 0) == [[], []]
+    with pytest.raises(InvalidArgumentError, match="needs at least 2 nodes"):
+        replica_map([0, 0], 1)
+    for bad in ({"every": 0}, {"replicas": -1}, {"every": True}, {"node": -2}, {"dir": 3}):
+        with pytest.raises(InvalidArgumentError):
+            asyncckpt.LocalTier(**bad)
+
+
+def _fsdp2(rank: int, world: int, base: str) -> list[str]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step() -> None:
+        model(torch.randn(8, 16)).square().mean().backward()
+        opt.step()
+
+    def full() -> dict[str, torch.Tensor]:  # every parameter and AdamW state, gathered (collective)
+        m: Any
+        m, o = get_state_dict(model, opt)
+        out = {f"model.{k}": v.full_tensor().clone() for k, v in m.items()}
+        states: Any = o["state"]
+        for fqn, st in states.items():
+            out |= {f"optim.{fqn}.{k}": v.full_tensor().clone() for k, v in st.items() if hasattr(v, "full_tensor")}
+        return out
+
+    step()
+    tier = asyncckpt.LocalTier(dir=os.path.join(base, f"node{rank // 2}"), every=1, replicas=1, node=rank // 2)
+    with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=tier) as mgr:
+        m, o = get_state_dict(model, opt)
+        mgr.local.save(1, {"model": m, "optim": o})  # type: ignore[union-attr]
+        assert mgr.local.maybe_finalize(blocking=True) == [1]  # type: ignore[union-attr]
+    ref = full()
+    step()  # the state moves on; the restore must bring step 1 back
+    if rank == 2:
+        shutil.rmtree(os.path.join(base, "node1"))
+    dist.barrier()
+    with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=tier) as mgr:
+        m, o = get_state_dict(model, opt)
+        state: dict[str, Any] = {"model": m, "optim": o}
+        result = mgr.restore(state)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    got = full()
+    assert result is not None and result.peers == {2: 0, 3: 1}, result
+    return [k for k in ref if not torch.equal(ref[k], got[k])]
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_shards_restore_from_peers(tmp_path: Path) -> None:
+    preload_forkserver()
+    for rank, different in enumerate(run_ranks(_fsdp2, WORLD, str(tmp_path), timeout=150, start_method="forkserver")):
+        assert not different, (rank, different)
+
+
+def test_a_replica_damaged_in_transit_is_refused(tmp_path: Path) -> None:
+    # one process (no torch.distributed): a local tier without replicas, then its shard
+    # sent by hand to another node's tier, intact and with one byte flipped on the way
+    tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        assert mgr.local is not None
+        mgr.local.save(3, _state(0, 3))
+        assert mgr.local.maybe_finalize(blocking=True) == [3]
+        packed = mgr.local.storage.pack(0, 3)
+        files, data = packed.files, b"".join(bytes(m) if m is not None else b"" for m in packed.maps)
+        packed.close()
+    other = NodeLocalStorage(tmp_path / "node1")
+    bad = bytearray(data)
+    bad[len(bad) // 3] ^= 0x01
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        other.receive(0, 3, files, memoryview(bad))
+    assert not other.shard_dir(0).exists() or not any(other.shard_dir(0).iterdir())
+    asyncckpt.verify(other.receive(0, 3, files, memoryview(data)))
+    got = _template()
+    asyncckpt.load(got, other.step_dir(0, 3))
+    assert torch.equal(got["w"], _state(0, 3)["w"]) and got["step"] == 3
+
+
+def test_a_tier_that_cannot_be_made_is_refused_at_construction(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    tier = asyncckpt.LocalTier(dir=tmp_path / "file" / "tier", replicas=0)
+    with pytest.raises(CheckpointPathError, match=r"the local tier .* cannot be used") as info:
+        asyncckpt.CheckpointManager(tmp_path / "root", local=tier)
+    assert isinstance(info.value, NotADirectoryError)
+    asyncckpt.CheckpointManager(tmp_path / "root").close()  # the root was released
+    with pytest.raises(InvalidArgumentError):
+        asyncckpt.CheckpointManager(tmp_path / "root", local="/dev/shm/x")  # type: ignore[arg-type]
+
+
+def test_a_step_saved_again_replaces_an_earlier_runs_copy(tmp_path: Path) -> None:
+    # a fresh run (or one restored from an older step) saves a step the tier holds from
+    # before, even the restorable one: the new copy replaces it, and is what restores
+    tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
+    for run in (1, 2):
+        with asyncckpt.CheckpointManager(tmp_path / f"root{run}", local=tier) as mgr:
+            assert mgr.local is not None
+            mgr.local.save(2, _state(run, 2))
+            assert mgr.local.maybe_finalize(blocking=True) == [2]
+    with asyncckpt.CheckpointManager(tmp_path / "root2", local=tier) as mgr:
+        got = _template()
+        result = mgr.restore(got)
+    assert result is not None and (result.step, result.tier) == (2, "local")
+    assert got["rank"] == 2 and torch.equal(got["w"], _state(2, 2)["w"])
+
+
+def test_the_memory_guard_counts_the_tiers_bytes(tmp_path: Path) -> None:
+    # a 1 MiB tier for a 2 MiB shard: the save is refused before anything is staged or written
+    with small_tmpfs(tmp_path / "tier", "1m") as mounted:
+        if not mounted:
+            pytest.skip("mounting a tmpfs needs root")
+        tier = asyncckpt.LocalTier(dir=tmp_path / "tier", every=1, replicas=0)
+        with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+            assert mgr.local is not None
+            with pytest.raises(CheckpointError, match=r"the local tier needs [\d,]+ bytes in .* more than 0.9 x"):
+                mgr.local.save(1, {"w": torch.zeros(1 << 19)})
+            assert mgr.local.save(2, {"w": torch.zeros(1 << 10)}) is not None  # a small one fits
+            assert mgr.local.maybe_finalize(blocking=True) == [2]
+        assert sorted(p.name for p in (tmp_path / "tier" / "rank_00000").iterdir()) == [
+            "restorable.json",
+            "step_00000002",
+        ]
+
+
+def test_the_newest_tier_wins(tmp_path: Path) -> None:
+    tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        assert mgr.local is not None
+        got = _template()
+        assert mgr.restore(got) is None and got["step"] == -1  # nothing anywhere: start at step 0
+        mgr.local.save(2, _state(0, 2))
+        mgr.save(4, _state(0, 4))  # the root is newer
+        mgr.maybe_finalize(blocking=True)
+        assert mgr.local.maybe_finalize(blocking=True) == [2]
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        result = mgr.restore(got)
+        assert result is not None and (result.step, result.tier, result.source) == (4, "persistent", "persistent")
+        assert got["step"] == 4
+        assert mgr.local is not None
+        mgr.local.save(4, _state(1, 4))  # a tie: the local tier (no shared storage read)
+        assert mgr.local.maybe_finalize(blocking=True) == [4]
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        result = mgr.restore(got)
+        assert result is not None and (result.step, result.tier) == (4, "local") and got["rank"] == 1
