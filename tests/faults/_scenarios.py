@@ -946,8 +946,8 @@ def check_scenario(name: str, results: list[dict[str, Any]], world: int) -> None
         for i in info:
             assert i["abort_s"] < ABORT_BOUND_S, f"{where}: close(abort=True) took {i['abort_s']:.1f} s"
             assert i["writer_gone"], f"{where}: the writer outlived close(abort=True)"
-            assert i["second_close"] is None and i["save_after_close"] == "RuntimeError", f"{where}: {i}"
+            assert i["second_close"] is None and i["save_after_close"] == "InvalidStateError", f"{where}: {i}"
     if name == "close_raises":
         for i in info:
-            assert i["second_close"] is None and i["save_after_close"] == "RuntimeError", f"{where}: {i}"
+            assert i["second_close"] is None and i["save_after_close"] == "InvalidStateError", f"{where}: {i}"
             assert i["worker_left"] is None, f"{where}: the worker outlived close()"
