@@ -395,8 +395,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             from benchmark import export as export_bench
 
             log("export to Hugging Face safetensors")
-            res["export"] = export_bench.run(llm_cfg or llm.LLM_FULL, args.export_reps, base / "export")
-            res["export_md"] = export_bench.render_markdown(res["export"])
+            try:
+                res["export"] = export_bench.run(llm_cfg or llm.LLM_FULL, args.export_reps, base / "export")
+                res["export_md"] = export_bench.render_markdown(res["export"])
+            except Exception as exc:  # noqa: BLE001 - a section that fails is a row that says so; the run goes on
+                log(f"  export failed: {type(exc).__name__}: {exc}")
+                res["export_md"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            partial()
         if not args.no_train:
             log("training loop")
             every = (
