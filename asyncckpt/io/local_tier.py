@@ -30,7 +30,6 @@ import mmap
 import os
 import secrets
 import shutil
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,8 +39,7 @@ from asyncckpt.errors import CorruptCheckpointError, InvalidArgumentError
 from asyncckpt.format import manifest as _manifest
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.naming import parse_step_dir, step_dir_name
-from asyncckpt.io.storage import LOCAL
-from asyncckpt.io.writer import FileResult, RankWriteResult, WriteTask
+from asyncckpt.io.storage import LocalStorage
 
 __all__ = ["LocalTier", "NodeLocalStorage", "Packed", "Arrival", "RESTORABLE_NAME"]
 
@@ -89,13 +87,14 @@ class LocalTier:
 
 
 @dataclass(frozen=True)
-class NodeLocalStorage:
+class NodeLocalStorage(LocalStorage):
     """The files of a node's local tier (a :class:`~asyncckpt.io.storage.Storage`).
 
-    The save side and the read side are the local file system's (:data:`LOCAL`): a
-    shard's step is a one-rank checkpoint directory, committed by a rename. Added: the
-    shard directories, the restorable marker, retention, and a replica's arrival
-    (:meth:`receive`: written, fsynced, CRC-checked against its manifest, then renamed).
+    The save side and the read side are the local file system's (inherited from
+    :class:`~asyncckpt.io.storage.LocalStorage`): a shard's step is a one-rank
+    checkpoint directory, committed by a rename. Added: the shard directories, the
+    restorable marker, retention, and a replica's arrival (:meth:`receive`: written,
+    fsynced, CRC-checked against its manifest, then renamed).
     Picklable (it goes to the torch-free worker with each write).
 
     Attributes:
@@ -103,48 +102,6 @@ class NodeLocalStorage:
     """
 
     base: Path
-
-    # ------------------------------------------------------------------ Storage
-    def temporary_dir(self, final_dir: Path, token: str) -> Path:
-        return LOCAL.temporary_dir(final_dir, token)
-
-    def write_rank(self, task: WriteTask) -> RankWriteResult:
-        return LOCAL.write_rank(task)
-
-    def commit(
-        self,
-        tmp_dir: Path,
-        final_dir: Path,
-        metadata_bytes: bytes,
-        files: Iterable[FileResult],
-        info: dict[str, Any],
-        records: bytes | None = None,
-    ) -> dict[str, Any]:
-        return LOCAL.commit(tmp_dir, final_dir, metadata_bytes, files, info, records)
-
-    def discard(self, tmp_dir: Path) -> None:
-        LOCAL.discard(tmp_dir)
-
-    def read_manifest(self, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
-        return LOCAL.read_manifest(checkpoint_dir)
-
-    def verify(
-        self,
-        checkpoint_dir: str | os.PathLike,
-        names: Iterable[str] | None = None,
-        on_bytes: Callable[[int], None] | None = None,
-        threads: int | None = None,
-    ) -> dict[str, Any]:
-        return LOCAL.verify(checkpoint_dir, names, on_bytes, threads)
-
-    def exists(self, checkpoint_dir: str | os.PathLike, name: str) -> bool:
-        return LOCAL.exists(checkpoint_dir, name)
-
-    def open_dir(self, checkpoint_dir: str) -> int:
-        return LOCAL.open_dir(checkpoint_dir)
-
-    def open_file(self, dir_fd: int, checkpoint_dir: str, name: str) -> int:
-        return LOCAL.open_file(dir_fd, checkpoint_dir, name)
 
     # ------------------------------------------------------------------ the tier's layout
     def shard_dir(self, rank: int) -> Path:
@@ -266,7 +223,7 @@ class NodeLocalStorage:
             if not _manifest.is_plain_name(name):
                 raise CorruptCheckpointError(f"a replica names a file {name!r}", str(final))
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = LOCAL.temporary_dir(final, secrets.token_hex(8))
+        tmp = self.temporary_dir(final, secrets.token_hex(8))
         tmp.mkdir()
         arrival = Arrival(final, tmp, list(files), [], [])
         try:

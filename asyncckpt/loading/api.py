@@ -59,6 +59,23 @@ def not_a_directory(path: Path) -> CheckpointPathError:
     )
 
 
+def _existing_dir(checkpoint_dir: str | os.PathLike) -> Path:
+    """``checkpoint_dir`` as a path that exists and is not a file.
+
+    Raises:
+        InvalidArgumentError: not a path.
+        CheckpointNotFoundError: it does not exist.
+        CheckpointPathError: (a ``NotADirectoryError``) it is a file.
+    """
+    check_path(checkpoint_dir)
+    path = Path(checkpoint_dir)
+    if not os.path.lexists(path):
+        raise CheckpointNotFoundError("no such checkpoint directory", str(path))
+    if path.exists() and not path.is_dir():
+        raise not_a_directory(path)
+    return path
+
+
 def read_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     """What a committed checkpoint was saved with, from its manifest alone: no tensor
     (and no other file) is read. Orbax's ``metadata(step)``, in our words.
@@ -84,13 +101,7 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     if _s3.is_url(checkpoint_dir):
         where = _s3.parse_url(str(checkpoint_dir))
         return step_metadata(_s3.read_marker(_s3.S3Tier(f"{_s3.SCHEME}{where.bucket}"), where).manifest)
-    check_path(checkpoint_dir)
-    path = Path(checkpoint_dir)
-    if not os.path.lexists(path):
-        raise CheckpointNotFoundError("no such checkpoint directory", str(path))
-    if path.exists() and not path.is_dir():
-        raise not_a_directory(path)
-    return step_metadata(LOCAL.read_manifest(path))
+    return step_metadata(LOCAL.read_manifest(_existing_dir(checkpoint_dir)))
 
 
 def verify(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
@@ -114,12 +125,7 @@ def verify(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     if _s3.is_url(checkpoint_dir):
         with _s3.fetched(str(checkpoint_dir)) as local:
             return verify(local)
-    check_path(checkpoint_dir)
-    path = Path(checkpoint_dir)
-    if not os.path.lexists(path):
-        raise CheckpointNotFoundError("no such checkpoint directory", str(path))
-    if path.exists() and not path.is_dir():
-        raise not_a_directory(path)
+    path = _existing_dir(checkpoint_dir)
     if is_stock_dcp(path):
         raise UnverifiableCheckpointError(
             f"{path}: no manifest: not verifiable (a stock torch.distributed.checkpoint directory; "
