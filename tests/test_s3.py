@@ -389,7 +389,10 @@ def test_cli_reads_urls(remote, tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- two ranks
-def _two_ranks_upload(rank: int, world_size: int, root: str, url: str) -> list:
+def _two_ranks_upload(rank: int, world_size: int, root: str, url: str, env: dict[str, str]) -> list:
+    # The forkserver may have been started by an earlier test, before this test's server
+    # variables were set: the ranks take them from the test, as a job takes its own.
+    os.environ.update(env)
     outcomes = Outcomes()
     g = torch.Generator().manual_seed(100 + rank)
     sd: dict[str, Any] = {f"own{rank}": torch.randn(1 << 18, generator=g), "step": 1}
@@ -411,7 +414,10 @@ def test_two_ranks_upload_their_own_files_and_the_coordinator_commits(remote, tm
     from dist_utils import preload_forkserver, run_ranks
 
     preload_forkserver()
-    results = run_ranks(_two_ranks_upload, 2, str(tmp_path / "root"), remote, timeout=120, start_method="forkserver")
+    env = {name: value for name, value in os.environ.items() if name.startswith("AWS_")}
+    results = run_ranks(
+        _two_ranks_upload, 2, str(tmp_path / "root"), remote, env, timeout=120, start_method="forkserver"
+    )
     size = {rank: (tmp_path / "root" / "step_00000001" / f"__{rank}_0.distcp").stat().st_size for rank in (0, 1)}
     assert results[1] == [(1, size[1])]  # rank 1: its data file alone
     assert results[0][0][0] == 1 and results[0][0][1] > size[0]  # rank 0: its data file and the metadata

@@ -112,11 +112,11 @@ def is_hf_dir(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a Hugging Face safetensors directory: it holds (an entry
     named) ``model.safetensors.index.json`` or ``model.safetensors``, and no DCP
     ``.metadata``. A symlink of those names counts here and is refused when read."""
-    p = Path(path)
+    p = os.fspath(path)  # plain strings: load() calls this first, and allocates little before its paused GC
     return (
-        p.is_dir()
-        and not os.path.lexists(p / METADATA_NAME)
-        and (os.path.lexists(p / HF_INDEX_NAME) or os.path.lexists(p / HF_SINGLE_NAME))
+        os.path.isdir(p)
+        and not os.path.lexists(os.path.join(p, METADATA_NAME))
+        and (os.path.lexists(os.path.join(p, HF_INDEX_NAME)) or os.path.lexists(os.path.join(p, HF_SINGLE_NAME)))
     )
 
 
