@@ -59,6 +59,8 @@ _EXPORTS = {
     "load": "loading.api",
     "verify": "loading.api",
     "read_metadata": "loading.api",
+    "LoadTimings": "loading.api",
+    "add_timings_hook": "_hooks",
     "read_state_dict": "loading.read",
     "export_safetensors": "export",
     "SaveHandle": "saving.handle",
@@ -77,6 +79,7 @@ __all__ = sorted(_EXPORTS)  # noqa: PLE0605 (the names above, kept in one place)
 if TYPE_CHECKING:
     # What __getattr__ returns, for type checkers and editors (without these, every
     # `asyncckpt.X` is `Any` to mypy). tests/test_checks.py keeps this list equal to _EXPORTS.
+    from asyncckpt._hooks import add_timings_hook as add_timings_hook
     from asyncckpt.async_utils.callers import AsyncCaller as AsyncCaller
     from asyncckpt.async_utils.callers import PersistentAsyncCaller as PersistentAsyncCaller
     from asyncckpt.async_utils.callers import TemporalAsyncCaller as TemporalAsyncCaller
@@ -100,6 +103,7 @@ if TYPE_CHECKING:
     from asyncckpt.errors import UploadError as UploadError
     from asyncckpt.export import export_safetensors as export_safetensors
     from asyncckpt.io.local_tier import LocalTier as LocalTier
+    from asyncckpt.loading.api import LoadTimings as LoadTimings
     from asyncckpt.loading.api import load as load
     from asyncckpt.loading.api import read_metadata as read_metadata
     from asyncckpt.loading.api import verify as verify

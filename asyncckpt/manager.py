@@ -32,7 +32,7 @@ from asyncckpt.errors import (
 )
 from asyncckpt.format import manifest as _manifest
 from asyncckpt.io.local_tier import LocalTier
-from asyncckpt.loading.api import load, read_metadata
+from asyncckpt.loading.api import LoadTimings, load, read_metadata
 from asyncckpt.options import SaveOptions
 from asyncckpt.policy import PreservationPolicy, SaveInterval, as_policy
 from asyncckpt.replication import LocalCheckpoints, RestoreResult
@@ -260,6 +260,8 @@ class CheckpointManager:
             self.process_group = process_group
             self.coordinator_rank = coordinator_rank
             self.callback = callback
+            #: The :class:`asyncckpt.LoadTimings` of this rank's last :meth:`load` (``None`` before).
+            self.last_load_timings: LoadTimings | None = None
             if self._owns_queue and isinstance(self.queue.caller, PersistentAsyncCaller) and not self.read_only:
                 self.queue.caller.start()  # ready before the first save: no start-up stall
             self._saver = Saver(self.queue, self.options, root)
@@ -608,7 +610,8 @@ class CheckpointManager:
         as ``save``, ``maybe_finalize``, ``close`` and ``prepare`` do.
 
         Returns:
-            The step loaded.
+            The step loaded (its :class:`asyncckpt.LoadTimings` are then
+            :attr:`last_load_timings`).
 
         Raises:
             InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``step`` is not
@@ -639,7 +642,9 @@ class CheckpointManager:
         if where is None and not _manifest.is_committed(path):
             raise CheckpointNotFoundError(f"step {step} has no committed checkpoint", str(path))
         source = path if where is None else where
-        load(state_dict, source, process_group=self.process_group, verify=verify, allow_pickle=allow_pickle)
+        self.last_load_timings = load(
+            state_dict, source, process_group=self.process_group, verify=verify, allow_pickle=allow_pickle
+        )
         return int(step)
 
     def restore(self, state_dict: dict[str, Any]) -> RestoreResult | None:

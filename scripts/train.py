@@ -18,7 +18,8 @@ line every N steps instead, --quiet nothing per step. Every checkpoint prints it
 and the run ends with a summary. With several ranks only rank 0 prints. A checkpoint's
 *stall* is how long it blocked the training loop: building the state dict (with the
 all_gather of the RNG states) and ``save()`` staging it; this one figure is printed per
-checkpoint, on the progress line and in the summary.
+checkpoint, on the progress line and in the summary. The committed line also gives the
+save's phases from its ``asyncckpt.SaveTimings`` (plan, stage, commit, finalize).
 
 Everything needed for a bitwise-exact resume is checkpointed: model, AdamW state,
 LR schedule, data position and every RNG (per rank). SIGTERM (a cluster's preemption
@@ -676,7 +677,9 @@ def main(argv: list[str] | None = None) -> int:
                 progress.checkpoint(stalls[s])
                 log(
                     f"checkpoint step {s} committed | {ckpt_path(s)} | stall {stalls[s] * 1e3:.1f} ms | "
-                    f"write {t.write_s:.3f} s | {t.bytes / 1e6:.1f} MB at {t.gbps:.3f} GB/s"
+                    f"write {t.write_s:.3f} s | {t.bytes / 1e6:.1f} MB at {t.gbps:.3f} GB/s | "
+                    f"plan {t.plan_s * 1e3:.1f} ms, stage {t.stage_s * 1e3:.1f} ms, "
+                    f"commit {t.commit_s * 1e3:.1f} ms, finalize {t.finalize_s:.3f} s"
                 )
 
         model.train()

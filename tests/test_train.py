@@ -54,7 +54,7 @@ TINY = [
 STEPS, HALF = 24, 11  # "2K steps straight" vs "K steps, exit, resume to 2K"
 COMMIT_RE = re.compile(
     r"^checkpoint step (\d+) committed \| \S+/step_\d{8} \| stall [\d.]+ ms \| write [\d.]+ s \| "
-    r"[\d.]+ MB at [\d.]+ GB/s$",
+    r"[\d.]+ MB at [\d.]+ GB/s \| plan [\d.]+ ms, stage [\d.]+ ms, commit [\d.]+ ms, finalize [\d.]+ s$",
     re.M,
 )
 # One stall figure per checkpoint (the loop blocked in state_dict() + save()), printed

@@ -10,19 +10,24 @@ checkpoint: see :mod:`asyncckpt.loading.metadata`, :mod:`asyncckpt.loading.dcp` 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
+import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import (
     CheckpointException as _DcpCheckpointException,
 )
 
 from asyncckpt._check import check_path, check_state_dict
+from asyncckpt._hooks import call_timings_hooks
 from asyncckpt.dist import SyncGroup
 from asyncckpt.errors import (
     AsyncckptError,
@@ -44,7 +49,61 @@ from asyncckpt.loading.hf import is_hf_dir, load_hf
 from asyncckpt.loading.metadata import gc_paused
 from asyncckpt.root import is_stock_dcp
 
-__all__ = ["load", "verify", "read_metadata", "from_dcp_exception", "not_a_directory"]
+__all__ = ["LoadTimings", "load", "verify", "read_metadata", "from_dcp_exception", "not_a_directory"]
+
+
+class LoadTimings(NamedTuple):
+    """Timings of one :func:`load` on this rank (what ``load`` returns, and what the
+    timings hooks receive: :func:`asyncckpt.add_timings_hook`).
+
+    Attributes:
+        read_s: seconds reading the checkpoint's data into the state_dict (the direct
+            path's reads, DCP's ``dcp.load``, or the safetensors reads), copies
+            included except ``copy_s``.
+        verify_s: seconds checking sizes and CRC-32s before the reads (``verify=True``,
+            or DCP's path); with ``verify="inline"`` on the direct path the checksums
+            run during the reads (in ``read_s``) and this is only the small files'.
+        copy_s: seconds copying read data into targets after the reads (the direct
+            path's temporaries: CUDA or non-contiguous targets); 0.0 where the copy
+            is part of the read (DCP's path, safetensors).
+        total_s: seconds of the whole call (planning and the collectives included).
+        bytes: bytes of the tensors of ``state_dict`` that were loaded (this rank's
+            local shards), non-tensor values excluded.
+    """
+
+    read_s: float
+    verify_s: float
+    copy_s: float
+    total_s: float
+    bytes: int
+
+
+@dataclasses.dataclass
+class _Clock:
+    """The phases of one load, accumulated as they run."""
+
+    read_s: float = 0.0
+    verify_s: float = 0.0
+    copy_s: float = 0.0
+
+
+def _tensor_bytes(state_dict: dict[str, Any]) -> int:
+    """Bytes of the tensors in a nested state_dict (a DTensor's local shard). A loop
+    over one stack, no generator per entry: it allocates (and so collects) nothing
+    per entry."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # none if never imported
+    total = 0
+    stack: list[Any] = [state_dict]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            local = obj.to_local() if dtensor is not None and isinstance(obj, dtensor) else obj
+            total += local.numel() * local.element_size()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+    return total
 
 
 def not_a_directory(path: Path) -> CheckpointPathError:
@@ -144,7 +203,7 @@ def load(
     allow_pickle: bool = False,
     strip_prefix: str | None = None,
     rename: Callable[[str], str | None] | None = None,
-) -> None:
+) -> LoadTimings:
     """Load a checkpoint into ``state_dict`` in place, like ``torch.distributed.checkpoint.load``.
 
     Tensors are copied into the given tensors (any device; resharded as DCP does);
@@ -220,23 +279,54 @@ def load(
         InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``state_dict`` is not
             a dict, ``checkpoint_dir`` not a path, or ``verify`` not one of its values.
     """
+    started = time.monotonic()
     hint = "; the call is load(state_dict, checkpoint_dir)"
     check_state_dict(state_dict, hint=hint)
+    clock = _Clock()
     if _s3.is_url(checkpoint_dir):
         with fetched_on_every_rank(str(checkpoint_dir), process_group) as local:
-            load(state_dict, local, process_group=process_group, verify=verify, allow_pickle=allow_pickle)
-        return
+            fetched = time.monotonic()
+            _load_path(state_dict, local, process_group, verify, allow_pickle, None, None, clock)
+        clock.read_s += fetched - started  # the ranged GETs into memory
+        return _finish(clock, started, state_dict, Path(str(checkpoint_dir)))
+    path = _load_path(state_dict, checkpoint_dir, process_group, verify, allow_pickle, strip_prefix, rename, clock)
+    return _finish(clock, started, state_dict, path)
+
+
+def _finish(clock: _Clock, started: float, state_dict: dict[str, Any], path: Path) -> LoadTimings:
+    """The load's record, given to the timings hooks."""
+    with gc_paused():  # the walk's temporaries, freed inside, never start a collection
+        nbytes = _tensor_bytes(state_dict)
+    timings = LoadTimings(clock.read_s, clock.verify_s, clock.copy_s, time.monotonic() - started, nbytes)
+    call_timings_hooks(timings, None, path)
+    return timings
+
+
+def _load_path(
+    state_dict: dict[str, Any],
+    checkpoint_dir: str | os.PathLike,
+    process_group: Any,
+    verify: bool | str,
+    allow_pickle: bool,
+    strip_prefix: str | None,
+    rename: Callable[[str], str | None] | None,
+    clock: _Clock,
+) -> Path:
+    """:func:`load` of a local directory, its phases timed into ``clock``."""
+    hint = "; the call is load(state_dict, checkpoint_dir)"
     check_path(checkpoint_dir, hint=hint)
     if verify not in (True, False, "inline"):
         raise InvalidArgumentError(f"verify must be True, False or 'inline', not {verify!r}")
     path = Path(checkpoint_dir)
     if is_hf_dir(path):
+        reading = time.monotonic()
         load_hf(state_dict, path, strip_prefix=strip_prefix, rename=rename)
-        return
+        clock.read_s += time.monotonic() - reading
+        return path
     if strip_prefix is not None or rename is not None:
         raise InvalidArgumentError(f"strip_prefix and rename are for a safetensors directory; {path} is not one")
     try:
-        _load(state_dict, path, process_group, verify, allow_pickle)
+        _load(state_dict, path, process_group, verify, allow_pickle, clock)
     except (CheckpointError, OSError) as exc:
         # After the error funnel (the same on every rank): what is there now decides.
         if isinstance(exc, CheckpointNotFoundError) or path.is_dir():
@@ -248,6 +338,7 @@ def load(
             "loaded (e.g. by retention): load a newer step",
             str(path),
         ) from exc
+    return path
 
 
 @contextlib.contextmanager
@@ -292,19 +383,23 @@ def _raise_first(failures: dict[int, RankFailure], path: Path) -> None:
     raise CheckpointError(message)
 
 
-def _load(state_dict: dict[str, Any], path: Path, process_group: Any, verify: bool | str, allow_pickle: bool) -> None:
+def _load(
+    state_dict: dict[str, Any], path: Path, process_group: Any, verify: bool | str, allow_pickle: bool, clock: _Clock
+) -> None:
     # The direct path runs with the cyclic garbage collector off, and every object it
     # made (the unpickled metadata: tens of objects per entry) is freed before it is
     # back on: otherwise a full collection of the heap the metadata grew comes in the
     # middle of the reads, stalling them and the CRC thread.
     with gc_paused():
-        fallback = _load_direct(state_dict, path, process_group, verify, allow_pickle)
+        fallback = _load_direct(state_dict, path, process_group, verify, allow_pickle, clock)
     if fallback is not None:
+        reading = time.monotonic()
         _load_dcp(state_dict, process_group, *fallback)
+        clock.read_s += time.monotonic() - reading
 
 
 def _load_direct(
-    state_dict: dict[str, Any], path: Path, process_group: Any, verify: bool | str, allow_pickle: bool
+    state_dict: dict[str, Any], path: Path, process_group: Any, verify: bool | str, allow_pickle: bool, clock: _Clock
 ) -> tuple[SafeFileSystemReader, SafeLoadPlanner, Path] | None:
     """Load on the direct path, or, when a rank cannot take it, check the files (with
     ``verify``) and return what DCP's path needs (the same on every rank)."""
@@ -320,10 +415,12 @@ def _load_direct(
             raise _Stock
         manifest = LOCAL.read_manifest(path)  # also refuses names outside the directory
         share = sorted(manifest["files"])[sync.rank :: sync.world_size]
+        verifying = time.monotonic()
         if verify is True:
             LOCAL.verify(path, share)
         elif verify == "inline":  # the data files as they are read
             LOCAL.verify(path, [n for n in (METADATA_NAME, RECORDS_NAME) if n in manifest["files"]])
+        clock.verify_s += time.monotonic() - verifying
         # Where each entry lies: from the records file when it stands for this
         # .metadata (JSON, no unpickling), else from .metadata.
         records = reader.read_records(manifest["files"])
@@ -350,17 +447,20 @@ def _load_direct(
         return reader, planner, path
     direct = all(f[1] for f in flags)
     if verify == "inline" and not direct:  # DCP's path checks first
+        verifying = time.monotonic()
         try:
             LOCAL.verify(path, share)
         except CorruptCheckpointError as exc:
             failure = RankFailure.from_exception(exc)
+        clock.verify_s += time.monotonic() - verifying
         failures = sync.gather_failures(failure)
         if failures:
             _raise_first(failures, path)
     if direct:
         assert plan is not None
+        reading = time.monotonic()
         try:
-            direct_load(
+            clock.copy_s += direct_load(
                 plan,
                 str(path),
                 manifest["files"] if verify == "inline" else None,
@@ -369,6 +469,7 @@ def _load_direct(
             )
         except (CheckpointError, OSError) as exc:
             failure = RankFailure.from_exception(exc)
+        clock.read_s += time.monotonic() - reading - clock.copy_s
         failures = sync.gather_failures(failure)
         if failures:
             _raise_first(failures, path)

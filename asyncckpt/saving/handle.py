@@ -36,6 +36,19 @@ class SaveTimings(NamedTuple):
         total_s: seconds from the ``save()`` call until committed.
         bytes: bytes written by all ranks (data files; metadata, manifest excluded).
         gbps: ``bytes / write_s / 1e9`` (GB/s, decimal).
+        plan_s: seconds of this rank's plan phase (validation, the plan collective,
+            the layout), part of ``stall_s``.
+        stage_s: seconds of this rank's staging copies into host buffers, part of
+            ``stall_s`` (with ``overlap_staging=True`` the copy thread's time too,
+            which overlaps training: then it may exceed ``stall_s``).
+        commit_s: seconds of the coordinator's ``storage.commit`` (``.metadata``,
+            manifest, fsyncs, the rename), part of ``finalize_s``; 0.0 on the other
+            ranks (it is not broadcast: no collective is added for it).
+
+    The phases are those of :mod:`asyncckpt.saving.phases` (plan, stage, write,
+    commit; finalize is the whole commit phase), the breakdown Megatron-core and
+    PyTorch DCP's async save log; the last three fields come last, so positional
+    unpacking of the first six is unchanged.
     """
 
     stall_s: float
@@ -44,6 +57,9 @@ class SaveTimings(NamedTuple):
     total_s: float
     bytes: int
     gbps: float
+    plan_s: float = 0.0
+    stage_s: float = 0.0
+    commit_s: float = 0.0
 
 
 class SaveResult(NamedTuple):

@@ -106,6 +106,7 @@ def plan(
         CheckpointError: invalid input or target on any rank, raised on every rank,
             before anything is written (``failures`` by rank).
     """
+    started = time.monotonic()
     if not 0 <= coordinator_rank < sync.world_size:
         raise InvalidArgumentError(f"coordinator_rank {coordinator_rank} is not a rank of the group")
 
@@ -163,6 +164,7 @@ def plan(
         handle=handle,
         root=root,
         storage=storage,
+        plan_s=time.monotonic() - started,
     )
 
 
@@ -197,6 +199,7 @@ def stage(
     Raises:
         RuntimeError: a copy failed (CUDA error).
     """
+    started = time.monotonic()
     if cpu and blobs:
         _faults.hit("stage")
     data = save.planned.data
@@ -215,6 +218,7 @@ def stage(
     if synchronize:
         copier.synchronize()
     save.buffer = buffer
+    save.stage_s += time.monotonic() - started
 
 
 def write_task(save: SaveInFlight, pool: StagingPool, options: SaveOptions) -> WriteTask:
@@ -298,7 +302,9 @@ def commit(
             info["asyncckpt_version"] = __version__
             info.update(save.user_info)  # metrics, metadata (the coordinator's)
             metadata_bytes, records = metadata_pickle.encode(metadata)
+            committing = time.monotonic()
             save.storage.commit(save.tmp_dir, save.final_dir, metadata_bytes, files, info, records)
+            save.commit_s = time.monotonic() - committing
         except Exception as exc:  # noqa: BLE001 - funnelled to every rank below
             if _renamed(save):  # it failed after the commit point: committed all the same
                 _warn_committed(save, "its commit raised after the rename", exc)

@@ -42,6 +42,8 @@ class SaveInFlight:
         storage: the tier the save is written to, committed in or discarded from.
         user_info: extra manifest fields of this save (``metrics``, ``metadata``;
             :func:`asyncckpt._check.check_step_info`), written by the coordinator.
+        plan_s, stage_s, commit_s: seconds of those phases on this rank so far
+            (:class:`SaveTimings`).
         reported: the user saw the outcome (``wait``/``result``/``exception``): the
             owner's harvest does not report it again.
     """
@@ -64,6 +66,9 @@ class SaveInFlight:
     reported: bool = False
     storage: Storage = LOCAL
     user_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    plan_s: float = 0.0
+    stage_s: float = 0.0
+    commit_s: float = 0.0
 
     def finish_timings(self, write_s: float, finalize_s: float, nbytes: int) -> SaveTimings:
         """Set and return :attr:`timings`, the save being committed now."""
@@ -75,5 +80,8 @@ class SaveInFlight:
             total_s=total,
             bytes=nbytes,
             gbps=nbytes / write_s / 1e9 if write_s > 0 else 0.0,
+            plan_s=self.plan_s,
+            stage_s=self.stage_s,
+            commit_s=self.commit_s,
         )
         return self.timings

@@ -31,6 +31,7 @@ import psutil
 import torch
 
 from asyncckpt import _exit, _faults
+from asyncckpt._hooks import call_timings_hooks
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 from asyncckpt.async_utils.request import AsyncRequest
 from asyncckpt.dist import SyncGroup
@@ -522,6 +523,7 @@ class Saver:
                     raise CheckpointError(f"the save of {_describe_save(record)} was settled without its timings")
                 outcome = SaveResult(record.final_dir, record.step, record.timings, record.timings.bytes)
                 self.last_committed_timings = record.timings
+                _report_timings(record, record.timings)
             self._run_callback(record, outcome)
         except BaseException as error:  # noqa: BLE001 - the handle is completed with it below
             if not isinstance(error, Exception):
@@ -733,3 +735,25 @@ class Saver:
         queue = self._queue_ref()
         self.pool.release_all(queue.caller.is_running if queue is not None else None)
         self.layouts.clear()
+
+
+def _report_timings(record: SaveInFlight, t: SaveTimings) -> None:
+    """A committed save's timings: one INFO line on the coordinator (logger
+    ``"asyncckpt"``), then the timings hooks (every rank; a hook's error is logged)."""
+    if record.sync.rank == record.coordinator_rank and _log.isEnabledFor(logging.INFO):
+        name = f"step {record.step} ({record.final_dir})" if record.step is not None else str(record.final_dir)
+        _log.info(
+            "asyncckpt: saved %s: plan %.3f s, stage %.3f s, stall %.3f s, write %.3f s, commit %.3f s, "
+            "finalize %.3f s, total %.3f s, %d bytes at %.3f GB/s",
+            name,
+            t.plan_s,
+            t.stage_s,
+            t.stall_s,
+            t.write_s,
+            t.commit_s,
+            t.finalize_s,
+            t.total_s,
+            t.bytes,
+            t.gbps,
+        )
+    call_timings_hooks(t, record.step, record.final_dir)
