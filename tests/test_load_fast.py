@@ -329,9 +329,10 @@ def test_the_direct_path_runs_without_cyclic_collections(ckpt: Path, gc_watch: l
         gc_watch.clear()
         asyncckpt.load(out, ckpt)
         collections = len(gc_watch)
-    # Only the few that the allocations before and after the paused span start (6
-    # here; before: one per allocation, 6055).
-    assert collections <= 12
+    # Only the few that the allocations before and after the paused span start (the
+    # path checks before it, the load's LoadTimings record after it: 14 here; without
+    # the pause: one per allocation, 6055).
+    assert collections <= 16
     assert loads.direct == 1
     assert gc.isenabled()
     assert_same(state, out)
