@@ -602,6 +602,7 @@ class CheckpointManager:
         *,
         verify: bool | Literal["inline"] = "inline",
         allow_pickle: bool = False,
+        initial: str | os.PathLike | None = None,
     ) -> int:
         """Load step ``step`` (default: the latest) into ``state_dict`` in place (collective).
 
@@ -609,9 +610,16 @@ class CheckpointManager:
         overlapped save still copying (perhaps the same tensors) is synchronized first,
         as ``save``, ``maybe_finalize``, ``close`` and ``prepare`` do.
 
+        ``initial``: where a fresh run starts from when the manager has no committed
+        step (and ``step`` is ``None``): anything :func:`asyncckpt.load` reads, e.g. a
+        released model as a Hugging Face safetensors directory, a stock DCP checkpoint
+        or an ``s3://`` URL. It is loaded into ``state_dict`` and ``-1`` is returned,
+        the step before the first, so ``start = manager.load(state, initial=...) + 1``
+        serves a fresh run and a resumed one alike.
+
         Returns:
-            The step loaded (its :class:`asyncckpt.LoadTimings` are then
-            :attr:`last_load_timings`).
+            The step loaded, or ``-1`` for ``initial`` (its
+            :class:`asyncckpt.LoadTimings` are then :attr:`last_load_timings`).
 
         Raises:
             InvalidArgumentError: (a ``ValueError`` and ``TypeError``) ``step`` is not
@@ -634,6 +642,11 @@ class CheckpointManager:
                 step, where = newest[0], None if newest[1] == "local" else newest[1]
         if step is None:
             step = self.latest_step()
+            if step is None and initial is not None:  # a fresh run: its starting point
+                self.last_load_timings = load(
+                    state_dict, initial, process_group=self.process_group, verify=verify, allow_pickle=allow_pickle
+                )
+                return -1
             if step is None:
                 raise CheckpointNotFoundError("no committed checkpoint", str(self.root_dir))
         path = self.step_dir(step)

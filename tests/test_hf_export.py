@@ -463,3 +463,26 @@ def test_hostile_unknown_dtype_and_malformed_json(tmp_path: Path) -> None:
     d2 = _good(tmp_path / "x")
     (d2 / "model.safetensors.index.json").write_text('{"weight_map": []}')
     _refused(d2, "no weight_map")
+
+
+def test_a_manager_starts_a_fresh_run_from_a_safetensors_directory(tmp_path: Path) -> None:
+    """``CheckpointManager.load(state, initial=hf_dir)``: a fresh run loads the release
+    and returns -1 (the step before the first); a resumed run loads its newest step."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(3)
+    release = {"weight": torch.randn(8, 4, generator=g), "bias": torch.randn(8, generator=g)}
+    (tmp_path / "hf").mkdir()
+    save_file(release, str(tmp_path / "hf" / "model.safetensors"))
+    with asyncckpt.CheckpointManager(tmp_path / "root", persistent=False) as manager:
+        state = {"weight": torch.zeros(8, 4), "bias": torch.zeros(8)}
+        with pytest.raises(asyncckpt.CheckpointNotFoundError):
+            manager.load(state)
+        assert manager.load(state, initial=tmp_path / "hf") == -1
+        assert all(torch.equal(state[k], release[k]) for k in release)
+        state["bias"] += 1
+        manager.save(0, state, async_op=False)
+    with asyncckpt.CheckpointManager(tmp_path / "root", persistent=False) as manager:
+        resumed = {"weight": torch.zeros(8, 4), "bias": torch.zeros(8)}
+        assert manager.load(resumed, initial=tmp_path / "hf") == 0
+        assert torch.equal(resumed["bias"], release["bias"] + 1)
