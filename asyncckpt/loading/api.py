@@ -442,7 +442,7 @@ def _load_direct(
             f"{path} has no {MANIFEST_NAME} (a stock torch.distributed.checkpoint "
             "directory): loaded without checksum verification",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,  # the caller of load(): load, _load_path, _load, _load_direct
         )
         return reader, planner, path
     direct = all(f[1] for f in flags)
