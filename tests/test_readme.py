@@ -321,6 +321,7 @@ class Python:
     check: Callable[[Path, list[str], int], None]
     times: int = 1
     exit_codes: Callable[[int], tuple[int, ...]] = lambda pass_no: ()  # default: 0 each time
+    passes: tuple[int, ...] = (1, 2)  # the passes that run it
 
 
 PYTHON: dict[str, Python] = {
@@ -335,7 +336,8 @@ PYTHON: dict[str, Python] = {
     "The Megatron-style loop with `AsyncCallsQueue`": Python(check_megatron),
     "Sharded state (FSDP2 / DTensor) and resharding": Python(check_fsdp),  # torchrun, as its first line says
     "Export to Hugging Face": Python(check_export),
-    "Fast recovery: the local tier": Python(check_local_tier),
+    # It starts over in its own directories, so both passes would run the same: once.
+    "Fast recovery: the local tier": Python(check_local_tier, passes=(1,)),
 }
 
 
@@ -391,6 +393,8 @@ def run_pass(d: Path, pass_no: int) -> None:
             BASH[block.heading](d, out, pass_no)
         else:
             how = PYTHON[block.heading]
+            if pass_no not in how.passes:
+                continue
             name, cmd = python_command(block)
             (d / name).write_text(block.code)
             outs = []
