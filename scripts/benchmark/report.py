@@ -10,6 +10,15 @@ from benchmark.llm import render_fsdp
 from benchmark.targets import issue11_targets
 
 
+def _targets_rows(targets: list[dict[str, Any]]) -> list[str]:
+    """A table of goals: each target, its measured figure, its goal, and whether it was met."""
+    rows = ["| target | measured | goal | met |", "|---|---|---|---|"]
+    for t in targets:
+        met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+        rows.append(f"| {t['target']} | {t['measured']} | {t['goal']} | {met} |")
+    return rows + [""]
+
+
 def render_markdown(res: dict[str, Any]) -> str:
     """The report of a run (``res``: the JSON's dict) as markdown."""
     m = res["machine"]
@@ -253,12 +262,7 @@ def render_markdown(res: dict[str, Any]) -> str:
             "best of 6 copies of the same bytes into preallocated memory; raw write: the mean of the raw writes "
             "+ fsyncs right before and after the system's saves; raw read: cold page cache).\n"
         )
-        L.append("| target | measured | goal | met |")
-        L.append("|---|---|---|---|")
-        for t in targets:
-            met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
-            L.append(f"| {t['target']} | {t['measured']} | {t['goal']} | {met} |")
-        L.append("")
+        L.extend(_targets_rows(targets))
     gpu_targets = res.get("gpu_targets")
     if gpu_targets:
         L.append("## Issue 35 targets (GPU)\n")
@@ -266,12 +270,7 @@ def render_markdown(res: dict[str, Any]) -> str:
             "The goals of issue 35's GPU rows, as measured in this run (asyncckpt: CheckpointManager, persistent "
             "worker; the D2H copy: best of 6 non-blocking copies of the same tensors into pinned memory).\n"
         )
-        L.append("| target | measured | goal | met |")
-        L.append("|---|---|---|---|")
-        for t in gpu_targets:
-            met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
-            L.append(f"| {t['target']} | {t['measured']} | {t['goal']} | {met} |")
-        L.append("")
+        L.extend(_targets_rows(gpu_targets))
     if res.get("export_md"):
         L.append("## Export to Hugging Face safetensors\n")
         L.append(res["export_md"] + "\n")
