@@ -258,16 +258,21 @@ class Saver:
         ``ASYNCCKPT_EXIT_TIMEOUT_S``, or (a handler registered before asyncckpt's) has
         already stopped waiting. After the exit's phases ran, their cleaning runs again.
         """
-        if _exit.in_atexit_handler():
-            try:
-                return self._save(
-                    state_dict, checkpoint_dir, False, process_group, coordinator_rank, step, callback, user_info
-                )
-            finally:
+        at_exit = _exit.in_atexit_handler()
+        try:
+            return self._save(
+                state_dict,
+                checkpoint_dir,
+                async_op and not at_exit,
+                process_group,
+                coordinator_rank,
+                step,
+                callback,
+                user_info,
+            )
+        finally:
+            if at_exit:
                 _exit.clean_up_again()
-        return self._save(
-            state_dict, checkpoint_dir, async_op, process_group, coordinator_rank, step, callback, user_info
-        )
 
     def _save(
         self,
