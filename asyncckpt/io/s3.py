@@ -46,11 +46,16 @@ change of one side must be read with the others.
 
 from __future__ import annotations
 
+import base64
+import bisect
+import collections
 import concurrent.futures
 import contextlib
 import os
+import queue
 import re
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -62,6 +67,7 @@ from typing import Any
 from asyncckpt import _faults
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, RemoteStorageError
 from asyncckpt.format import manifest as _manifest
+from asyncckpt.format.crc import crc32
 from asyncckpt.format.naming import parse_step_dir, step_dir_name
 
 __all__ = [
@@ -88,6 +94,11 @@ _DATA_FILE_RE = re.compile(r"^__([0-9]+)_[0-9]+\.distcp$", re.ASCII)
 _AUTH_CODES = {"SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "InvalidToken", "ExpiredToken"}
 _CODE_IN_TEXT = re.compile(r"An error occurred \((\w+)\)")
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+
+try:  # ISA-L's (python-isal, a dependency), O(log n)
+    from isal.isal_zlib import crc32_combine as _crc32_combine
+except ImportError:  # pragma: no cover - a platform without an isal wheel
+    from asyncckpt.io.writer import crc32_combine as _crc32_combine
 
 
 @dataclass(frozen=True)
@@ -219,6 +230,7 @@ class S3Tier:
     _where: S3Url = field(init=False, repr=False)
     _client: Any = field(init=False, default=None, repr=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
+    _seqs: dict[int, tuple[str, int]] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._where = parse_url(self.url)
@@ -250,6 +262,11 @@ class S3Tier:
                         max_pool_connections=max(10, 2 * self.max_concurrency),
                         request_checksum_calculation="when_supported",
                         response_checksum_validation="when_supported",
+                        # The CRC-32 of every part, sent in a signed header and checked by
+                        # the server, is the payload's integrity: no SHA-256 of the payload
+                        # for SigV4 (botocore's default on an http:// endpoint; on https it
+                        # already skips it for a body with a checksum).
+                        s3={"payload_signing_enabled": False},
                     ),
                 )
             return self._client
@@ -289,11 +306,10 @@ class S3Tier:
                 return out
             kwargs["ContinuationToken"] = page["NextContinuationToken"]
 
-    def scan(self) -> tuple[set[int], set[int]]:
-        """``(committed, unmarked)``: the steps with a commit marker, and those with
-        objects but no marker (an upload in flight, or one that failed)."""
+    def _scan(self) -> tuple[dict[int, str], set[int]]:
+        """``({committed step: its marker's version}, unmarked steps)`` from one listing."""
         base = self._where.key("")
-        committed: set[int] = set()
+        committed: dict[int, str] = {}
         seen: set[int] = set()
         for obj in self._list(base + "/" if base else ""):
             rel = obj["Key"][len(base) + 1 :] if base else obj["Key"]
@@ -303,28 +319,46 @@ class S3Tier:
                 continue
             seen.add(step)
             if name == _manifest.MANIFEST_NAME:
-                committed.add(step)
-        return committed, seen - committed
+                committed[step] = _version(obj)
+        return committed, seen - committed.keys()
+
+    def scan(self) -> tuple[set[int], set[int]]:
+        """``(committed, unmarked)``: the steps with a commit marker, and those with
+        objects but no marker (an upload in flight, or one that failed)."""
+        committed, unmarked = self._scan()
+        return set(committed), unmarked
 
     def steps(self) -> list[int]:
-        return sorted(self.scan()[0])
+        return sorted(self._scan()[0])
 
-    def _seq(self, step: int) -> int:
+    def _seq(self, step: int) -> tuple[str, int]:
+        """``(version, upload sequence)`` of a step's marker; ``-1``: there is none."""
         head = self.head(step, _manifest.MANIFEST_NAME)
         if head is None:
-            return -1
+            return "", -1
         try:
-            return int(head.get("Metadata", {}).get(SEQ_META, 0))
+            return _version(head), int(head.get("Metadata", {}).get(SEQ_META, 0))
         except ValueError:
-            return 0
+            return _version(head), 0
 
     def sequenced(self) -> list[tuple[int, int]]:
-        """``(upload sequence, step)`` of every committed step, oldest first (one HEAD
-        per step, in parallel); a step removed meanwhile is left out."""
-        steps = self.steps()
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(16, len(steps)))) as pool:
-            seqs = list(pool.map(self._seq, steps))
-        return sorted((seq, step) for seq, step in zip(seqs, steps) if seq >= 0)
+        """``(upload sequence, step)`` of every committed step, oldest first; a step
+        removed meanwhile is left out. One LIST, and one HEAD (in parallel) per marker
+        not seen before by this tier (remembered by its ``ETag`` and ``LastModified``)."""
+        markers = self._scan()[0]
+        with self._lock:
+            todo = [step for step, etag in markers.items() if self._seqs.get(step, ("",))[0] != etag]
+        if todo:
+            pool = _DaemonPool(min(16, len(todo)), "asyncckpt-s3-head")  # also at exit: see _DaemonPool
+            try:
+                heads = [future.result() for future in [pool.submit(self._seq, step) for step in todo]]
+            finally:
+                pool.shutdown()
+            with self._lock:
+                for step, (etag, seq) in zip(todo, heads):
+                    self._seqs[step] = (etag, seq)
+        with self._lock:
+            return sorted((self._seqs[step][1], step) for step in markers if self._seqs[step][1] >= 0)
 
     def commit_order(self) -> list[int]:
         return [step for _, step in self.sequenced()]
@@ -376,46 +410,123 @@ class S3Tier:
                 return None
             raise _remote_error(exc, "HEAD", f"{SCHEME}{self.bucket}/{key}") from exc
 
-    def upload_file(self, step: int, name: str, path: str, token: str) -> int:
-        """Upload the local file ``path`` as object ``name`` of step ``step`` (multipart
-        with CRC32 per part above ``part_size``), tagged with the save ``token``.
+    def upload_file(
+        self,
+        step: int,
+        name: str,
+        path: str,
+        token: str,
+        segments: Iterable[Iterable[int]] | None = None,
+        *,
+        cancel: threading.Event | None = None,
+    ) -> int:
+        """Upload the local file ``path`` as object ``name`` of step ``step``, tagged
+        with the save ``token`` (see :meth:`upload_files`, which uploads several files
+        over one pool of ``max_concurrency`` requests).
 
         Returns:
             Its size in bytes.
+
+        Raises:
+            CorruptCheckpointError: the bytes read do not match ``segments``.
+            RemoteStorageError: a request failed, or ``cancel`` was set.
         """
-        from boto3.s3.transfer import TransferConfig
-
-        config = TransferConfig(
-            multipart_threshold=self.part_size,
-            multipart_chunksize=self.part_size,
-            max_concurrency=self.max_concurrency,
-            use_threads=True,
+        return self.upload_files(
+            step, {name: path}, token, {name: segments} if segments is not None else {}, cancel=cancel
         )
-        key = self._key(step, name)
-        self._call(
-            "upload to",
-            f"{SCHEME}{self.bucket}/{key}",
-            self.client.upload_file,
-            Filename=path,
-            Bucket=self.bucket,
-            Key=key,
-            ExtraArgs={"ChecksumAlgorithm": "CRC32", "Metadata": {TOKEN_META: token}},
-            Config=config,
-        )
-        return os.path.getsize(path)
 
-    def wait_objects(self, step: int, expected: Mapping[str, int], token: str, timeout: float) -> None:
-        """Wait (polling HEAD, at most ``timeout`` seconds) until every object of
-        ``expected`` (name -> size in bytes) of step ``step`` carries ``token``.
+    def upload_files(
+        self,
+        step: int,
+        files: Mapping[str, str],
+        token: str,
+        segments: Mapping[str, Iterable[Iterable[int]]] | None = None,
+        *,
+        cancel: threading.Event | None = None,
+    ) -> int:
+        """Upload local files (object name -> path) as objects of step ``step``, each
+        tagged with the save ``token`` (``x-amz-meta-asyncckpt-token``).
+
+        Our own multipart upload (S3's ``CreateMultipartUpload`` / ``UploadPart`` /
+        ``CompleteMultipartUpload``; a file of at most ``part_size`` bytes is one
+        ``PutObject``): every part of every file goes through one pool of
+        ``max_concurrency`` threads (lowered CPU priority, see :func:`lower_thread_priority`),
+        each reads its part with ``pread``, computes its CRC-32 (ISA-L, outside the
+        GIL) and sends it as the part's ``ChecksumCRC32``, which the server checks
+        against the bytes it receives (``BadDigest`` otherwise). The same pass folds
+        the CRC-32 of each of the manifest's ``segments`` (``[offset, length, crc32]``,
+        the checksums computed from the staged bytes at save time) and a file whose
+        bytes differ is refused before its upload completes: the bucket receives the
+        bytes the manifest describes, checked end to end without a second pass. A
+        failed or cancelled file's multipart upload is aborted.
+
+        Returns:
+            The bytes uploaded.
+
+        Raises:
+            CorruptCheckpointError: a file's bytes do not match its ``segments``.
+            RemoteStorageError: a request failed (after botocore's retries), or
+                ``cancel`` was set (code ``"Cancelled"``).
+        """
+        segments = segments or {}
+        client = self.client
+        uploads: list[_FileUpload] = []
+        pool = _DaemonPool(max(1, self.max_concurrency), "asyncckpt-s3-put")
+        try:
+            for name, path in sorted(files.items()):
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    up = _FileUpload(
+                        self, client, step, name, fd, os.fstat(fd).st_size, token, segments.get(name), cancel
+                    )
+                except BaseException:
+                    os.close(fd)
+                    raise
+                uploads.append(up)
+                up.start(pool)
+            for up in uploads:
+                up.finish()
+        except BaseException:
+            for up in uploads:
+                up.abort()
+            raise
+        finally:
+            pool.shutdown()
+            for up in uploads:  # no part reads a descriptor any more (finish() or abort() waited)
+                os.close(up.fd)
+        return sum(up.size for up in uploads)
+
+    def wait_objects(
+        self,
+        step: int,
+        expected: Mapping[str, int],
+        token: str,
+        timeout: float,
+        *,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        """Wait (at most ``timeout`` seconds) until every object of ``expected`` (name
+        -> size in bytes) of step ``step`` carries ``token``. Each poll is one LIST of
+        the step (backing off from 50 ms to 1 s); an object of the expected size gets
+        one HEAD (its token) per version (``ETag``) seen.
 
         Raises:
             TimeoutError: naming the objects still missing or of another save.
+            RemoteStorageError: a request failed, or ``cancel`` was set.
         """
         deadline = time.monotonic() + timeout
         pending = dict(expected)
+        checked: dict[str, str] = {}  # name -> the ETag whose token was not ours
+        prefix = self._key(step, "") + "/"
         delay = 0.05
-        while True:
+        while pending:
+            if cancel is not None and cancel.is_set():
+                raise _cancelled(self.step_url(step))
+            listed = {obj["Key"][len(prefix) :]: obj for obj in self._list(prefix)}
             for name, size in list(pending.items()):
+                obj = listed.get(name)
+                if obj is None or obj.get("Size") != size or checked.get(name) == obj.get("ETag"):
+                    continue
                 head = self.head(step, name)
                 if (
                     head is not None
@@ -423,6 +534,8 @@ class S3Tier:
                     and head.get("Metadata", {}).get(TOKEN_META) == token
                 ):
                     del pending[name]
+                else:
+                    checked[name] = str(obj.get("ETag"))
             if not pending:
                 return
             if time.monotonic() >= deadline:
@@ -430,12 +543,13 @@ class S3Tier:
                     f"{self.step_url(step)}: the objects {sorted(pending)} of the other ranks were not "
                     f"uploaded within {timeout:.0f} s"
                 )
-            time.sleep(delay)
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(1.0, delay * 2)
 
     def commit_step(self, step: int, manifest_path: str, token: str) -> None:
-        """Write step ``step``'s commit marker (the manifest at ``manifest_path``), then
-        ``latest``. Call it only once every object the manifest lists is uploaded."""
+        """Write step ``step``'s commit marker (the manifest at ``manifest_path``, its
+        ``asyncckpt-seq`` one more than the largest in the tier), then ``latest``.
+        Call it only once every object the manifest lists is uploaded."""
         seq = 1 + max((s for s, _ in self.sequenced()), default=0)
         key = self._key(step, _manifest.MANIFEST_NAME)
         with open(manifest_path, "rb") as f:
@@ -447,7 +561,7 @@ class S3Tier:
             Bucket=self.bucket,
             Key=key,
             Body=body,
-            ChecksumAlgorithm="CRC32",
+            ChecksumCRC32=_b64_crc(crc32(body)),
             Metadata={TOKEN_META: token, SEQ_META: str(seq)},
         )
         self.write_latest(step)
@@ -461,6 +575,7 @@ class S3Tier:
         rank: int = 0,
         coordinator: bool = True,
         timeout: float = 600.0,
+        cancel: threading.Event | None = None,
     ) -> int:
         """Upload this rank's share of a committed local step, and commit it remotely
         when this is the coordinator.
@@ -471,29 +586,36 @@ class S3Tier:
                 of a descriptor opened at the local commit, so that local retention
                 cannot take it away during the upload); every file of the manifest
                 and the manifest itself (coordinator), this rank's data files (others).
-            manifest: the step's manifest (its ``files`` and ``save_token``).
+            manifest: the step's manifest (its ``files`` with their CRC-32 segments,
+                checked as the files are read, and ``save_token``).
             rank: this rank (which data files are its own, :func:`rank_files`).
             coordinator: upload the metadata, wait for every rank's objects, then write
                 the marker and ``latest``.
             timeout: seconds the coordinator waits for the other ranks' objects.
+            cancel: when set, the upload stops before its next part (its multipart
+                uploads are aborted) and no marker is written.
 
         Returns:
             Bytes this rank uploaded.
 
         Raises:
-            RemoteStorageError: a request failed (after botocore's retries).
+            CorruptCheckpointError: a local file does not match the manifest's CRC-32s.
+            RemoteStorageError: a request failed (after botocore's retries), or the
+                upload was cancelled (code ``"Cancelled"``).
             TimeoutError: another rank's objects did not come in time.
         """
         token = str(manifest.get("save_token", ""))
-        names = rank_files(manifest["files"], rank, coordinator)
-        sent = 0
-        for name in names:
-            sent += self.upload_file(step, name, files[name], token)
+        entries = manifest["files"]
+        names = rank_files(entries, rank, coordinator)
+        segments = {n: entries[n]["segments"] for n in names if "segments" in entries.get(n, {})}
+        sent = self.upload_files(step, {n: files[n] for n in names}, token, segments, cancel=cancel)
         _faults.hit("upload")
         if coordinator:
-            others = {n: e["size"] for n, e in manifest["files"].items() if n not in names}
+            others = {n: e["size"] for n, e in entries.items() if n not in names}
             others.pop(_manifest.MANIFEST_NAME, None)
-            self.wait_objects(step, others, token, timeout)
+            self.wait_objects(step, others, token, timeout, cancel=cancel)
+            if cancel is not None and cancel.is_set():
+                raise _cancelled(self.step_url(step))
             self.commit_step(step, files[_manifest.MANIFEST_NAME], token)
         return sent
 
@@ -502,6 +624,247 @@ class S3Tier:
         """Read committed step ``step`` into the empty local directory ``dest``
         (see :meth:`fetch_url`)."""
         return fetch_url(self, self._where.child(step_dir_name(step)), dest)
+
+
+#: The nice value (Linux) of the upload threads: above the training thread's 0, so
+#: that on a busy core the scheduler runs the training thread first (the upload is
+#: I/O-bound and waits on the network most of the time).
+UPLOAD_NICE = 10
+
+
+def lower_thread_priority() -> None:
+    """Lower the CPU priority of the calling thread alone to :data:`UPLOAD_NICE`
+    (Linux gives each thread its own nice value, ``setpriority(PRIO_PROCESS, tid)``);
+    elsewhere, or when refused, nothing."""
+    if sys.platform != "linux":
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(UPLOAD_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
+    except (OSError, AttributeError):
+        pass
+
+
+class _DaemonPool:
+    """``n`` daemon threads running submitted calls (at :data:`UPLOAD_NICE`). Not
+    ``concurrent.futures.ThreadPoolExecutor``: the interpreter joins its threads at
+    shutdown, before the atexit handlers, after they ran every call queued, so an
+    upload in flight would hold the exit until its last part is sent; a daemon thread
+    is dropped at exit (the exit registry reports the step, :mod:`asyncckpt.upload`)."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple] | None] = (
+            queue.SimpleQueue()
+        )
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(n)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        lower_thread_priority()
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the future's owner
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        """Let the threads end once the calls queued are done (no join)."""
+        for _ in self._threads:
+            self._queue.put(None)
+
+
+def _version(obj: Mapping[str, Any]) -> str:
+    """An object's version as a listing or a HEAD shows it: its ``ETag`` and ``LastModified``."""
+    return f"{obj.get('ETag')}@{obj.get('LastModified')}"
+
+
+def _b64_crc(crc: int) -> str:
+    """S3's encoding of a CRC-32 (``x-amz-checksum-crc32``): its 4 big-endian bytes in base64."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")
+
+
+def _cancelled(url: str) -> RemoteStorageError:
+    return RemoteStorageError(f"the upload to {url} was cancelled", url, "Cancelled")
+
+
+class _FileUpload:
+    """One file's upload (:meth:`S3Tier.upload_files`): its parts, their CRC-32s, and
+    the check of the manifest's segments."""
+
+    def __init__(
+        self,
+        tier: S3Tier,
+        client: Any,
+        step: int,
+        name: str,
+        fd: int,
+        size: int,
+        token: str,
+        segments: Iterable[Iterable[int]] | None,
+        cancel: threading.Event | None,
+    ) -> None:
+        self.tier, self.client, self.name, self.fd, self.size, self.token = tier, client, name, fd, size, token
+        self.key = tier._key(step, name)
+        self.url = f"{SCHEME}{tier.bucket}/{self.key}"
+        self.cancel = cancel
+        self.upload_id: str | None = None
+        self.futures: list[concurrent.futures.Future[Any]] = []
+        self.segments: list[tuple[int, int, int]] | None = None
+        self.starts: list[int] = []
+        self.pieces: dict[int, list[tuple[int, int, int]]] = collections.defaultdict(list)  # segment -> pieces
+        self.lock = threading.Lock()
+        if segments is not None:
+            segs = sorted((int(o), int(n), int(c)) for o, n, c in segments)
+            covered = 0
+            for offset, length, _ in segs:
+                if offset != covered:
+                    break
+                covered += length
+            if covered != size:
+                raise CorruptCheckpointError(
+                    f"{name}: the local file has {size} bytes, its manifest's segments cover {covered}: not uploaded",
+                    self.url,
+                )
+            self.segments = [s for s in segs if s[1] > 0]
+            self.starts = [s[0] for s in self.segments]
+
+    def start(self, pool: _DaemonPool) -> None:
+        """Queue the parts (a ``CreateMultipartUpload`` first when there are several)."""
+        part = self.tier.part_size
+        if self.size <= part:
+            self.futures.append(pool.submit(self._put))
+            return
+        response = self.tier._call(
+            "upload to",
+            self.url,
+            self.client.create_multipart_upload,
+            Bucket=self.tier.bucket,
+            Key=self.key,
+            Metadata={TOKEN_META: self.token},
+            ChecksumAlgorithm="CRC32",
+        )
+        self.upload_id = str(response["UploadId"])
+        for number, offset in enumerate(range(0, self.size, part), 1):
+            self.futures.append(pool.submit(self._part, number, offset, min(part, self.size - offset)))
+
+    def _read(self, offset: int, length: int) -> tuple[bytes, int]:
+        """``length`` bytes at ``offset`` and their CRC-32; the pieces of each segment
+        are kept for :meth:`_check`."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise _cancelled(self.url)
+        data = os.pread(self.fd, length, offset)
+        while len(data) < length:  # pread may return less (a signal); never past the end of a committed file
+            more = os.pread(self.fd, length - len(data), offset + len(data))
+            if not more:
+                raise CorruptCheckpointError(
+                    f"{self.name}: the local file ended at byte {offset + len(data)}", self.url
+                )
+            data += more
+        if self.segments is None:
+            return data, crc32(data)
+        view = memoryview(data)
+        crc, end = 0, offset + length
+        i = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        pieces = []
+        while i < len(self.segments) and self.segments[i][0] < end:
+            s_off, s_len, _ = self.segments[i]
+            a, b = max(offset, s_off), min(end, s_off + s_len)
+            c = crc32(view[a - offset : b - offset])
+            crc = c if a == offset else _crc32_combine(crc, c, b - a)
+            pieces.append((i, (a, b - a, c)))
+            i += 1
+        with self.lock:
+            for i, piece in pieces:
+                self.pieces[i].append(piece)
+        return data, crc
+
+    def _check(self) -> None:
+        """Every segment's CRC-32, folded from the pieces read, must be the manifest's."""
+        if self.segments is None:
+            return
+        for i, (offset, length, expected) in enumerate(self.segments):
+            crc, at = 0, offset
+            for p_off, p_len, p_crc in sorted(self.pieces.get(i, ())):
+                crc = p_crc if p_off == offset else _crc32_combine(crc, p_crc, p_len)
+                at = p_off + p_len
+            if at != offset + length or crc != expected:
+                raise CorruptCheckpointError(
+                    f"{self.name}: bytes {offset}..{offset + length} of the local file do not match the CRC-32 of "
+                    "its manifest (changed or damaged since the save): not uploaded",
+                    self.url,
+                )
+
+    def _put(self) -> None:
+        data, crc = self._read(0, self.size)
+        self._check()
+        self.tier._call(
+            "upload to",
+            self.url,
+            self.client.put_object,
+            Bucket=self.tier.bucket,
+            Key=self.key,
+            Body=data,
+            ChecksumCRC32=_b64_crc(crc),
+            Metadata={TOKEN_META: self.token},
+        )
+
+    def _part(self, number: int, offset: int, length: int) -> dict[str, Any]:
+        data, crc = self._read(offset, length)
+        checksum = _b64_crc(crc)
+        response = self.tier._call(
+            "upload to",
+            self.url,
+            self.client.upload_part,
+            Bucket=self.tier.bucket,
+            Key=self.key,
+            UploadId=self.upload_id,
+            PartNumber=number,
+            Body=data,
+            ChecksumCRC32=checksum,
+        )
+        return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32": checksum}
+
+    def finish(self) -> None:
+        """Wait for the parts, check the segments, complete the multipart upload."""
+        parts = [future.result() for future in self.futures]
+        if self.upload_id is None:
+            return
+        self._check()
+        if self.cancel is not None and self.cancel.is_set():
+            raise _cancelled(self.url)
+        self.tier._call(
+            "upload to",
+            self.url,
+            self.client.complete_multipart_upload,
+            Bucket=self.tier.bucket,
+            Key=self.key,
+            UploadId=self.upload_id,
+            MultipartUpload={"Parts": parts},
+        )
+        self.upload_id = None
+
+    def abort(self) -> None:
+        """(best effort) Abort an incomplete multipart upload, so that its parts do not
+        linger, once no part of it runs any more."""
+        for future in self.futures:
+            future.cancel()
+        concurrent.futures.wait(self.futures)
+        if self.upload_id is not None:
+            with contextlib.suppress(Exception):
+                self.client.abort_multipart_upload(Bucket=self.tier.bucket, Key=self.key, UploadId=self.upload_id)
+            self.upload_id = None
 
 
 @dataclass(frozen=True)
