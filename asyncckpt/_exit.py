@@ -9,10 +9,13 @@ The order is data, :data:`PHASES`, read top to bottom:
    (:mod:`asyncckpt.saving.pending`). Their commits start retention removals, so:
 3. ``FINISH_DELETIONS`` -- retention removals in flight get the same bound, so that no
    ``.step_N.deleting-*`` directory is left (:mod:`asyncckpt.root`).
-4. ``STOP_WORKERS`` -- every worker process and forked child still running is asked
+4. ``FINISH_UPLOADS`` -- uploads to a remote tier queued or in flight (the saves
+   committed above queue theirs) get the same bound; each step not uploaded then is
+   named and cancelled, and uploaded again at the next start (:mod:`asyncckpt.upload`).
+5. ``STOP_WORKERS`` -- every worker process and forked child still running is asked
    to exit, then SIGTERM, then SIGKILL (:mod:`asyncckpt.async_utils.processes`). It
    comes after the commits: they need the workers to finish the writes.
-5. ``RELEASE_GROUPS`` -- the cached gloo groups are dropped while the interpreter is
+6. ``RELEASE_GROUPS`` -- the cached gloo groups are dropped while the interpreter is
    whole (:mod:`asyncckpt.dist`): one destroyed during interpreter finalization can
    abort the process after a run that succeeded. Last: the commits above use them.
 
@@ -39,7 +42,8 @@ Interrupts: a hook that raises an ``Exception`` is logged and the next one runs.
 ``PreemptionBudgetExpired``) while a hook waits ends the waiting: the phases left are
 skipped, except ``COMMIT_SAVES``, which then waits no more (it names the pending saves
 as lost and aborts their queues, so that no finalizer thread is left inside a call
-while the interpreter finalizes), and ``STOP_WORKERS``. :func:`interrupted` tells a
+while the interpreter finalizes), ``FINISH_UPLOADS``, which names the uploads not done
+without waiting, and ``STOP_WORKERS``. :func:`interrupted` tells a
 hook. Only the first Ctrl-C interrupts: while :func:`run` runs in the main thread
 with Python's default SIGINT handler, it installs one that raises
 ``KeyboardInterrupt`` once and ignores the later ones, so that a second Ctrl-C cannot
@@ -73,6 +77,7 @@ __all__ = [
     "COMMIT_LIGHTNING",
     "COMMIT_SAVES",
     "FINISH_DELETIONS",
+    "FINISH_UPLOADS",
     "STOP_WORKERS",
     "RELEASE_GROUPS",
     "EXIT_TIMEOUT_ENV",
@@ -91,12 +96,20 @@ _log = logging.getLogger("asyncckpt")
 COMMIT_LIGHTNING = "commit Lightning's pending saves"
 COMMIT_SAVES = "commit pending saves"
 FINISH_DELETIONS = "finish retention deletions"
+FINISH_UPLOADS = "finish uploads to the remote tier"
 STOP_WORKERS = "stop worker processes"
 RELEASE_GROUPS = "release the gloo groups"
 #: The phases, in the order they run at exit.
-PHASES: tuple[str, ...] = (COMMIT_LIGHTNING, COMMIT_SAVES, FINISH_DELETIONS, STOP_WORKERS, RELEASE_GROUPS)
+PHASES: tuple[str, ...] = (
+    COMMIT_LIGHTNING,
+    COMMIT_SAVES,
+    FINISH_DELETIONS,
+    FINISH_UPLOADS,
+    STOP_WORKERS,
+    RELEASE_GROUPS,
+)
 #: The phases that run even after an interrupt ended an earlier one (without waiting).
-_ALWAYS = frozenset({COMMIT_SAVES, STOP_WORKERS, RELEASE_GROUPS})
+_ALWAYS = frozenset({COMMIT_SAVES, FINISH_UPLOADS, STOP_WORKERS, RELEASE_GROUPS})
 #: The phases that clean up (nothing of theirs waits for a save): run again by
 #: :func:`clean_up_again`.
 _CLEANING = (FINISH_DELETIONS, STOP_WORKERS, RELEASE_GROUPS)

@@ -38,12 +38,20 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from asyncckpt.errors import AsyncckptError, CheckpointNotFoundError, InvalidArgumentError, UploadError
+from asyncckpt import _exit
+from asyncckpt.errors import (
+    AsyncckptError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    UploadError,
+)
 from asyncckpt.format import manifest as _manifest
 from asyncckpt.io import s3 as _s3
 from asyncckpt.root import CheckpointRoot
@@ -91,6 +99,8 @@ class _Job:
     callback: Callable[[Any], None] | None
     resumed: bool = False
     queued: float = field(default_factory=time.monotonic)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    settled: bool = False  # its outcome was reported (close() or the exit may report it first)
 
     def close(self) -> None:
         for fd in self.files.values():
@@ -151,8 +161,11 @@ class Uploader:
         self._busy = not read_only  # until the resume at start has queued its steps
         self._closing = False
         self._failures: list[UploadError] = []
+        self._current: _Job | None = None
         self._thread: threading.Thread | None = None
         if not read_only:
+            _live.add(self)
+            _exit.arm()
             self._thread = threading.Thread(target=self._run, name="asyncckpt-upload", daemon=True)
             self._thread.start()
 
@@ -244,6 +257,7 @@ class Uploader:
             self._enqueue(step, self.callback, True)
 
     def _run(self) -> None:
+        _s3.lower_thread_priority()
         try:
             self._resume()
         except Exception as exc:  # noqa: BLE001 - reported as the failure of the resume, training goes on
@@ -259,12 +273,22 @@ class Uploader:
                     return
                 job = self._jobs.popleft()
                 self._busy = True
+                self._current = job
             try:
-                self._settle(self._upload(job), job.callback)
+                outcome = self._upload(job)
+                with self._cond:
+                    first, job.settled = not job.settled, True
+                if first:
+                    self._settle(outcome, job.callback)
+                else:  # close() or the exit gave up on it and reported it: one outcome per step
+                    _log.info(
+                        "the upload of step %s ended after it was reported as not finished: %s", job.step, outcome
+                    )
             finally:
                 job.close()
                 with self._cond:
                     self._busy = False
+                    self._current = None
                     self._cond.notify_all()
 
     def _upload(self, job: _Job) -> UploadResult | UploadError:
@@ -278,6 +302,14 @@ class Uploader:
                 rank=self.rank,
                 coordinator=self.coordinator,
                 timeout=self.timeout_s,
+                cancel=job.cancel,
+            )
+        except CorruptCheckpointError as exc:  # the local files differ from their manifest's CRC-32s
+            return UploadError(
+                f"upload of step {job.step} to {url} failed: {exc} (the local checkpoint is damaged: `asyncckpt "
+                "verify` names it; the remote step has no commit marker)",
+                job.step,
+                url,
             )
         except Exception as exc:  # noqa: BLE001 - any failure is this step's upload failure; training goes on
             return UploadError(
@@ -355,46 +387,106 @@ class Uploader:
 
     def close(self, timeout: float | None = None) -> None:
         """Wait, at most ``timeout`` seconds (default ``timeout_s``), for the uploads
-        queued, then stop. Steps not uploaded by then are reported as failed (they are
-        resumed when a manager opens the root again); an upload still running goes on
-        in its daemon thread and commits nothing if the process exits first."""
+        queued, then stop (see :meth:`give_up`)."""
         if self._thread is None:
             return
-        self.wait(self.timeout_s if timeout is None else timeout)
+        bound = self.timeout_s if timeout is None else timeout
+        self.wait(bound)
+        self.give_up(f"upload_timeout_s={bound:g} s of close()")
+
+    def give_up(self, within: str) -> list[int]:
+        """Stop: each step not uploaded yet is reported (its callback, and
+        :meth:`report`) as an :class:`UploadError` that names it and ``within`` (the
+        bound that ran out): the one uploading is cancelled (it stops before its next
+        part, its multipart uploads are aborted, its commit marker is not written),
+        the queued ones are dropped. Every one of them is uploaded again when a
+        manager next opens the root (the resume at start). Returns their steps."""
         with self._cond:
             self._closing = True
             left, self._jobs = list(self._jobs), collections.deque()
+            current = self._current
+            if current is not None and not current.settled:
+                current.settled = True
+                current.cancel.set()
+            else:
+                current = None
             self._cond.notify_all()
+        _live.discard(self)
+        if current is not None:  # its descriptors are closed by the upload thread, once it stops
+            url = self.tier.step_url(current.step)
+            self._settle(
+                UploadError(
+                    f"upload of step {current.step} to {url} did not finish within {within}: cancelled, no commit "
+                    "marker (the step is absent remotely); it is uploaded again when a manager opens the root",
+                    current.step,
+                    url,
+                ),
+                current.callback,
+            )
         for job in left:
             job.close()
             self._settle(
                 UploadError(
-                    f"upload of step {job.step} to {self.tier.step_url(job.step)} did not start within "
-                    f"upload_timeout_s={self.timeout_s:g} s of close(); it is resumed when a manager opens the root",
+                    f"upload of step {job.step} to {self.tier.step_url(job.step)} did not start within {within}; "
+                    "it is uploaded again when a manager opens the root",
                     job.step,
                     self.tier.step_url(job.step),
                 ),
                 job.callback,
             )
-        self._thread.join(0.1)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(0.1)
+        return ([] if current is None else [current.step]) + [job.step for job in left]
 
     # ------------------------------------------------------------------ restore
     def newest(self, local_latest: int | None) -> tuple[int, str] | None:
         """The step to restore from over both tiers: ``(step, where)`` with ``where``
         ``"local"`` or the remote step's URL; ``None`` when neither has one.
 
-        The local tier's newest save, unless the remote tier's newest upload is not a
-        local step and has a larger step number (a fresh machine, or a root behind the
-        bucket). A remote tier that cannot be reached is skipped with a warning.
+        Each tier's newest save is its last in its own commit order (the local root's
+        ``commit_seq``, the bucket's upload sequence); of the two, the one committed
+        last wins, by the wall-clock time each manifest records at its commit
+        (``created_unix_s``): after a rollback (step 20 saved, then 11 from a restart
+        at step 10) the newer save 11 wins over 20, whichever tier holds it, and a
+        fresh machine (an empty root, or one behind the bucket) takes the bucket's.
+        Orbax and NVRx compare step numbers instead, which resumes the abandoned branch
+        after such a rollback. Wall clocks of different hosts agree to far less than
+        the time between two saves of one run (NTP). The same save in both tiers (the
+        same save token) is read locally. When a time is missing (a manifest of an
+        older version), the step numbers decide, as before. A remote tier that cannot
+        be reached is skipped with a warning.
         """
         try:
             remote = self.tier.latest()
+            marker = None if remote is None else _s3.read_marker(self.tier, _s3.parse_url(self.tier.step_url(remote)))
         except (AsyncckptError, OSError) as exc:
             _log.warning("the remote tier %s cannot be listed (%s): restoring from the local root", self.url, exc)
-            remote = None
-        if remote is not None and (local_latest is None or (remote > local_latest and remote not in self.root.steps())):
-            return remote, self.tier.step_url(remote)
-        return None if local_latest is None else (local_latest, "local")
+            remote, marker = None, None
+        if remote is None or marker is None:
+            return None if local_latest is None else (local_latest, "local")
+        remote_url = self.tier.step_url(remote)
+        if local_latest is None:
+            return remote, remote_url
+        try:
+            local = _manifest.read_manifest(self.root.step_dir(local_latest))
+        except (AsyncckptError, OSError):  # removed meanwhile (retention): the bucket's
+            return remote, remote_url
+        if local.get("save_token") is not None and local.get("save_token") == marker.manifest.get("save_token"):
+            return local_latest, "local"  # the same save
+        local_t, remote_t = local.get("created_unix_s"), marker.manifest.get("created_unix_s")
+        if isinstance(local_t, (int, float)) and isinstance(remote_t, (int, float)):
+            newer_remote = remote_t > local_t
+        else:
+            newer_remote = remote > local_latest and remote not in self.root.steps()
+        if newer_remote and remote in self.root.steps():
+            try:  # the step is also local: read it there when it is the same save
+                if _manifest.read_manifest(self.root.step_dir(remote)).get("save_token") == marker.manifest.get(
+                    "save_token"
+                ):
+                    return remote, "local"
+            except (AsyncckptError, OSError):
+                pass
+        return (remote, remote_url) if newer_remote else (local_latest, "local")
 
     def remote_url(self, step: int) -> str | None:
         """The URL of step ``step`` when it is committed remotely, else ``None``.
@@ -410,3 +502,27 @@ def not_found(step: int | None, where: str) -> CheckpointNotFoundError:
     """The error of a restore that finds no step."""
     what = "no committed checkpoint" if step is None else f"step {step} has no committed checkpoint"
     return CheckpointNotFoundError(what, where)
+
+
+#: The uploaders running in this process (the exit phase ``FINISH_UPLOADS``).
+_live: weakref.WeakSet[Uploader] = weakref.WeakSet()
+
+
+def _finish_uploads_at_exit() -> None:
+    """The exit phase ``FINISH_UPLOADS`` (a process that exits without ``close()``):
+    the uploads queued or in flight get ``ASYNCCKPT_EXIT_TIMEOUT_S`` seconds (default
+    5) in all; each step not uploaded then is named (a warning on logger
+    ``asyncckpt``, and an :class:`UploadError` to its callback) and cancelled, and is
+    uploaded again at the next start. Interrupted (Ctrl-C), they are named at once."""
+    uploaders = list(_live)
+    if not uploaders:
+        return
+    bound = 0.0 if _exit.interrupted() else _exit.exit_timeout()
+    deadline = time.monotonic() + bound
+    for uploader in uploaders:
+        uploader.wait(max(0.0, deadline - time.monotonic()))
+    for uploader in uploaders:
+        uploader.give_up(f"the exit's bound ({_exit.EXIT_TIMEOUT_ENV}={bound:g} s)")
+
+
+_exit.register(_exit.FINISH_UPLOADS, _finish_uploads_at_exit, forget=_live.clear)

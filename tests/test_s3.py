@@ -303,10 +303,19 @@ def test_close_is_bounded_by_upload_timeout(remote, tmp_path, monkeypatch):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     start = time.monotonic()
-    with pytest.warns(asyncckpt.UploadWarning, match="step 2 .* did not start within upload_timeout_s=0.2"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         manager.close()
     assert time.monotonic() - start < 3.5  # not the 4 s the upload in flight still takes
-    assert [e.step for e in outcomes.of(asyncckpt.UploadError)] == [2]
+    messages = [str(w.message) for w in caught if issubclass(w.category, asyncckpt.UploadWarning)]
+    assert len(messages) == 2, messages  # each step named: the one in flight cancelled, the queued one dropped
+    assert "step 1 " in messages[0] and "did not finish within upload_timeout_s=0.2" in messages[0], messages
+    assert "step 2 " in messages[1] and "did not start within upload_timeout_s=0.2" in messages[1], messages
+    assert [e.step for e in outcomes.of(asyncckpt.UploadError)] == [1, 2]
+    time.sleep(4.5)  # step 1's upload leaves the failpoint, finds itself cancelled: no marker, no second outcome
+    assert s3tier.S3Tier(remote).steps() == []
+    assert [e.step for e in outcomes.of(asyncckpt.UploadError)] == [1, 2]
+    assert not outcomes.of(asyncckpt.UploadResult)
     monkeypatch.delenv("ASYNCCKPT_FAULT")
     with asyncckpt.CheckpointManager(tmp_path / "b", upload_to=remote) as manager:  # step 2 is resumed
         uploaded(manager)

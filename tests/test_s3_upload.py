@@ -1,0 +1,148 @@
+"""The upload side of the object-storage tier (issue 32), against the session's real
+S3 server (SeaweedFS): the end-to-end CRC check of the uploads, the process exit with
+uploads in flight, and the choice of the step to restore over both tiers.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from test_s3 import state, uploaded
+
+import asyncckpt
+from asyncckpt.io import s3 as s3tier
+
+from helpers import assert_same, zeroed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def remote(s3_server, monkeypatch):
+    """A fresh prefix of the session's server, and the standard AWS variables for it."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.delenv("ASYNCCKPT_FAULT", raising=False)
+    return s3_server.make_prefix()
+
+
+def test_a_local_file_that_differs_from_its_manifest_is_not_uploaded(remote, tmp_path):
+    """End to end: the bytes read for the upload are checked against the manifest's
+    CRC-32s (computed at save time) before the object completes; no marker."""
+    root = tmp_path / "r"
+    with asyncckpt.CheckpointManager(root) as manager:  # saved without the upload tier
+        manager.save(1, state(1, 6.0))  # 6 MiB: a multipart upload (parts of 5 MiB below)
+    data = root / "step_00000001" / "__0_0.distcp"
+    with open(data, "r+b") as f:  # one bit, the same size: only the CRC-32s can tell
+        f.seek(data.stat().st_size - (1 << 20))
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    errors: list = []
+    with asyncckpt.CheckpointManager(root, upload_to=remote, callback=errors.append) as manager:
+        manager._upload.tier.part_size = 5 << 20
+        uploaded(manager)  # the resume at start uploads step 1
+        with pytest.warns(asyncckpt.UploadWarning, match="do not match the CRC-32 of its manifest.*not uploaded"):
+            manager.maybe_finalize()
+        assert manager.remote_steps() == []
+    assert [type(e) for e in errors] == [asyncckpt.UploadError] and errors[0].step == 1
+    tier = s3tier.S3Tier(remote)
+    assert tier.steps() == [] and tier.head(1, "__0_0.distcp") is None  # its multipart upload was aborted
+    with pytest.raises(asyncckpt.CheckpointNotFoundError):
+        asyncckpt.read_state_dict(f"{remote}/step_00000001")
+
+
+#: A script that saves steps with ``upload_to`` and exits without ``close()``.
+_EXIT_SCRIPT = textwrap.dedent("""
+    import sys, torch, asyncckpt
+    root, url, steps = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
+    manager = asyncckpt.CheckpointManager(root, upload_to=url)
+    for step in steps:
+        manager.save(step, {"w": torch.full((1 << 16,), float(step))})
+    if sys.argv[4] == "committed":   # else pending at exit: the exit commits them, then uploads
+        manager.maybe_finalize(blocking=True)
+    globals()["keep"] = manager   # alive until the exit: no close()
+    print("saved", flush=True)
+""")
+
+
+def _exit_run(
+    s3_server, root, url: str, steps: str, when: str, **env: str
+) -> tuple[subprocess.CompletedProcess, float]:
+    environ = {**os.environ, **s3_server.env(), "PYTHONPATH": ROOT, **env}
+    environ.pop("AWS_PROFILE", None)
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(root), url, steps, when],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done, time.monotonic() - start
+
+
+def test_exit_without_close_uploads_the_last_saves(s3_server, remote, tmp_path):
+    done, _ = _exit_run(s3_server, tmp_path / "r", remote, "1,2", "pending", ASYNCCKPT_EXIT_TIMEOUT_S="60")
+    assert done.returncode == 0, done.stderr
+    assert s3tier.S3Tier(remote).steps() == [1, 2], done.stderr  # not silently dropped at exit
+    assert "did not" not in done.stderr
+
+
+def test_exit_without_close_is_bounded_and_names_the_steps_not_uploaded(s3_server, remote, tmp_path):
+    root = tmp_path / "r"
+    done, took = _exit_run(
+        s3_server, root, remote, "1,2", "committed", ASYNCCKPT_EXIT_TIMEOUT_S="1", ASYNCCKPT_FAULT="upload:sleep=40"
+    )
+    assert done.returncode == 0, done.stderr
+    assert took < 35, (took, done.stderr)  # not the failpoint's 40 s: the exit's bound
+    assert "step 1" in done.stderr and "did not finish within the exit's bound" in done.stderr, done.stderr
+    assert "step 2" in done.stderr and "did not start within the exit's bound" in done.stderr, done.stderr
+    tier = s3tier.S3Tier(remote)
+    assert tier.steps() == []  # cancelled before the marker: absent remotely
+    with asyncckpt.CheckpointManager(root, upload_to=remote) as manager:  # the next start uploads both
+        uploaded(manager)
+        assert manager.remote_steps() == [1, 2]
+    out = asyncckpt.read_state_dict(f"{remote}/step_00000002")
+    assert torch.equal(out["w"], torch.full((1 << 16,), 2.0))
+
+
+# ----------------------------------------------------------------------------- restore over both tiers
+def test_restore_takes_the_save_committed_last_over_both_tiers(remote, tmp_path):
+    """Not the larger step number: the save committed last (a rollback reuses steps)."""
+    older = tmp_path / "older"  # a root whose newest save (step 30) precedes the bucket's
+    with asyncckpt.CheckpointManager(older) as manager:
+        manager.save(30, state(30, 0.1))
+    root = tmp_path / "run"
+    with asyncckpt.CheckpointManager(root, upload_to=remote, keep_last=1) as manager:
+        manager.save(20, state(20, 0.1))
+        manager.maybe_finalize(blocking=True)
+        uploaded(manager)
+    with asyncckpt.CheckpointManager(root, keep_last=1) as manager:  # restarted at step 10: saves 11, not uploaded
+        manager.save(11, state(11, 0.1))
+    assert asyncckpt.CheckpointManager(root, read_only=True).steps() == [11]
+    assert s3tier.S3Tier(remote).steps() == [20]
+
+    run = asyncckpt.CheckpointManager(root, upload_to=remote, read_only=True)
+    try:
+        assert run.latest_step() == 11  # local, saved after 20
+        target = zeroed(state(11, 0.1))
+        assert run.load(target) == 11
+        assert_same(state(11, 0.1), target)
+    finally:
+        run.close()
+    behind = asyncckpt.CheckpointManager(older, upload_to=remote, read_only=True)
+    try:
+        assert behind.latest_step() == 20  # the bucket's, saved after 30
+        target = zeroed(state(20, 0.1))
+        assert behind.load(target) == 20
+        assert_same(state(20, 0.1), target)
+    finally:
+        behind.close()
