@@ -38,7 +38,7 @@ def test_a_local_file_that_differs_from_its_manifest_is_not_uploaded(remote, tmp
     CRC-32s (computed at save time) before the object completes; no marker."""
     root = tmp_path / "r"
     with asyncckpt.CheckpointManager(root) as manager:  # saved without the upload tier
-        manager.save(1, state(1, 6.0))  # 6 MiB: a multipart upload (parts of 5 MiB below)
+        manager.save(1, state(1, 20.0))  # 20 MiB: a multipart upload (parts of 16 MiB)
     data = root / "step_00000001" / "__0_0.distcp"
     with open(data, "r+b") as f:  # one bit, the same size: only the CRC-32s can tell
         f.seek(data.stat().st_size - (1 << 20))
@@ -47,7 +47,6 @@ def test_a_local_file_that_differs_from_its_manifest_is_not_uploaded(remote, tmp
         f.write(bytes([byte[0] ^ 0x10]))
     errors: list = []
     with asyncckpt.CheckpointManager(root, upload_to=remote, callback=errors.append) as manager:
-        manager._upload.tier.part_size = 5 << 20
         uploaded(manager)  # the resume at start uploads step 1
         with pytest.warns(asyncckpt.UploadWarning, match="do not match the CRC-32 of its manifest.*not uploaded"):
             manager.maybe_finalize()
