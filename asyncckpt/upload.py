@@ -224,9 +224,19 @@ class Uploader:
                 callback,
             )
             return
+        job = _Job(step, fds, manifest, callback, resumed)
         with self._cond:
-            self._jobs.append(_Job(step, fds, manifest, callback, resumed))
-            self._cond.notify_all()
+            closing = self._closing
+            if not closing:
+                self._jobs.append(job)
+                self._cond.notify_all()
+        if closing:  # queued after give_up() (a resume at start still listing): reported, not dropped
+            job.close()
+            url = self.tier.step_url(step)
+            self._settle(
+                UploadError(f"upload of step {step} to {url} did not start: the uploads were stopped", step, url),
+                callback,
+            )
 
     def after_commit(self, outcome: Any, callback: Callable[[Any], None] | None) -> None:
         """(the thread that settled a save) Queue the upload of a committed save

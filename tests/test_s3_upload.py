@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -145,3 +146,21 @@ def test_restore_takes_the_save_committed_last_over_both_tiers(remote, tmp_path)
         assert_same(state(20, 0.1), target)
     finally:
         behind.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_uploads_run_off_the_training_thread_at_a_lower_priority(remote, tmp_path):
+    seen: list[tuple[str, int]] = []
+
+    def on_outcome(outcome) -> None:
+        if isinstance(outcome, (asyncckpt.UploadResult, asyncckpt.UploadError)):
+            seen.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with asyncckpt.CheckpointManager(tmp_path / "n", upload_to=remote, callback=on_outcome) as manager:
+        manager.save(1, state(1, 0.25))
+        manager.maybe_finalize(blocking=True)
+        uploaded(manager)
+        assert manager.remote_steps() == [1]
+    assert seen == [("asyncckpt-upload", max(10, before))]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the training thread's is its own
