@@ -546,11 +546,12 @@ class S3Tier:
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(1.0, delay * 2)
 
-    def commit_step(self, step: int, manifest_path: str, token: str) -> None:
+    def commit_step(self, step: int, manifest_path: str, token: str, seq: int | None = None) -> None:
         """Write step ``step``'s commit marker (the manifest at ``manifest_path``, its
-        ``asyncckpt-seq`` one more than the largest in the tier), then ``latest``.
-        Call it only once every object the manifest lists is uploaded."""
-        seq = 1 + max((s for s, _ in self.sequenced()), default=0)
+        ``asyncckpt-seq`` ``seq``, by default one more than the largest in the tier),
+        then ``latest``. Call it only once every object the manifest lists is uploaded."""
+        if seq is None:
+            seq = self.next_seq()
         key = self._key(step, _manifest.MANIFEST_NAME)
         with open(manifest_path, "rb") as f:
             body = f.read()
@@ -565,6 +566,10 @@ class S3Tier:
             Metadata={TOKEN_META: token, SEQ_META: str(seq)},
         )
         self.write_latest(step)
+
+    def next_seq(self) -> int:
+        """The upload sequence number of the next commit: one more than the tier's largest."""
+        return 1 + max((s for s, _ in self.sequenced()), default=0)
 
     def upload_step(
         self,
@@ -608,15 +613,23 @@ class S3Tier:
         entries = manifest["files"]
         names = rank_files(entries, rank, coordinator)
         segments = {n: entries[n]["segments"] for n in names if "segments" in entries.get(n, {})}
-        sent = self.upload_files(step, {n: files[n] for n in names}, token, segments, cancel=cancel)
-        _faults.hit("upload")
-        if coordinator:
-            others = {n: e["size"] for n, e in entries.items() if n not in names}
-            others.pop(_manifest.MANIFEST_NAME, None)
-            self.wait_objects(step, others, token, timeout, cancel=cancel)
-            if cancel is not None and cancel.is_set():
-                raise _cancelled(self.step_url(step))
-            self.commit_step(step, files[_manifest.MANIFEST_NAME], token)
+        lister = _DaemonPool(1, "asyncckpt-s3-seq") if coordinator else None
+        try:
+            # The marker's sequence number, listed while the data goes up (one manager
+            # commits into a prefix, one step after the other: it cannot change meanwhile).
+            seq = None if lister is None else lister.submit(self.next_seq)
+            sent = self.upload_files(step, {n: files[n] for n in names}, token, segments, cancel=cancel)
+            _faults.hit("upload")
+            if seq is not None:
+                others = {n: e["size"] for n, e in entries.items() if n not in names}
+                others.pop(_manifest.MANIFEST_NAME, None)
+                self.wait_objects(step, others, token, timeout, cancel=cancel)
+                if cancel is not None and cancel.is_set():
+                    raise _cancelled(self.step_url(step))
+                self.commit_step(step, files[_manifest.MANIFEST_NAME], token, seq.result())
+        finally:
+            if lister is not None:
+                lister.shutdown()
         return sent
 
     # ------------------------------------------------------------------ reads
