@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from asyncckpt._check import check_callback, check_path, check_state_dict, check_step, check_step_info
-from asyncckpt._exit import exit_timeout
+from asyncckpt._exit import EXIT_TIMEOUT_ENV, exit_timeout
 from asyncckpt.async_utils.callers import PersistentAsyncCaller
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 from asyncckpt.dist import SyncGroup
@@ -772,7 +772,9 @@ class CheckpointManager:
         try:
             lost = self._saver.settle_within(exit_timeout(), when)
             if self._upload is not None:  # a crash: the uploads get the exit's bound too (then resumed at start)
-                self._upload.close(exit_timeout())
+                self._upload.close(
+                    exit_timeout(), bound=f"{exit_timeout():g} s after {exc_type.__name__} ({EXIT_TIMEOUT_ENV})"
+                )
             if self.local is not None:
                 lost += self.local.settle_within(exit_timeout(), when)
         except BaseException:

@@ -401,14 +401,15 @@ class Uploader:
                 self._cond.wait(left)
         return True
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, *, bound: str | None = None) -> None:
         """Wait, at most ``timeout`` seconds (default ``timeout_s``), for the uploads
-        queued, then stop (see :meth:`give_up`)."""
+        queued, then stop (see :meth:`give_up`; ``bound`` names the bound in its
+        reports, default ``upload_timeout_s``)."""
         if self._thread is None:
             return
-        bound = self.timeout_s if timeout is None else timeout
-        self.wait(bound)
-        self.give_up(f"upload_timeout_s={bound:g} s of close()")
+        seconds = self.timeout_s if timeout is None else timeout
+        self.wait(seconds)
+        self.give_up(bound or f"upload_timeout_s={seconds:g} s of close()")
 
     def give_up(self, within: str) -> list[int]:
         """Stop: each step not uploaded yet is reported (its callback, and
