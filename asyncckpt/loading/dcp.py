@@ -43,7 +43,7 @@ from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.manifest import METADATA_NAME
 from asyncckpt.format.records import RECORDS_NAME, Record, parse_records
-from asyncckpt.io.storage import LOCAL, Storage
+from asyncckpt.io.storage import LOCAL, FileReader, ReadableStorage
 from asyncckpt.loading.framing import (
     RecordStream,
     pread,
@@ -190,15 +190,20 @@ class SafeFileSystemReader(FileSystemReader):
     writer's tensor records without a per-tensor ``torch.load``.
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory (or URL, with its ``storage``).
         _extension_registry: as ``FileSystemReader``'s (stream transforms).
-        storage: the tier the checkpoint is read from.
+        storage: the tier the checkpoint is read from (every file through its
+            ``open_checkpoint``: descriptors locally, ranged GETs from an object store).
     """
 
-    def __init__(self, path: str | os.PathLike, _extension_registry: Any = None, *, storage: Storage = LOCAL) -> None:
+    def __init__(
+        self, path: str | os.PathLike, _extension_registry: Any = None, *, storage: ReadableStorage = LOCAL
+    ) -> None:
         super().__init__(path, _extension_registry)
         self._metadata: Metadata | None = None
         self.storage = storage
+        # DCP keeps ``path`` as a Path (which folds the ``//`` of a URL): ours, as given.
+        self.root = os.fspath(path)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id and os.fspath(checkpoint_id) != os.fspath(self.path):
@@ -215,7 +220,7 @@ class SafeFileSystemReader(FileSystemReader):
         if kwargs.get("rank") is not None:
             raise CorruptCheckpointError(f"{self.path}: asyncckpt checkpoints have no rank-local metadata")
         if self._metadata is None:
-            self._metadata = read_metadata(self.path, self.storage)
+            self._metadata = read_metadata(self.root, self.storage)
         metadata = self._metadata
         meta = getattr(metadata, "storage_meta", None)
         if meta is None:
@@ -233,7 +238,7 @@ class SafeFileSystemReader(FileSystemReader):
         metadata = self.read_metadata()
         for name in sorted({info.relative_path for info in metadata.storage_data.values()}):
             if name not in listed:
-                path = os.path.join(os.fspath(self.path), name)
+                path = os.path.join(self.root, name)
                 raise CorruptCheckpointError(f"{METADATA_NAME} names {name!r}, a file the manifest does not list", path)
 
     def read_records(self, manifest_files: Mapping[str, Any]) -> dict[str, Record] | None:
@@ -255,31 +260,23 @@ class SafeFileSystemReader(FileSystemReader):
         checksums."""
         if RECORDS_NAME not in manifest_files or METADATA_NAME not in manifest_files:
             return None
-        root = os.fspath(self.path)
         try:
-            dir_fd = self.storage.open_dir(root)
+            checkpoint = self.storage.open_checkpoint(self.root)
         except CorruptCheckpointError:
             return None
         try:
-            data = {}
-            for name in (RECORDS_NAME, METADATA_NAME):
-                fd = self.storage.open_file(dir_fd, root, name)
-                try:
-                    with open(fd, "rb", closefd=False) as f:
-                        data[name] = f.read()
-                finally:
-                    os.close(fd)
+            data = {name: checkpoint.read_bytes(name) for name in (RECORDS_NAME, METADATA_NAME)}
         except (CorruptCheckpointError, OSError):
             return None
         finally:
-            os.close(dir_fd)
+            checkpoint.close()
         metadata_crc = crc32(data[METADATA_NAME])
         if not (
             _as_listed(data[RECORDS_NAME], manifest_files[RECORDS_NAME], None)
             and _as_listed(data[METADATA_NAME], manifest_files[METADATA_NAME], metadata_crc)
         ):
             warnings.warn(
-                f"{self.path}: {RECORDS_NAME} or {METADATA_NAME} does not match the manifest's "
+                f"{self.root}: {RECORDS_NAME} or {METADATA_NAME} does not match the manifest's "
                 f"checksum; {RECORDS_NAME} ignored, {METADATA_NAME} read instead",
                 UserWarning,
                 stacklevel=2,
@@ -288,7 +285,7 @@ class SafeFileSystemReader(FileSystemReader):
         return parse_records(data[RECORDS_NAME], metadata_crc, manifest_files)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        validate_metadata(metadata, os.path.join(os.fspath(self.path), METADATA_NAME))
+        validate_metadata(metadata, os.path.join(self.root, METADATA_NAME))
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._metadata = metadata
 
@@ -308,7 +305,7 @@ class SafeFileSystemReader(FileSystemReader):
             return None
         return md.properties.dtype, tuple(int(s) for s in chunk.sizes)
 
-    def _read_tensor(self, fd: int, path: str, req: ReadItem, raw: bool = True) -> torch.Tensor:
+    def _read_tensor(self, fd: FileReader, path: str, req: ReadItem, raw: bool = True) -> torch.Tensor:
         """The tensor of ``req``'s record: raw bytes if the record is ours (``raw``: try
         that), else ``torch.load`` on a stream over the record."""
         info: _StorageInfo = self.storage_data[req.storage_index]
@@ -336,7 +333,7 @@ class SafeFileSystemReader(FileSystemReader):
             stream = io.BytesIO(transformed.read())  # torch.load needs a seekable stream
         return torch_load_tensor(stream, path, req.storage_index.fqn)
 
-    def _read_into(self, fd: int, path: str, req: ReadItem, target: torch.Tensor) -> bool | None:
+    def _read_into(self, fd: FileReader, path: str, req: ReadItem, target: torch.Tensor) -> bool | None:
         """Read a whole record of our writer straight into ``target``'s memory.
 
         One copy (page cache to the destination), no intermediate buffer: taken when
@@ -368,17 +365,17 @@ class SafeFileSystemReader(FileSystemReader):
         return True if read_record(fd, path, info.offset, framing, dest) else None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        root = os.fspath(self.path)
+        root = self.root
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         decoded: list[tuple[ReadItem, Any]] = []
         raw_values: list[tuple[ReadItem, bytes]] = []
-        dir_fd = self.storage.open_dir(root)
-        fds: dict[str, int] = {}
+        checkpoint = self.storage.open_checkpoint(root)
+        fds: dict[str, FileReader] = {}
         try:
             for name in per_file:
-                fds[name] = self.storage.open_file(dir_fd, root, check_file_name(name, METADATA_NAME))
+                fds[name] = checkpoint.open(check_file_name(name, METADATA_NAME))
             # 1. Non-tensor values, all decoded before any tensor is written.
             decode = getattr(planner, "decode_bytes", None)
             for name, reqs in per_file.items():
@@ -418,9 +415,9 @@ class SafeFileSystemReader(FileSystemReader):
                     target.copy_(tensor)
                     planner.commit_tensor(req, target)
         finally:
-            for fd in fds.values():
-                os.close(fd)
-            os.close(dir_fd)
+            for reader in fds.values():
+                reader.close()
+            checkpoint.close()
         # 3. Non-tensor values into the state_dict.
         set_value = getattr(planner, "set_value", None)
         for req, obj in decoded:
