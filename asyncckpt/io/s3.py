@@ -72,6 +72,7 @@ __all__ = [
     "fetched",
     "fetch_url",
     "open_url",
+    "reader_tier",
     "S3Checkpoint",
     "S3FileReader",
     "read_marker",
@@ -947,6 +948,38 @@ class S3Checkpoint:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
+#: The environment variables that choose a client's endpoint and credentials.
+_CLIENT_ENV = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+)
+_reader_tiers: dict[tuple, S3Tier] = {}
+_reader_tiers_lock = threading.Lock()
+
+
+def reader_tier(bucket: str, endpoint_url: str | None = None) -> S3Tier:
+    """An :class:`S3Tier` of ``s3://bucket`` for reads, shared by the reads of this
+    process while the environment that configures the client (endpoint, credentials,
+    region, profile) is the same: a new boto3 client loads the service model (tens of
+    milliseconds, more than a GET), once per process here instead of once per load."""
+    key = (bucket, endpoint_url, tuple(os.environ.get(name) for name in _CLIENT_ENV))
+    with _reader_tiers_lock:
+        tier = _reader_tiers.get(key)
+        if tier is None:
+            if len(_reader_tiers) >= 8:
+                _reader_tiers.pop(next(iter(_reader_tiers)))
+            tier = _reader_tiers[key] = S3Tier(f"{SCHEME}{bucket}", endpoint_url=endpoint_url)
+        return tier
+
+
 @contextlib.contextmanager
 def open_url(url: str, *, endpoint_url: str | None = None) -> Iterator[S3Checkpoint]:
     """The committed remote checkpoint at ``url`` (``s3://bucket/prefix/step_00000007``),
@@ -959,7 +992,7 @@ def open_url(url: str, *, endpoint_url: str | None = None) -> Iterator[S3Checkpo
         RemoteStorageError: a request failed, or boto3 is missing.
     """
     where = parse_url(url)
-    tier = S3Tier(f"{SCHEME}{where.bucket}", endpoint_url=endpoint_url)
+    tier = reader_tier(where.bucket, endpoint_url)
     marker = read_marker(tier, where)
     _faults.hit("s3_read")
     checkpoint = S3Checkpoint(tier, where, marker)

@@ -161,7 +161,7 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     """
     if _s3.is_url(checkpoint_dir):
         where = _s3.parse_url(str(checkpoint_dir))
-        return step_metadata(_s3.read_marker(_s3.S3Tier(f"{_s3.SCHEME}{where.bucket}"), where).manifest)
+        return step_metadata(_s3.read_marker(_s3.reader_tier(where.bucket), where).manifest)
     return step_metadata(LOCAL.read_manifest(_existing_dir(checkpoint_dir)))
 
 
