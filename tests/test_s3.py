@@ -346,7 +346,8 @@ def many(seed: int) -> dict:
 
 def test_load_from_a_url_reads_into_the_targets_without_a_local_copy(remote, tmp_path, monkeypatch):
     """``load`` (every ``verify``), ``CheckpointManager.load``, a partial load (DCP's
-    path) and ``verify`` of a URL read the objects with ranged GETs straight into memory:
+    path), ``read_state_dict`` and ``verify`` of a URL read the objects with ranged GETs
+    straight into memory:
     bitwise equal, and no scratch directory (the scratch parent does not exist: a copy
     would fail), nothing new in ``/dev/shm``."""
     from helpers import observing_loads
@@ -373,6 +374,7 @@ def test_load_from_a_url_reads_into_the_targets_without_a_local_copy(remote, tmp
     with observing_loads() as seen:
         asyncckpt.load(part, url)
     assert seen.dcp == 1 and torch.equal(part["model"]["l5"], sd["model"]["l5"])
+    assert_same(sd, asyncckpt.read_state_dict(url))
     assert asyncckpt.verify(url)["step"] == 3
     assert not (tmp_path / "no-scratch").exists()
     assert not {e for e in set(os.listdir("/dev/shm")) - shm_before if e.startswith("asyncckpt")}
@@ -380,7 +382,8 @@ def test_load_from_a_url_reads_into_the_targets_without_a_local_copy(remote, tmp
 
 def test_a_damaged_or_missing_object_fails_the_url_load(remote, tmp_path):
     """An object overwritten through the S3 API (same size, same save token: only the
-    CRC-32s can tell; or of another save) fails ``load`` and ``verify`` with
+    CRC-32s can tell; or of another save) fails ``load`` (both paths),
+    ``read_state_dict`` and ``verify`` with
     ``CorruptCheckpointError`` naming it; a deleted object, or no checkpoint at the URL,
     with ``CheckpointNotFoundError``."""
     sd = many(4)
@@ -401,6 +404,11 @@ def test_a_damaged_or_missing_object_fails_the_url_load(remote, tmp_path):
             asyncckpt.load(zeroed(sd), url, verify=verify)
     with pytest.raises(asyncckpt.CorruptCheckpointError, match=r"__0_0\.distcp: checksum mismatch"):
         asyncckpt.verify(url)
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match=r"__0_0\.distcp: checksum mismatch"):
+        asyncckpt.read_state_dict(url)
+    last = {"model": {"l63": torch.zeros_like(sd["model"]["l63"])}}  # DCP's path: the segments it reads
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match=r"__0_0\.distcp: checksum mismatch"):
+        asyncckpt.load(last, url)
     tier.client.put_object(Bucket=tier.bucket, Key=key, Body=good)  # the right bytes, of no save
     with pytest.raises(asyncckpt.CorruptCheckpointError, match=r"__0_0\.distcp belongs to another save"):
         asyncckpt.load(zeroed(sd), url)
@@ -500,15 +508,16 @@ def test_two_ranks_upload_their_own_files_and_the_coordinator_commits(remote, tm
     for rank in (0, 1):
         expected = torch.randn(1 << 18, generator=torch.Generator().manual_seed(100 + rank))
         assert torch.equal(got[f"own{rank}"], expected)
-    # A load GETs only the byte ranges its plan needs: rank 0's tensor, with rank 1's
-    # object gone, loads (no checksums asked for); a check of every file does not.
+    # A load GETs (and checks) only the byte ranges its plan needs: rank 0's tensor
+    # loads with rank 1's object gone; a check of every file fails.
     tier = s3tier.S3Tier(remote)
     tier.client.delete_object(Bucket=tier.bucket, Key=f"{s3tier.parse_url(remote).prefix}/step_00000001/__1_0.distcp")
-    target: dict[str, Any] = {"own0": torch.zeros(1 << 18)}
-    asyncckpt.load(target, f"{remote}/step_00000001", verify=False)
-    assert torch.equal(target["own0"], got["own0"])
+    for verify in (False, "inline"):
+        target: dict[str, Any] = {"own0": torch.zeros(1 << 18)}
+        asyncckpt.load(target, f"{remote}/step_00000001", verify=verify)
+        assert torch.equal(target["own0"], got["own0"])
     with pytest.raises(asyncckpt.CheckpointNotFoundError, match=r"__1_0\.distcp"):
-        asyncckpt.load(target, f"{remote}/step_00000001")
+        asyncckpt.verify(f"{remote}/step_00000001")
 
 
 # ----------------------------------------------------------------------------- README

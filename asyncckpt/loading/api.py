@@ -494,7 +494,9 @@ def _load_direct(
         )
         return reader, planner, path
     direct = all(f[1] for f in flags)
-    if verify == "inline" and not direct:  # DCP's path checks first
+    if verify == "inline" and not direct and remote is not None:
+        reader.inline_files = manifest["files"]  # each rank checks the bytes it reads, as they arrive
+    elif verify == "inline" and not direct:  # DCP's path checks first
         verifying = time.monotonic()
         try:
             tier.verify(path, share)
