@@ -27,11 +27,16 @@ rank's object has the manifest's size and token, and a reader refuses an object 
 another save. End to end, the manifest's CRC-32s are checked by the loaders on the
 bytes read.
 
-**Reads.** :func:`fetched` reads a remote checkpoint with ranged GETs in parallel
-into a private scratch directory in memory (``/dev/shm`` when it has room, else the
-temporary directory; ``ASYNCCKPT_S3_SCRATCH`` chooses), removed when the context
-ends, so that every loader (``load``, ``read_state_dict``, ``verify``, the CLI) reads
-it with its own ``preadv`` path and CRC checks. Nothing is cached on disk.
+**Reads.** :func:`open_url` opens a remote checkpoint for the loaders without a local
+copy (:class:`S3Checkpoint`, the read side of a tier bound to one URL): the marker
+first, the small files whole into memory, a data file's bytes on demand with ranged
+GETs of ``part_size``, ``max_concurrency`` in flight, streamed straight into the
+loaders' buffers (:class:`S3FileReader`), so that each rank GETs only what its plan
+reads and the loaders check the manifest's CRC-32s as the bytes arrive (``load``,
+``read_state_dict``, ``verify``). :func:`fetched` still reads a whole checkpoint into a
+private scratch directory in memory (``/dev/shm`` when it has room, else the temporary
+directory; ``ASYNCCKPT_S3_SCRATCH`` chooses), removed when the context ends, for the
+CLI's ``inspect`` / ``verify`` / ``convert``. Nothing is cached on disk.
 
 **Configuration** is the AWS SDK's: the standard credential chain (environment,
 ``~/.aws``, instance roles), ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``) for

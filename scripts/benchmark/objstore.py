@@ -7,8 +7,8 @@ server, in one run.
   concurrency (no checksum, no marker). Goal: >= 0.9x the raw throughput.
 - **load**: ``asyncckpt.load(state, "s3://...")`` (ranged GETs of ``part_size`` bytes,
   ``max_concurrency`` in flight, streamed straight into the state's tensors, the CRC-32s
-  checked inline; with ``verify=False`` too) and ``read_state_dict`` (a scratch copy in
-  memory, then verified and read) against a raw parallel ranged GET of the same objects
+  checked inline; with ``verify=False`` too) and ``read_state_dict`` (DCP's path: windows
+  of records, CRC-checked as they arrive) against a raw parallel ranged GET of the same objects
   into memory by the same client, the median of ``--reps`` each. Goal: <= 1.2x the raw
   time. Beside them, DCP's own object-store path: ``dcp.load`` through
   ``FsspecReader`` and ``dcp.save`` through ``FsspecWriter``
@@ -216,7 +216,7 @@ def bench_load(
         t = _median_time(lambda: asyncckpt.read_state_dict(url), reps)
         return f"{t:.2f} s ({t / t_get:.2f}x raw)"
 
-    rows.append(_row("load: asyncckpt.read_state_dict(s3://...) (a scratch copy, verified first)", read))
+    rows.append(_row("load: asyncckpt.read_state_dict(s3://...) (DCP's path, read-ahead windows, CRC-32s)", read))
 
     endpoint = tier.client.meta.endpoint_url
 
