@@ -344,12 +344,14 @@ def many(seed: int) -> dict:
     return {"model": layers, "extra": {"names": ["a", "b"], "lr": 0.5}, "step": seed}
 
 
-def test_load_from_a_url_reads_into_the_targets_without_a_local_copy(remote, tmp_path, monkeypatch):
+def test_load_from_a_url_reads_into_the_targets_without_a_local_copy(remote, tmp_path, monkeypatch, capsys):
     """``load`` (every ``verify``), ``CheckpointManager.load``, a partial load (DCP's
-    path), ``read_state_dict`` and ``verify`` of a URL read the objects with ranged GETs
-    straight into memory:
+    path), ``read_state_dict``, ``verify`` and ``asyncckpt verify`` of a URL read the
+    objects with ranged GETs straight into memory:
     bitwise equal, and no scratch directory (the scratch parent does not exist: a copy
     would fail), nothing new in ``/dev/shm``."""
+    from asyncckpt.cli import main
+
     from helpers import observing_loads
 
     sd = many(3)
@@ -376,6 +378,8 @@ def test_load_from_a_url_reads_into_the_targets_without_a_local_copy(remote, tmp
     assert seen.dcp == 1 and torch.equal(part["model"]["l5"], sd["model"]["l5"])
     assert_same(sd, asyncckpt.read_state_dict(url))
     assert asyncckpt.verify(url)["step"] == 3
+    assert main(["verify", url]) == 0
+    assert f"OK      {url}  (3 files" in capsys.readouterr().out
     assert not (tmp_path / "no-scratch").exists()
     assert not {e for e in set(os.listdir("/dev/shm")) - shm_before if e.startswith("asyncckpt")}
 
