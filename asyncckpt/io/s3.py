@@ -44,7 +44,7 @@ S3-compatible stores, ``AWS_DEFAULT_REGION``; retries with backoff are botocore'
 (``standard`` mode). boto3 is the ``s3`` extra (``pip install 'asyncckpt[s3]'``),
 imported on first use.
 
-Torch-free; no collective. One module (over 600 lines): the upload, the listing and the
+Torch-free; no collective. One module (over 900 lines): the upload, the listing and the
 reads are one protocol (the marker, the token, the names, the error mapping), and a
 change of one side must be read with the others.
 """
@@ -974,7 +974,12 @@ def reader_tier(bucket: str, endpoint_url: str | None = None) -> S3Tier:
     """An :class:`S3Tier` of ``s3://bucket`` for reads, shared by the reads of this
     process while the environment that configures the client (endpoint, credentials,
     region, profile) is the same: a new boto3 client loads the service model (tens of
-    milliseconds, more than a GET), once per process here instead of once per load."""
+    milliseconds, more than a GET), once per process here instead of once per load.
+
+    Raises:
+        RemoteStorageError: boto3 (the ``s3`` extra) is missing.
+    """
+    _boto3()  # a client made while boto3 could be imported is no reason to skip the check
     key = (bucket, endpoint_url, tuple(os.environ.get(name) for name in _CLIENT_ENV))
     with _reader_tiers_lock:
         tier = _reader_tiers.get(key)
