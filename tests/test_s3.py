@@ -345,6 +345,93 @@ def test_corrupted_object_is_refused(remote, tmp_path):
     assert main(["verify", url]) == 1
 
 
+def many(seed: int) -> dict:
+    """A state of 64 tensors of several dtypes and sizes, a nested value and a step."""
+    g = torch.Generator().manual_seed(seed)
+    dtypes = (torch.float32, torch.bfloat16, torch.bfloat16)
+    layers = {f"l{i}": torch.randn(1 + 997 * i, generator=g).to(dtypes[i % 3]) for i in range(64)}
+    return {"model": layers, "extra": {"names": ["a", "b"], "lr": 0.5}, "step": seed}
+
+
+def test_load_from_a_url_reads_into_the_targets_without_a_local_copy(remote, tmp_path, monkeypatch, capsys):
+    """``load`` (every ``verify``), ``CheckpointManager.load``, a partial load (DCP's
+    path), ``read_state_dict``, ``verify`` and ``asyncckpt verify`` of a URL read the
+    objects with ranged GETs straight into memory:
+    bitwise equal, and no scratch directory (the scratch parent does not exist: a copy
+    would fail), nothing new in ``/dev/shm``."""
+    from asyncckpt.cli import main
+
+    from helpers import observing_loads
+
+    sd = many(3)
+    with asyncckpt.CheckpointManager(tmp_path / "m", upload_to=remote) as manager:
+        manager.save(3, sd)
+        manager.maybe_finalize(blocking=True)
+        uploaded(manager)
+    url = f"{remote}/step_00000003"
+    monkeypatch.setenv("ASYNCCKPT_S3_SCRATCH", str(tmp_path / "no-scratch"))
+    shm_before = set(os.listdir("/dev/shm"))
+    for verify in ("inline", True, False):
+        target = zeroed(sd)
+        with observing_loads() as seen:
+            asyncckpt.load(target, url, verify=verify)
+        assert seen.direct == 1, verify
+        assert_same(sd, target)
+    with asyncckpt.CheckpointManager(tmp_path / "fresh", upload_to=remote) as fresh:
+        target = zeroed(sd)
+        assert fresh.load(target) == 3
+        assert_same(sd, target)
+    part = {"model": {"l5": torch.zeros_like(sd["model"]["l5"])}}
+    with observing_loads() as seen:
+        asyncckpt.load(part, url)
+    assert seen.dcp == 1 and torch.equal(part["model"]["l5"], sd["model"]["l5"])
+    assert_same(sd, asyncckpt.read_state_dict(url))
+    assert asyncckpt.verify(url)["step"] == 3
+    assert main(["verify", url]) == 0
+    assert f"OK      {url}  (3 files" in capsys.readouterr().out
+    assert not (tmp_path / "no-scratch").exists()
+    assert not {e for e in set(os.listdir("/dev/shm")) - shm_before if e.startswith("asyncckpt")}
+
+
+def test_a_damaged_or_missing_object_fails_the_url_load(remote, tmp_path):
+    """An object overwritten through the S3 API (same size, same save token: only the
+    CRC-32s can tell; or of another save) fails ``load`` (both paths),
+    ``read_state_dict`` and ``verify`` with
+    ``CorruptCheckpointError`` naming it; a deleted object, or no checkpoint at the URL,
+    with ``CheckpointNotFoundError``."""
+    sd = many(4)
+    with asyncckpt.CheckpointManager(tmp_path / "m", upload_to=remote) as manager:
+        manager.save(4, sd)
+        manager.maybe_finalize(blocking=True)
+        uploaded(manager)
+    url = f"{remote}/step_00000004"
+    tier = s3tier.S3Tier(remote)
+    key = f"{s3tier.parse_url(remote).prefix}/step_00000004/__0_0.distcp"
+    obj = tier.client.get_object(Bucket=tier.bucket, Key=key)
+    good = obj["Body"].read()
+    data = bytearray(good)
+    data[len(data) - 4096] ^= 0x01
+    tier.client.put_object(Bucket=tier.bucket, Key=key, Body=bytes(data), Metadata=obj["Metadata"])
+    for verify in ("inline", True):
+        with pytest.raises(asyncckpt.CorruptCheckpointError, match=r"__0_0\.distcp: checksum mismatch"):
+            asyncckpt.load(zeroed(sd), url, verify=verify)
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match=r"__0_0\.distcp: checksum mismatch"):
+        asyncckpt.verify(url)
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match=r"__0_0\.distcp: checksum mismatch"):
+        asyncckpt.read_state_dict(url)
+    last = {"model": {"l63": torch.zeros_like(sd["model"]["l63"])}}  # DCP's path: the segments it reads
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match=r"__0_0\.distcp: checksum mismatch"):
+        asyncckpt.load(last, url)
+    tier.client.put_object(Bucket=tier.bucket, Key=key, Body=good)  # the right bytes, of no save
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match=r"__0_0\.distcp belongs to another save"):
+        asyncckpt.load(zeroed(sd), url)
+    tier.client.delete_object(Bucket=tier.bucket, Key=key)
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match=r"__0_0\.distcp was removed"):
+        asyncckpt.load(zeroed(sd), url)
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match="no committed checkpoint"):
+        asyncckpt.load(zeroed(sd), f"{remote}/step_00000005")
+
+
 def test_remote_delete_racing_a_reader(remote, tmp_path, monkeypatch):
     with asyncckpt.CheckpointManager(tmp_path / "d", upload_to=remote) as manager:
         manager.save(1, state(1))
@@ -434,6 +521,16 @@ def test_two_ranks_upload_their_own_files_and_the_coordinator_commits(remote, tm
     for rank in (0, 1):
         expected = torch.randn(1 << 18, generator=torch.Generator().manual_seed(100 + rank))
         assert torch.equal(got[f"own{rank}"], expected)
+    # A load GETs (and checks) only the byte ranges its plan needs: rank 0's tensor
+    # loads with rank 1's object gone; a check of every file fails.
+    tier = s3tier.S3Tier(remote)
+    tier.client.delete_object(Bucket=tier.bucket, Key=f"{s3tier.parse_url(remote).prefix}/step_00000001/__1_0.distcp")
+    for verify in (False, "inline"):
+        target: dict[str, Any] = {"own0": torch.zeros(1 << 18)}
+        asyncckpt.load(target, f"{remote}/step_00000001", verify=verify)
+        assert torch.equal(target["own0"], got["own0"])
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match=r"__1_0\.distcp"):
+        asyncckpt.verify(f"{remote}/step_00000001")
 
 
 # ----------------------------------------------------------------------------- README

@@ -158,11 +158,41 @@ class _Recording:
     def __getattr__(self, name: str) -> Any:
         return getattr(LOCAL, name)
 
-    def open_file(self, dir_fd: int, checkpoint_dir: str, name: str) -> int:
-        self.opened.append(name)
-        if name == self.refuse:
+    def open_checkpoint(self, checkpoint_dir: str) -> Any:
+        return _RecordingReader(self, LOCAL.open_checkpoint(checkpoint_dir))
+
+
+class _RecordingReader:
+    """The checkpoint reader of :class:`_Recording`: the local one, each file it opens
+    (or reads whole) recorded."""
+
+    def __init__(self, tier: _Recording, local: Any) -> None:
+        self.tier, self.local, self.root = tier, local, local.root
+
+    def _note(self, name: str) -> None:
+        self.tier.opened.append(name)
+        if name == self.tier.refuse:
             raise CorruptCheckpointError(f"{name} refused by the tier", name)
-        return LOCAL.open_file(dir_fd, checkpoint_dir, name)
+
+    def open(self, name: str) -> Any:
+        self._note(name)
+        return self.local.open(name)
+
+    def read_bytes(self, name: str) -> bytes:
+        self._note(name)
+        return self.local.read_bytes(name)
+
+    def file_size(self, name: str) -> int | None:
+        return self.local.file_size(name)
+
+    def close(self) -> None:
+        self.local.close()
+
+    def __enter__(self) -> _RecordingReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @pytest.mark.timeout(60)

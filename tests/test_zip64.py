@@ -32,6 +32,7 @@ from asyncckpt import CheckpointError, CorruptCheckpointError
 from asyncckpt.dist import SyncGroup
 from asyncckpt.format.layout import build_layout, record_framing
 from asyncckpt.format.torchsave import MAX_RECORD_BYTES, ZIP64_LIMIT, TensorFraming, tensor_framing
+from asyncckpt.io.storage import FileReader
 from asyncckpt.io.writer import unpack_patches
 from asyncckpt.loading import dcp as dcp_mod
 from asyncckpt.loading import framing as framing_mod
@@ -397,8 +398,8 @@ def test_zip64_round_trip(tmp_path: Path, mode: str) -> None:
         calls: list[bool] = []
         real_read_record = dcp_mod.read_record
 
-        def spy(fd: int, path: str, offset: int, framing: TensorFraming, dest: memoryview) -> bool:
-            ok = real_read_record(fd, path, offset, framing, dest)
+        def spy(reader: FileReader, path: str, offset: int, framing: TensorFraming, dest: memoryview) -> bool:
+            ok = real_read_record(reader, path, offset, framing, dest)
             calls.append(ok and framing.nbytes == nbytes)
             return ok
 

@@ -3,10 +3,13 @@
 
 ``ls s3://bucket/prefix`` lists the remote tier (:class:`asyncckpt.io.s3.S3Tier`):
 the committed steps (those with a commit marker), their sizes, which one ``latest``
-names, and the steps with objects but no marker (uploads in flight or failed). The
-other subcommands read a remote checkpoint with :func:`asyncckpt.io.s3.fetched`
-(ranged GETs in parallel, into memory) and run the local subcommand on it, printing
-the URL where the local one prints the scratch directory.
+names, and the steps with objects but no marker (uploads in flight or failed).
+``verify`` of URLs (only URLs) streams every object with ranged GETs through memory
+and checks each segment's CRC-32 (:meth:`asyncckpt.io.s3.S3Checkpoint.verify`), with
+the local command's lines and JSON. The other subcommands (and a ``verify`` of URLs
+and local paths together) read a remote checkpoint with :func:`asyncckpt.io.s3.fetched`
+(ranged GETs in parallel, into a scratch directory in memory) and run the local
+subcommand on it, printing the URL where the local one prints the scratch directory.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import argparse
 import contextlib
 import io
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
 from asyncckpt.cli.scan import human_bytes
+from asyncckpt.errors import AsyncckptError
 from asyncckpt.io import s3 as _s3
 
 __all__ = ["run_remote", "list_remote"]
@@ -76,6 +81,51 @@ def _ls(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _verify_urls(urls: list[str], args: argparse.Namespace, out: TextIO) -> int:
+    """``verify`` of committed remote checkpoints, streamed (nothing on disk): the local
+    command's lines, JSON document and exit status (0, or 1 when one failed)."""
+    results = []
+    for url in urls:
+        result: dict[str, Any] = {
+            "path": url,
+            "ok": False,
+            "files": None,
+            "bytes": None,
+            "error": None,
+            "file": None,
+            "verifiable": True,
+            "removed": False,
+        }
+        try:
+            with _s3.open_url(url) as remote:
+                files = remote.verify()["files"]
+            result.update(ok=True, files=len(files), bytes=sum(e["size"] for e in files.values()))
+        except (AsyncckptError, OSError) as exc:  # corrupt, missing, or a request that failed
+            result.update(error=str(exc), file=getattr(exc, "path", None))
+        results.append(result)
+        if not args.json:
+            if result["ok"]:
+                print(f"OK      {url}  ({result['files']} files, {human_bytes(result['bytes'])})", file=out)
+            else:
+                print(f"FAILED  {url}: {result['error']}", file=out)
+            out.flush()
+    failed = [r for r in results if not r["ok"]]
+    if args.json:
+        doc = {
+            "ok": not failed,
+            "checked": len(results),
+            "failed": len(failed),
+            "unverifiable": 0,
+            "removed": 0,
+            "results": results,
+        }
+        out.write(json.dumps(doc, indent=2) + "\n")
+    if failed:
+        print(f"asyncckpt: error: {len(failed)} of {len(results)} checkpoint(s) failed verification", file=sys.stderr)
+        return 1
+    return 0
+
+
 def run_remote(args: argparse.Namespace, out: TextIO, local: Callable[[argparse.Namespace, TextIO], int]) -> int | None:
     """Run a subcommand whose checkpoint arguments are ``s3://`` URLs; ``None`` when none
     is (the caller runs the local subcommand ``local``)."""
@@ -96,6 +146,8 @@ def run_remote(args: argparse.Namespace, out: TextIO, local: Callable[[argparse.
         value = expanded
         setattr(args, attr, value)
         urls = [v for v in value if _s3.is_url(v)]
+        if len(urls) == len(value):
+            return _verify_urls(urls, args, out)
     with contextlib.ExitStack() as stack:
         places = {url: stack.enter_context(_s3.fetched(url)) for url in dict.fromkeys(urls)}
         if isinstance(value, list):

@@ -27,11 +27,16 @@ rank's object has the manifest's size and token, and a reader refuses an object 
 another save. End to end, the manifest's CRC-32s are checked by the loaders on the
 bytes read.
 
-**Reads.** :func:`fetched` reads a remote checkpoint with ranged GETs in parallel
-into a private scratch directory in memory (``/dev/shm`` when it has room, else the
-temporary directory; ``ASYNCCKPT_S3_SCRATCH`` chooses), removed when the context
-ends, so that every loader (``load``, ``read_state_dict``, ``verify``, the CLI) reads
-it with its own ``preadv`` path and CRC checks. Nothing is cached on disk.
+**Reads.** :func:`open_url` opens a remote checkpoint for the loaders without a local
+copy (:class:`S3Checkpoint`, the read side of a tier bound to one URL): the marker
+first, the small files whole into memory, a data file's bytes on demand with ranged
+GETs of ``part_size``, ``max_concurrency`` in flight, streamed straight into the
+loaders' buffers (:class:`S3FileReader`), so that each rank GETs only what its plan
+reads and the loaders check the manifest's CRC-32s as the bytes arrive (``load``,
+``read_state_dict``, ``verify``). :func:`fetched` still reads a whole checkpoint into a
+private scratch directory in memory (``/dev/shm`` when it has room, else the temporary
+directory; ``ASYNCCKPT_S3_SCRATCH`` chooses), removed when the context ends, for the
+CLI's ``inspect`` / ``verify`` / ``convert``. Nothing is cached on disk.
 
 **Configuration** is the AWS SDK's: the standard credential chain (environment,
 ``~/.aws``, instance roles), ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``) for
@@ -39,7 +44,7 @@ S3-compatible stores, ``AWS_DEFAULT_REGION``; retries with backoff are botocore'
 (``standard`` mode). boto3 is the ``s3`` extra (``pip install 'asyncckpt[s3]'``),
 imported on first use.
 
-Torch-free; no collective. One module (over 600 lines): the upload, the listing and the
+Torch-free; no collective. One module (over 900 lines): the upload, the listing and the
 reads are one protocol (the marker, the token, the names, the error mapping), and a
 change of one side must be read with the others.
 """
@@ -59,7 +64,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +82,10 @@ __all__ = [
     "parse_url",
     "fetched",
     "fetch_url",
+    "open_url",
+    "reader_tier",
+    "S3Checkpoint",
+    "S3FileReader",
     "read_marker",
     "Marker",
     "rank_files",
@@ -1045,3 +1054,335 @@ def fetched(url: str, *, endpoint_url: str | None = None) -> Iterator[Path]:
         yield dest
     finally:
         shutil.rmtree(parent, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- direct reads
+def _stream_into(body: Any, views: list[memoryview]) -> int:
+    """Fill ``views`` in order from a response body; the bytes read (short when it ends)."""
+    total = 0
+    for view in views:
+        done = 0
+        while done < len(view):
+            got = body.readinto(view[done:])
+            if not got:
+                return total + done
+            done += got
+        total += done
+    return total
+
+
+class S3FileReader:
+    """One object of an :class:`S3Checkpoint` (a
+    :class:`~asyncckpt.io.storage.FileReader`): ``readinto`` splits the bytes asked for
+    into ranged GETs of ``part_size`` bytes, in flight together on the checkpoint's
+    pool, each streaming its body straight into the target buffers (no copy in
+    between, nothing on disk). ``size`` is the manifest's; every response must carry
+    the marker's save token and that size (``Content-Range``)."""
+
+    def __init__(self, checkpoint: S3Checkpoint, name: str, size: int) -> None:
+        self._checkpoint, self.name, self.size = checkpoint, name, size
+        self.path = f"{checkpoint.root}/{name}"
+        tier = checkpoint.tier
+        self.batch_bytes = tier.part_size * max(1, tier.max_concurrency)
+
+    def readinto(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        total = sum(len(b) for b in buffers)
+        if not total:
+            return
+        if offset + total > self.size:
+            raise CorruptCheckpointError(
+                f"{self.path} is truncated (bytes up to {offset + total} asked for, the manifest lists {self.size})",
+                self.path,
+            )
+        part = self._checkpoint.tier.part_size
+        chunks: list[tuple[int, list[memoryview]]] = []
+        views: list[memoryview] = []
+        lo = n = 0
+        pos = offset
+        for buffer in buffers:
+            view = memoryview(buffer)
+            while len(view):
+                if not views:
+                    lo, n = pos, 0
+                take = min(len(view), part - n)
+                views.append(view[:take])
+                view, n, pos = view[take:], n + take, pos + take
+                if n == part:
+                    chunks.append((lo, views))
+                    views = []
+        if views:
+            chunks.append((lo, views))
+        if len(chunks) == 1:
+            self._get(*chunks[0])
+            return
+        futures = [self._checkpoint.pool.submit(self._get, lo, views) for lo, views in chunks]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            concurrent.futures.wait(futures)
+            raise
+
+    def _get(self, lo: int, views: list[memoryview]) -> None:
+        checkpoint = self._checkpoint
+        n = sum(len(v) for v in views)
+        attempts = max(1, checkpoint.tier.max_attempts)
+        for attempt in range(attempts):
+            response = checkpoint.get(self.name, lo, n)
+            content_range = response.get("ContentRange")
+            if content_range and not content_range.endswith(f"/{self.size}"):
+                response["Body"].close()
+                raise CorruptCheckpointError(
+                    f"{self.path} has another size than its manifest's {self.size} bytes ({content_range})",
+                    checkpoint.root,
+                )
+            try:
+                got = _stream_into(response["Body"], views)
+            except Exception as exc:  # botocore's streaming errors (read timeout, connection reset)
+                if attempt + 1 < attempts:
+                    time.sleep(0.1 * 2**attempt)
+                    continue
+                raise _remote_error(exc, "GET", self.path) from exc
+            finally:
+                response["Body"].close()
+            if got != n:
+                raise CorruptCheckpointError(f"{self.path}: short read at byte {lo + got}", checkpoint.root)
+            return
+
+    def close(self) -> None:
+        pass
+
+
+class S3Checkpoint:
+    """A committed remote checkpoint open for reading, without a local copy: the read
+    side of a tier (:class:`~asyncckpt.io.storage.ReadableStorage`) bound to one
+    ``s3://`` URL, and its :class:`~asyncckpt.io.storage.CheckpointReader`. Made by
+    :func:`open_url` (which reads the commit marker and closes the pool).
+
+    The loaders read through it as through a local directory: the small files
+    (``.metadata``, ``.records.json``) whole into memory, the data files with ranged
+    GETs (:class:`S3FileReader`) of only the bytes their plan needs, checking the
+    manifest's CRC-32s on the bytes as they land (``asyncckpt.loading.direct``).
+    :meth:`verify` streams the objects the same way and checks every segment.
+
+    Args:
+        tier: the client and its settings (``part_size``: bytes per GET;
+            ``max_concurrency``: GETs in flight on this checkpoint's pool).
+        where: the checkpoint's URL.
+        marker: its commit marker (:func:`read_marker`).
+    """
+
+    def __init__(self, tier: S3Tier, where: S3Url, marker: Marker) -> None:
+        self.tier, self.where, self.marker = tier, where, marker
+        self.root = str(where)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max(1, tier.max_concurrency), "asyncckpt-s3-get")
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return self.marker.manifest
+
+    # ------------------------------------------------------------------ requests
+    def get(self, name: str, offset: int, length: int) -> dict[str, Any]:
+        """The response of a GET of bytes ``[offset, offset + length)`` of object
+        ``name`` (the whole object when ``length`` is 0), its save token checked.
+
+        Raises:
+            CheckpointNotFoundError: the object is gone (a remote retention racing this read).
+            CorruptCheckpointError: it belongs to another save, or is shorter.
+            RemoteStorageError: the request failed.
+        """
+        url = f"{self.root}/{name}"
+        kwargs: dict[str, Any] = {"Bucket": self.where.bucket, "Key": self.where.key(name)}
+        if length:
+            kwargs["Range"] = f"bytes={offset}-{offset + length - 1}"
+        try:
+            response = self.tier.client.get_object(**kwargs)
+        except Exception as exc:  # botocore's errors
+            if _is_missing(exc):
+                raise CheckpointNotFoundError(
+                    f"{name} was removed while the checkpoint was being read (retention?): load a newer step",
+                    self.root,
+                ) from None
+            if _error_code(exc) == "InvalidRange":
+                raise CorruptCheckpointError(f"{url} is shorter than its manifest says", url) from None
+            raise _remote_error(exc, "GET", url) from exc
+        token = self.marker.token
+        if token is not None and response.get("Metadata", {}).get(TOKEN_META) != token:
+            response["Body"].close()
+            raise CorruptCheckpointError(f"{url} belongs to another save than its manifest", url)
+        return dict(response)
+
+    def _entry(self, name: str) -> dict[str, Any]:
+        entry = self.manifest["files"].get(name)
+        if entry is None or name == _manifest.MANIFEST_NAME:
+            url = f"{self.root}/{name}"
+            raise CorruptCheckpointError(f"{url} is not a file of the checkpoint (its manifest does not list it)", url)
+        return dict(entry)
+
+    # ------------------------------------------------------------------ CheckpointReader
+    def open(self, name: str) -> S3FileReader:
+        return S3FileReader(self, name, int(self._entry(name)["size"]))
+
+    def file_size(self, name: str) -> int | None:
+        entry = self.manifest["files"].get(name)
+        return None if entry is None else int(entry["size"])
+
+    def read_bytes(self, name: str) -> bytes:
+        size = int(self._entry(name)["size"])
+        buf = bytearray(size)
+        S3FileReader(self, name, size).readinto(0, [memoryview(buf)])
+        return bytes(buf)
+
+    def close(self) -> None:
+        """Nothing: the loaders close what they opened; :func:`open_url` owns the pool."""
+
+    def __enter__(self) -> S3Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ ReadableStorage
+    def open_checkpoint(self, checkpoint_dir: str) -> S3Checkpoint:
+        return self
+
+    def read_manifest(self, checkpoint_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+        return self.manifest
+
+    def exists(self, checkpoint_dir: str | os.PathLike | None, name: str) -> bool:
+        return name in self.manifest["files"]
+
+    def verify(
+        self,
+        checkpoint_dir: str | os.PathLike | None = None,
+        names: Iterable[str] | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        threads: int | None = None,
+    ) -> dict[str, Any]:
+        """Check the objects (``names``: only those; default all but the manifest)
+        against the manifest's sizes and CRC-32s, reading each segment with a ranged
+        GET into memory (``max_concurrency`` in flight), nothing on disk;
+        ``on_bytes(n)`` after each ``n`` bytes checked.
+
+        Returns:
+            The manifest.
+
+        Raises:
+            CorruptCheckpointError: naming the first bad object (by name).
+            CheckpointNotFoundError, RemoteStorageError: see :meth:`get`.
+        """
+        from asyncckpt.format.crc import crc32
+
+        files = self.manifest["files"]
+        wanted = sorted(files if names is None else names)
+        # Jobs: consecutive segments of one object, up to part_size bytes (one GET).
+        jobs: list[tuple[str, list[list[int]]]] = []
+        for name in wanted:
+            if name == _manifest.MANIFEST_NAME:
+                continue
+            entry = self._entry(name)
+            if int(entry["size"]) == 0:
+                self.get(name, 0, 0)["Body"].close()  # exists, and of this save
+            group: list[list[int]] = []
+            for segment in entry["segments"]:
+                if group and segment[0] + segment[1] - group[0][0] > self.tier.part_size:
+                    jobs.append((name, group))
+                    group = []
+                group.append(segment)
+            if group:
+                jobs.append((name, group))
+        lock = threading.Lock()
+
+        def check(job: tuple[str, list[list[int]]]) -> None:
+            name, group = job
+            lo = group[0][0]
+            buf = memoryview(bytearray(group[-1][0] + group[-1][1] - lo))
+            S3FileReader(self, name, int(files[name]["size"])).readinto(lo, [buf])
+            for offset, length, crc in group:
+                actual = crc32(buf[offset - lo : offset - lo + length])
+                if actual != crc:
+                    url = f"{self.root}/{name}"
+                    raise CorruptCheckpointError(
+                        f"{url}: checksum mismatch in bytes [{offset}, {offset + length}) "
+                        f"(crc32 {actual:08x}, manifest {crc:08x})",
+                        url,
+                    )
+            if on_bytes is not None:
+                with lock:
+                    on_bytes(len(buf))
+
+        workers = max(1, min(threads or self.tier.max_concurrency, len(jobs)))
+        with concurrent.futures.ThreadPoolExecutor(workers, "asyncckpt-s3-verify") as pool:
+            futures = [pool.submit(check, job) for job in jobs]
+            try:
+                for future in futures:
+                    future.result()
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+        return self.manifest
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+#: The environment variables that choose a client's endpoint and credentials.
+_CLIENT_ENV = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+)
+_reader_tiers: dict[tuple, S3Tier] = {}
+_reader_tiers_lock = threading.Lock()
+
+
+def reader_tier(bucket: str, endpoint_url: str | None = None) -> S3Tier:
+    """An :class:`S3Tier` of ``s3://bucket`` for reads, shared by the reads of this
+    process while the environment that configures the client (endpoint, credentials,
+    region, profile) is the same: a new boto3 client loads the service model (tens of
+    milliseconds, more than a GET), once per process here instead of once per load.
+
+    Raises:
+        RemoteStorageError: boto3 (the ``s3`` extra) is missing.
+    """
+    _boto3()  # a client made while boto3 could be imported is no reason to skip the check
+    key = (bucket, endpoint_url, tuple(os.environ.get(name) for name in _CLIENT_ENV))
+    with _reader_tiers_lock:
+        tier = _reader_tiers.get(key)
+        if tier is None:
+            if len(_reader_tiers) >= 8:
+                _reader_tiers.pop(next(iter(_reader_tiers)))
+            tier = _reader_tiers[key] = S3Tier(f"{SCHEME}{bucket}", endpoint_url=endpoint_url)
+        return tier
+
+
+@contextlib.contextmanager
+def open_url(url: str, *, endpoint_url: str | None = None) -> Iterator[S3Checkpoint]:
+    """The committed remote checkpoint at ``url`` (``s3://bucket/prefix/step_00000007``),
+    open for reading without a local copy (:class:`S3Checkpoint`): its commit marker is
+    read first, the data on demand.
+
+    Raises:
+        CheckpointNotFoundError: no committed checkpoint at ``url``.
+        CorruptCheckpointError: its marker is malformed.
+        RemoteStorageError: a request failed, or boto3 is missing.
+    """
+    where = parse_url(url)
+    tier = reader_tier(where.bucket, endpoint_url)
+    marker = read_marker(tier, where)
+    _faults.hit("s3_read")
+    checkpoint = S3Checkpoint(tier, where, marker)
+    try:
+        yield checkpoint
+    finally:
+        checkpoint.shutdown()

@@ -24,11 +24,15 @@ rank calls what, in this order):
    they must not remove what the coordinator may still be committing.
 
 Collective contract of a load: none. Every rank calls the read side
-(:meth:`Storage.read_manifest`, :meth:`Storage.verify`, :meth:`Storage.exists`,
-:meth:`Storage.open_dir`, :meth:`Storage.open_file`) on its own; the loaders
-(``asyncckpt.loading``) agree across ranks through their own collectives. The read side
-hands out POSIX descriptors for positioned reads (``os.preadv``): a tier that is not a
-local file system serves reads from a local copy.
+(:class:`ReadableStorage`: :meth:`~ReadableStorage.read_manifest`,
+:meth:`~ReadableStorage.verify`, :meth:`~ReadableStorage.exists`,
+:meth:`~ReadableStorage.open_checkpoint`) on its own; the loaders
+(``asyncckpt.loading``) agree across ranks through their own collectives. A loader
+reads a file through a :class:`FileReader`: its ``size`` and ``readinto(offset,
+buffers)``, the bytes at ``offset`` into the given buffers in order (the local tier:
+``os.preadv`` on a descriptor, :class:`LocalFileReader`; the object store: ranged GETs
+streamed into the buffers, :class:`asyncckpt.io.s3.S3Checkpoint`). The loaders check
+the manifest's CRC-32s on the bytes as they land, whatever the tier.
 
 A tier that keeps a root of steps also offers a :class:`StepIndex`: the committed
 steps, their commit order, ``latest``, and the removal of a step (retention). The
@@ -42,23 +46,151 @@ Torch-free.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+import stat
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from asyncckpt import _fs
-from asyncckpt.errors import AsyncckptError
+from asyncckpt.errors import AsyncckptError, CorruptCheckpointError
 from asyncckpt.format import manifest as _manifest
 from asyncckpt.format.naming import parse_step_dir, step_dir_name
 from asyncckpt.io import commit as _commit
 from asyncckpt.io import writer as _writer
 from asyncckpt.io.writer import FileResult, RankWriteResult, WriteTask
 
-__all__ = ["Storage", "LocalStorage", "LOCAL", "StepIndex", "LocalStepIndex"]
+__all__ = [
+    "Storage",
+    "ReadableStorage",
+    "CheckpointReader",
+    "FileReader",
+    "LocalStorage",
+    "LocalCheckpointReader",
+    "LocalFileReader",
+    "LOCAL",
+    "StepIndex",
+    "LocalStepIndex",
+    "preadv_all",
+]
+
+#: ``preadv`` takes at most this many buffers per call (Linux ``IOV_MAX``).
+IOV_MAX = 1024
 
 
-class Storage(Protocol):
+class FileReader(Protocol):
+    """One file of a checkpoint, open for positioned reads.
+
+    Attributes:
+        path: the file's path or URL (for messages).
+        size: its size in bytes.
+        batch_bytes: how many bytes one :meth:`readinto` call should ask for to keep
+            this tier busy (an object store: a part per GET in flight); ``0``: the
+            loader's own default (the local disk: 64 MiB calls).
+    """
+
+    path: str
+    size: int
+    batch_bytes: int
+
+    def readinto(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill ``buffers`` (writable byte views), in order, with the file's bytes from
+        ``offset`` (``offset + sum(len(b))`` at most :attr:`size`).
+
+        Raises:
+            CorruptCheckpointError: the file ends first, or (a remote tier) the bytes
+                belong to another save or another size than the manifest's.
+            CheckpointNotFoundError: (a remote tier) the file was removed meanwhile.
+            RemoteStorageError: (a remote tier) a request failed after the client's retries.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the file (idempotent)."""
+        ...
+
+
+class CheckpointReader(Protocol):
+    """A committed checkpoint open for reading (:meth:`ReadableStorage.open_checkpoint`);
+    a context manager that closes it."""
+
+    root: str
+
+    def open(self, name: str) -> FileReader:
+        """The regular file ``name`` (a plain file name) of the checkpoint.
+
+        Raises:
+            CorruptCheckpointError: missing, a symlink, not a regular file, unreadable.
+        """
+        ...
+
+    def file_size(self, name: str) -> int | None:
+        """The size in bytes of the regular file ``name``, ``None`` when it is missing.
+
+        Raises:
+            CorruptCheckpointError: a symlink or not a regular file.
+        """
+        ...
+
+    def read_bytes(self, name: str) -> bytes:
+        """The whole (small) file ``name``: ``.metadata``, ``.records.json``.
+
+        Raises:
+            CorruptCheckpointError: see :meth:`open`.
+        """
+        ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> CheckpointReader: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class ReadableStorage(Protocol):
+    """The read side of a tier: what the loaders need from it (see the module
+    docstring). No collective."""
+
+    def read_manifest(self, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+        """A committed checkpoint's manifest, sanity-checked.
+
+        Raises:
+            CorruptCheckpointError: missing, unreadable or malformed.
+        """
+        ...
+
+    def verify(
+        self,
+        checkpoint_dir: str | os.PathLike,
+        names: Iterable[str] | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        threads: int | None = None,
+    ) -> dict[str, Any]:
+        """Check a checkpoint's files (``names``: only those) against its manifest's
+        sizes and CRC-32s; ``on_bytes(n)`` after each ``n`` bytes checked.
+
+        Returns:
+            The manifest.
+
+        Raises:
+            CorruptCheckpointError: naming the first bad file.
+        """
+        ...
+
+    def exists(self, checkpoint_dir: str | os.PathLike, name: str) -> bool:
+        """Whether the checkpoint holds an entry ``name`` (of any type; never followed)."""
+        ...
+
+    def open_checkpoint(self, checkpoint_dir: str) -> CheckpointReader:
+        """The checkpoint, open for reading its files (the caller closes it).
+
+        Raises:
+            CorruptCheckpointError: there is no such checkpoint.
+        """
+        ...
+
+
+class Storage(ReadableStorage, Protocol):
     """A checkpoint tier: the write of a rank's files, the commit, the discard of a
     failed save, and the reads of a committed checkpoint. See the module docstring for
     which rank calls what."""
@@ -116,37 +248,7 @@ class Storage(Protocol):
         committed. Never raises; no error if nothing is there."""
         ...
 
-    # ------------------------------------------------------------------ read side
-    def read_manifest(self, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
-        """A committed checkpoint's manifest, sanity-checked.
-
-        Raises:
-            CorruptCheckpointError: missing, unreadable or malformed.
-        """
-        ...
-
-    def verify(
-        self,
-        checkpoint_dir: str | os.PathLike,
-        names: Iterable[str] | None = None,
-        on_bytes: Callable[[int], None] | None = None,
-        threads: int | None = None,
-    ) -> dict[str, Any]:
-        """Check a checkpoint's files (``names``: only those) against its manifest's
-        sizes and CRC-32s; ``on_bytes(n)`` after each ``n`` bytes checked.
-
-        Returns:
-            The manifest.
-
-        Raises:
-            CorruptCheckpointError: naming the first bad file.
-        """
-        ...
-
-    def exists(self, checkpoint_dir: str | os.PathLike, name: str) -> bool:
-        """Whether the checkpoint holds an entry ``name`` (of any type; never followed)."""
-        ...
-
+    # ------------------------------------------------------------------ read side (descriptors)
     def open_dir(self, checkpoint_dir: str) -> int:
         """A descriptor of the checkpoint, for :meth:`open_file` (the caller closes it).
 
@@ -218,6 +320,110 @@ class LocalStorage:
 
     def open_file(self, dir_fd: int, checkpoint_dir: str, name: str) -> int:
         return _fs.open_member(dir_fd, checkpoint_dir, name)
+
+    def open_checkpoint(self, checkpoint_dir: str) -> LocalCheckpointReader:
+        return LocalCheckpointReader(checkpoint_dir)
+
+
+def preadv_all(fd: int, views: Sequence[memoryview], offset: int, path: str) -> None:
+    """Fill ``views`` (in order) from ``fd`` at ``offset``: at most :data:`IOV_MAX`
+    buffers per ``os.preadv``, short reads finished.
+
+    Raises:
+        CorruptCheckpointError: the file ``path`` ends first.
+    """
+    i, pos = 0, offset
+    while i < len(views):
+        batch = views[i : i + IOV_MAX]
+        want = sum(len(v) for v in batch)
+        got = os.preadv(fd, batch, pos) if want else 0
+        if got < want:  # short (rare): finish the batch buffer by buffer
+            done = 0
+            for v in batch:
+                if done + len(v) > got:
+                    lo = max(0, got - done)
+                    _pread_into(fd, v[lo:], pos + done + lo, path)
+                done += len(v)
+        pos += want
+        i += IOV_MAX
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{path} is truncated (a record ends past the end of the file)", path)
+        done += n
+
+
+class LocalFileReader:
+    """:class:`FileReader` of a local file: ``os.preadv`` on the descriptor ``fd``
+    (owned: :meth:`close` closes it), one call per up to :data:`IOV_MAX` buffers."""
+
+    __slots__ = ("fd", "path", "size")
+    batch_bytes = 0
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd, self.path, self.size = fd, path, os.fstat(fd).st_size
+
+    def readinto(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        preadv_all(self.fd, buffers, offset, self.path)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+class LocalCheckpointReader:
+    """:class:`CheckpointReader` of a local checkpoint directory: files opened relative
+    to a descriptor of the directory with ``O_NOFOLLOW`` (:func:`asyncckpt._fs.open_member`).
+
+    Raises:
+        CorruptCheckpointError: (on creation) there is no such directory.
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.dir_fd = _fs.open_dir(root)
+
+    def open(self, name: str) -> LocalFileReader:
+        return LocalFileReader(_fs.open_member(self.dir_fd, self.root, name), os.path.join(self.root, name))
+
+    def file_size(self, name: str) -> int | None:
+        path = os.path.join(self.root, name)
+        try:
+            st = os.stat(name, dir_fd=self.dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            raise CorruptCheckpointError(f"{path} is a symlink; checkpoint files must be regular files", path)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{path} is not a regular file", path)
+        real_root = os.path.realpath(self.root)
+        if os.path.dirname(os.path.realpath(os.path.join(real_root, name))) != real_root:
+            raise CorruptCheckpointError(f"{path} resolves outside the checkpoint directory", path)
+        return st.st_size
+
+    def read_bytes(self, name: str) -> bytes:
+        fd = _fs.open_member(self.dir_fd, self.root, name)
+        try:
+            with open(fd, "rb", closefd=False) as f:
+                return f.read()
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        if self.dir_fd >= 0:
+            fd, self.dir_fd = self.dir_fd, -1
+            os.close(fd)
+
+    def __enter__(self) -> LocalCheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 #: The local file system tier (the default everywhere).

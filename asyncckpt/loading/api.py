@@ -3,8 +3,9 @@
 ``load`` reads a committed checkpoint into a given state_dict, like
 ``torch.distributed.checkpoint.load`` (resharded as DCP does), without trusting the
 checkpoint: see :mod:`asyncckpt.loading.metadata`, :mod:`asyncckpt.loading.dcp` and
-:mod:`asyncckpt.loading.direct`. Files are read through the tier
-(:data:`asyncckpt.io.storage.LOCAL`).
+:mod:`asyncckpt.loading.direct`. Files are read through the tier: the local file
+system (:data:`asyncckpt.io.storage.LOCAL`), or an ``s3://`` URL's objects with ranged
+GETs straight into the targets (:class:`asyncckpt.io.s3.S3Checkpoint`).
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ from asyncckpt.errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
     RankFailure,
+    RemoteStorageError,
     UnverifiableCheckpointError,
 )
 from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, step_metadata
 from asyncckpt.format.records import RECORDS_NAME
 from asyncckpt.io import s3 as _s3
-from asyncckpt.io.storage import LOCAL
+from asyncckpt.io.storage import LOCAL, ReadableStorage
 from asyncckpt.loading.dcp import SafeFileSystemReader, SafeLoadPlanner
 from asyncckpt.loading.direct import direct_load, plan_direct_load
 from asyncckpt.loading.hf import is_hf_dir, load_hf
@@ -159,7 +161,7 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     """
     if _s3.is_url(checkpoint_dir):
         where = _s3.parse_url(str(checkpoint_dir))
-        return step_metadata(_s3.read_marker(_s3.S3Tier(f"{_s3.SCHEME}{where.bucket}"), where).manifest)
+        return step_metadata(_s3.read_marker(_s3.reader_tier(where.bucket), where).manifest)
     return step_metadata(LOCAL.read_manifest(_existing_dir(checkpoint_dir)))
 
 
@@ -181,9 +183,9 @@ def verify(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
             directory (a ``model.pt``): not a checkpoint directory.
         InvalidArgumentError: ``checkpoint_dir`` is not a path.
     """
-    if _s3.is_url(checkpoint_dir):
-        with _s3.fetched(str(checkpoint_dir)) as local:
-            return verify(local)
+    if _s3.is_url(checkpoint_dir):  # ranged GETs into memory, every segment checked
+        with _s3.open_url(str(checkpoint_dir)) as remote:
+            return remote.verify()
     path = _existing_dir(checkpoint_dir)
     if is_stock_dcp(path):
         raise UnverifiableCheckpointError(
@@ -241,8 +243,9 @@ def load(
         state_dict: the structure to fill; its keys select what is read.
         checkpoint_dir: a committed checkpoint directory, a stock DCP directory, a
             Hugging Face safetensors directory, or an ``s3://bucket/prefix/step_N`` URL
-            (:mod:`asyncckpt.io.s3`: ranged GETs in parallel into memory, then this
-            same load; needs the ``s3`` extra).
+            (:mod:`asyncckpt.io.s3`, the ``s3`` extra: each rank GETs the byte ranges
+            its own plan reads, in parallel, straight into the targets, the CRC-32s
+            checked as the bytes arrive; nothing is copied to local disk).
         process_group: the ranks loading together.
         verify: ``"inline"`` (default): the CRC-32 of every byte is checked as it is
             read, in the same pass (the files' sizes and ``.metadata`` are checked
@@ -284,10 +287,7 @@ def load(
     check_state_dict(state_dict, hint=hint)
     clock = _Clock()
     if _s3.is_url(checkpoint_dir):
-        with fetched_on_every_rank(str(checkpoint_dir), process_group) as local:
-            fetched = time.monotonic()
-            _load_path(state_dict, local, process_group, verify, allow_pickle, None, None, clock)
-        clock.read_s += fetched - started  # the ranged GETs into memory
+        _load_url(state_dict, str(checkpoint_dir), process_group, verify, allow_pickle, clock)
         return _finish(clock, started, state_dict, Path(str(checkpoint_dir)))
     path = _load_path(state_dict, checkpoint_dir, process_group, verify, allow_pickle, strip_prefix, rename, clock)
     return _finish(clock, started, state_dict, path)
@@ -341,17 +341,50 @@ def _load_path(
     return path
 
 
+def _load_url(
+    state_dict: dict[str, Any], url: str, process_group: Any, verify: bool | str, allow_pickle: bool, clock: _Clock
+) -> None:
+    """:func:`load` of an ``s3://`` URL: the local load's two paths (direct, DCP's),
+    reading through :class:`asyncckpt.io.s3.S3Checkpoint` (ranged GETs of what each
+    rank's plan needs), without a local copy."""
+    check_path(url)
+    if verify not in (True, False, "inline"):
+        raise InvalidArgumentError(f"verify must be True, False or 'inline', not {verify!r}")
+    with opened_on_every_rank(url, process_group) as remote:
+        with gc_paused():
+            fallback = _load_direct(state_dict, url, process_group, verify, allow_pickle, clock, remote)
+        if fallback is not None:
+            reading = time.monotonic()
+            _load_dcp(state_dict, process_group, *fallback)
+            clock.read_s += time.monotonic() - reading
+
+
+@contextlib.contextmanager
+def opened_on_every_rank(url: str, process_group: Any) -> Iterator[_s3.S3Checkpoint]:
+    """(all ranks) :func:`asyncckpt.io.s3.open_url` on each rank (its commit marker
+    read), with the error funnel: a rank that cannot read it fails every rank, with the
+    lowest rank's error (its type kept: ``CheckpointNotFoundError``,
+    ``RemoteStorageError``, ...)."""
+    with _on_every_rank(url, process_group, _s3.open_url) as remote:
+        yield remote
+
+
 @contextlib.contextmanager
 def fetched_on_every_rank(url: str, process_group: Any) -> Iterator[Path]:
-    """(all ranks) :func:`asyncckpt.io.s3.fetched` on each rank, with the error funnel:
-    a rank that cannot read the checkpoint fails every rank, with the lowest rank's
-    error (its type kept: ``CheckpointNotFoundError``, ``RemoteStorageError``, ...)."""
+    """(all ranks) :func:`asyncckpt.io.s3.fetched` (a scratch copy) on each rank, with
+    the error funnel of :func:`opened_on_every_rank`."""
+    with _on_every_rank(url, process_group, _s3.fetched) as local:
+        yield local
+
+
+@contextlib.contextmanager
+def _on_every_rank(url: str, process_group: Any, enter: Callable[[str], Any]) -> Iterator[Any]:
     sync = SyncGroup(process_group)
     with contextlib.ExitStack() as stack:
         failure: RankFailure | None = None
-        local: Path | None = None
+        local: Any = None
         try:
-            local = stack.enter_context(_s3.fetched(url))
+            local = stack.enter_context(enter(url))
         except (AsyncckptError, OSError) as exc:
             if not sync.active:
                 raise
@@ -371,10 +404,13 @@ class _Stock(Exception):
     """(internal) A stock DCP directory: skip the manifest's checks."""
 
 
-def _raise_first(failures: dict[int, RankFailure], path: Path) -> None:
-    """Raise the lowest rank's failure as ours, the same on every rank."""
+def _raise_first(failures: dict[int, RankFailure], path: Path | str) -> None:
+    """Raise the lowest rank's failure as ours, the same on every rank (a URL's
+    ``CheckpointNotFoundError`` and ``RemoteStorageError`` as they are)."""
     first = failures[min(failures)]
     exc = first.exception
+    if _s3.is_url(path) and isinstance(exc, (CheckpointNotFoundError, RemoteStorageError)):
+        raise exc
     message = str(exc) if exc is not None else str(first)
     if isinstance(exc, CorruptCheckpointError) or exc is None:
         raise CorruptCheckpointError(message, getattr(exc, "path", None) or str(path))
@@ -399,27 +435,39 @@ def _load(
 
 
 def _load_direct(
-    state_dict: dict[str, Any], path: Path, process_group: Any, verify: bool | str, allow_pickle: bool, clock: _Clock
-) -> tuple[SafeFileSystemReader, SafeLoadPlanner, Path] | None:
+    state_dict: dict[str, Any],
+    path: Path | str,
+    process_group: Any,
+    verify: bool | str,
+    allow_pickle: bool,
+    clock: _Clock,
+    remote: _s3.S3Checkpoint | None = None,
+) -> tuple[SafeFileSystemReader, SafeLoadPlanner, Path | str] | None:
     """Load on the direct path, or, when a rank cannot take it, check the files (with
-    ``verify``) and return what DCP's path needs (the same on every rank)."""
+    ``verify``) and return what DCP's path needs (the same on every rank). ``remote``:
+    the checkpoint is that URL's (``path``), read through it."""
     sync = SyncGroup(process_group)
-    reader = SafeFileSystemReader(str(path), storage=LOCAL)
+    tier: ReadableStorage = LOCAL if remote is None else remote
+    reader = SafeFileSystemReader(str(path), storage=tier)
     planner = SafeLoadPlanner(allow_pickle=allow_pickle)
     failure: RankFailure | None = None
     plan = None
     share: list[str] = []
-    stock = is_stock_dcp(path)  # no manifest: DCP's path, without checksums
+    stock = remote is None and is_stock_dcp(path)  # no manifest: DCP's path, without checksums
+    # A remote read can also fail with a missing object or a failed request: funnelled too.
+    funnelled: tuple[type[BaseException], ...] = (
+        (CorruptCheckpointError,) if remote is None else (AsyncckptError, OSError)
+    )
     try:
         if stock:
             raise _Stock
-        manifest = LOCAL.read_manifest(path)  # also refuses names outside the directory
+        manifest = tier.read_manifest(path)  # also refuses names outside the directory
         share = sorted(manifest["files"])[sync.rank :: sync.world_size]
         verifying = time.monotonic()
         if verify is True:
-            LOCAL.verify(path, share)
+            tier.verify(path, share)
         elif verify == "inline":  # the data files as they are read
-            LOCAL.verify(path, [n for n in (METADATA_NAME, RECORDS_NAME) if n in manifest["files"]])
+            tier.verify(path, [n for n in (METADATA_NAME, RECORDS_NAME) if n in manifest["files"]])
         clock.verify_s += time.monotonic() - verifying
         # Where each entry lies: from the records file when it stands for this
         # .metadata (JSON, no unpickling), else from .metadata.
@@ -429,7 +477,7 @@ def _load_direct(
         plan = plan_direct_load(state_dict, reader.read_metadata() if records is None else records)
     except _Stock:
         pass
-    except CorruptCheckpointError as exc:
+    except funnelled as exc:
         failure = RankFailure.from_exception(exc)
     # One collective: did a rank fail, can every rank take the direct path, is it stock DCP?
     flags = sync.all_gather_ints([failure is not None, plan is not None, stock])
@@ -446,11 +494,13 @@ def _load_direct(
         )
         return reader, planner, path
     direct = all(f[1] for f in flags)
-    if verify == "inline" and not direct:  # DCP's path checks first
+    if verify == "inline" and not direct and remote is not None:
+        reader.inline_files = manifest["files"]  # each rank checks the bytes it reads, as they arrive
+    elif verify == "inline" and not direct:  # DCP's path checks first
         verifying = time.monotonic()
         try:
-            LOCAL.verify(path, share)
-        except CorruptCheckpointError as exc:
+            tier.verify(path, share)
+        except funnelled as exc:
             failure = RankFailure.from_exception(exc)
         clock.verify_s += time.monotonic() - verifying
         failures = sync.gather_failures(failure)
@@ -465,7 +515,7 @@ def _load_direct(
                 str(path),
                 manifest["files"] if verify == "inline" else None,
                 decode=planner.decode_value,
-                storage=LOCAL,
+                storage=tier,
             )
         except (CheckpointError, OSError) as exc:
             failure = RankFailure.from_exception(exc)
@@ -478,7 +528,11 @@ def _load_direct(
 
 
 def _load_dcp(
-    state_dict: dict[str, Any], process_group: Any, reader: SafeFileSystemReader, planner: SafeLoadPlanner, path: Path
+    state_dict: dict[str, Any],
+    process_group: Any,
+    reader: SafeFileSystemReader,
+    planner: SafeLoadPlanner,
+    path: Path | str,
 ) -> None:
     try:
         with warnings.catch_warnings():
@@ -486,10 +540,14 @@ def _load_dcp(
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
     except _DcpCheckpointException as exc:
+        if _s3.is_url(path):  # a remote object gone, a request failed: as they are
+            for _, (cause, _tb) in sorted(exc.failures.items()):
+                if isinstance(cause, (CheckpointNotFoundError, RemoteStorageError)):
+                    raise cause from exc
         raise from_dcp_exception(exc, path) from exc
 
 
-def from_dcp_exception(exc: _DcpCheckpointException, path: Path) -> CheckpointError:
+def from_dcp_exception(exc: _DcpCheckpointException, path: Path | str) -> CheckpointError:
     """Our error for DCP's ``CheckpointException`` (a ``BaseException``, which
     ``except Exception`` misses): ours (``CheckpointError``) as they were raised, the
     lowest rank's, the same on every rank; anything else as ``CheckpointError``."""

@@ -15,12 +15,13 @@ Data integrity is the manifest's job (``verify_checkpoint``), not this module's.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import io
 import os
 import pickle
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -43,7 +44,7 @@ from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.manifest import METADATA_NAME
 from asyncckpt.format.records import RECORDS_NAME, Record, parse_records
-from asyncckpt.io.storage import LOCAL, Storage
+from asyncckpt.io.storage import LOCAL, FileReader, ReadableStorage
 from asyncckpt.loading.framing import (
     RecordStream,
     pread,
@@ -61,6 +62,9 @@ __all__ = ["SafeLoadPlanner", "SafeFileSystemReader", "set_value"]
 _SMALL_RECORD_BYTES = 1 << 20
 #: Records with at least this many data bytes are read straight into the destination.
 _DIRECT_READ_BYTES = 64 << 10
+#: A remote file's read-ahead window reads across gaps up to this many bytes between
+#: the records the plan asks for (one GET instead of two).
+_WINDOW_GAP_BYTES = 1 << 20
 
 
 def _weights_only_reason(exc: BaseException) -> str:
@@ -179,6 +183,78 @@ def _as_listed(data: bytes, entry: Any, whole_crc: int | None) -> bool:
     return True
 
 
+class _ReadAhead:
+    """A :class:`~asyncckpt.io.storage.FileReader` over a remote one (whose
+    ``batch_bytes`` asks for large reads: an object store) for DCP's record-by-record
+    reads: the byte ranges the plan will ask for (``ranges``, ``(offset, length)``),
+    gathered in file order into windows of about ``batch_bytes`` (across gaps up to
+    :data:`_WINDOW_GAP_BYTES`), each read with one ``readinto`` (parallel ranged GETs),
+    the records then copied out of it. One GET per record would cost a round trip each.
+
+    With ``segments`` (the manifest's ``[offset, length, crc32]`` of the file) every
+    window is widened to whole segments and their CRC-32s checked as it arrives, so
+    that a rank checks the bytes it reads, and only those.
+    """
+
+    def __init__(
+        self, reader: FileReader, ranges: Iterable[tuple[int, int]], segments: Sequence[Sequence[int]] | None
+    ) -> None:
+        self._reader, self.path, self.size = reader, reader.path, reader.size
+        self.batch_bytes = reader.batch_bytes
+        self._ranges = sorted(ranges)
+        self._starts = [r[0] for r in self._ranges]
+        self._segments = segments
+        self._seg_starts = [int(seg[0]) for seg in segments] if segments is not None else []
+        self._lo = 0
+        self._window: memoryview | None = None
+
+    def readinto(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        end = offset + sum(len(b) for b in buffers)
+        window = self._window
+        if window is None or not (self._lo <= offset and end <= self._lo + len(window)):
+            if self._segments is None and end - offset >= self.batch_bytes:
+                self._reader.readinto(offset, buffers)  # large enough on its own
+                return
+            window = self._fill(offset, end)
+        pos = offset - self._lo
+        for b in buffers:
+            b[:] = window[pos : pos + len(b)]
+            pos += len(b)
+
+    def _fill(self, offset: int, end: int) -> memoryview:
+        lo, hi = offset, end
+        for r_off, r_len in self._ranges[bisect.bisect_left(self._starts, offset) :]:
+            if r_off - hi > _WINDOW_GAP_BYTES or r_off + r_len - lo > self.batch_bytes:
+                break
+            hi = max(hi, r_off + r_len)
+        segments = self._segments
+        first = last = 0
+        if segments is not None:  # whole segments: each checked as the window arrives
+            first = max(0, bisect.bisect_right(self._seg_starts, lo) - 1)
+            last = max(first, bisect.bisect_left(self._seg_starts, hi) - 1)
+            lo = min(lo, int(segments[first][0]))
+            hi = max(hi, int(segments[last][0]) + int(segments[last][1]))
+        hi = min(hi, max(end, self.size))  # (a record past the end: the reader says so)
+        self._window = None
+        window = memoryview(bytearray(hi - lo))
+        self._reader.readinto(lo, [window])
+        if segments is not None:
+            for seg_off, seg_len, expected in segments[first : last + 1]:
+                actual = crc32(window[seg_off - lo : seg_off - lo + seg_len])
+                if actual != expected:
+                    raise CorruptCheckpointError(
+                        f"{self.path}: checksum mismatch in bytes [{seg_off}, {seg_off + seg_len}) "
+                        f"(crc32 {actual:08x}, manifest {expected:08x})",
+                        self.path,
+                    )
+        self._lo, self._window = lo, window
+        return window
+
+    def close(self) -> None:
+        self._window = None
+        self._reader.close()
+
+
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` that checks every path and never follows a symlink.
 
@@ -190,15 +266,23 @@ class SafeFileSystemReader(FileSystemReader):
     writer's tensor records without a per-tensor ``torch.load``.
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory (or URL, with its ``storage``).
         _extension_registry: as ``FileSystemReader``'s (stream transforms).
-        storage: the tier the checkpoint is read from.
+        storage: the tier the checkpoint is read from (every file through its
+            ``open_checkpoint``: descriptors locally, ranged GETs from an object store).
     """
 
-    def __init__(self, path: str | os.PathLike, _extension_registry: Any = None, *, storage: Storage = LOCAL) -> None:
+    def __init__(
+        self, path: str | os.PathLike, _extension_registry: Any = None, *, storage: ReadableStorage = LOCAL
+    ) -> None:
         super().__init__(path, _extension_registry)
         self._metadata: Metadata | None = None
         self.storage = storage
+        # DCP keeps ``path`` as a Path (which folds the ``//`` of a URL): ours, as given.
+        self.root = os.fspath(path)
+        #: The manifest's ``files``: with a remote tier, the CRC-32 of every segment read
+        #: is checked as it arrives (``verify="inline"``); ``None``: not here.
+        self.inline_files: Mapping[str, Any] | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id and os.fspath(checkpoint_id) != os.fspath(self.path):
@@ -215,7 +299,7 @@ class SafeFileSystemReader(FileSystemReader):
         if kwargs.get("rank") is not None:
             raise CorruptCheckpointError(f"{self.path}: asyncckpt checkpoints have no rank-local metadata")
         if self._metadata is None:
-            self._metadata = read_metadata(self.path, self.storage)
+            self._metadata = read_metadata(self.root, self.storage)
         metadata = self._metadata
         meta = getattr(metadata, "storage_meta", None)
         if meta is None:
@@ -233,7 +317,7 @@ class SafeFileSystemReader(FileSystemReader):
         metadata = self.read_metadata()
         for name in sorted({info.relative_path for info in metadata.storage_data.values()}):
             if name not in listed:
-                path = os.path.join(os.fspath(self.path), name)
+                path = os.path.join(self.root, name)
                 raise CorruptCheckpointError(f"{METADATA_NAME} names {name!r}, a file the manifest does not list", path)
 
     def read_records(self, manifest_files: Mapping[str, Any]) -> dict[str, Record] | None:
@@ -255,31 +339,23 @@ class SafeFileSystemReader(FileSystemReader):
         checksums."""
         if RECORDS_NAME not in manifest_files or METADATA_NAME not in manifest_files:
             return None
-        root = os.fspath(self.path)
         try:
-            dir_fd = self.storage.open_dir(root)
+            checkpoint = self.storage.open_checkpoint(self.root)
         except CorruptCheckpointError:
             return None
         try:
-            data = {}
-            for name in (RECORDS_NAME, METADATA_NAME):
-                fd = self.storage.open_file(dir_fd, root, name)
-                try:
-                    with open(fd, "rb", closefd=False) as f:
-                        data[name] = f.read()
-                finally:
-                    os.close(fd)
+            data = {name: checkpoint.read_bytes(name) for name in (RECORDS_NAME, METADATA_NAME)}
         except (CorruptCheckpointError, OSError):
             return None
         finally:
-            os.close(dir_fd)
+            checkpoint.close()
         metadata_crc = crc32(data[METADATA_NAME])
         if not (
             _as_listed(data[RECORDS_NAME], manifest_files[RECORDS_NAME], None)
             and _as_listed(data[METADATA_NAME], manifest_files[METADATA_NAME], metadata_crc)
         ):
             warnings.warn(
-                f"{self.path}: {RECORDS_NAME} or {METADATA_NAME} does not match the manifest's "
+                f"{self.root}: {RECORDS_NAME} or {METADATA_NAME} does not match the manifest's "
                 f"checksum; {RECORDS_NAME} ignored, {METADATA_NAME} read instead",
                 UserWarning,
                 stacklevel=2,
@@ -288,7 +364,7 @@ class SafeFileSystemReader(FileSystemReader):
         return parse_records(data[RECORDS_NAME], metadata_crc, manifest_files)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        validate_metadata(metadata, os.path.join(os.fspath(self.path), METADATA_NAME))
+        validate_metadata(metadata, os.path.join(self.root, METADATA_NAME))
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._metadata = metadata
 
@@ -308,7 +384,7 @@ class SafeFileSystemReader(FileSystemReader):
             return None
         return md.properties.dtype, tuple(int(s) for s in chunk.sizes)
 
-    def _read_tensor(self, fd: int, path: str, req: ReadItem, raw: bool = True) -> torch.Tensor:
+    def _read_tensor(self, fd: FileReader, path: str, req: ReadItem, raw: bool = True) -> torch.Tensor:
         """The tensor of ``req``'s record: raw bytes if the record is ours (``raw``: try
         that), else ``torch.load`` on a stream over the record."""
         info: _StorageInfo = self.storage_data[req.storage_index]
@@ -336,7 +412,7 @@ class SafeFileSystemReader(FileSystemReader):
             stream = io.BytesIO(transformed.read())  # torch.load needs a seekable stream
         return torch_load_tensor(stream, path, req.storage_index.fqn)
 
-    def _read_into(self, fd: int, path: str, req: ReadItem, target: torch.Tensor) -> bool | None:
+    def _read_into(self, fd: FileReader, path: str, req: ReadItem, target: torch.Tensor) -> bool | None:
         """Read a whole record of our writer straight into ``target``'s memory.
 
         One copy (page cache to the destination), no intermediate buffer: taken when
@@ -368,17 +444,22 @@ class SafeFileSystemReader(FileSystemReader):
         return True if read_record(fd, path, info.offset, framing, dest) else None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        root = os.fspath(self.path)
+        root = self.root
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         decoded: list[tuple[ReadItem, Any]] = []
         raw_values: list[tuple[ReadItem, bytes]] = []
-        dir_fd = self.storage.open_dir(root)
-        fds: dict[str, int] = {}
+        checkpoint = self.storage.open_checkpoint(root)
+        fds: dict[str, FileReader] = {}
         try:
-            for name in per_file:
-                fds[name] = self.storage.open_file(dir_fd, root, check_file_name(name, METADATA_NAME))
+            for name, reqs in per_file.items():
+                reader = checkpoint.open(check_file_name(name, METADATA_NAME))
+                if reader.batch_bytes:  # a remote tier: read ahead what the plan asks for
+                    entry = None if self.inline_files is None else self.inline_files.get(name)
+                    ranges = [(info.offset, info.length) for info in (self.storage_data[r.storage_index] for r in reqs)]
+                    reader = _ReadAhead(reader, ranges, None if entry is None else entry["segments"])
+                fds[name] = reader
             # 1. Non-tensor values, all decoded before any tensor is written.
             decode = getattr(planner, "decode_bytes", None)
             for name, reqs in per_file.items():
@@ -418,9 +499,9 @@ class SafeFileSystemReader(FileSystemReader):
                     target.copy_(tensor)
                     planner.commit_tensor(req, target)
         finally:
-            for fd in fds.values():
-                os.close(fd)
-            os.close(dir_fd)
+            for reader in fds.values():
+                reader.close()
+            checkpoint.close()
         # 3. Non-tensor values into the state_dict.
         set_value = getattr(planner, "set_value", None)
         for req, obj in decoded:

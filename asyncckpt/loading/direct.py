@@ -4,7 +4,7 @@
 ``asyncckpt.load`` for the common case (the state_dict has the checkpoint's keys,
 dtypes and shapes): no DCP load planning, few large ``preadv`` calls straight into
 the target tensors, and, given the manifest, the CRC-32 of each manifest segment read
-checked on the way. It finds the records in ``.records.json``
+checked on the way, from any tier (:class:`asyncckpt.io.storage.FileReader`). It finds the records in ``.records.json``
 (:mod:`asyncckpt.format.records`, ``SafeFileSystemReader.read_records``) when that
 file stands for the ``.metadata`` in the directory, without unpickling anything.
 Anything else goes DCP's way (:mod:`asyncckpt.loading.dcp`).
@@ -29,11 +29,10 @@ from asyncckpt.format.crc import CrcChain
 from asyncckpt.format.manifest import METADATA_NAME, run_in_order
 from asyncckpt.format.records import Record, records_from_metadata
 from asyncckpt.format.torchsave import TensorFraming
-from asyncckpt.io.storage import LOCAL, Storage
+from asyncckpt.io.storage import IOV_MAX, LOCAL, FileReader, ReadableStorage
 from asyncckpt.loading.dcp import set_value
 from asyncckpt.loading.framing import (
     RecordStream,
-    pread_into,
     suffix_matches,
     torch_load_tensor,
     writer_framing,
@@ -42,14 +41,15 @@ from asyncckpt.loading.metadata import check_file_name, gc_paused
 
 __all__ = ["DirectPlan", "plan_direct_load", "direct_load"]
 
-#: ``preadv`` takes at most this many buffers per call (Linux ``IOV_MAX``).
-_IOV_MAX = 1024
+#: Buffers per read call at most (``preadv``'s limit, Linux ``IOV_MAX``).
+_IOV_MAX = IOV_MAX
 #: Without manifest segments (``verify=False``), adjacent records are read together up
 #: to this many bytes per read (a record larger than this is one read of its own).
 _UNIT_BYTES = 16 << 20
-#: A file's consecutive reads are gathered into ``preadv`` calls of up to this many
-#: bytes (across records and manifest segments), each handed to the CRC helper thread
-#: once read. Large calls keep more of the disk busy (see the benchmark's load rows).
+#: A file's consecutive reads are gathered into read calls of up to this many bytes
+#: (or the file reader's ``batch_bytes``), across records and manifest segments, each
+#: handed to the CRC helper thread once read. Large calls keep more of the disk busy
+#: (see the benchmark's load rows).
 _READ_BYTES = 64 << 20
 #: Records further apart than this are not read together (the gap would be read for nothing).
 _MAX_GAP_BYTES = 64 << 10
@@ -163,29 +163,6 @@ def _plan_direct(state_dict: dict[str, Any], records: Mapping[str, Record]) -> D
     return DirectPlan(files, mappings, nbytes, state_dict)
 
 
-def _preadv_all(fd: int, views: list[memoryview], offset: int, path: str) -> None:
-    """Fill ``views`` (in order) from ``offset``: at most ``_IOV_MAX`` buffers per
-    ``preadv``, short reads finished.
-
-    Raises:
-        CorruptCheckpointError: the file ends first.
-    """
-    i, pos = 0, offset
-    while i < len(views):
-        batch = views[i : i + _IOV_MAX]
-        want = sum(len(v) for v in batch)
-        got = os.preadv(fd, batch, pos) if want else 0
-        if got < want:  # short (rare): finish the batch buffer by buffer
-            done = 0
-            for v in batch:
-                if done + len(v) > got:
-                    lo = max(0, got - done)
-                    pread_into(fd, v[lo:], pos + done + lo, path)
-                done += len(v)
-        pos += want
-        i += _IOV_MAX
-
-
 class _Unit(NamedTuple):
     """One read: file bytes ``[lo, hi)``, checked against ``crc`` when not ``None``."""
 
@@ -297,11 +274,12 @@ def _unit_views(unit: _Unit, landings: list[_Landing]) -> list[memoryview]:
     return views
 
 
-def _read_file(fd: int, path: str, reads: list[tuple[_Unit, list[_Landing]]], note: str) -> None:
+def _read_file(reader: FileReader, reads: list[tuple[_Unit, list[_Landing]]], note: str) -> None:
     """Read one file's ``reads`` in file order, on this thread: one sequential reader per
     file keeps the kernel's readahead going (several threads reading one file at
-    different offsets defeat it). Consecutive reads are gathered into ``preadv`` calls
-    of up to :data:`_READ_BYTES`. With verification each call's bytes are checksummed
+    different offsets defeat it). Consecutive reads are gathered into read calls
+    (``reader.readinto``: one ``preadv`` locally, ranged GETs in parallel from an object
+    store) of up to ``reader.batch_bytes``. With verification each call's bytes are checksummed
     on a helper thread (:class:`~asyncckpt.format.crc.CrcChain`), unit by unit, while
     the next call reads; the first mismatch stops the reads.
 
@@ -309,6 +287,8 @@ def _read_file(fd: int, path: str, reads: list[tuple[_Unit, list[_Landing]]], no
         CorruptCheckpointError: a read came short, or a unit's CRC-32 is not the
             manifest's (naming the bytes and the entries in them, plus ``note``).
     """
+
+    path, read_bytes = reader.path, reader.batch_bytes or _READ_BYTES
 
     def mismatch(read: tuple[_Unit, list[_Landing]], crc: int) -> CorruptCheckpointError:
         unit, landings = read
@@ -327,7 +307,7 @@ def _read_file(fd: int, path: str, reads: list[tuple[_Unit, list[_Landing]]], no
 
     def flush(chain: CrcChain | None) -> None:
         nonlocal lo, n, count
-        _preadv_all(fd, [v for _, views, _ in parts for v in views], lo, path)
+        reader.readinto(lo, [v for _, views, _ in parts for v in views])
         if chain is not None:
             chain.feed(
                 [
@@ -351,9 +331,9 @@ def _read_file(fd: int, path: str, reads: list[tuple[_Unit, list[_Landing]]], no
             views: list[memoryview] = []
             for v in _unit_views(unit, read[1]):
                 for piece in (
-                    (v,) if len(v) <= _READ_BYTES else (v[i : i + _READ_BYTES] for i in range(0, len(v), _READ_BYTES))
+                    (v,) if len(v) <= read_bytes else (v[i : i + read_bytes] for i in range(0, len(v), read_bytes))
                 ):
-                    if n and (n + len(piece) > _READ_BYTES or count >= _IOV_MAX):
+                    if n and (n + len(piece) > read_bytes or count >= _IOV_MAX):
                         parts.append((read, views, False))
                         views = []
                         flush(chain)
@@ -396,11 +376,13 @@ def direct_load(
     *,
     decode: Any,
     threads: int | None = None,
-    storage: Storage = LOCAL,
+    storage: ReadableStorage = LOCAL,
 ) -> float:
     """Read ``plan``'s records into their targets: the direct path of ``asyncckpt.load``.
 
-    Per data file, the records are read in file order with few large ``preadv`` calls
+    Per data file, the records are read in file order with few large reads (``preadv``
+    calls locally, parallel ranged GETs from an object store: the tier's
+    :class:`~asyncckpt.io.storage.FileReader`)
     (each buffer list covers a manifest segment or, without verification, up to 16 MiB
     of adjacent records): tensor data goes straight into the target's memory when the
     target is a contiguous CPU tensor (else into a CPU tensor copied in afterwards), the
@@ -413,12 +395,12 @@ def direct_load(
 
     Args:
         plan: from :func:`plan_direct_load`.
-        root: the checkpoint directory.
+        root: the checkpoint directory (or URL).
         manifest_files: the manifest's ``files`` to check every read against (sizes and
             the CRC-32 of each segment read); ``None`` reads without checking.
         decode: ``decode(fqn, value: io.BytesIO) -> object`` for non-tensor values.
         threads: files read at once (default: up to 4, at most the CPU count).
-        storage: the tier the checkpoint is read from.
+        storage: the tier the checkpoint is read from (its ``open_checkpoint(root)``).
 
     Returns:
         Seconds spent copying into the targets after the reads (temporaries: targets
@@ -433,17 +415,17 @@ def direct_load(
     """
     if threads is None:
         threads = min(4, os.cpu_count() or 1)
-    dir_fd = storage.open_dir(root)
-    fds: dict[str, int] = {}
+    checkpoint = storage.open_checkpoint(root)
+    fds: dict[str, FileReader] = {}
     try:
         value_work: list[tuple[int, str, _Unit, list[_Landing]]] = []  # (order, file, read, its landings)
         tensor_work: list[tuple[int, str, _Unit, list[_Landing]]] = []
         all_landings: list[tuple[str, _Landing]] = []
         for name in sorted(plan.files):
             entries = plan.files[name]
-            fd = fds[name] = storage.open_file(dir_fd, root, check_file_name(name, METADATA_NAME))
-            path = os.path.join(root, name)
-            size = os.fstat(fd).st_size
+            reader = fds[name] = checkpoint.open(check_file_name(name, METADATA_NAME))
+            path = reader.path
+            size = reader.size
             segments = None if manifest_files is None else _checked_segments(manifest_files, name, path, size)
             last = entries[-1]
             if last.offset + last.length > size:
@@ -494,7 +476,7 @@ def direct_load(
 
             def one(task: tuple) -> None:
                 _, name, reads = task
-                _read_file(fds[name], os.path.join(root, name), reads, note)
+                _read_file(fds[name], reads, note)
 
             run_in_order(tasks, one, threads, "asyncckpt-load")
 
@@ -519,24 +501,25 @@ def direct_load(
                 if la.temp is not None:
                     e.target.detach().copy_(la.temp)
             else:
-                e.target.detach().copy_(_load_foreign(fds[name], os.path.join(root, name), e))
+                e.target.detach().copy_(_load_foreign(fds[name], e))
     finally:
-        for fd in fds.values():
-            os.close(fd)
-        os.close(dir_fd)
+        for reader in fds.values():
+            reader.close()
+        checkpoint.close()
     for fqn, obj in values:
         set_value(plan.state_dict, plan.mappings[fqn], obj)
     return time.monotonic() - copying
 
 
-def _load_foreign(fd: int, path: str, entry: _Entry) -> torch.Tensor:
+def _load_foreign(reader: FileReader, entry: _Entry) -> torch.Tensor:
     """A tensor record that is not in our writer's framing: ``torch.load(weights_only=True)``
     of the record, as DCP's ``FileSystemReader`` reads it.
 
     Raises:
         CorruptCheckpointError: not a tensor archive, or not the target's dtype and shape.
     """
-    tensor = torch_load_tensor(RecordStream(fd, entry.offset, entry.length), path, entry.fqn)
+    path = reader.path
+    tensor = torch_load_tensor(RecordStream(reader, entry.offset, entry.length), path, entry.fqn)
     assert entry.target is not None
     if tensor.size() != entry.target.size():
         raise CorruptCheckpointError(

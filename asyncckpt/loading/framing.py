@@ -21,6 +21,7 @@ import torch
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import record_framing
 from asyncckpt.format.torchsave import TensorFraming
+from asyncckpt.io.storage import FileReader
 
 __all__ = [
     "pread_into",
@@ -49,18 +50,17 @@ def pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
 
 
 class RecordStream(io.RawIOBase):
-    """``length`` bytes of ``fd`` from ``offset``, as a seekable binary stream.
+    """``length`` bytes of the file ``reader`` from ``offset``, as a seekable binary stream.
 
     ``torch.load`` reads a record that is not ours from it, as DCP's reader does from
-    its file view: positioned reads (the descriptor is shared by the records of one
-    file), storages read straight into their memory by ``readinto``. ``readinto``
-    fills the whole buffer unless the record ends (one ``preadv`` moves at most
-    2 GiB).
+    its file view: positioned reads (the reader is shared by the records of one file),
+    storages read straight into their memory by ``readinto``. ``readinto`` fills the
+    whole buffer unless the record (or the file) ends.
     """
 
-    def __init__(self, fd: int, offset: int, length: int) -> None:
+    def __init__(self, reader: FileReader, offset: int, length: int) -> None:
         super().__init__()
-        self._fd, self._offset, self._length, self._pos = fd, offset, length, 0
+        self._reader, self._offset, self._length, self._pos = reader, offset, length, 0
 
     def readable(self) -> bool:
         return True
@@ -80,21 +80,24 @@ class RecordStream(io.RawIOBase):
 
     def readinto(self, buf: Any) -> int:
         view = memoryview(buf).cast("B")
-        want = max(0, min(len(view), self._length - self._pos))
-        done = 0
-        while done < want:
-            n = os.preadv(self._fd, [view[done:want]], self._offset + self._pos + done)
-            if n <= 0:
-                break  # the file ends inside the record: torch.load fails on the short read
-            done += n
-        self._pos += done
-        return done
+        start = self._offset + self._pos
+        # The file may end inside the record: torch.load then fails on the short read.
+        want = max(0, min(len(view), self._length - self._pos, self._reader.size - start))
+        if want:
+            self._reader.readinto(start, [view[:want]])
+        self._pos += want
+        return want
 
 
-def pread(fd: int, length: int, offset: int, path: str) -> bytearray:
-    """``length`` bytes of ``fd`` at ``offset`` (see :func:`pread_into`)."""
+def pread(reader: FileReader, length: int, offset: int, path: str) -> bytearray:
+    """``length`` bytes of the file ``reader`` at ``offset``.
+
+    Raises:
+        CorruptCheckpointError: the file ``path`` ends first.
+    """
     buf = bytearray(length)
-    pread_into(fd, memoryview(buf), offset, path)
+    if length:
+        reader.readinto(offset, [memoryview(buf)])
     return buf
 
 
@@ -128,22 +131,16 @@ def tensor_from(buf: bytearray, offset: int, nbytes: int, dtype: torch.dtype, sh
     return raw.view(dtype).view(shape)
 
 
-def read_record(fd: int, path: str, offset: int, framing: TensorFraming, dest: memoryview) -> bool:
-    """Read one record of our writer at ``offset``: its data into ``dest`` and its
-    framing, in one ``preadv``. Returns whether the framing is ours.
+def read_record(reader: FileReader, path: str, offset: int, framing: TensorFraming, dest: memoryview) -> bool:
+    """Read one record of our writer at ``offset`` of the file ``reader``: its data
+    into ``dest`` and its framing, in one read (one ``preadv`` locally). Returns
+    whether the framing is ours.
 
     Raises:
-        CorruptCheckpointError: the file ends inside the record.
+        CorruptCheckpointError: the file ``path`` ends inside the record.
     """
     head, tail = bytearray(len(framing.prefix)), bytearray(len(framing.suffix))
-    got = os.preadv(fd, [head, dest, tail], offset)
-    if got != len(head) + len(dest) + len(tail):  # short read (rare): finish it piece by piece
-        pos = 0
-        for b in (memoryview(head), dest, memoryview(tail)):
-            lo = max(0, got - pos)
-            if lo < len(b):
-                pread_into(fd, b[lo:], offset + pos + lo, path)
-            pos += len(b)
+    reader.readinto(offset, [memoryview(head), dest, memoryview(tail)])
     return bytes(head) == framing.prefix and suffix_matches(memoryview(tail), framing)
 
 

@@ -25,7 +25,6 @@ import io
 import os
 import pathlib
 import pickle
-import stat
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,7 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.format.manifest import METADATA_NAME, is_plain_name
-from asyncckpt.io.storage import LOCAL, Storage
+from asyncckpt.io.storage import LOCAL, CheckpointReader, ReadableStorage
 
 __all__ = ["METADATA_NAME", "gc_paused", "check_file_name", "validate_metadata", "read_metadata"]
 
@@ -152,33 +151,25 @@ def validate_metadata(metadata: Any, path: str) -> Metadata:
     return metadata
 
 
-def _check_data_files(metadata: Metadata, root: str, dir_fd: int) -> None:
-    """Every record lies in a regular file (not a symlink) of the directory ``root``."""
-    real_root = os.path.realpath(root)
+def _check_data_files(metadata: Metadata, checkpoint: CheckpointReader) -> None:
+    """Every record lies in a regular file (not a symlink) of the checkpoint."""
     ends: dict[str, int] = {}
     for info in metadata.storage_data.values():
         end = info.offset + info.length
         if end > ends.get(info.relative_path, -1):
             ends[info.relative_path] = end
     for name, end in sorted(ends.items()):
-        path = os.path.join(root, name)
-        try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{path} is missing (named by {METADATA_NAME})", path) from None
-        if stat.S_ISLNK(st.st_mode):
-            raise CorruptCheckpointError(f"{path} is a symlink; checkpoint files must be regular files", path)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"{path} is not a regular file", path)
-        if os.path.dirname(os.path.realpath(os.path.join(real_root, name))) != real_root:
-            raise CorruptCheckpointError(f"{path} resolves outside the checkpoint directory", path)
-        if end > st.st_size:
+        path = os.path.join(checkpoint.root, name)
+        size = checkpoint.file_size(name)
+        if size is None:
+            raise CorruptCheckpointError(f"{path} is missing (named by {METADATA_NAME})", path)
+        if end > size:
             raise CorruptCheckpointError(
-                f"{path} has {st.st_size} bytes but {METADATA_NAME} places a record up to byte {end}", path
+                f"{path} has {size} bytes but {METADATA_NAME} places a record up to byte {end}", path
             )
 
 
-def read_metadata(checkpoint_dir: str | os.PathLike, storage: Storage = LOCAL) -> Metadata:
+def read_metadata(checkpoint_dir: str | os.PathLike, storage: ReadableStorage = LOCAL) -> Metadata:
     """Read and check the DCP ``.metadata`` of a checkpoint directory, safely.
 
     Unpickles with an allowlist of DCP metadata classes, then checks that every
@@ -199,20 +190,16 @@ def read_metadata(checkpoint_dir: str | os.PathLike, storage: Storage = LOCAL) -
     """
     root = os.fspath(checkpoint_dir)
     path = os.path.join(root, METADATA_NAME)
-    dir_fd = storage.open_dir(root)
-    try:
-        fd = storage.open_file(dir_fd, root, METADATA_NAME)
+    with storage.open_checkpoint(root) as checkpoint:
+        data = checkpoint.read_bytes(METADATA_NAME)
         try:
-            with open(fd, "rb", closefd=False) as f, gc_paused():
-                metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+            with gc_paused():
+                metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         except CheckpointError:
             raise
         except Exception as exc:
             raise CorruptCheckpointError(f"{path} cannot be read safely: {type(exc).__name__}: {exc}", path) from exc
-        finally:
-            os.close(fd)
+        del data
         validate_metadata(metadata, path)
-        _check_data_files(metadata, root, dir_fd)
-    finally:
-        os.close(dir_fd)
+        _check_data_files(metadata, checkpoint)
     return metadata

@@ -27,8 +27,10 @@ from asyncckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidArgumentError,
+    RemoteStorageError,
 )
 from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME
+from asyncckpt.format.records import RECORDS_NAME
 from asyncckpt.io import s3 as _s3
 from asyncckpt.io.storage import LOCAL
 from asyncckpt.loading.api import from_dcp_exception, not_a_directory
@@ -227,8 +229,10 @@ def read_state_dict(
     semantics unless ``allow_pickle``.
 
     Args:
-        checkpoint_dir: an ``s3://bucket/prefix/step_N`` URL (read with ranged GETs in
-            parallel into memory first, :mod:`asyncckpt.io.s3`), or a checkpoint
+        checkpoint_dir: an ``s3://bucket/prefix/step_N`` URL (its objects read with
+            ranged GETs in parallel, windows of records at a time, nothing on disk:
+            :class:`asyncckpt.io.s3.S3Checkpoint`; with ``verify``, every segment's
+            CRC-32 is checked as it arrives, before anything is returned), or a checkpoint
             directory: committed by asyncckpt (it has a
             ``.manifest.json``), or a stock DCP directory (no manifest; a step of an
             asyncckpt root without one is corrupt, see :func:`asyncckpt.root.is_in_root`).
@@ -266,8 +270,16 @@ def read_state_dict(
             named).
     """
     if _s3.is_url(checkpoint_dir):
-        with _s3.fetched(str(checkpoint_dir)) as local:
-            return read_state_dict(local, verify=verify, allow_pickle=allow_pickle)
+        if verify not in (True, False, "inline"):
+            raise InvalidArgumentError(f"verify must be True, False or 'inline', not {verify!r}")
+        with _s3.open_url(str(checkpoint_dir)) as remote:
+            listed = remote.read_manifest()
+            url_reader = SafeFileSystemReader(remote.root, storage=remote)
+            if verify:  # the small files now; every segment of the data as it is read
+                remote.verify(names=[n for n in (METADATA_NAME, RECORDS_NAME) if n in listed["files"]])
+                url_reader.inline_files = listed["files"]
+            url_reader.check_manifest(listed["files"])  # reads and checks .metadata
+            return _read(url_reader, listed, remote.root, allow_pickle)
     path = Path(check_path(checkpoint_dir))
     if verify not in (True, False, "inline"):
         raise InvalidArgumentError(f"verify must be True, False or 'inline', not {verify!r}")
@@ -297,9 +309,16 @@ def read_state_dict(
             UserWarning,
             stacklevel=2,
         )
+    return _read(reader, manifest, str(path), allow_pickle)
+
+
+def _read(
+    reader: SafeFileSystemReader, manifest: dict[str, Any] | None, root: str, allow_pickle: bool
+) -> dict[str, Any]:
+    """:func:`read_state_dict` of a checked checkpoint, read through ``reader``."""
     metadata = reader.read_metadata()
-    where = str(path / METADATA_NAME)
-    int_keys = manifest_int_keys(manifest, str(path / MANIFEST_NAME))
+    where = os.path.join(root, METADATA_NAME)
+    int_keys = manifest_int_keys(manifest, os.path.join(root, MANIFEST_NAME))
 
     # One destination per entry, keyed by its flat FQN (what DCP's planner matches).
     flat: dict[str, Any] = {}
@@ -314,5 +333,9 @@ def read_state_dict(
         # ranks are not reading with us).
         _load_state_dict(flat, storage_reader=reader, planner=planner, no_dist=True)
     except _DcpCheckpointException as exc:
-        raise from_dcp_exception(exc, path) from exc
+        if _s3.is_url(root):  # a remote object gone, a request failed: as they are
+            for _, (cause, _tb) in sorted(exc.failures.items()):
+                if isinstance(cause, (CheckpointNotFoundError, RemoteStorageError)):
+                    raise cause from exc
+        raise from_dcp_exception(exc, root) from exc
     return _nest(planner.state_dict, metadata, int_keys, where)

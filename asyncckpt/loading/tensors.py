@@ -34,7 +34,7 @@ from asyncckpt._check import check_path
 from asyncckpt.errors import CheckpointNotFoundError, CheckpointPathError, CorruptCheckpointError
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME
-from asyncckpt.io.storage import LOCAL
+from asyncckpt.io.storage import LOCAL, LocalFileReader
 from asyncckpt.loading.direct import _checked_segments
 from asyncckpt.loading.framing import RecordStream, pread_into, suffix_matches, torch_load_tensor, writer_framing
 from asyncckpt.loading.metadata import check_file_name, read_metadata
@@ -358,7 +358,7 @@ class CheckpointTensors:
             f.read_into(info.offset, memoryview(raw))
             stream = io.BytesIO(raw)
         else:
-            stream = RecordStream(f.fd, info.offset, info.length)
+            stream = RecordStream(LocalFileReader(f.fd, f.path), info.offset, info.length)  # (f keeps the fd)
         tensor = torch_load_tensor(stream, f.path, entry.fqn)
         if tuple(tensor.shape) != chunk.sizes or tensor.dtype != entry.dtype:
             raise CorruptCheckpointError(
