@@ -84,6 +84,11 @@ def _scenario(rank: int, world: int, base: str) -> dict[str, Any]:
     dist.barrier()
     seen["intact"] = _restore(base, rank)  # every shard on its own node
     dist.barrier()
+    if rank == 2:  # a flipped byte in node 1's copy of rank 3's shard: it takes its replica on node 0
+        flip_byte(Path(base) / "node1" / "rank_00003" / "step_00000008" / "__0_0.distcp", 100)
+    dist.barrier()
+    seen["flipped"] = _restore(base, rank)
+    dist.barrier()
     if rank == 2:  # node 1 replaced (its tier is empty), the persistent root moved away
         shutil.rmtree(Path(base) / "node1")
     if rank == 0:
@@ -91,10 +96,8 @@ def _scenario(rank: int, world: int, base: str) -> dict[str, Any]:
     dist.barrier()
     seen["replaced"] = _restore(base, rank)
     dist.barrier()
-    if rank == 2:  # a flipped byte in node 1's copy of rank 3's shard: it takes its replica on node 0
-        flip_byte(Path(base) / "node1" / "rank_00003" / "step_00000008" / "__0_0.distcp", 100)
-    dist.barrier()
-    seen["flipped"] = _restore(base, rank)
+    node1 = Path(base) / "node1"  # a fetched shard is loaded, not stored: node 1 holds no file
+    seen["node1_after"] = sorted(str(p.relative_to(node1)) for p in node1.rglob("*") if p.is_file())
     return seen
 
 
@@ -123,6 +126,7 @@ def test_local_tier_replicates_and_restores(tmp_path: Path) -> None:
         assert flipped.peers == {3: 1}, flipped
         assert "rank 3's copy from its own node failed" in str(flipped) and "checksum mismatch" in str(flipped)
         assert s["flipped"]["same"], rank
+        assert s["node1_after"] == [], (rank, s["node1_after"])
     assert seen[3]["flipped"]["result"].source == "peer 1"
 
 

@@ -41,7 +41,7 @@ from asyncckpt.format.crc import crc32
 from asyncckpt.format.naming import parse_step_dir, step_dir_name
 from asyncckpt.io.storage import LocalStorage
 
-__all__ = ["LocalTier", "NodeLocalStorage", "Packed", "Arrival", "RESTORABLE_NAME"]
+__all__ = ["LocalTier", "NodeLocalStorage", "Packed", "Arrival", "RESTORABLE_NAME", "check_segments"]
 
 #: The marker of a shard's newest restorable step.
 RESTORABLE_NAME = "restorable.json"
@@ -297,9 +297,10 @@ class Arrival:
             os.close(fd)
         self.maps, self.fds = [], []
 
-    def finish(self) -> Path:
-        """Check every byte against the manifest received, make the files durable and
-        rename the directory into place (a copy of the same step there is replaced).
+    def finish(self, checksums: bool = True) -> Path:
+        """Check the files against the manifest received (their names and sizes, and,
+        with ``checksums``, the CRC-32 of every byte), make them durable and rename the
+        directory into place (a copy of the same step there is replaced).
 
         Returns:
             The committed directory.
@@ -311,7 +312,7 @@ class Arrival:
         try:
             views = [memoryview(m) if m is not None else memoryview(b"") for m in self.maps]
             try:
-                _check_received(self.files, views, self.final)
+                _check_received(self.files, views, self.final, checksums)
             finally:
                 for view in views:
                     view.release()  # before the mappings close
@@ -337,10 +338,10 @@ class Arrival:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _check_received(files: list[tuple[str, int]], views: list[memoryview], where: Path) -> None:
+def _check_received(files: list[tuple[str, int]], views: list[memoryview], where: Path, checksums: bool = True) -> None:
     """Check a received shard (the files of :meth:`NodeLocalStorage.pack`, the manifest
     last; ``views[i]`` holds file ``i``) against its manifest: the same files, sizes and
-    the CRC-32 of every segment.
+    (``checksums``) the CRC-32 of every segment.
 
     Raises:
         CorruptCheckpointError: naming the first file that does not match.
@@ -358,11 +359,38 @@ def _check_received(files: list[tuple[str, int]], views: list[memoryview], where
     for view, (name, size) in zip(views, files[:-1]):
         if entries[name].get("size") != size:
             raise CorruptCheckpointError(f"a replica's {name!r} does not match its manifest", str(where / name))
-        for offset, length, expected in entries[name]["segments"]:
-            actual = crc32(view[offset : offset + length]) if offset + length <= size else -1
-            if actual != expected:
-                raise CorruptCheckpointError(
-                    f"{where / name}: checksum mismatch in bytes [{offset}, {offset + length}) of the replica "
-                    f"received (crc32 {actual & 0xFFFFFFFF:08x}, manifest {expected:08x})",
-                    str(where / name),
-                )
+        if checksums:
+            check_segments(entries[name], [view], where / name)
+
+
+def check_segments(entry: dict[str, Any], views: list[memoryview], path: Path) -> None:
+    """Check the bytes of one file, held by ``views`` in file order (pieces of any
+    lengths), against its manifest entry (``entry["segments"]``: ``[offset, length,
+    crc32]``, covering the file): each segment's CRC-32 is folded over the pieces it
+    spans (no copy).
+
+    Raises:
+        CorruptCheckpointError: the pieces are not the entry's size, or the first
+            segment whose CRC-32 differs (naming its bytes).
+    """
+    size = sum(len(v) for v in views)
+    if entry.get("size") != size:
+        raise CorruptCheckpointError(f"{path} has {size} bytes, its manifest says {entry.get('size')}", str(path))
+    i, start = 0, 0  # the piece holding file offset ``start``
+    for offset, length, expected in entry["segments"]:
+        if offset + length > size:
+            raise CorruptCheckpointError(f"{path}: manifest segments do not cover the file", str(path))
+        actual, pos, end = 0, offset, offset + length
+        while pos < end:
+            while start + len(views[i]) <= pos:
+                start += len(views[i])
+                i += 1
+            take = min(end, start + len(views[i])) - pos
+            actual = crc32(views[i][pos - start : pos - start + take], actual)
+            pos += take
+        if actual != expected:
+            raise CorruptCheckpointError(
+                f"{path}: checksum mismatch in bytes [{offset}, {end}) of the copy received "
+                f"(crc32 {actual & 0xFFFFFFFF:08x}, manifest {expected:08x})",
+                str(path),
+            )
