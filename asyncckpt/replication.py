@@ -43,6 +43,7 @@ its docstring for the contract.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import dataclasses
@@ -617,6 +618,12 @@ class LocalCheckpoints:
 _SMALL = (MANIFEST_NAME, METADATA_NAME, RECORDS_NAME)
 
 
+#: A tensor's data travels as a message of its own, straight into the tensor, from this
+#: size on; smaller ones travel with the bytes around them (a message costs more than
+#: copying this many bytes, and an LLM state has thousands of small tensors).
+_PIECE_MIN_BYTES = 1 << 20
+
+
 class _Piece(NamedTuple):
     """Bytes ``[offset, offset + length)`` of data file ``file`` of a shard, one message of
     a restore's transfer: a tensor's data (``fqn``), or the bytes between (``None``)."""
@@ -639,8 +646,9 @@ def _header(packed: Packed) -> dict[str, Any]:
 
 def _pieces(header: dict[str, Any]) -> list[_Piece]:
     """The messages of a shard's data files (the sender's cut and the receiver's, from the
-    same header): each tensor record's data alone (so that it lands in the tensor it
-    restores), and the bytes between (framing, values, gaps). Without a records file
+    same header): each tensor record's data of at least :data:`_PIECE_MIN_BYTES` alone
+    (so that it lands in the tensor it restores), and the bytes between (framing,
+    values, gaps, smaller tensors: one message for many). Without a records file
     that stands for the ``.metadata`` (``parse_records``), each file is one piece.
     Never raises: a header that does not check is refused by the receiver
     (:func:`_checked_header`), which still drains these pieces."""
@@ -661,7 +669,7 @@ def _pieces(header: dict[str, Any]) -> list[_Piece]:
             framing = writer_framing(dtype, shape) if dtype is not None else None
             if (
                 framing is None
-                or not framing.nbytes
+                or framing.nbytes < _PIECE_MIN_BYTES
                 or offset < pos
                 or offset + length > size
                 or length != len(framing.prefix) + framing.nbytes + len(framing.suffix)
@@ -752,6 +760,7 @@ class _Fetch:
         self.arrival: Arrival | None = None
         self.plan: Any = None
         self.temps: dict[str, torch.Tensor] = {}
+        self._index: dict[str, tuple[list[int], list[tuple[int, memoryview]]]] = {}
         try:
             self.entries, records = _checked_header(header, self.where)
             self.plan = plan_direct_load(state_dict, records) if records is not None else None
@@ -793,17 +802,28 @@ class _Fetch:
             self.arrival.discard()
             self.arrival = None
 
-    def _at(self, name: str, offset: int, length: int) -> bytes:
-        """File ``name``'s bytes ``[offset, offset + length)``, from the pieces received."""
-        out = bytearray()
-        for piece, buf in zip(self.pieces, self.bufs):
-            if piece.file == name and piece.offset < offset + length and offset < piece.offset + piece.length:
-                lo = max(offset, piece.offset) - piece.offset
-                hi = min(offset + length, piece.offset + piece.length) - piece.offset
-                out += buf[lo:hi]
-        if len(out) != length:
+    def _at(self, name: str, offset: int, length: int) -> memoryview:
+        """File ``name``'s bytes ``[offset, offset + length)``, from the pieces received
+        (a view where one piece holds them).
+
+        Raises:
+            CorruptCheckpointError: they are not all there (a record past the file's end).
+        """
+        starts, pieces = self._index.get(name, ([], []))
+        i = max(0, bisect.bisect_right(starts, offset) - 1)
+        parts: list[memoryview] = []
+        got, pos, end = 0, offset, offset + length
+        while i < len(pieces) and pos < end:
+            start, buf = pieces[i]
+            if start <= pos < start + len(buf):
+                take = min(end, start + len(buf)) - pos
+                parts.append(buf[pos - start : pos - start + take])
+                pos += take
+                got += take
+            i += 1
+        if got != length:
             raise CorruptCheckpointError(f"a record lies outside {name!r}", str(self.where / name))
-        return bytes(out)
+        return parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
 
     def finish(self, error: RankFailure | None) -> RankFailure | None:
         """After the transfer (``error``: it failed): check and place what arrived.
@@ -834,6 +854,9 @@ class _Fetch:
         by_file: dict[str, list[memoryview]] = {}
         for piece, buf in zip(self.pieces, self.bufs):
             by_file.setdefault(piece.file, []).append(buf)
+            starts, pieces = self._index.setdefault(piece.file, ([], []))
+            starts.append(piece.offset)
+            pieces.append((piece.offset, buf))
         for name, entry in self.entries.items():
             if name not in _SMALL:
                 check_segments(entry, by_file.get(name, []), self.where / name)
@@ -844,20 +867,20 @@ class _Fetch:
             for e in entries:
                 framing = e.framing
                 if framing is None:
-                    values.append((e.fqn, planner.decode_value(e.fqn, io.BytesIO(self._at(name, e.offset, e.length)))))
+                    raw = self._at(name, e.offset, e.length).tobytes()
+                    values.append((e.fqn, planner.decode_value(e.fqn, io.BytesIO(raw))))
                     continue
                 n = len(framing.prefix)
                 tail = self._at(name, e.offset + n + framing.nbytes, len(framing.suffix))
-                if self._at(name, e.offset, n) != framing.prefix or not suffix_matches(memoryview(tail), framing):
+                if self._at(name, e.offset, n) != framing.prefix or not suffix_matches(tail, framing):
                     raise CorruptCheckpointError(
                         f"{self.where / name}: the record of {e.fqn!r} is not in our writer's framing",
                         str(self.where / name),
                     )
                 if e.fqn not in received and framing.nbytes:
-                    data = bytearray(self._at(name, e.offset + n, framing.nbytes))
-                    e.target.detach().copy_(
-                        torch.frombuffer(data, dtype=torch.uint8).view(e.target.dtype).view(e.target.shape)
-                    )
+                    data = torch.frombuffer(self._at(name, e.offset + n, framing.nbytes), dtype=torch.uint8)
+                    e.target.detach().copy_(data.view(e.target.dtype).view(e.target.shape))
+                    del data  # (it holds a view of a buffer released after)
                 elif e.fqn in self.temps:
                     e.target.detach().copy_(self.temps[e.fqn])
         for fqn, obj in values:
