@@ -61,7 +61,7 @@ def _scenario(rank: int, world: int, base: str) -> dict[str, Any]:
     with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=_tier(base, rank)) as mgr:
         assert mgr.local is not None
         restorable: list[int] = []
-        for step in range(1, 10):
+        for step in range(1, 12):
             if step in (4, 6):  # rank 3's local commit of step 4 fails, rank 2's receive of step 6:
                 restorable += mgr.local.maybe_finalize(blocking=True)  # no rank marks either
                 if (rank, step) == (3, 4):
@@ -80,12 +80,17 @@ def _scenario(rank: int, world: int, base: str) -> dict[str, Any]:
         restorable += mgr.local.maybe_finalize(blocking=True)
         seen["restorable"] = restorable
     node_dir = Path(base) / f"node{rank // 2}"
-    seen["files"] = sorted(str(p.relative_to(node_dir)) for p in node_dir.rglob("*") if p.is_file())
+    seen["files"] = sorted(
+        str(p.relative_to(node_dir))
+        for p in node_dir.rglob("*")
+        if p.is_file() and not any(part.startswith(".spare") for part in p.relative_to(node_dir).parts)
+    )
+    seen["spares"] = sorted(p.parent.name for p in node_dir.glob("rank_*/.spare.tmp-*"))
     dist.barrier()
     seen["intact"] = _restore(base, rank)  # every shard on its own node
     dist.barrier()
     if rank == 2:  # a flipped byte in node 1's copy of rank 3's shard: it takes its replica on node 0
-        flip_byte(Path(base) / "node1" / "rank_00003" / "step_00000008" / "__0_0.distcp", 100)
+        flip_byte(Path(base) / "node1" / "rank_00003" / "step_00000010" / "__0_0.distcp", 100)
     dist.barrier()
     seen["flipped"] = _restore(base, rank)
     dist.barrier()
@@ -107,19 +112,21 @@ def test_local_tier_replicates_and_restores(tmp_path: Path) -> None:
     seen = run_ranks(_scenario, WORLD, str(tmp_path), timeout=200, start_method="forkserver")
     for rank, s in enumerate(seen):
         # step 4 failed on rank 3 (its commit), step 6 on rank 2 (a replica it received): both are
-        # restorable nowhere, training went on; 2 and 8 are
+        # restorable nowhere, training went on; 2, 8 and 10 are (10 received into the spares of 6)
         assert s["after_failed_4"] == [2] and s["after_failed_6"] == [2], (rank, s)
-        assert s["restorable"] == [2, 8], (rank, s)
+        assert s["restorable"] == [2, 8, 10], (rank, s)
     # each node keeps the newest restorable step only, of its ranks' shards and its replicas
     assert seen[0]["files"] == seen[2]["files"]
     assert {f.split("/")[0] for f in seen[0]["files"]} == {f"rank_0000{r}" for r in range(WORLD)}
-    assert {f.split("/")[1] for f in seen[0]["files"] if "/step_" in f} == {"step_00000008"}
+    assert {f.split("/")[1] for f in seen[0]["files"] if "/step_" in f} == {"step_00000010"}
+    # and one spare per replica it receives (an older step, written over by the next one)
+    assert seen[0]["spares"] == ["rank_00002", "rank_00003"] and seen[2]["spares"] == ["rank_00000", "rank_00001"]
     for rank, s in enumerate(seen):
         intact = s["intact"]["result"]
-        assert (intact.step, intact.tier, intact.peers, intact.source) == (8, "local", {}, "local"), intact
+        assert (intact.step, intact.tier, intact.peers, intact.source) == (10, "local", {}, "local"), intact
         assert s["intact"]["same"], rank
         replaced = s["replaced"]["result"]
-        assert (replaced.step, replaced.tier) == (8, "local"), replaced
+        assert (replaced.step, replaced.tier) == (10, "local"), replaced
         assert replaced.peers == {2: 0, 3: 1}, replaced  # from their replicas (each rank's replica target)
         assert s["replaced"]["same"], rank
         flipped = s["flipped"]["result"]

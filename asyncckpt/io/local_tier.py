@@ -47,6 +47,19 @@ __all__ = ["LocalTier", "NodeLocalStorage", "Packed", "Arrival", "RESTORABLE_NAM
 RESTORABLE_NAME = "restorable.json"
 
 
+#: The name of a shard's spare directory starts so (a hidden leftover to
+#: :meth:`NodeLocalStorage.remove_leftovers`).
+_SPARE_PREFIX = ".spare.tmp-"
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _entries(directory: Path) -> list[Path]:
+    try:
+        return list(directory.iterdir())
+    except OSError:
+        return []
+
+
 @dataclass(frozen=True)
 class LocalTier:
     """The node-local tier's policy (data, like :class:`~asyncckpt.SaveOptions`).
@@ -122,9 +135,12 @@ class NodeLocalStorage(LocalStorage):
             return None
         return marker if marker["rank"] == rank else None
 
-    def mark_restorable(self, rank: int, step: int, world_size: int) -> None:
+    def mark_restorable(self, rank: int, step: int, world_size: int, spare: bool = False) -> None:
         """Record ``step`` as rank ``rank``'s newest restorable step (atomic, durable),
-        then remove the shard's older steps and leftovers (not a save in flight).
+        then remove the shard's older steps (not a save in flight). With ``spare`` (a
+        replica this node receives), the newest older step is kept, hidden, as the spare
+        that the next step is received into (:meth:`arrival`: its memory is written over,
+        not allocated again), in place of one that is there.
 
         Raises:
             OSError: the marker could not be written.
@@ -134,10 +150,22 @@ class NodeLocalStorage(LocalStorage):
         _fs.write_new_file(tmp, json.dumps({"step": step, "world_size": world_size, "rank": rank}).encode())
         os.replace(tmp, shard / RESTORABLE_NAME)
         _fs.fsync_directory(shard)
-        for entry in list(shard.iterdir()):
-            other = parse_step_dir(entry.name)
-            if other is not None and other != step:
-                _fs.remove_checkpoint(entry, best_effort=True)
+        older = sorted(
+            (other, entry)
+            for entry in shard.iterdir()
+            if (other := parse_step_dir(entry.name)) is not None and other != step
+        )
+        if spare and older and older[-1][0] < step:
+            _, newest = older.pop()
+            for entry in list(shard.iterdir()):
+                if entry.name.startswith(_SPARE_PREFIX):
+                    _fs.remove_checkpoint(entry, best_effort=True)
+            try:
+                os.rename(newest, shard / f"{_SPARE_PREFIX}{secrets.token_hex(4)}")
+            except OSError:
+                _fs.remove_checkpoint(newest, best_effort=True)
+        for _, entry in older:
+            _fs.remove_checkpoint(entry, best_effort=True)
 
     def unmark(self, rank: int) -> None:
         """Remove rank ``rank``'s restorable marker (durably): its shard has none now."""
@@ -224,14 +252,27 @@ class NodeLocalStorage(LocalStorage):
                 raise CorruptCheckpointError(f"a replica names a file {name!r}", str(final))
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.temporary_dir(final, secrets.token_hex(8))
-        tmp.mkdir()
+        spares = [e for e in _entries(final.parent) if e.name.startswith(_SPARE_PREFIX)]
+        for spare in spares:  # the shard's previous step, written over (its memory is there)
+            try:
+                os.rename(spare, tmp)
+                break
+            except OSError:
+                continue
+        else:
+            tmp.mkdir()
         arrival = Arrival(final, tmp, list(files), [], [])
         try:
+            wanted = {name for name, _ in files}
+            for entry in _entries(tmp):
+                if entry.name not in wanted:
+                    entry.unlink()
             for name, size in files:
-                fd = os.open(tmp / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                fd = os.open(tmp / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
                 arrival.fds.append(fd)
                 os.ftruncate(fd, size)
-                arrival.maps.append(mmap.mmap(fd, size) if size else None)
+                # (MAP_POPULATE: the page tables filled at once, not one fault per page)
+                arrival.maps.append(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE) if size else None)
         except BaseException:
             arrival.discard()
             raise
