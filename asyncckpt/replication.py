@@ -26,12 +26,15 @@ replicate  the funnel of the local commits;  the finalizer thread, on its       
            each rank sends its shard's       private gloo group                  (collective)
            files to its ``replicas`` peers
            on other nodes (gloo isend/
-           irecv); each receiver writes,
+           irecv); each receiver writes
+           (into its shard's spare),
            CRC-checks and renames; the
            funnel of the arrivals
 mark       ``restorable.json`` of every      the finalizer thread                each
            shard this node stored, older
-           steps removed
+           steps removed (a replica's
+           newest older one kept as the
+           spare of the next)
 =========  ================================  ==================================  ==========
 
 A step is restorable once every rank's shard is stored on ``replicas + 1`` nodes: the
