@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -312,3 +313,73 @@ def test_the_newest_tier_wins(tmp_path: Path) -> None:
     with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
         result = mgr.restore(got)
         assert result is not None and (result.step, result.tier) == (4, "local") and got["rank"] == 1
+
+
+def _big_state(rank: int, step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return {"w": torch.randn(4 << 20, generator=g), "step": step}  # 16 MiB: a transfer of some milliseconds
+
+
+def _killed_mid_replication(rank: int, world: int, base: str) -> Any:
+    import signal
+    import threading
+    import time
+
+    # (no ``with``: the job fails once rank 2 is gone, and its other ranks end)
+    pids = [0] * world
+    dist.all_gather_object(pids, os.getpid())
+    mgr = asyncckpt.CheckpointManager(os.path.join(base, "root"), local=_tier(base, rank))
+    assert mgr.local is not None
+    mgr.local.save(2, _big_state(rank, 2))
+    assert mgr.local.maybe_finalize(blocking=True) == [2]
+    if rank == 2:  # rank 0's replica of step 4 arriving here: this process is SIGKILLed with it half received
+        shard = Path(base) / "node1" / "rank_00000"
+
+        def kill_when_arriving() -> None:
+            while not any(p.name.startswith(".step_00000004.tmp-") for p in shard.iterdir()):
+                time.sleep(0.0005)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=kill_when_arriving, daemon=True).start()
+    dist.barrier()
+    mgr.local.save(4, _big_state(rank, 4))
+    deadline = time.monotonic() + 50
+    while time.monotonic() < deadline:  # until rank 2 is dead (its replication goes on meanwhile)
+        try:
+            alive = psutil.Process(pids[2]).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+        except psutil.NoSuchProcess:
+            alive = False
+        if not alive:  # the job has failed: this rank goes too (its worker stopped), without a word
+            mgr.close(abort=True)  # (no collective: rank 2 is gone)
+            os._exit(0)
+        time.sleep(0.01)
+    return "rank 2 is alive"
+
+
+def _restart(rank: int, world: int, base: str) -> Any:
+    with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=_tier(base, rank)) as mgr:
+        node = Path(base) / f"node{rank // 2}"
+        leftovers = sorted(str(p.relative_to(node)) for p in node.glob("rank_*/.step_*"))
+        got: dict[str, Any] = {"w": torch.zeros(4 << 20), "step": -1}
+        result = mgr.restore(got)
+    return result, leftovers, torch.equal(got["w"], _big_state(rank, 2)["w"]) and got["step"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_a_replica_target_killed_mid_replication(tmp_path: Path) -> None:
+    # the process receiving rank 0's replica of step 4 is SIGKILLed with the bytes half
+    # received (a lost node, not a failpoint): the job fails; step 4 was never restorable,
+    # and the next start restores step 2, with nothing of the half-received copy
+    preload_forkserver()
+    with pytest.raises(AssertionError, match=r"exit codes \{[^}]*2: -9"):
+        run_ranks(_killed_mid_replication, WORLD, str(tmp_path), timeout=60, start_method="forkserver")
+    half = list((tmp_path / "node1" / "rank_00000").glob(".step_00000004.tmp-*"))
+    assert half, "rank 2 died before the replica arrived"
+    for node in ("node0", "node1"):
+        for shard in (tmp_path / node).glob("rank_*"):
+            assert NodeLocalStorage(tmp_path / node).marker(int(shard.name[5:]))["step"] == 2  # type: ignore[index]
+    for rank, (result, leftovers, same) in enumerate(
+        run_ranks(_restart, WORLD, str(tmp_path), timeout=120, start_method="forkserver")
+    ):
+        assert (result.step, result.tier, result.peers) == (2, "local", {}), (rank, result)
+        assert leftovers == [] and same, (rank, leftovers)
