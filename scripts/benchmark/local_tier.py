@@ -16,7 +16,8 @@ bytes, right next to it (``--reps`` rounds; the median of the ratios):
 - peer restore (node 1's tier wiped: ranks 2 and 3 receive their shards from node 0 over
   gloo straight into their state and check every byte; ranks 0 and 1 load theirs from
   their node meanwhile) / the raw gloo transfer (one isend/irecv of the same bytes
-  between the same ranks into preallocated memory);
+  between the same ranks into preallocated memory), and / the same transfer while
+  ranks 0 and 1 copy their own state (memcpy: the least their own restore adds);
 - training slowdown: ``--train-steps`` steps (fixed compute, a small all-reduce, a
   write to the state) with a local save every step, and with a persistent save every 4
   steps, each / the same loop without checkpoints.
@@ -75,13 +76,18 @@ def _memcpy(src: list[torch.Tensor], dst: list[torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
-def _raw_transfer(buf: torch.Tensor, rank: int) -> float:
+def _raw_transfer(buf: torch.Tensor, rank: int, copy: tuple[list[torch.Tensor], list[torch.Tensor]] | None) -> float:
     """Seconds to send ``buf``'s bytes from rank r to rank r + 2 (r = 0, 1), all at once,
-    into preallocated memory (``buf``, faulted in), between two barriers."""
+    into preallocated memory (``buf``, faulted in), between two barriers; with ``copy``
+    (``(src, dst)``), the senders meanwhile copy their own state (the least a restore
+    of node 0's own shards adds while it serves node 1)."""
     dist.barrier()
     t0 = time.perf_counter()
     work = dist.isend(buf, rank + 2) if rank < 2 else dist.irecv(buf, rank - 2)
     assert work is not None
+    if copy is not None and rank < 2:
+        for d, s in zip(copy[1], copy[0]):
+            d.copy_(s)
     work.wait()
     dist.barrier()
     return time.perf_counter() - t0
@@ -150,7 +156,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
         if rank == 2:
             shutil.copytree(base / "node1", base / "node1.intact")
         buf = torch.zeros(nbytes, dtype=torch.uint8)
-        local_times, local_limits, peer_times, peer_limits = [], [], [], []
+        local_times, local_limits, peer_times, peer_limits, busy_limits = [], [], [], [], []
         for _ in range(args.reps):
             if rank == 2:  # node 1 as it was saved
                 shutil.rmtree(base / "node1", ignore_errors=True)
@@ -165,7 +171,8 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                 assert result is not None and result.tier == "local" and not result.peers, result
             if rank == 2:
                 shutil.rmtree(base / "node1")
-            peer_limits.append(_raw_transfer(buf, rank))
+            peer_limits.append(_raw_transfer(buf, rank, None))
+            busy_limits.append(_raw_transfer(buf, rank, (src, dst)))
             with asyncckpt.CheckpointManager(base / "root", local=tier) as mgr:
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -181,6 +188,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                     "stall": (statistics.median(stalls[1:]), statistics.median(memcpys[1:])),
                     "local": (local_times, local_limits),
                     "peer": (peer_times, peer_limits),
+                    "peer_busy": (peer_times, busy_limits),
                     "train": train,
                 }
             )
@@ -233,6 +241,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     rows = [
         ("local restore (own node, CRC-checked)", r["local"], "memcpy"),
         ("peer restore (node 1 wiped, from node 0)", r["peer"], "raw gloo transfer"),
+        ("the same", r["peer_busy"], "raw transfer + node 0's memcpy"),
     ]
     for name, (times, limits), limit in rows:
         ratio = statistics.median(t / lim for t, lim in zip(times, limits))
