@@ -881,9 +881,15 @@ class _Fetch:
                         str(self.where / name),
                     )
                 if e.fqn not in received and framing.nbytes:
-                    data = torch.frombuffer(self._at(name, e.offset + n, framing.nbytes), dtype=torch.uint8)
-                    e.target.detach().copy_(data.view(e.target.dtype).view(e.target.shape))
-                    del data  # (it holds a view of a buffer released after)
+                    view = self._at(name, e.offset + n, framing.nbytes)
+                    target = e.target.detach()
+                    if target.is_cpu and target.is_contiguous():  # (libc's memmove: torch's copy_ of
+                        # a small tensor wakes its intra-op threads, milliseconds each on a busy machine)
+                        ctypes.memmove(target.data_ptr(), ctypes.addressof(ctypes.c_char.from_buffer(view)), len(view))
+                    else:
+                        data = torch.frombuffer(view, dtype=torch.uint8)
+                        target.copy_(data.view(target.dtype).view(target.shape))
+                        del data  # (it holds a view of a buffer released after)
                 elif e.fqn in self.temps:
                     e.target.detach().copy_(self.temps[e.fqn])
         for fqn, obj in values:

@@ -29,6 +29,7 @@ bytes, right next to it (``--reps`` rounds; the median of the ratios):
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import os
 import shutil
@@ -65,13 +66,19 @@ def _state(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     return {f"layer{i}.weight": torch.randn(n, generator=g) for i in range(args.tensors)} | {"step": 0}
 
 
+def _copy(src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
+    """libc's memmove per tensor (torch's ``copy_`` wakes its intra-op threads for each
+    tensor: milliseconds per call on this busy machine, seconds for an LLM state)."""
+    for d, s in zip(dst, src):
+        ctypes.memmove(d.data_ptr(), s.data_ptr(), s.numel() * s.element_size())
+
+
 def _memcpy(src: list[torch.Tensor], dst: list[torch.Tensor]) -> float:
     """Seconds to copy ``src`` into ``dst`` (preallocated, faulted in) on every rank at
     once, between two barriers (as the restores are timed)."""
     dist.barrier()
     t0 = time.perf_counter()
-    for d, s in zip(dst, src):
-        d.copy_(s)
+    _copy(src, dst)
     dist.barrier()
     return time.perf_counter() - t0
 
@@ -86,8 +93,7 @@ def _raw_transfer(buf: torch.Tensor, rank: int, copy: tuple[list[torch.Tensor], 
     work = dist.isend(buf, rank + 2) if rank < 2 else dist.irecv(buf, rank - 2)
     assert work is not None
     if copy is not None and rank < 2:
-        for d, s in zip(copy[1], copy[0]):
-            d.copy_(s)
+        _copy(*copy)
     work.wait()
     dist.barrier()
     return time.perf_counter() - t0
@@ -137,6 +143,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
         tier = asyncckpt.LocalTier(dir=str(base / f"node{rank // 2}"), every=1, replicas=1, node=rank // 2)
         sd = _state(args, rank)
         src = list(tensors_of(sd))
+        assert all(t.is_contiguous() for t in src)
         nbytes = sum(t.numel() * t.element_size() for t in src)
         dst = [torch.empty_like(t) for t in src]
         for d, t in zip(dst, src):
