@@ -524,10 +524,21 @@ class LocalCheckpoints:
         return result
 
     def _load_own(self, state_dict: dict[str, Any], step: int, out: list[RankFailure]) -> None:
-        """Load this rank's shard of ``step`` from its own node (every byte CRC-checked as
-        it is read); a failure is appended to ``out``."""
+        """Load this rank's shard of ``step`` from its own node; a failure is appended to
+        ``out``. When the state has the shard's structure, from the files' mappings
+        (:meth:`_Fetch.mapped`: every byte CRC-checked, then each tensor copied out, no
+        per-entry read planning); else with :func:`~asyncckpt.loading.api.load` (every
+        byte CRC-checked as it is read)."""
         try:
-            load(state_dict, self.storage.step_dir(self.rank, step), process_group=self._self_group)
+            packed = self.storage.pack(self.rank, step)
+            try:
+                fetch = _Fetch.mapped(self, state_dict, step, packed)
+                if fetch is None:
+                    load(state_dict, self.storage.step_dir(self.rank, step), process_group=self._self_group)
+                elif (failure := fetch.finish(None)) is not None:
+                    out.append(failure)
+            finally:
+                packed.close()
         except (AsyncckptError, OSError) as exc:
             out.append(RankFailure.from_exception(exc, f"the copy of step {step} from its own node: "))
 
@@ -797,6 +808,32 @@ class _Fetch:
             self.plan = None
             self.bufs = [memoryview(bytearray(piece.length)) for piece in self.pieces]
 
+    @classmethod
+    def mapped(cls, owner: LocalCheckpoints, state_dict: dict[str, Any], step: int, packed: Packed) -> _Fetch | None:
+        """The shard in this node's files (``packed``: their mappings) as if received:
+        each data file one piece over its mapping; :meth:`finish` then checks every byte
+        and copies each tensor out. ``None``: the state has another structure (load it
+        from the files).
+
+        Raises:
+            CorruptCheckpointError: the small files do not match the manifest.
+        """
+        self = cls.__new__(cls)
+        self.owner, self.state_dict, self.src = owner, state_dict, owner.rank
+        self.where = owner.storage.step_dir(owner.rank, step)
+        self.failure, self.arrival, self.temps, self._index = None, None, {}, {}
+        header = _header(packed)
+        self.entries, records = _checked_header(header, self.where)
+        self.plan = plan_direct_load(state_dict, records) if records is not None else None
+        if self.plan is None:
+            return None
+        self.pieces, self.bufs = [], []
+        for (name, size), m in zip(packed.files, packed.maps):
+            if name not in _SMALL and m is not None:
+                self.pieces.append(_Piece(name, 0, size, None))
+                self.bufs.append(memoryview(m))
+        return self
+
     def _release(self) -> None:
         for view in self.bufs:
             view.release()
@@ -842,7 +879,8 @@ class _Fetch:
                 else:
                     self._check_and_place()
             except (AsyncckptError, OSError) as exc:
-                return RankFailure.from_exception(exc, f"the copy of step {self.where.name} from rank {self.src}: ")
+                where = "its own node" if self.src == self.owner.rank else f"rank {self.src}"
+                return RankFailure.from_exception(exc, f"the copy of {self.where.name} from {where}: ")
             return None
         finally:
             self._release()
