@@ -463,8 +463,8 @@ class LocalCheckpoints:
            data files cut into pieces, each tensor's data received straight into the
            tensor it restores (:class:`_Fetch`; nothing is written on the receiver's
            node); the receiver checks every byte against the manifest's CRC-32s. A rank
-           holding its own shard loads it (every byte CRC-checked as it is read) while
-           its sends are in flight. One funnel. A rank whose copy failed takes the
+           holding its own shard loads it (:meth:`_load_own`: every byte CRC-checked)
+           while its sends are in flight. One funnel. A rank whose copy failed takes the
            next holder in the next round; when a rank has none left, every rank loads
            the persistent tier.
 
