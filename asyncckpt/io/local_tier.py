@@ -338,10 +338,9 @@ class Arrival:
             os.close(fd)
         self.maps, self.fds = [], []
 
-    def finish(self, checksums: bool = True) -> Path:
-        """Check the files against the manifest received (their names and sizes, and,
-        with ``checksums``, the CRC-32 of every byte), make them durable and rename the
-        directory into place (a copy of the same step there is replaced).
+    def finish(self) -> Path:
+        """Check every byte against the manifest received, make the files durable and
+        rename the directory into place (a copy of the same step there is replaced).
 
         Returns:
             The committed directory.
@@ -353,7 +352,7 @@ class Arrival:
         try:
             views = [memoryview(m) if m is not None else memoryview(b"") for m in self.maps]
             try:
-                _check_received(self.files, views, self.final, checksums)
+                _check_received(self.files, views, self.final)
             finally:
                 for view in views:
                     view.release()  # before the mappings close
@@ -379,10 +378,10 @@ class Arrival:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _check_received(files: list[tuple[str, int]], views: list[memoryview], where: Path, checksums: bool = True) -> None:
+def _check_received(files: list[tuple[str, int]], views: list[memoryview], where: Path) -> None:
     """Check a received shard (the files of :meth:`NodeLocalStorage.pack`, the manifest
     last; ``views[i]`` holds file ``i``) against its manifest: the same files, sizes and
-    (``checksums``) the CRC-32 of every segment.
+    the CRC-32 of every segment.
 
     Raises:
         CorruptCheckpointError: naming the first file that does not match.
@@ -400,8 +399,7 @@ def _check_received(files: list[tuple[str, int]], views: list[memoryview], where
     for view, (name, size) in zip(views, files[:-1]):
         if entries[name].get("size") != size:
             raise CorruptCheckpointError(f"a replica's {name!r} does not match its manifest", str(where / name))
-        if checksums:
-            check_segments(entries[name], [view], where / name)
+        check_segments(entries[name], [view], where / name)
 
 
 def check_segments(entry: dict[str, Any], views: list[memoryview], path: Path) -> None:
@@ -431,7 +429,7 @@ def check_segments(entry: dict[str, Any], views: list[memoryview], path: Path) -
             pos += take
         if actual != expected:
             raise CorruptCheckpointError(
-                f"{path}: checksum mismatch in bytes [{offset}, {end}) of the copy received "
+                f"{path}: checksum mismatch in bytes [{offset}, {end}) "
                 f"(crc32 {actual & 0xFFFFFFFF:08x}, manifest {expected:08x})",
                 str(path),
             )
