@@ -104,6 +104,13 @@ def _scenario(rank: int, world: int, base: str) -> dict[str, Any]:
     dist.barrier()
     node1 = Path(base) / "node1"  # a fetched shard is loaded, not stored: node 1 holds no file
     seen["node1_after"] = sorted(str(p.relative_to(node1)) for p in node1.rglob("*") if p.is_file())
+    dist.barrier()
+    if rank == 0:  # node 0's copy of rank 3's shard is bad too (its last one), and the root is back
+        flip_byte(Path(base) / "node0" / "rank_00003" / "step_00000010" / "__0_0.distcp", 100)
+        shutil.rmtree(Path(base) / "root")  # (the empty root the restores made)
+        os.rename(Path(base) / "root.away", Path(base) / "root")
+    dist.barrier()
+    seen["no_copy"] = _restore(base, rank)["result"]
     return seen
 
 
@@ -135,6 +142,10 @@ def test_local_tier_replicates_and_restores(tmp_path: Path) -> None:
         assert "rank 3's copy from its own node failed" in str(flipped) and "checksum mismatch" in str(flipped)
         assert s["flipped"]["same"], rank
         assert s["node1_after"] == [], (rank, s["node1_after"])
+        # rank 3's shard received from rank 1 fails its check: no copy left, every rank takes the root's step 4
+        no_copy = s["no_copy"]
+        assert (no_copy.step, no_copy.tier) == (4, "persistent"), no_copy
+        assert "rank 3's copy from rank 1 failed" in str(no_copy) and "checksum mismatch" in str(no_copy), no_copy
     assert seen[3]["flipped"]["result"].source == "peer 1"
 
 
