@@ -26,12 +26,15 @@ replicate  the funnel of the local commits;  the finalizer thread, on its       
            each rank sends its shard's       private gloo group                  (collective)
            files to its ``replicas`` peers
            on other nodes (gloo isend/
-           irecv); each receiver writes,
+           irecv); each receiver writes
+           (into its shard's spare),
            CRC-checks and renames; the
            funnel of the arrivals
 mark       ``restorable.json`` of every      the finalizer thread                each
            shard this node stored, older
-           steps removed
+           steps removed (a replica's
+           newest older one kept as the
+           spare of the next)
 =========  ================================  ==================================  ==========
 
 A step is restorable once every rank's shard is stored on ``replicas + 1`` nodes: the
@@ -43,15 +46,21 @@ its docstring for the contract.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import ctypes
 import dataclasses
+import functools
+import io
+import json
 import logging
 import os
+import pickle
 import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 import torch
@@ -65,12 +74,19 @@ from asyncckpt.errors import (
     CheckpointError,
     CheckpointException,
     CheckpointPathError,
+    CorruptCheckpointError,
     InvalidArgumentError,
     RankFailure,
 )
+from asyncckpt.format.crc import crc32
 from asyncckpt.format.layout import RankLayout
-from asyncckpt.io.local_tier import Arrival, LocalTier, NodeLocalStorage, Packed
+from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, RECORDS_NAME, is_plain_name
+from asyncckpt.format.records import Record, parse_records
+from asyncckpt.io.local_tier import Arrival, LocalTier, NodeLocalStorage, Packed, check_segments
 from asyncckpt.loading.api import load
+from asyncckpt.loading.dcp import SafeLoadPlanner, set_value
+from asyncckpt.loading.direct import plan_direct_load
+from asyncckpt.loading.framing import suffix_matches, writer_framing
 from asyncckpt.options import SaveOptions
 from asyncckpt.saving.handle import SaveHandle
 from asyncckpt.saving.phases import commit, plan
@@ -353,7 +369,7 @@ class LocalCheckpoints:
             raise CheckpointException(call, failures, step, record.final_dir)
         for shard in (self.rank, *received):  # decided: restorable on every rank's replicas + 1 nodes
             try:
-                self.storage.mark_restorable(shard, step, self.world_size)
+                self.storage.mark_restorable(shard, step, self.world_size, spare=shard != self.rank)
             except OSError as exc:
                 _log.warning("asyncckpt: could not mark step %d of rank %d restorable: %s", step, shard, exc)
 
@@ -442,11 +458,15 @@ class LocalCheckpoints:
            tier (equal: the local tier). A local tier of another world size is named
            once and the persistent tier restores (resharding).
         3. (all ranks) rounds: every rank takes its shard from the first holder in its
-           list (itself, then one rank per other node); a peer sends it over gloo, the
-           receiver writes it into its node's tier (CRC-checked, renamed); each rank
-           loads its copy (every byte CRC-checked inline); one funnel. A rank whose copy
-           failed takes the next holder in the next round; when a rank has none left,
-           every rank loads the persistent tier.
+           list (itself, then one rank per other node). A holder serving a peer sends
+           it a header (point to point: the file sizes and the small files), then the
+           data files cut into pieces, each tensor's data received straight into the
+           tensor it restores (:class:`_Fetch`; nothing is written on the receiver's
+           node); the receiver checks every byte against the manifest's CRC-32s. A rank
+           holding its own shard loads it (:meth:`_load_own`: every byte CRC-checked)
+           while its sends are in flight. One funnel. A rank whose copy failed takes the
+           next holder in the next round; when a rank has none left, every rank loads
+           the persistent tier.
 
         Args:
             state_dict: the template to load into (the structure saved).
@@ -503,6 +523,25 @@ class LocalCheckpoints:
             _log.warning("asyncckpt: %s", result)
         return result
 
+    def _load_own(self, state_dict: dict[str, Any], step: int, out: list[RankFailure]) -> None:
+        """Load this rank's shard of ``step`` from its own node; a failure is appended to
+        ``out``. When the state has the shard's structure, from the files' mappings
+        (:meth:`_Fetch.mapped`: every byte CRC-checked, then each tensor copied out, no
+        per-entry read planning); else with :func:`~asyncckpt.loading.api.load` (every
+        byte CRC-checked as it is read)."""
+        try:
+            packed = self.storage.pack(self.rank, step)
+            try:
+                fetch = _Fetch.mapped(self, state_dict, step, packed)
+                if fetch is None:
+                    load(state_dict, self.storage.step_dir(self.rank, step), process_group=self._self_group)
+                elif (failure := fetch.finish(None)) is not None:
+                    out.append(failure)
+            finally:
+                packed.close()
+        except (AsyncckptError, OSError) as exc:
+            out.append(RankFailure.from_exception(exc, f"the copy of step {step} from its own node: "))
+
     def _restore_local(
         self, state_dict: dict[str, Any], step: int, held: dict[tuple[int, int], list[int]], notes: list[str]
     ) -> RestoreResult | None:
@@ -527,39 +566,46 @@ class LocalCheckpoints:
             serve = {r: src[r] for r in range(world) if not done[r] and src[r] != r}
             failure: RankFailure | None = None
             packed: dict[int, Packed] = {}
+            unread: dict[int, str] = {}
             for r, h in serve.items():
                 if h == self.rank:
                     try:
                         packed[r] = self.storage.pack(r, step)
-                    except Exception as exc:  # noqa: BLE001 - the receiver fails this round; the funnel says why
-                        failure = RankFailure.from_exception(exc, f"reading a copy of step {step} to send failed: ")
+                    except Exception as exc:  # noqa: BLE001 - the receiver fails this round, saying why
+                        unread[r] = f"{type(exc).__name__}: {exc}"
             with sync.describing(f"the restore of step {step} from the local tier"), _closing(packed):
                 # (every rank knows ``serve``: with no transfer, as in a restart on intact nodes, no exchange)
-                headers = sync.all_gather_object({r: p.files for r, p in packed.items()}) if serve else []
+                offers = {r: _header(p) for r, p in packed.items()}
                 mine = serve.get(self.rank)
-                incoming = {}
+                try:
+                    header = _swap_headers(
+                        sync, {r: offers.get(r, unread.get(r)) for r, h in serve.items() if h == self.rank}, mine
+                    )
+                except CheckpointError as exc:
+                    header = str(exc)
+                fetch: _Fetch | None = None
                 if mine is not None:
-                    files = headers[mine].get(self.rank)
-                    if files is not None:
-                        incoming[mine] = files
-                    elif failure is None:
-                        failure = RankFailure(f"rank {mine} could not read its copy of rank {self.rank}'s shard")
-                failure = _transfer(
-                    sync,
-                    packed,
-                    incoming,
-                    lambda src, files: self.storage.arrival(self.rank, step, files),
-                    lambda src, arrival: arrival.finish(),
-                    failure,
+                    if isinstance(header, dict):
+                        fetch = _Fetch(self, state_dict, step, mine, header)
+                    else:
+                        failure = RankFailure(
+                            f"rank {mine} could not read its copy of rank {self.rank}'s shard: {header}"
+                        )
+                own: list[RankFailure] = []  # its own node's copy, loaded while its sends are in flight
+                meanwhile = (
+                    functools.partial(self._load_own, state_dict, step, own)
+                    if mine is None and not done[self.rank]
+                    else _nothing
                 )
-                if not done[self.rank] and failure is None:
-                    try:
-                        load(state_dict, self.storage.step_dir(self.rank, step), process_group=self._self_group)
-                        if mine is not None:
-                            self.storage.mark_restorable(self.rank, step, world)
-                    except (AsyncckptError, OSError) as exc:
-                        where = "its own node" if mine is None else f"rank {mine}"
-                        failure = RankFailure.from_exception(exc, f"the copy of step {step} from {where}: ")
+                sends = {r: _piece_views(p, _pieces(offers[r])) for r, p in packed.items()}
+                receive = (mine, fetch.bufs) if fetch is not None and mine is not None else None
+                error = _exchange(sync, sends, receive, meanwhile)
+                for views in sends.values():
+                    for view in views:
+                        view.release()  # before the mappings close
+                if fetch is not None:
+                    failure = fetch.finish(error)
+                failure = failure or (own[0] if own else None) or (error if mine is not None else None)
                 failures = sync.gather_failures(failure if not done[self.rank] else None)
             for r in range(world):
                 if r not in failures:
@@ -580,6 +626,400 @@ class LocalCheckpoints:
                 )
             if any(attempt[r] >= len(holders[r]) for r in range(world)):
                 return None
+
+
+#: The files of a shard that travel in the restore's header (small; the receiver plans from them).
+_SMALL = (MANIFEST_NAME, METADATA_NAME, RECORDS_NAME)
+
+
+#: A tensor's data travels as a message of its own, straight into the tensor, from this
+#: size on; smaller ones travel with the bytes around them (a message costs more than
+#: copying this many bytes, and an LLM state has thousands of small tensors).
+_PIECE_MIN_BYTES = 1 << 20
+
+
+class _Piece(NamedTuple):
+    """Bytes ``[offset, offset + length)`` of data file ``file`` of a shard, one message of
+    a restore's transfer: a tensor's data (``fqn``), or the bytes between (``None``)."""
+
+    file: str
+    offset: int
+    length: int
+    fqn: str | None
+
+
+def _header(packed: Packed) -> dict[str, Any]:
+    """What a rank serving a shard at a restore tells its receiver first: the files
+    (``[(name, size)]``) and the bytes of the small ones (manifest, ``.metadata``,
+    ``.records.json``), from which both sides cut the data files into :func:`_pieces`."""
+    small = {
+        name: bytes(m) if m is not None else b"" for (name, _), m in zip(packed.files, packed.maps) if name in _SMALL
+    }
+    return {"files": list(packed.files), "small": small}
+
+
+def _pieces(header: dict[str, Any]) -> list[_Piece]:
+    """The messages of a shard's data files (the sender's cut and the receiver's, from the
+    same header): each tensor record's data of at least :data:`_PIECE_MIN_BYTES` alone
+    (so that it lands in the tensor it restores), and the bytes between (framing,
+    values, gaps, smaller tensors: one message for many). Without a records file
+    that stands for the ``.metadata`` (``parse_records``), each file is one piece.
+    Never raises: a header that does not check is refused by the receiver
+    (:func:`_checked_header`), which still drains these pieces."""
+    files, small = header["files"], header["small"]
+    records: dict[str, Record] | None = None
+    if METADATA_NAME in small and RECORDS_NAME in small:
+        names = dict.fromkeys(name for name, _ in files)
+        records = parse_records(small[RECORDS_NAME], crc32(small[METADATA_NAME]), names)
+    by_file: dict[str, list[tuple[int, int, str, Any, Any]]] = {}
+    for fqn, (name, offset, length, dtype, shape) in (records or {}).items():
+        by_file.setdefault(name, []).append((offset, length, fqn, dtype, shape))
+    out: list[_Piece] = []
+    for name, size in files:
+        if name in _SMALL:
+            continue
+        pos = 0
+        for offset, length, fqn, dtype, shape in sorted(by_file.get(name, []), key=lambda r: (r[0], r[1], r[2])):
+            framing = writer_framing(dtype, shape) if dtype is not None else None
+            if (
+                framing is None
+                or framing.nbytes < _PIECE_MIN_BYTES
+                or offset < pos
+                or offset + length > size
+                or length != len(framing.prefix) + framing.nbytes + len(framing.suffix)
+            ):
+                continue  # its bytes travel in the piece between
+            lo = offset + len(framing.prefix)
+            if lo > pos:
+                out.append(_Piece(name, pos, lo - pos, None))
+            out.append(_Piece(name, lo, framing.nbytes, fqn))
+            pos = lo + framing.nbytes
+        if size > pos:
+            out.append(_Piece(name, pos, size - pos, None))
+    return out
+
+
+def _piece_views(packed: Packed, pieces: list[_Piece]) -> list[memoryview]:
+    """The sender's buffer of each piece: a slice of its file's mapping (no copy)."""
+    index = {name: i for i, (name, _) in enumerate(packed.files)}
+    views = []
+    for piece in pieces:
+        m = packed.maps[index[piece.file]]
+        assert m is not None
+        views.append(memoryview(m)[piece.offset : piece.offset + piece.length])
+    return views
+
+
+def _checked_header(header: dict[str, Any], where: Path) -> tuple[dict[str, Any], dict[str, Record] | None]:
+    """The receiver's check of a restore's header: the manifest lists the files sent
+    (plain names, their sizes), and the small files' bytes match it (every byte
+    CRC-checked).
+
+    Returns:
+        The manifest's ``files`` and the records (``None``: no records file that
+        stands for the ``.metadata``: the shard is loaded from files).
+
+    Raises:
+        CorruptCheckpointError: naming what does not match.
+    """
+    files, small = header["files"], header["small"]
+    try:
+        entries = json.loads(small[MANIFEST_NAME])["files"]
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CorruptCheckpointError(f"a copy arrived with an unreadable manifest: {exc}", str(where)) from exc
+    names = [name for name, _ in files if name != MANIFEST_NAME]
+    if not isinstance(entries, dict) or sorted(entries) != sorted(names) or len(set(names)) != len(names):
+        raise CorruptCheckpointError(f"a copy's files {names} are not its manifest's", str(where))
+    for name, size in files:
+        if not is_plain_name(name) or (name != MANIFEST_NAME and entries[name].get("size") != size):
+            raise CorruptCheckpointError(f"a copy's {name!r} does not match its manifest", str(where / str(name)))
+    for name, data in small.items():
+        if name != MANIFEST_NAME:
+            check_segments(entries[name], [memoryview(data)], where / name)
+    records = None
+    if METADATA_NAME in small and RECORDS_NAME in small:
+        records = parse_records(small[RECORDS_NAME], crc32(small[METADATA_NAME]), entries)
+    return entries, records
+
+
+def _memory(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, without a buffer export."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+class _Fetch:
+    """A rank's shard received from a peer at a restore, straight into the state.
+
+    When the state has the shard's structure (``plan_direct_load``: its keys, dtypes
+    and shapes, plain tensors), each tensor's data is received into the tensor
+    itself (a CPU contiguous one; else a temporary, copied in after), the bytes
+    between into small buffers; :meth:`finish` then checks every byte against the
+    manifest (the CRC-32 of each segment folded over the pieces), the framing, and
+    decodes the values. No file is written: the transfer is the restore's only pass
+    besides the CRC. Otherwise (another structure, DTensor shards) the shard is
+    received into a hidden directory of the node's tier and loaded from there with
+    :func:`~asyncckpt.loading.api.load` (every byte CRC-checked as it is read), then
+    removed. Either way the node's tier is not given the shard (the next local save
+    stores it again). A receiver that cannot land the bytes still drains them."""
+
+    def __init__(
+        self, owner: LocalCheckpoints, state_dict: dict[str, Any], step: int, src: int, header: dict[str, Any]
+    ) -> None:
+        self.owner, self.state_dict, self.src = owner, state_dict, src
+        self.where = owner.storage.step_dir(owner.rank, step)
+        self.pieces = _pieces(header)
+        self.bufs: list[memoryview] = []
+        self.failure: RankFailure | None = None
+        self.arrival: Arrival | None = None
+        self.plan: Any = None
+        self.temps: dict[str, torch.Tensor] = {}
+        self._index: dict[str, tuple[list[int], list[tuple[int, memoryview]]]] = {}
+        try:
+            self.entries, records = _checked_header(header, self.where)
+            self.plan = plan_direct_load(state_dict, records) if records is not None else None
+            if self.plan is not None:
+                targets = {e.fqn: e for es in self.plan.files.values() for e in es}
+                for piece in self.pieces:
+                    entry = targets.get(piece.fqn) if piece.fqn is not None else None
+                    if entry is None or entry.target is None:
+                        self.bufs.append(memoryview(bytearray(piece.length)))
+                        continue
+                    target = entry.target.detach()
+                    if not (target.is_cpu and target.is_contiguous()):
+                        target = self.temps[entry.fqn] = torch.empty(target.shape, dtype=target.dtype)
+                    view = _memory(target)
+                    if len(view) != piece.length:
+                        raise CorruptCheckpointError(
+                            f"the record of {piece.fqn!r} does not fit its tensor", str(self.where)
+                        )
+                    self.bufs.append(view)
+            else:
+                self.arrival = owner.storage.arrival(owner.rank, step, header["files"])
+                maps = {name: m for (name, _), m in zip(header["files"], self.arrival.maps)}
+                for name, data in header["small"].items():
+                    if maps[name] is not None:
+                        maps[name][:] = data  # type: ignore[index]
+                for piece in self.pieces:
+                    self.bufs.append(memoryview(maps[piece.file])[piece.offset : piece.offset + piece.length])  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - funnelled; the bytes are drained all the same
+            self._release()
+            self.failure = RankFailure.from_exception(exc, f"the copy of step {step} from rank {src}: ")
+            self.plan = None
+            self.bufs = [memoryview(bytearray(piece.length)) for piece in self.pieces]
+
+    @classmethod
+    def mapped(cls, owner: LocalCheckpoints, state_dict: dict[str, Any], step: int, packed: Packed) -> _Fetch | None:
+        """The shard in this node's files (``packed``: their mappings) as if received:
+        each data file one piece over its mapping; :meth:`finish` then checks every byte
+        and copies each tensor out. ``None``: the state has another structure (load it
+        from the files).
+
+        Raises:
+            CorruptCheckpointError: the small files do not match the manifest.
+        """
+        self = cls.__new__(cls)
+        self.owner, self.state_dict, self.src = owner, state_dict, owner.rank
+        self.where = owner.storage.step_dir(owner.rank, step)
+        self.failure, self.arrival, self.temps, self._index = None, None, {}, {}
+        header = _header(packed)
+        self.entries, records = _checked_header(header, self.where)
+        self.plan = plan_direct_load(state_dict, records) if records is not None else None
+        if self.plan is None:
+            return None
+        self.pieces, self.bufs = [], []
+        for (name, size), m in zip(packed.files, packed.maps):
+            if name not in _SMALL and m is not None:
+                self.pieces.append(_Piece(name, 0, size, None))
+                self.bufs.append(memoryview(m))
+        return self
+
+    def _release(self) -> None:
+        for view in self.bufs:
+            view.release()
+        self.bufs = []
+        if self.arrival is not None:
+            self.arrival.discard()
+            self.arrival = None
+
+    def _at(self, name: str, offset: int, length: int) -> memoryview:
+        """File ``name``'s bytes ``[offset, offset + length)``, from the pieces received
+        (a view where one piece holds them).
+
+        Raises:
+            CorruptCheckpointError: they are not all there (a record past the file's end).
+        """
+        starts, pieces = self._index.get(name, ([], []))
+        i = max(0, bisect.bisect_right(starts, offset) - 1)
+        parts: list[memoryview] = []
+        got, pos, end = 0, offset, offset + length
+        while i < len(pieces) and pos < end:
+            start, buf = pieces[i]
+            if start <= pos < start + len(buf):
+                take = min(end, start + len(buf)) - pos
+                parts.append(buf[pos - start : pos - start + take])
+                pos += take
+                got += take
+            i += 1
+        if got != length:
+            raise CorruptCheckpointError(f"a record lies outside {name!r}", str(self.where / name))
+        return parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
+
+    def finish(self, error: RankFailure | None) -> RankFailure | None:
+        """After the transfer (``error``: it failed): check and place what arrived.
+        Returns this rank's failure (its state may then hold some of the bytes)."""
+        try:
+            if self.failure is not None or error is not None:
+                return self.failure or error
+            try:
+                if self.arrival is not None:
+                    for view in self.bufs:
+                        view.release()  # before the load (and the mappings close)
+                    load(self.state_dict, self.arrival.tmp, process_group=self.owner._self_group)
+                else:
+                    self._check_and_place()
+            except (AsyncckptError, OSError) as exc:
+                where = "its own node" if self.src == self.owner.rank else f"rank {self.src}"
+                return RankFailure.from_exception(exc, f"the copy of {self.where.name} from {where}: ")
+            return None
+        finally:
+            self._release()
+
+    def _check_and_place(self) -> None:
+        """Every byte against the manifest, then the framing, the values, the temporaries.
+
+        Raises:
+            CorruptCheckpointError: a checksum, a framing or a value that does not match.
+            CheckpointError: a value that needs ``allow_pickle``.
+        """
+        by_file: dict[str, list[memoryview]] = {}
+        for piece, buf in zip(self.pieces, self.bufs):
+            by_file.setdefault(piece.file, []).append(buf)
+            starts, pieces = self._index.setdefault(piece.file, ([], []))
+            starts.append(piece.offset)
+            pieces.append((piece.offset, buf))
+        for name, entry in self.entries.items():
+            if name not in _SMALL:
+                check_segments(entry, by_file.get(name, []), self.where / name)
+        received = {p.fqn for p in self.pieces if p.fqn is not None}
+        planner = SafeLoadPlanner(allow_pickle=False)
+        values = []
+        for name, entries in self.plan.files.items():
+            for e in entries:
+                framing = e.framing
+                if framing is None:
+                    raw = self._at(name, e.offset, e.length).tobytes()
+                    values.append((e.fqn, planner.decode_value(e.fqn, io.BytesIO(raw))))
+                    continue
+                n = len(framing.prefix)
+                tail = self._at(name, e.offset + n + framing.nbytes, len(framing.suffix))
+                if self._at(name, e.offset, n) != framing.prefix or not suffix_matches(tail, framing):
+                    raise CorruptCheckpointError(
+                        f"{self.where / name}: the record of {e.fqn!r} is not in our writer's framing",
+                        str(self.where / name),
+                    )
+                if e.fqn not in received and framing.nbytes:
+                    view = self._at(name, e.offset + n, framing.nbytes)
+                    target = e.target.detach()
+                    if target.is_cpu and target.is_contiguous():  # (libc's memmove: torch's copy_ of
+                        # a small tensor wakes its intra-op threads, milliseconds each on a busy machine)
+                        ctypes.memmove(target.data_ptr(), ctypes.addressof(ctypes.c_char.from_buffer(view)), len(view))
+                    else:
+                        data = torch.frombuffer(view, dtype=torch.uint8)
+                        target.copy_(data.view(target.dtype).view(target.shape))
+                        del data  # (it holds a view of a buffer released after)
+                elif e.fqn in self.temps:
+                    e.target.detach().copy_(self.temps[e.fqn])
+        for fqn, obj in values:
+            set_value(self.plan.state_dict, self.plan.mappings[fqn], obj)
+
+
+def _exchange(
+    sync: SyncGroup,
+    sends: dict[int, list[memoryview]],
+    receive: tuple[int, list[memoryview]] | None,
+    meanwhile: Callable[[], None] = lambda: None,
+) -> RankFailure | None:
+    """Point-to-point messages on ``sync``'s gloo group: each buffer of ``sends[dst]``
+    to group rank ``dst``, the buffers of ``receive`` (``(src, buffers)``) from
+    ``src``, tagged by their position; all posted, then ``meanwhile()`` runs (gloo
+    moves the bytes on its own threads), then they are waited for. Returns this
+    rank's failure (``meanwhile`` runs even when posting failed; it must not raise)."""
+    group = sync.gloo if sync.active else None
+    works: list[Any] = []
+    tensors: list[torch.Tensor] = []
+    posts: list[tuple[int, memoryview, Callable[..., Any]]] = [
+        (dst, buf, dist.isend) for dst, bufs in sends.items() for buf in bufs
+    ]
+    if receive is not None:
+        posts += [(receive[0], buf, dist.irecv) for buf in receive[1]]
+    counts: dict[tuple[int, Any], int] = {}
+    try:
+        try:
+            for peer, buf, op in posts:
+                tag = counts[(peer, op)] = counts.get((peer, op), -1) + 1
+                tensors.append(torch.frombuffer(buf, dtype=torch.uint8))
+                works.append(op(tensors[-1], sync.global_rank(peer), group=group, tag=tag))
+        finally:
+            meanwhile()
+        for work in works:
+            if work is not None:
+                work.wait()
+    except Exception as exc:  # noqa: BLE001 - funnelled by the caller
+        return RankFailure.from_exception(exc, "a transfer of the local tier failed: ")
+    finally:
+        works.clear()
+        tensors.clear()  # they hold the buffers
+    return None
+
+
+#: The tags of a restore's header messages (its size, its bytes); the pieces count from 0.
+_HEADER_TAGS = (1 << 24, (1 << 24) + 1)
+
+
+def _swap_headers(sync: SyncGroup, offers: dict[int, Any], source: int | None) -> Any:
+    """Send each ``offers[dst]`` (a :func:`_header`, or why the copy could not be read)
+    to group rank ``dst``, and receive this rank's from ``source`` (point to point: a
+    size, then the pickled bytes); returns it (``None`` without a source).
+
+    Raises:
+        CheckpointError: the transfer failed.
+    """
+    group = sync.gloo if sync.active else None
+    works: list[Any] = []
+    keep: list[torch.Tensor] = []
+    for dst, offer in offers.items():
+        payload = pickle.dumps(offer, protocol=pickle.HIGHEST_PROTOCOL)
+        keep += [
+            torch.tensor([len(payload)], dtype=torch.int64),
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8),
+        ]
+        for tensor, tag in zip(keep[-2:], _HEADER_TAGS):
+            works.append(dist.isend(tensor, sync.global_rank(dst), group=group, tag=tag))
+    try:
+        if source is None:
+            return None
+        size = torch.zeros(1, dtype=torch.int64)
+        _wait(dist.irecv(size, sync.global_rank(source), group=group, tag=_HEADER_TAGS[0]), "the restore's header")
+        data = bytearray(int(size.item()))
+        buf = torch.frombuffer(data, dtype=torch.uint8)
+        _wait(dist.irecv(buf, sync.global_rank(source), group=group, tag=_HEADER_TAGS[1]), "the restore's header")
+        return pickle.loads(data)
+    finally:
+        for work in works:
+            _wait(work, "the restore's header")
+
+
+def _wait(work: Any, what: str) -> None:
+    try:
+        if work is not None:
+            work.wait()
+    except RuntimeError as exc:
+        raise CheckpointError(f"{what} could not be transferred: {exc}") from exc
+
+
+def _nothing() -> None:
+    pass
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -61,7 +62,7 @@ def _scenario(rank: int, world: int, base: str) -> dict[str, Any]:
     with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=_tier(base, rank)) as mgr:
         assert mgr.local is not None
         restorable: list[int] = []
-        for step in range(1, 10):
+        for step in range(1, 12):
             if step in (4, 6):  # rank 3's local commit of step 4 fails, rank 2's receive of step 6:
                 restorable += mgr.local.maybe_finalize(blocking=True)  # no rank marks either
                 if (rank, step) == (3, 4):
@@ -80,9 +81,19 @@ def _scenario(rank: int, world: int, base: str) -> dict[str, Any]:
         restorable += mgr.local.maybe_finalize(blocking=True)
         seen["restorable"] = restorable
     node_dir = Path(base) / f"node{rank // 2}"
-    seen["files"] = sorted(str(p.relative_to(node_dir)) for p in node_dir.rglob("*") if p.is_file())
+    seen["files"] = sorted(
+        str(p.relative_to(node_dir))
+        for p in node_dir.rglob("*")
+        if p.is_file() and not any(part.startswith(".spare") for part in p.relative_to(node_dir).parts)
+    )
+    seen["spares"] = sorted(p.parent.name for p in node_dir.glob("rank_*/.spare.tmp-*"))
     dist.barrier()
     seen["intact"] = _restore(base, rank)  # every shard on its own node
+    dist.barrier()
+    if rank == 2:  # a flipped byte in node 1's copy of rank 3's shard: it takes its replica on node 0
+        flip_byte(Path(base) / "node1" / "rank_00003" / "step_00000010" / "__0_0.distcp", 100)
+    dist.barrier()
+    seen["flipped"] = _restore(base, rank)
     dist.barrier()
     if rank == 2:  # node 1 replaced (its tier is empty), the persistent root moved away
         shutil.rmtree(Path(base) / "node1")
@@ -91,10 +102,15 @@ def _scenario(rank: int, world: int, base: str) -> dict[str, Any]:
     dist.barrier()
     seen["replaced"] = _restore(base, rank)
     dist.barrier()
-    if rank == 2:  # a flipped byte in node 1's copy of rank 3's shard: it takes its replica on node 0
-        flip_byte(Path(base) / "node1" / "rank_00003" / "step_00000008" / "__0_0.distcp", 100)
+    node1 = Path(base) / "node1"  # a fetched shard is loaded, not stored: node 1 holds no file
+    seen["node1_after"] = sorted(str(p.relative_to(node1)) for p in node1.rglob("*") if p.is_file())
     dist.barrier()
-    seen["flipped"] = _restore(base, rank)
+    if rank == 0:  # node 0's copy of rank 3's shard is bad too (its last one), and the root is back
+        flip_byte(Path(base) / "node0" / "rank_00003" / "step_00000010" / "__0_0.distcp", 100)
+        shutil.rmtree(Path(base) / "root")  # (the empty root the restores made)
+        os.rename(Path(base) / "root.away", Path(base) / "root")
+    dist.barrier()
+    seen["no_copy"] = _restore(base, rank)["result"]
     return seen
 
 
@@ -104,25 +120,32 @@ def test_local_tier_replicates_and_restores(tmp_path: Path) -> None:
     seen = run_ranks(_scenario, WORLD, str(tmp_path), timeout=200, start_method="forkserver")
     for rank, s in enumerate(seen):
         # step 4 failed on rank 3 (its commit), step 6 on rank 2 (a replica it received): both are
-        # restorable nowhere, training went on; 2 and 8 are
+        # restorable nowhere, training went on; 2, 8 and 10 are (10 received into the spares of 6)
         assert s["after_failed_4"] == [2] and s["after_failed_6"] == [2], (rank, s)
-        assert s["restorable"] == [2, 8], (rank, s)
+        assert s["restorable"] == [2, 8, 10], (rank, s)
     # each node keeps the newest restorable step only, of its ranks' shards and its replicas
     assert seen[0]["files"] == seen[2]["files"]
     assert {f.split("/")[0] for f in seen[0]["files"]} == {f"rank_0000{r}" for r in range(WORLD)}
-    assert {f.split("/")[1] for f in seen[0]["files"] if "/step_" in f} == {"step_00000008"}
+    assert {f.split("/")[1] for f in seen[0]["files"] if "/step_" in f} == {"step_00000010"}
+    # and one spare per replica it receives (an older step, written over by the next one)
+    assert seen[0]["spares"] == ["rank_00002", "rank_00003"] and seen[2]["spares"] == ["rank_00000", "rank_00001"]
     for rank, s in enumerate(seen):
         intact = s["intact"]["result"]
-        assert (intact.step, intact.tier, intact.peers, intact.source) == (8, "local", {}, "local"), intact
+        assert (intact.step, intact.tier, intact.peers, intact.source) == (10, "local", {}, "local"), intact
         assert s["intact"]["same"], rank
         replaced = s["replaced"]["result"]
-        assert (replaced.step, replaced.tier) == (8, "local"), replaced
+        assert (replaced.step, replaced.tier) == (10, "local"), replaced
         assert replaced.peers == {2: 0, 3: 1}, replaced  # from their replicas (each rank's replica target)
         assert s["replaced"]["same"], rank
         flipped = s["flipped"]["result"]
         assert flipped.peers == {3: 1}, flipped
         assert "rank 3's copy from its own node failed" in str(flipped) and "checksum mismatch" in str(flipped)
         assert s["flipped"]["same"], rank
+        assert s["node1_after"] == [], (rank, s["node1_after"])
+        # rank 3's shard received from rank 1 fails its check: no copy left, every rank takes the root's step 4
+        no_copy = s["no_copy"]
+        assert (no_copy.step, no_copy.tier) == (4, "persistent"), no_copy
+        assert "rank 3's copy from rank 1 failed" in str(no_copy) and "checksum mismatch" in str(no_copy), no_copy
     assert seen[3]["flipped"]["result"].source == "peer 1"
 
 
@@ -301,3 +324,73 @@ def test_the_newest_tier_wins(tmp_path: Path) -> None:
     with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
         result = mgr.restore(got)
         assert result is not None and (result.step, result.tier) == (4, "local") and got["rank"] == 1
+
+
+def _big_state(rank: int, step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return {"w": torch.randn(4 << 20, generator=g), "step": step}  # 16 MiB: a transfer of some milliseconds
+
+
+def _killed_mid_replication(rank: int, world: int, base: str) -> Any:
+    import signal
+    import threading
+    import time
+
+    # (no ``with``: the job fails once rank 2 is gone, and its other ranks end)
+    pids = [0] * world
+    dist.all_gather_object(pids, os.getpid())
+    mgr = asyncckpt.CheckpointManager(os.path.join(base, "root"), local=_tier(base, rank))
+    assert mgr.local is not None
+    mgr.local.save(2, _big_state(rank, 2))
+    assert mgr.local.maybe_finalize(blocking=True) == [2]
+    if rank == 2:  # rank 0's replica of step 4 arriving here: this process is SIGKILLed with it half received
+        shard = Path(base) / "node1" / "rank_00000"
+
+        def kill_when_arriving() -> None:
+            while not any(p.name.startswith(".step_00000004.tmp-") for p in shard.iterdir()):
+                time.sleep(0.0005)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=kill_when_arriving, daemon=True).start()
+    dist.barrier()
+    mgr.local.save(4, _big_state(rank, 4))
+    deadline = time.monotonic() + 50
+    while time.monotonic() < deadline:  # until rank 2 is dead (its replication goes on meanwhile)
+        try:
+            alive = psutil.Process(pids[2]).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+        except psutil.NoSuchProcess:
+            alive = False
+        if not alive:  # the job has failed: this rank goes too (its worker stopped), without a word
+            mgr.close(abort=True)  # (no collective: rank 2 is gone)
+            os._exit(0)
+        time.sleep(0.01)
+    return "rank 2 is alive"
+
+
+def _restart(rank: int, world: int, base: str) -> Any:
+    with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=_tier(base, rank)) as mgr:
+        node = Path(base) / f"node{rank // 2}"
+        leftovers = sorted(str(p.relative_to(node)) for p in node.glob("rank_*/.step_*"))
+        got: dict[str, Any] = {"w": torch.zeros(4 << 20), "step": -1}
+        result = mgr.restore(got)
+    return result, leftovers, torch.equal(got["w"], _big_state(rank, 2)["w"]) and got["step"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_a_replica_target_killed_mid_replication(tmp_path: Path) -> None:
+    # the process receiving rank 0's replica of step 4 is SIGKILLed with the bytes half
+    # received (a lost node, not a failpoint): the job fails; step 4 was never restorable,
+    # and the next start restores step 2, with nothing of the half-received copy
+    preload_forkserver()
+    with pytest.raises(AssertionError, match=r"exit codes \{[^}]*2: -9"):
+        run_ranks(_killed_mid_replication, WORLD, str(tmp_path), timeout=60, start_method="forkserver")
+    half = list((tmp_path / "node1" / "rank_00000").glob(".step_00000004.tmp-*"))
+    assert half, "rank 2 died before the replica arrived"
+    for node in ("node0", "node1"):
+        for shard in (tmp_path / node).glob("rank_*"):
+            assert NodeLocalStorage(tmp_path / node).marker(int(shard.name[5:]))["step"] == 2  # type: ignore[index]
+    for rank, (result, leftovers, same) in enumerate(
+        run_ranks(_restart, WORLD, str(tmp_path), timeout=120, start_method="forkserver")
+    ):
+        assert (result.step, result.tier, result.peers) == (2, "local", {}), (rank, result)
+        assert leftovers == [] and same, (rank, leftovers)

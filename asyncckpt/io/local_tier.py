@@ -41,10 +41,23 @@ from asyncckpt.format.crc import crc32
 from asyncckpt.format.naming import parse_step_dir, step_dir_name
 from asyncckpt.io.storage import LocalStorage
 
-__all__ = ["LocalTier", "NodeLocalStorage", "Packed", "Arrival", "RESTORABLE_NAME"]
+__all__ = ["LocalTier", "NodeLocalStorage", "Packed", "Arrival", "RESTORABLE_NAME", "check_segments"]
 
 #: The marker of a shard's newest restorable step.
 RESTORABLE_NAME = "restorable.json"
+
+
+#: The name of a shard's spare directory starts so (a hidden leftover to
+#: :meth:`NodeLocalStorage.remove_leftovers`).
+_SPARE_PREFIX = ".spare.tmp-"
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _entries(directory: Path) -> list[Path]:
+    try:
+        return list(directory.iterdir())
+    except OSError:
+        return []
 
 
 @dataclass(frozen=True)
@@ -122,9 +135,12 @@ class NodeLocalStorage(LocalStorage):
             return None
         return marker if marker["rank"] == rank else None
 
-    def mark_restorable(self, rank: int, step: int, world_size: int) -> None:
+    def mark_restorable(self, rank: int, step: int, world_size: int, spare: bool = False) -> None:
         """Record ``step`` as rank ``rank``'s newest restorable step (atomic, durable),
-        then remove the shard's older steps and leftovers (not a save in flight).
+        then remove the shard's older steps (not a save in flight). With ``spare`` (a
+        replica this node receives), the newest older step is kept, hidden, as the spare
+        that the next step is received into (:meth:`arrival`: its memory is written over,
+        not allocated again), in place of one that is there.
 
         Raises:
             OSError: the marker could not be written.
@@ -134,10 +150,22 @@ class NodeLocalStorage(LocalStorage):
         _fs.write_new_file(tmp, json.dumps({"step": step, "world_size": world_size, "rank": rank}).encode())
         os.replace(tmp, shard / RESTORABLE_NAME)
         _fs.fsync_directory(shard)
-        for entry in list(shard.iterdir()):
-            other = parse_step_dir(entry.name)
-            if other is not None and other != step:
-                _fs.remove_checkpoint(entry, best_effort=True)
+        older = sorted(
+            (other, entry)
+            for entry in shard.iterdir()
+            if (other := parse_step_dir(entry.name)) is not None and other != step
+        )
+        if spare and older and older[-1][0] < step:
+            _, newest = older.pop()
+            for entry in list(shard.iterdir()):
+                if entry.name.startswith(_SPARE_PREFIX):
+                    _fs.remove_checkpoint(entry, best_effort=True)
+            try:
+                os.rename(newest, shard / f"{_SPARE_PREFIX}{secrets.token_hex(4)}")
+            except OSError:
+                _fs.remove_checkpoint(newest, best_effort=True)
+        for _, entry in older:
+            _fs.remove_checkpoint(entry, best_effort=True)
 
     def unmark(self, rank: int) -> None:
         """Remove rank ``rank``'s restorable marker (durably): its shard has none now."""
@@ -224,14 +252,27 @@ class NodeLocalStorage(LocalStorage):
                 raise CorruptCheckpointError(f"a replica names a file {name!r}", str(final))
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.temporary_dir(final, secrets.token_hex(8))
-        tmp.mkdir()
+        spares = [e for e in _entries(final.parent) if e.name.startswith(_SPARE_PREFIX)]
+        for spare in spares:  # the shard's previous step, written over (its memory is there)
+            try:
+                os.rename(spare, tmp)
+                break
+            except OSError:
+                continue
+        else:
+            tmp.mkdir()
         arrival = Arrival(final, tmp, list(files), [], [])
         try:
+            wanted = {name for name, _ in files}
+            for entry in _entries(tmp):
+                if entry.name not in wanted:
+                    entry.unlink()
             for name, size in files:
-                fd = os.open(tmp / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                fd = os.open(tmp / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
                 arrival.fds.append(fd)
                 os.ftruncate(fd, size)
-                arrival.maps.append(mmap.mmap(fd, size) if size else None)
+                # (MAP_POPULATE: the page tables filled at once, not one fault per page)
+                arrival.maps.append(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE) if size else None)
         except BaseException:
             arrival.discard()
             raise
@@ -358,11 +399,37 @@ def _check_received(files: list[tuple[str, int]], views: list[memoryview], where
     for view, (name, size) in zip(views, files[:-1]):
         if entries[name].get("size") != size:
             raise CorruptCheckpointError(f"a replica's {name!r} does not match its manifest", str(where / name))
-        for offset, length, expected in entries[name]["segments"]:
-            actual = crc32(view[offset : offset + length]) if offset + length <= size else -1
-            if actual != expected:
-                raise CorruptCheckpointError(
-                    f"{where / name}: checksum mismatch in bytes [{offset}, {offset + length}) of the replica "
-                    f"received (crc32 {actual & 0xFFFFFFFF:08x}, manifest {expected:08x})",
-                    str(where / name),
-                )
+        check_segments(entries[name], [view], where / name)
+
+
+def check_segments(entry: dict[str, Any], views: list[memoryview], path: Path) -> None:
+    """Check the bytes of one file, held by ``views`` in file order (pieces of any
+    lengths), against its manifest entry (``entry["segments"]``: ``[offset, length,
+    crc32]``, covering the file): each segment's CRC-32 is folded over the pieces it
+    spans (no copy).
+
+    Raises:
+        CorruptCheckpointError: the pieces are not the entry's size, or the first
+            segment whose CRC-32 differs (naming its bytes).
+    """
+    size = sum(len(v) for v in views)
+    if entry.get("size") != size:
+        raise CorruptCheckpointError(f"{path} has {size} bytes, its manifest says {entry.get('size')}", str(path))
+    i, start = 0, 0  # the piece holding file offset ``start``
+    for offset, length, expected in entry["segments"]:
+        if offset + length > size:
+            raise CorruptCheckpointError(f"{path}: manifest segments do not cover the file", str(path))
+        actual, pos, end = 0, offset, offset + length
+        while pos < end:
+            while start + len(views[i]) <= pos:
+                start += len(views[i])
+                i += 1
+            take = min(end, start + len(views[i])) - pos
+            actual = crc32(views[i][pos - start : pos - start + take], actual)
+            pos += take
+        if actual != expected:
+            raise CorruptCheckpointError(
+                f"{path}: checksum mismatch in bytes [{offset}, {end}) "
+                f"(crc32 {actual & 0xFFFFFFFF:08x}, manifest {expected:08x})",
+                str(path),
+            )

@@ -29,6 +29,10 @@ staging buffers); the slowdown of the training example's loop with a checkpoint 
 K = 1, 4 and 16 steps against no checkpoint; and, at the end, "Issue 11 targets": every
 figure of issue 11's table as measured in this run, its goal and whether it is met.
 
+``bench.py local-tier [--mb N] [--workload uniform|llm]``: the node-local tier's rows
+instead (:mod:`benchmark.local_tier`: save stall, local and peer restore, training at
+K = 1, each against its limit), the same as ``scripts/bench_local_tier.py``.
+
     python scripts/bench.py                       # everything (about 25-30 min here)
     python scripts/bench.py --workloads llm,fsdp2 --no-train --techniques ""
     python scripts/bench.py --workloads 1G/16     # one workload

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -320,7 +321,13 @@ def run_workload(
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Run the benchmark (see ``--help``); returns the exit status."""
+    """Run the benchmark (see ``--help``); returns the exit status. ``local-tier ...``
+    runs the node-local tier's rows instead (:mod:`benchmark.local_tier`, its own options)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["local-tier"]:
+        from benchmark import local_tier
+
+        return local_tier.main(argv[1:], prog=f"{prog or 'bench.py'} local-tier")
     args = parse_args(argv, prog)
     if args.render:  # a chart only where asked for
         earlier = json.loads(Path(args.render).read_text())

@@ -2,26 +2,34 @@
 
 4 gloo ranks on this machine standing for 2 nodes of 2 ranks (``LocalTier(node=rank //
 2)``, one tier directory per node, under ``/dev/shm`` by default), each with a state of
-``--mb`` MB in ``--tensors`` tensors (LLM-shaped: a few large matrices). Ratios are taken
-within one run, each against its limit measured in the same processes:
+about ``--mb`` MB: ``--workload uniform`` (``--tensors`` float32 tensors) or ``llm``
+(scripts/train.py's GPT + AdamW state from ``get_state_dict``, :mod:`benchmark.llm`, 24
+layers, its width chosen for ``--mb``: about 1170 tensors in nested dicts). Ratios are
+taken within one run, each against its limit measured by the same ranks, at the same
+time (every rank at once, between two barriers, as the restores are timed), on the same
+bytes, right next to it (``--reps`` rounds; the median of the ratios):
 
 - local save stall (``manager.local.save``, steady state, median) / memcpy of the
   state into preallocated memory;
 - local restore (every shard on its node: read + CRC-32 of every byte + load into the
-  state) / memcpy of the same bytes;
+  state) / memcpy of the same bytes into preallocated memory;
 - peer restore (node 1's tier wiped: ranks 2 and 3 receive their shards from node 0 over
-  gloo, write them into their tier, check and load them) / the raw gloo transfer
-  (isend/irecv of the same bytes between the same ranks);
+  gloo straight into their state and check every byte; ranks 0 and 1 load theirs from
+  their node meanwhile) / the raw gloo transfer (one isend/irecv of the same bytes
+  between the same ranks into preallocated memory), and / the same transfer while
+  ranks 0 and 1 copy their own state (memcpy: the least their own restore adds);
 - training slowdown: ``--train-steps`` steps (fixed compute, a small all-reduce, a
   write to the state) with a local save every step, and with a persistent save every 4
   steps, each / the same loop without checkpoints.
 
     python scripts/bench_local_tier.py --mb 64
+    python scripts/bench.py local-tier --mb 64 --workload llm
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import os
 import shutil
@@ -39,25 +47,53 @@ import torch.multiprocessing as mp
 
 import asyncckpt
 
-from .common import mutate
-from .limits import bench_memcpy
+from .common import mutate, tensors_of
 
 WORLD = 4
 
 
-def _state(mb: int, tensors: int, rank: int) -> dict[str, Any]:
-    n = mb * (1 << 20) // 4 // tensors
+def _state(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    """This rank's state: ``--workload uniform`` or ``llm`` (about ``--mb`` MB)."""
+    if args.workload == "llm":
+        from . import llm
+
+        # 3 float32 copies (weights, exp_avg, exp_avg_sq) of ~12 * n_layer * width^2 parameters
+        width = max(8, int((args.mb * (1 << 20) / (3 * 4 * 12 * 24)) ** 0.5) // 8 * 8)
+        _, _, sd = llm.build_llm({"n_layer": 24, "n_head": 8, "n_embd": width, "block_size": 32}, device="cpu")
+        return {**sd, "step": 0}
+    n = args.mb * (1 << 20) // 4 // args.tensors
     g = torch.Generator().manual_seed(rank)
-    return {f"layer{i}.weight": torch.randn(n, generator=g) for i in range(tensors)} | {"step": 0}
+    return {f"layer{i}.weight": torch.randn(n, generator=g) for i in range(args.tensors)} | {"step": 0}
 
 
-def _raw_transfer(nbytes: int, rank: int) -> float:
-    """Seconds to send ``nbytes`` from rank r to rank r + 2 (r = 0, 1), all at once."""
-    buf = torch.empty(nbytes, dtype=torch.uint8)
+def _copy(src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
+    """libc's memmove per tensor (torch's ``copy_`` wakes its intra-op threads for each
+    tensor: milliseconds per call on this busy machine, seconds for an LLM state)."""
+    for d, s in zip(dst, src):
+        ctypes.memmove(d.data_ptr(), s.data_ptr(), s.numel() * s.element_size())
+
+
+def _memcpy(src: list[torch.Tensor], dst: list[torch.Tensor]) -> float:
+    """Seconds to copy ``src`` into ``dst`` (preallocated, faulted in) on every rank at
+    once, between two barriers (as the restores are timed)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    _copy(src, dst)
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _raw_transfer(buf: torch.Tensor, rank: int, copy: tuple[list[torch.Tensor], list[torch.Tensor]] | None) -> float:
+    """Seconds to send ``buf``'s bytes from rank r to rank r + 2 (r = 0, 1), all at once,
+    into preallocated memory (``buf``, faulted in), between two barriers; with ``copy``
+    (``(src, dst)``), the senders meanwhile copy their own state (the least a restore
+    of node 0's own shards adds while it serves node 1)."""
     dist.barrier()
     t0 = time.perf_counter()
     work = dist.isend(buf, rank + 2) if rank < 2 else dist.irecv(buf, rank - 2)
     assert work is not None
+    if copy is not None and rank < 2:
+        _copy(*copy)
     work.wait()
     dist.barrier()
     return time.perf_counter() - t0
@@ -105,24 +141,34 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
     try:
         base = Path(args.dir)
         tier = asyncckpt.LocalTier(dir=str(base / f"node{rank // 2}"), every=1, replicas=1, node=rank // 2)
-        sd = _state(args.mb, args.tensors, rank)
-        nbytes = sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, torch.Tensor))
-        memcpy = statistics.median(bench_memcpy(sd, args.reps))
-        stalls = []
+        sd = _state(args, rank)
+        src = list(tensors_of(sd))
+        assert all(t.is_contiguous() for t in src)
+        nbytes = sum(t.numel() * t.element_size() for t in src)
+        dst = [torch.empty_like(t) for t in src]
+        for d, t in zip(dst, src):
+            d.copy_(t)  # faulted in
+        stalls, memcpys = [], []
         with asyncckpt.CheckpointManager(base / "root", local=tier) as mgr:
             assert mgr.local is not None
             for step in range(1, args.saves + 1):
-                for t in sd.values():
-                    if isinstance(t, torch.Tensor):
-                        t[0] += 1
+                mutate(sd)
+                memcpys.append(_memcpy(src, dst))
+                dist.barrier()
                 t0 = time.perf_counter()
                 mgr.local.save(step, sd)
                 stalls.append(time.perf_counter() - t0)
                 mgr.local.maybe_finalize(blocking=True)  # the steady state: the previous save is done
-        stall = statistics.median(stalls[1:])
         train = _training(args, sd, base, rank, tier)
-        local_times, peer_times, raw_times = [], [], []
+        if rank == 2:
+            shutil.copytree(base / "node1", base / "node1.intact")
+        buf = torch.zeros(nbytes, dtype=torch.uint8)
+        local_times, local_limits, peer_times, peer_limits, busy_limits = [], [], [], [], []
         for _ in range(args.reps):
+            if rank == 2:  # node 1 as it was saved
+                shutil.rmtree(base / "node1", ignore_errors=True)
+                shutil.copytree(base / "node1.intact", base / "node1")
+            local_limits.append(_memcpy(src, dst))
             with asyncckpt.CheckpointManager(base / "root", local=tier) as mgr:
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -132,7 +178,8 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                 assert result is not None and result.tier == "local" and not result.peers, result
             if rank == 2:
                 shutil.rmtree(base / "node1")
-            dist.barrier()
+            peer_limits.append(_raw_transfer(buf, rank, None))
+            busy_limits.append(_raw_transfer(buf, rank, (src, dst)))
             with asyncckpt.CheckpointManager(base / "root", local=tier) as mgr:
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -140,16 +187,15 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                 dist.barrier()
                 peer_times.append(time.perf_counter() - t0)
                 assert result is not None and set(result.peers) == {2, 3}, result
-            raw_times.append(_raw_transfer(nbytes, rank))
         if rank == 0:
             out.put(
                 {
                     "bytes": nbytes,
-                    "memcpy": memcpy,
-                    "stall": stall,
-                    "local": statistics.median(local_times),
-                    "peer": statistics.median(peer_times),
-                    "raw_gloo": statistics.median(raw_times),
+                    "tensors": len(src),
+                    "stall": (statistics.median(stalls[1:]), statistics.median(memcpys[1:])),
+                    "local": (local_times, local_limits),
+                    "peer": (peer_times, peer_limits),
+                    "peer_busy": (peer_times, busy_limits),
                     "train": train,
                 }
             )
@@ -157,11 +203,17 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
         dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run the local tier's rows; prints a markdown table. Returns the exit status."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=int, default=64, help="MB of state per rank (%(default)s)")
-    p.add_argument("--tensors", type=int, default=8, help="tensors per rank (%(default)s)")
+    p.add_argument("--tensors", type=int, default=8, help="tensors per rank, uniform workload (%(default)s)")
+    p.add_argument(
+        "--workload",
+        choices=("uniform", "llm"),
+        default="uniform",
+        help="uniform: --tensors float32 tensors; llm: a GPT + AdamW state of about --mb MB (%(default)s)",
+    )
     p.add_argument("--saves", type=int, default=6, help="local saves (the first is cold) (%(default)s)")
     p.add_argument("--train-steps", type=int, default=16, help="steps of each training loop (%(default)s)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of each restore (%(default)s)")
@@ -182,15 +234,28 @@ def main(argv: list[str] | None = None) -> int:
         if made:
             shutil.rmtree(args.dir, ignore_errors=True)
     mb = r["bytes"] / 1e6
-    print(f"| local tier, {WORLD} ranks on 2 nodes, {mb:.0f} MB per rank | time | limit | ratio |")
+    what = "LLM-shaped (GPT + AdamW)" if args.workload == "llm" else "uniform"
+    print(
+        f"| local tier, {WORLD} ranks on 2 nodes, {mb:.0f} MB per rank, {what}, {r['tensors']} tensors "
+        "| time | limit | ratio |"
+    )
     print("|---|---|---|---|")
+    stall, memcpy = r["stall"]
+    print(
+        f"| local save stall (steady, median) | {stall * 1e3:.1f} ms | memcpy {memcpy * 1e3:.1f} ms | "
+        f"{stall / memcpy:.2f}x |"
+    )
     rows = [
-        ("local save stall (steady, median)", r["stall"], r["memcpy"], "memcpy"),
-        ("local restore (own node, CRC-checked)", r["local"], r["memcpy"], "memcpy"),
-        ("peer restore (node 1 wiped, from node 0)", r["peer"], r["raw_gloo"], "raw gloo transfer"),
+        ("local restore (own node, CRC-checked)", r["local"], "memcpy"),
+        ("peer restore (node 1 wiped, from node 0)", r["peer"], "raw gloo transfer"),
+        ("the same", r["peer_busy"], "raw transfer + node 0's memcpy"),
     ]
-    for name, t, limit, what in rows:
-        print(f"| {name} | {t * 1e3:.1f} ms | {what} {limit * 1e3:.1f} ms | {t / limit:.2f}x |")
+    for name, (times, limits), limit in rows:
+        ratio = statistics.median(t / lim for t, lim in zip(times, limits))
+        print(
+            f"| {name} | {statistics.median(times) * 1e3:.1f} ms | {limit} {statistics.median(limits) * 1e3:.1f} ms "
+            f"| {ratio:.2f}x |"
+        )
     t = r["train"]
     steps = args.train_steps
     print(
