@@ -1,7 +1,7 @@
 """The node-local tier (issue 31): save stall and restore times against their raw limits.
 
-4 gloo ranks on this machine standing for 2 nodes of 2 ranks (``LocalTier(node=rank //
-2)``, one tier directory per node, under ``/dev/shm`` by default), each with a state of
+2 x ``--ranks-per-node`` gloo ranks (default 4) on this machine standing for 2 nodes (``LocalTier(node=rank //
+--ranks-per-node)``, one tier directory per node, under ``/dev/shm`` by default), each with a state of
 about ``--mb`` MB: ``--workload uniform`` (``--tensors`` float32 tensors) or ``llm``
 (scripts/train.py's GPT + AdamW state from ``get_state_dict``, :mod:`benchmark.llm`, 24
 layers, its width chosen for ``--mb``: about 1170 tensors in nested dicts). Ratios are
@@ -48,8 +48,6 @@ import torch.multiprocessing as mp
 import asyncckpt
 
 from .common import mutate, tensors_of
-
-WORLD = 4
 
 
 def _state(args: argparse.Namespace, rank: int) -> dict[str, Any]:
@@ -108,7 +106,11 @@ def _training(args: argparse.Namespace, sd: dict[str, Any], base: Path, rank: in
 
     def run(mode: str) -> float:
         root = base / f"train_{mode}"
-        local = dataclasses.replace(tier, dir=str(base / f"train_{mode}_node{rank // 2}")) if mode == "local" else None
+        local = (
+            dataclasses.replace(tier, dir=str(base / f"train_{mode}_node{rank // args.ranks_per_node}"))
+            if mode == "local"
+            else None
+        )
         with asyncckpt.CheckpointManager(root, local=local) as mgr:
             dist.barrier()
             t0 = time.perf_counter()
@@ -136,11 +138,16 @@ def _training(args: argparse.Namespace, sd: dict[str, Any], base: Path, rank: in
 def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300)
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=2 * args.ranks_per_node,
+        timeout=timedelta(seconds=300),
     )
     try:
         base = Path(args.dir)
-        tier = asyncckpt.LocalTier(dir=str(base / f"node{rank // 2}"), every=1, replicas=1, node=rank // 2)
+        node = rank // args.ranks_per_node
+        tier = asyncckpt.LocalTier(dir=str(base / f"node{node}"), every=1, replicas=1, node=node)
         sd = _state(args, rank)
         src = list(tensors_of(sd))
         assert all(t.is_contiguous() for t in src)
@@ -160,12 +167,12 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                 stalls.append(time.perf_counter() - t0)
                 mgr.local.maybe_finalize(blocking=True)  # the steady state: the previous save is done
         train = _training(args, sd, base, rank, tier)
-        if rank == 2:
+        if rank == args.ranks_per_node:  # node 1's first rank
             shutil.copytree(base / "node1", base / "node1.intact")
         buf = torch.zeros(nbytes, dtype=torch.uint8)
         local_times, local_limits, peer_times, peer_limits, busy_limits = [], [], [], [], []
         for _ in range(args.reps):
-            if rank == 2:  # node 1 as it was saved
+            if rank == args.ranks_per_node:  # node 1 as it was saved
                 shutil.rmtree(base / "node1", ignore_errors=True)
                 shutil.copytree(base / "node1.intact", base / "node1")
             local_limits.append(_memcpy(src, dst))
@@ -176,7 +183,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                 dist.barrier()
                 local_times.append(time.perf_counter() - t0)
                 assert result is not None and result.tier == "local" and not result.peers, result
-            if rank == 2:
+            if rank == args.ranks_per_node:  # node 1's first rank
                 shutil.rmtree(base / "node1")
             peer_limits.append(_raw_transfer(buf, rank, None))
             busy_limits.append(_raw_transfer(buf, rank, (src, dst)))
@@ -186,7 +193,9 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                 result = mgr.restore(sd)
                 dist.barrier()
                 peer_times.append(time.perf_counter() - t0)
-                assert result is not None and set(result.peers) == {2, 3}, result
+                assert result is not None and set(result.peers) == set(
+                    range(args.ranks_per_node, 2 * args.ranks_per_node)
+                ), result
         if rank == 0:
             out.put(
                 {
@@ -214,6 +223,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         default="uniform",
         help="uniform: --tensors float32 tensors; llm: a GPT + AdamW state of about --mb MB (%(default)s)",
     )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=2,
+        help="ranks per node, 2 nodes (%(default)s; 1 gives each rank a core of a 2-core machine)",
+    )
     p.add_argument("--saves", type=int, default=6, help="local saves (the first is cold) (%(default)s)")
     p.add_argument("--train-steps", type=int, default=16, help="steps of each training loop (%(default)s)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of each restore (%(default)s)")
@@ -227,7 +242,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     try:
-        mp.start_processes(_rank, args=(args, store, out), nprocs=WORLD, start_method="spawn")
+        mp.start_processes(_rank, args=(args, store, out), nprocs=2 * args.ranks_per_node, start_method="spawn")
         r = out.get(timeout=5)
     finally:
         shutil.rmtree(os.path.dirname(store), ignore_errors=True)
@@ -236,7 +251,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     mb = r["bytes"] / 1e6
     what = "LLM-shaped (GPT + AdamW)" if args.workload == "llm" else "uniform"
     print(
-        f"| local tier, {WORLD} ranks on 2 nodes, {mb:.0f} MB per rank, {what}, {r['tensors']} tensors "
+        f"| local tier, {2 * args.ranks_per_node} ranks on 2 nodes, {mb:.0f} MB per rank, {what}, "
+        f"{r['tensors']} tensors "
         "| time | limit | ratio |"
     )
     print("|---|---|---|---|")
