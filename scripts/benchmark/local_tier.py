@@ -81,16 +81,18 @@ def _memcpy(src: list[torch.Tensor], dst: list[torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
-def _raw_transfer(buf: torch.Tensor, rank: int, copy: tuple[list[torch.Tensor], list[torch.Tensor]] | None) -> float:
-    """Seconds to send ``buf``'s bytes from rank r to rank r + 2 (r = 0, 1), all at once,
+def _raw_transfer(
+    buf: torch.Tensor, rank: int, per_node: int, copy: tuple[list[torch.Tensor], list[torch.Tensor]] | None
+) -> float:
+    """Seconds to send ``buf``'s bytes from node 0's rank r to node 1's rank r + ``per_node``, all at once,
     into preallocated memory (``buf``, faulted in), between two barriers; with ``copy``
     (``(src, dst)``), the senders meanwhile copy their own state (the least a restore
     of node 0's own shards adds while it serves node 1)."""
     dist.barrier()
     t0 = time.perf_counter()
-    work = dist.isend(buf, rank + 2) if rank < 2 else dist.irecv(buf, rank - 2)
+    work = dist.isend(buf, rank + per_node) if rank < per_node else dist.irecv(buf, rank - per_node)
     assert work is not None
-    if copy is not None and rank < 2:
+    if copy is not None and rank < per_node:
         _copy(*copy)
     work.wait()
     dist.barrier()
@@ -185,8 +187,8 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                 assert result is not None and result.tier == "local" and not result.peers, result
             if rank == args.ranks_per_node:  # node 1's first rank
                 shutil.rmtree(base / "node1")
-            peer_limits.append(_raw_transfer(buf, rank, None))
-            busy_limits.append(_raw_transfer(buf, rank, (src, dst)))
+            peer_limits.append(_raw_transfer(buf, rank, args.ranks_per_node, None))
+            busy_limits.append(_raw_transfer(buf, rank, args.ranks_per_node, (src, dst)))
             with asyncckpt.CheckpointManager(base / "root", local=tier) as mgr:
                 dist.barrier()
                 t0 = time.perf_counter()
