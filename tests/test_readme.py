@@ -244,6 +244,9 @@ BASH: dict[str, Callable[[Path, str, int], None]] = {
 #: both passes: they run on the first only (the suite's time; test_train.py covers
 #: ``--fresh`` over existing checkpoints).
 BASH_PASSES: dict[str, tuple[int, ...]] = {
+    # --fresh runs and the command-line tool over them: the same on both passes
+    "Set up and run": (1,),
+    "The `asyncckpt` command": (1,),
     "Multiple ranks": (1,),
     "Sharded state (FSDP2 / DTensor) and resharding": (1,),
     "The training example": (1,),
@@ -341,10 +344,12 @@ PYTHON: dict[str, Python] = {
     "Preemption save on SIGTERM": Python(
         check_preemption, times=2, exit_codes=lambda pass_no: (143, 0) if pass_no == 1 else (0, 0)
     ),
-    "With Lightning": Python(check_lightning),
-    "The Megatron-style loop with `AsyncCallsQueue`": Python(check_megatron),
+    # These three end the same on both passes (their checks do not depend on the pass):
+    # once, for the suite's time.
+    "With Lightning": Python(check_lightning, passes=(1,)),
+    "The Megatron-style loop with `AsyncCallsQueue`": Python(check_megatron, passes=(1,)),
     "Sharded state (FSDP2 / DTensor) and resharding": Python(check_fsdp),  # torchrun, as its first line says
-    "Export to Hugging Face": Python(check_export),
+    "Export to Hugging Face": Python(check_export, passes=(1,)),
     # It starts over in its own directories, so both passes would run the same: once.
     "Fast recovery: the local tier": Python(check_local_tier, passes=(1,)),
 }

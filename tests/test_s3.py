@@ -198,6 +198,7 @@ def test_server_down_fails_each_step_once_and_training_goes_on(remote, tmp_path,
     from s3_server import _free_ports
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_ports(1)[0]}")  # nothing listens
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # the AWS SDKs' variable, honoured: one retry, not three
     outcomes = Outcomes()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -222,7 +222,10 @@ class S3Tier:
             needs >= 5 MiB per part but the last).
         max_concurrency: parts in flight per object, and GETs in flight per read.
         connect_timeout, read_timeout: seconds, per request (botocore's).
-        max_attempts: attempts per request, with botocore's backoff (``standard`` mode).
+        max_attempts: attempts per request, with botocore's backoff; ``None`` (the
+            default): the AWS configuration's, as every AWS SDK reads it
+            (``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE``, the config file), else 4 in
+            ``standard`` mode.
 
     Thread-safe (boto3 clients are). Not picklable (it holds a client); the torch-free
     worker never sees it: uploads run in a thread of the training process, over
@@ -235,7 +238,7 @@ class S3Tier:
     max_concurrency: int = 8
     connect_timeout: float = 5.0
     read_timeout: float = 60.0
-    max_attempts: int = 4
+    max_attempts: int | None = None
     _where: S3Url = field(init=False, repr=False)
     _client: Any = field(init=False, default=None, repr=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
@@ -244,6 +247,23 @@ class S3Tier:
     def __post_init__(self) -> None:
         self._where = parse_url(self.url)
         self.url = str(self._where)
+
+    def _retries(self) -> dict[str, Any] | None:
+        """botocore's ``retries`` option: ``None`` leaves it to the AWS configuration
+        (botocore reads ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` and the config file)."""
+        if self.max_attempts is None and (os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE")):
+            return None
+        return {"max_attempts": self.attempts, "mode": "standard"}
+
+    @property
+    def attempts(self) -> int:
+        """Attempts per request (at least 1): :attr:`max_attempts`, else ``AWS_MAX_ATTEMPTS``, else 4."""
+        if self.max_attempts is not None:
+            return max(1, self.max_attempts)
+        try:
+            return max(1, int(os.environ.get("AWS_MAX_ATTEMPTS", "4")))
+        except ValueError:
+            return 4
 
     # ------------------------------------------------------------------ client
     @property
@@ -267,7 +287,7 @@ class S3Tier:
                     config=Config(
                         connect_timeout=self.connect_timeout,
                         read_timeout=self.read_timeout,
-                        retries={"max_attempts": self.max_attempts, "mode": "standard"},
+                        retries=self._retries(),
                         max_pool_connections=max(10, 2 * self.max_concurrency),
                         request_checksum_calculation="when_supported",
                         response_checksum_validation="when_supported",
@@ -1128,7 +1148,7 @@ class S3FileReader:
     def _get(self, lo: int, views: list[memoryview]) -> None:
         checkpoint = self._checkpoint
         n = sum(len(v) for v in views)
-        attempts = max(1, checkpoint.tier.max_attempts)
+        attempts = checkpoint.tier.attempts
         for attempt in range(attempts):
             response = checkpoint.get(self.name, lo, n)
             content_range = response.get("ContentRange")
@@ -1337,6 +1357,8 @@ _CLIENT_ENV = (
     "AWS_SECRET_ACCESS_KEY",
     "AWS_SESSION_TOKEN",
     "AWS_PROFILE",
+    "AWS_MAX_ATTEMPTS",
+    "AWS_RETRY_MODE",
     "AWS_DEFAULT_REGION",
     "AWS_REGION",
     "AWS_CONFIG_FILE",
