@@ -770,13 +770,12 @@ class CheckpointManager:
             return
         when = f"when the `with CheckpointManager` block of {self.root_dir} ended with {exc_type.__name__}"
         try:
-            lost = self._saver.settle_within(exit_timeout(), when)
+            bound = exit_timeout()
+            lost = self._saver.settle_within(bound, when)
             if self._upload is not None:  # a crash: the uploads get the exit's bound too (then resumed at start)
-                self._upload.close(
-                    exit_timeout(), bound=f"{exit_timeout():g} s after {exc_type.__name__} ({EXIT_TIMEOUT_ENV})"
-                )
+                self._upload.close(bound, bound=f"{bound:g} s after {exc_type.__name__} ({EXIT_TIMEOUT_ENV})")
             if self.local is not None:
-                lost += self.local.settle_within(exit_timeout(), when)
+                lost += self.local.settle_within(bound, when)
         except BaseException:
             self.close(abort=True)  # interrupted while waiting (Ctrl-C): drop at once
             raise

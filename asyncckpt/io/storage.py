@@ -72,6 +72,7 @@ __all__ = [
     "StepIndex",
     "LocalStepIndex",
     "preadv_all",
+    "pread_into",
 ]
 
 #: ``preadv`` takes at most this many buffers per call (Linux ``IOV_MAX``).
@@ -342,13 +343,18 @@ def preadv_all(fd: int, views: Sequence[memoryview], offset: int, path: str) -> 
             for v in batch:
                 if done + len(v) > got:
                     lo = max(0, got - done)
-                    _pread_into(fd, v[lo:], pos + done + lo, path)
+                    pread_into(fd, v[lo:], pos + done + lo, path)
                 done += len(v)
         pos += want
         i += IOV_MAX
 
 
-def _pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
+def pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    """Fill ``buf`` from ``fd`` at ``offset`` (short reads finished).
+
+    Raises:
+        CorruptCheckpointError: the file ``path`` ends first.
+    """
     done = 0
     while done < len(buf):
         n = os.preadv(fd, [buf[done:]], offset + done)

@@ -21,7 +21,7 @@ import torch
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import record_framing
 from asyncckpt.format.torchsave import TensorFraming
-from asyncckpt.io.storage import FileReader
+from asyncckpt.io.storage import FileReader, pread_into
 
 __all__ = [
     "pread_into",
@@ -33,20 +33,6 @@ __all__ = [
     "read_record",
     "torch_load_tensor",
 ]
-
-
-def pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
-    """Fill ``buf`` from ``fd`` at ``offset`` (short reads finished).
-
-    Raises:
-        CorruptCheckpointError: the file ``path`` ends first.
-    """
-    done = 0
-    while done < len(buf):
-        n = os.preadv(fd, [buf[done:]], offset + done)
-        if n <= 0:
-            raise CorruptCheckpointError(f"{path} is truncated (a record ends past the end of the file)", path)
-        done += n
 
 
 class RecordStream(io.RawIOBase):
