@@ -7,6 +7,7 @@ object overwritten through the S3 API.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -323,7 +324,7 @@ def test_close_is_bounded_by_upload_timeout(remote, tmp_path, monkeypatch):
         assert manager.remote_steps() == [1, 2]
 
 
-def test_corrupted_object_is_refused(remote, tmp_path):
+def test_corrupted_object_is_refused(remote, tmp_path, capsys):
     from asyncckpt.cli import main
 
     with asyncckpt.CheckpointManager(tmp_path / "c", upload_to=remote) as manager:
@@ -344,6 +345,7 @@ def test_corrupted_object_is_refused(remote, tmp_path):
     with pytest.raises(asyncckpt.CorruptCheckpointError):
         asyncckpt.read_state_dict(url)
     assert main(["verify", url]) == 1
+    assert "__0_0.distcp" in capsys.readouterr().out  # FAILED names the damaged object
 
 
 def many(seed: int) -> dict:
@@ -458,7 +460,7 @@ def test_remote_delete_racing_a_reader(remote, tmp_path, monkeypatch):
     assert tier.scan() == (set(), set())
 
 
-def test_cli_reads_urls(remote, tmp_path, capsys):
+def test_cli_reads_urls(remote, tmp_path, capsys, monkeypatch):
     from asyncckpt.cli import main
 
     with asyncckpt.CheckpointManager(tmp_path / "cli", upload_to=remote) as manager:
@@ -483,6 +485,21 @@ def test_cli_reads_urls(remote, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"OK      {remote}/step_00000001" in out and f"OK      {remote}/step_00000002" in out
     assert main(["verify", f"{remote}/step_00000009"]) == 1
+    capsys.readouterr()
+    # URLs and local paths in one call: each read through its own tier, the remote one
+    # streamed (no scratch copy in memory or on disk), one JSON document for all
+    def no_copy(*args, **kwargs):
+        raise AssertionError("verify made a local copy of a remote checkpoint")
+
+    monkeypatch.setattr(s3tier, "fetched", no_copy)
+    assert main(["verify", "--json", url, str(tmp_path / "cli")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] and doc["checked"] == 3 and doc["failed"] == 0
+    assert [r["path"] for r in doc["results"]][0] == url
+    assert all(r["ok"] and r["files"] >= 2 for r in doc["results"])
+    assert main(["verify", "--json", f"{remote}/step_00000009", str(tmp_path / "cli")]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["failed"] == 1 and "step_00000009" in doc["results"][0]["error"]
 
 
 # ----------------------------------------------------------------------------- two ranks

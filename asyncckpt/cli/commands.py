@@ -11,6 +11,7 @@ with :func:`asyncckpt.read_state_dict`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import errno
 import json
@@ -18,7 +19,7 @@ import os
 import secrets
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
@@ -26,6 +27,7 @@ from typing import Any, TextIO
 from asyncckpt import _faults
 from asyncckpt import root as _root
 from asyncckpt._fs import fsync_directory
+from asyncckpt.cli.remote import root_steps
 from asyncckpt.cli.scan import (
     PARTIAL_DESCRIPTION,
     CliError,
@@ -35,9 +37,17 @@ from asyncckpt.cli.scan import (
     human_bytes,
     scan_root,
 )
-from asyncckpt.errors import AsyncckptError, CheckpointError, CorruptCheckpointError, RootInUseError
+from asyncckpt.errors import (
+    AsyncckptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    RemoteStorageError,
+    RootInUseError,
+)
 from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, is_committed, step_metadata
-from asyncckpt.io.storage import LOCAL
+from asyncckpt.io import s3 as _s3
+from asyncckpt.io.storage import LOCAL, ReadableStorage
 
 __all__ = [
     "PROG",
@@ -188,26 +198,50 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- verify
-def _verify_targets(arg: str) -> tuple[list[Path], bool]:
+def _verify_targets(arg: str) -> tuple[list[str], bool]:
     """The checkpoints named by one ``verify`` argument: itself, or every committed
-    checkpoint of a manager root; and whether they came from a root's scan (then one
-    that vanishes before its check was removed by the job's retention)."""
+    checkpoint of a manager root (a local directory or an ``s3://`` prefix); and whether
+    they came from a root's scan (then one that vanishes before its check was removed by
+    the job's retention)."""
+    if _s3.is_url(arg):
+        steps = root_steps(arg)
+        return (steps, True) if steps else ([arg], False)
     path = Path(arg).absolute()
     _require_dir(path)
     if is_committed(path):
-        return [path], False
+        return [str(path)], False
     try:
         scan = scan_root(path)
     except (CliError, OSError):
-        return [path], False
+        return [str(path)], False
     if not scan.is_checkpoint and scan.checkpoints:
-        return [Path(c.path) for c in scan.checkpoints], True
-    return [path], False
+        return [c.path for c in scan.checkpoints], True
+    return [str(path)], False
 
 
-def _verify_one(path: Path, progress: bool | None) -> dict[str, Any]:
+@contextlib.contextmanager
+def _readable(target: str) -> Iterator[ReadableStorage]:
+    """The read side of the tier holding ``target``: the local directory's
+    (:data:`~asyncckpt.io.storage.LOCAL`), or the remote checkpoint's
+    (:func:`asyncckpt.io.s3.open_url`: its commit marker read, the objects streamed).
+
+    Raises:
+        CheckpointNotFoundError: no committed remote checkpoint at ``target``.
+        RemoteStorageError: a request failed, or boto3 is missing.
+    """
+    if _s3.is_url(target):
+        with _s3.open_url(target) as checkpoint:
+            yield checkpoint
+    else:
+        yield LOCAL
+
+
+def _verify_one(target: str, progress: bool | None) -> dict[str, Any]:
+    """Check one checkpoint (a local directory or an ``s3://`` URL) against its manifest
+    through its tier's :class:`~asyncckpt.io.storage.ReadableStorage`: every file's size
+    and CRC-32s, the bytes streamed (a remote one with ranged GETs, nothing on disk)."""
     result: dict[str, Any] = {
-        "path": str(path),
+        "path": target,
         "ok": False,
         "files": None,
         "bytes": None,
@@ -215,40 +249,43 @@ def _verify_one(path: Path, progress: bool | None) -> dict[str, Any]:
         "file": None,
         "verifiable": True,
     }
-    if _root.is_stock_dcp(path):  # not ours, nothing wrong with it known: its own exit status
+    if not _s3.is_url(target) and _root.is_stock_dcp(Path(target)):
+        # not ours, nothing wrong with it known: its own exit status
         result.update(
             verifiable=False,
             error="no manifest: not verifiable (a stock torch.distributed.checkpoint directory has no checksums)",
         )
         return result
     try:
-        manifest = LOCAL.read_manifest(path)
-        total = sum(e["size"] for e in manifest["files"].values())
-        show = progress if progress is not None else (total > PROGRESS_MIN_BYTES and sys.stderr.isatty())
-        if show:
-            from tqdm import tqdm
+        with _readable(target) as storage:
+            manifest = storage.read_manifest(target)
+            total = sum(e["size"] for e in manifest["files"].values())
+            show = progress if progress is not None else (total > PROGRESS_MIN_BYTES and sys.stderr.isatty())
+            if show:
+                from tqdm import tqdm
 
-            with tqdm(
-                total=total,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                desc=path.name,
-                file=sys.stderr,
-                leave=False,
-                disable=False,
-                mininterval=0.2,
-            ) as bar:
+                with tqdm(
+                    total=total,
+                    unit="B",
+                    unit_scale=True,
+                    unit_divisor=1024,
+                    desc=Path(target).name,
+                    file=sys.stderr,
+                    leave=False,
+                    disable=False,
+                    mininterval=0.2,
+                ) as bar:
 
-                def advance(n: int) -> None:
-                    bar.update(n)
+                    def advance(n: int) -> None:
+                        bar.update(n)
 
-                manifest = LOCAL.verify(path, on_bytes=advance)
-        else:
-            manifest = LOCAL.verify(path)
-    except CorruptCheckpointError as exc:
+                    manifest = storage.verify(target, on_bytes=advance)
+            else:
+                manifest = storage.verify(target)
+    except (CorruptCheckpointError, CheckpointNotFoundError, RemoteStorageError) as exc:
+        # damaged, missing (a remote retention racing the check), or a request that failed
         result["error"] = str(exc)
-        result["file"] = exc.path
+        result["file"] = getattr(exc, "path", None)
         return result
     result.update(ok=True, files=len(manifest["files"]), bytes=sum(e["size"] for e in manifest["files"].values()))
     return result
@@ -516,13 +553,26 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _vanished(target: str) -> bool:
+    """Whether a checkpoint listed by a root's scan is gone now (removed, not damaged)."""
+    if not _s3.is_url(target):
+        return not os.path.lexists(target)
+    try:
+        with _s3.open_url(target):
+            return False
+    except CheckpointNotFoundError:
+        return True
+    except (AsyncckptError, OSError):
+        return False
+
+
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     results = []
     for arg in args.checkpoints:
         try:
             targets, scanned = _verify_targets(arg)
-        except CliError as exc:
-            shown = str(Path(arg).absolute())
+        except (CliError, RemoteStorageError) as exc:
+            shown = arg if _s3.is_url(arg) else str(Path(arg).absolute())
             message = str(exc)[len(shown) + 2 :] if str(exc).startswith(shown + ": ") else str(exc)
             results.append(
                 {
@@ -544,7 +594,7 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
             result = _verify_one(path, args.progress)
             # A step of a root that vanished between the scan and its check was removed
             # (retention of a job still saving, a user's rm): gone, not damaged.
-            result["removed"] = scanned and not result["ok"] and not os.path.lexists(path)
+            result["removed"] = scanned and not result["ok"] and _vanished(path)
             results.append(result)
             if not args.json:
                 if result["removed"]:
