@@ -6,7 +6,9 @@ server, in one run.
   token metadata, marker, latest) against boto3's own multipart upload of the same
   files (one ``TransferManager``, every file submitted at once) with the same client,
   part size and concurrency (botocore's default CRC32 trailer, no marker), the reps
-  interleaved. Goal: >= 0.9x the raw throughput.
+  interleaved. Goal: >= 0.9x the raw throughput. ``--workload llm``: the LLM-shaped
+  checkpoint (GPT + AdamW, about 1.02 GiB in 1172 tensors) instead of ``--mib`` in
+  ``--tensors`` equal ones.
 - **load**: ``asyncckpt.load(state, "s3://...")`` (ranged GETs of ``part_size`` bytes,
   ``max_concurrency`` in flight, streamed straight into the state's tensors, the CRC-32s
   checked inline; with ``verify=False`` too) and ``read_state_dict`` (DCP's path: windows
@@ -19,7 +21,9 @@ server, in one run.
 - **training**: the loop of a small MLP with a save every K steps (K = 4, 16), with
   ``upload_to`` and without, interleaved, ``--reps`` each: the slowdown of the medians
   beside the min..max of each and the local tier's own run-to-run spread. Goal: within
-  the spread.
+  the spread. Beside it, the CPU seconds the training process and the server (when
+  started here) used during the loops: on one machine both share its cores, so an
+  upload costs the loop the server's work too, which a remote store does elsewhere.
 
 By default it starts a SeaweedFS server (``weed server -s3``, the tests' fixture
 ``tests/s3_server.py``) on 127.0.0.1 in a temporary directory; ``--endpoint`` (with
@@ -58,6 +62,37 @@ def _state(mib: int, tensors: int, seed: int = 0) -> dict[str, Any]:
     return {f"layer{i:05d}.weight": torch.randn(per, generator=g) for i in range(tensors)}
 
 
+def llm_state() -> dict[str, Any]:
+    """The LLM-shaped checkpoint (``benchmark.llm.LLM_FULL``: scripts/train.py's GPT and
+    AdamW stepped once, about 1.02 GiB of float32 in 1172 tensors), flattened to
+    ``{"model.<fqn>" | "optim.state.<fqn>.<key>": tensor}``: the same tensors, sizes and
+    count as the nested state, in the flat form the load rows compare tensor by tensor."""
+    from benchmark.llm import LLM_FULL, build_llm
+
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            flat[prefix] = value.detach().clone()
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+
+    walk("", build_llm(LLM_FULL, device="cpu")[2])
+    return flat
+
+
+#: The SeaweedFS server's pid when this benchmark started it (its CPU time is shown).
+SERVER_PID: list[int] = []
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its threads so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
 def _server(endpoint: str | None) -> Iterator[dict[str, str]]:
     if endpoint:
@@ -70,8 +105,11 @@ def _server(endpoint: str | None) -> Iterator[dict[str, str]]:
         server = S3Server(d)
         try:
             server.start()
+            if server._proc is not None:
+                SERVER_PID[:] = [server._proc.pid]
             yield server.env()
         finally:
+            SERVER_PID.clear()
             server.stop()
 
 
@@ -144,8 +182,10 @@ def _median_time(fn: Any, reps: int) -> float:
     return statistics.median(times)
 
 
-def bench_upload_load(url_base: str, mib: int, tensors: int, reps: int, work: Path) -> list[tuple[str, str]]:
-    state = _state(mib, tensors)
+def bench_upload_load(
+    url_base: str, mib: int, tensors: int, reps: int, work: Path, llm: bool = False
+) -> list[tuple[str, str]]:
+    state = llm_state() if llm else _state(mib, tensors)
     root = work / "root"
     with asyncckpt.CheckpointManager(root) as manager:
         manager.save(1, state, async_op=False)
@@ -287,12 +327,17 @@ def bench_load(
     return rows
 
 
-def _train(root: Path, every: int, steps: int, upload_to: str | None) -> float:
+def _train(root: Path, every: int, steps: int, upload_to: str | None) -> tuple[float, float, float]:
+    """Seconds of ``steps`` training steps with a save every ``every`` (``upload_to``:
+    uploaded too), and the CPU seconds the training process and the server (0 when not
+    started here) used meanwhile."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])  # 32 MiB of weights
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(64, 1024)
     with asyncckpt.CheckpointManager(root, keep_last=2, upload_to=upload_to, keep_remote=2 if upload_to else None) as m:
+        server0 = _cpu_s(SERVER_PID[0]) if SERVER_PID else 0.0
+        own0 = _cpu_s(os.getpid())
         t = time.perf_counter()
         for step in range(steps):
             model(x).square().mean().backward()
@@ -302,17 +347,20 @@ def _train(root: Path, every: int, steps: int, upload_to: str | None) -> float:
             if step % every == 0:
                 m.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
         elapsed = time.perf_counter() - t
+        own = _cpu_s(os.getpid()) - own0
+        server = _cpu_s(SERVER_PID[0]) - server0 if SERVER_PID else 0.0
         m.wait_uploads(600)
-    return elapsed
+    return elapsed, own, server
 
 
 def bench_training(url_base: str, ks: list[int], steps: int, reps: int, work: Path) -> list[tuple[str, str]]:
     rows = []
     for k in ks:
-        local, remote = [], []
+        runs: dict[str, list[tuple[float, float, float]]] = {"local": [], "remote": []}
         for r in range(reps):  # interleaved
-            local.append(_train(work / f"l{k}-{r}", k, steps, None))
-            remote.append(_train(work / f"r{k}-{r}", k, steps, f"{url_base}/train-{k}-{r}"))
+            runs["local"].append(_train(work / f"l{k}-{r}", k, steps, None))
+            runs["remote"].append(_train(work / f"r{k}-{r}", k, steps, f"{url_base}/train-{k}-{r}"))
+        local, remote = [x[0] for x in runs["local"]], [x[0] for x in runs["remote"]]
         lm, rm = statistics.median(local), statistics.median(remote)
         spread = (max(local) - min(local)) / lm
         rows.append(
@@ -325,6 +373,16 @@ def bench_training(url_base: str, ks: list[int], steps: int, reps: int, work: Pa
                 ),
             )
         )
+        cpu = {mode: [statistics.median(x[i] for x in runs[mode]) for i in (1, 2)] for mode in runs}
+        rows.append(
+            (
+                "the same, CPU seconds used during the loop: training process / S3 server (medians)",
+                (
+                    f"upload_to {cpu['remote'][0]:.1f} / {cpu['remote'][1]:.1f} CPU-s vs local only "
+                    f"{cpu['local'][0]:.1f} / {cpu['local'][1]:.1f} CPU-s ({os.cpu_count()} cores shared by both)"
+                ),
+            )
+        )
     return rows
 
 
@@ -334,6 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket", default="asyncckpt-bench", help="bucket (created if missing)")
     p.add_argument("--mib", type=int, default=1024, help="state size in MiB (%(default)s)")
     p.add_argument("--tensors", type=int, default=4096, help="tensors (%(default)s)")
+    p.add_argument(
+        "--workload",
+        choices=("uniform", "llm"),
+        default="uniform",
+        help="uniform: --mib in --tensors equal tensors; llm: the LLM-shaped checkpoint "
+        "(GPT + AdamW, about 1.02 GiB in 1172 tensors; --mib/--tensors ignored) (%(default)s)",
+    )
     p.add_argument("--reps", type=int, default=3, help="timed repetitions (%(default)s)")
     p.add_argument("--train-k", default="4,16", help="training rows: a save every K steps (%(default)s)")
     p.add_argument("--train-steps", type=int, default=64, help="steps per training run (%(default)s)")
@@ -345,13 +410,15 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(Exception):
             tier.client.create_bucket(Bucket=args.bucket)
         base = f"s3://{args.bucket}/bench-{uuid.uuid4().hex[:8]}"
-        log(f"upload / load of {args.mib} MiB in {args.tensors} tensors")
-        rows = bench_upload_load(base, args.mib, args.tensors, args.reps, Path(work))
+        what = "the LLM-shaped checkpoint" if args.workload == "llm" else f"{args.mib} MiB in {args.tensors} tensors"
+        log(f"upload / load of {what}")
+        rows = bench_upload_load(base, args.mib, args.tensors, args.reps, Path(work), llm=args.workload == "llm")
         if not args.no_train:
             ks = [int(k) for k in args.train_k.split(",") if k]
             log(f"training loop, K = {ks}")
             rows += bench_training(base, ks, args.train_steps, args.reps, Path(work))
-    print(f"| object storage ({args.mib} MiB / {args.tensors} tensors, one run) | |")
+    shape = "LLM-shaped, GPT + AdamW" if args.workload == "llm" else f"{args.mib} MiB / {args.tensors} tensors"
+    print(f"| object storage ({shape}, one run) | |")
     print("|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
