@@ -21,7 +21,14 @@ inherits the training process's environment when it is started). Points:
   its temporary directory is removed and its callback runs (its handle must complete
   all the same);
 - ``verify_scanned``: in ``asyncckpt verify``, after a root was listed, before its
-  checkpoints are checked.
+  checkpoints are checked;
+- ``upload``: in an upload thread, after this rank's files of a step are uploaded,
+  before the coordinator's wait for the others and its commit marker
+  (``asyncckpt.io.s3``);
+- ``s3_read``: when a remote checkpoint is opened for reading (or fetched), after its
+  commit marker was read;
+- ``s3_list``: before each listing of a remote tier's steps (``raise``: the bucket
+  cannot be listed).
 
 Actions: ``sleep=SECONDS``, ``raise`` (``OSError(EIO)``), ``enospc``
 (``OSError(ENOSPC)``), ``exit=CODE`` (``os._exit``), ``kill`` (SIGKILL to itself),

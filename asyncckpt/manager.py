@@ -606,7 +606,10 @@ class CheckpointManager:
     ) -> int:
         """Load step ``step`` (default: the latest) into ``state_dict`` in place (collective).
 
-        ``verify`` and ``allow_pickle`` are those of :func:`asyncckpt.load`. An
+        Without ``step``, the coordinator picks the newest save over both tiers (the
+        root, and the bucket of ``upload_to``) and every rank loads that one (one
+        broadcast: the ranks never load different steps, and the bucket is listed
+        once). ``verify`` and ``allow_pickle`` are those of :func:`asyncckpt.load`. An
         overlapped save still copying (perhaps the same tensors) is synchronized first,
         as ``save``, ``maybe_finalize``, ``close`` and ``prepare`` do.
 
@@ -628,7 +631,8 @@ class CheckpointManager:
                 checkpoint (or not that step), or it was removed while being loaded.
             CorruptCheckpointError: the checkpoint does not match its manifest, or
                 names a path outside its directory.
-            CheckpointError: a non-tensor value needs ``allow_pickle=True``.
+            CheckpointError: a non-tensor value needs ``allow_pickle=True``; the
+                coordinator could not list the root to choose the step.
         """
         hint = "; the call is load(state_dict, step)"
         check_state_dict(state_dict, hint=hint)
@@ -636,19 +640,16 @@ class CheckpointManager:
             step = check_step(step, hint=hint)
         self._saver.synchronize_staging()  # never load into tensors an overlapped copy still reads
         where: str | os.PathLike | None = None
-        if step is None and self._upload is not None:
-            newest = self._upload.newest(self._root.latest())
-            if newest is not None:
-                step, where = newest[0], None if newest[1] == "local" else newest[1]
         if step is None:
-            step = self.latest_step()
-            if step is None and initial is not None:  # a fresh run: its starting point
+            choice = self._agreed_newest()
+            if choice is None and initial is not None:  # a fresh run: its starting point
                 self.last_load_timings = load(
                     state_dict, initial, process_group=self.process_group, verify=verify, allow_pickle=allow_pickle
                 )
                 return -1
-            if step is None:
+            if choice is None:
                 raise CheckpointNotFoundError("no committed checkpoint", str(self.root_dir))
+            step, where = choice
         path = self.step_dir(step)
         if where is None and not _manifest.is_committed(path) and self._upload is not None:
             where = self._upload.remote_url(step)  # only in the remote tier
@@ -659,6 +660,41 @@ class CheckpointManager:
             state_dict, source, process_group=self.process_group, verify=verify, allow_pickle=allow_pickle
         )
         return int(step)
+
+    def _newest(self) -> tuple[int, str | None] | None:
+        """The newest save over both tiers, as this rank sees them: ``(step, None)`` in
+        the root, ``(step, url)`` only (or newer) in the remote tier; ``None``: none."""
+        if self._upload is not None:
+            newest = self._upload.newest(self._root.latest())
+            return None if newest is None else (newest[0], None if newest[1] == "local" else newest[1])
+        local = self._root.latest()
+        return None if local is None else (local, None)
+
+    def _agreed_newest(self) -> tuple[int, str | None] | None:
+        """(collective) :meth:`_newest` as the coordinator sees it, on every rank: one
+        rank lists the root and the bucket (a remote listing is a LIST and a HEAD per
+        new marker: once per job, not once per rank), and no rank loads another step
+        than the others because a listing differed (an upload committing meanwhile, a
+        bucket one rank cannot reach).
+
+        Raises:
+            CheckpointError: the coordinator could not list (the same on every rank).
+        """
+        sync = SyncGroup(self.process_group)
+        if not sync.active:
+            return self._newest()
+        choice: tuple[int, str | None] | None = None
+        error: str | None = None
+        if sync.rank == self.coordinator_rank:
+            try:
+                choice = self._newest()
+            except (AsyncckptError, OSError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        with sync.describing("the choice of the step to load (the coordinator's)"):
+            choice, error = sync.broadcast_object((choice, error), self.coordinator_rank)
+        if error is not None:
+            raise CheckpointError(f"rank {self.coordinator_rank} could not choose the step to load: {error}")
+        return choice
 
     def restore(self, state_dict: dict[str, Any]) -> RestoreResult | None:
         """Restore the newest checkpoint of either tier into ``state_dict`` (collective).

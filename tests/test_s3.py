@@ -516,9 +516,16 @@ def _two_ranks_upload(rank: int, world_size: int, root: str, url: str, env: dict
         manager.maybe_finalize(blocking=True)
         assert manager.wait_uploads(60)
     # Both ranks on fresh machines: empty roots, restored from the bucket (collective load).
+    # Rank 1 cannot list the bucket (an injected fault): the coordinator's choice holds
+    # for every rank (before, rank 1 found nothing and raised while rank 0 loaded).
     with asyncckpt.CheckpointManager(f"{root}-fresh", upload_to=url) as fresh:
         target: dict[str, Any] = {f"own{rank}": torch.zeros(1 << 18), "step": 0}
-        assert fresh.load(target) == 1
+        if rank == 1:
+            os.environ["ASYNCCKPT_FAULT"] = "s3_list:raise"
+        try:
+            assert fresh.load(target) == 1
+        finally:
+            os.environ.pop("ASYNCCKPT_FAULT", None)
         assert torch.equal(target[f"own{rank}"], sd[f"own{rank}"]) and target["step"] == 1
     return [(o.step, o.bytes) for o in outcomes.of(asyncckpt.UploadResult)] + [
         str(e) for e in outcomes.of(asyncckpt.UploadError)

@@ -337,6 +337,7 @@ class S3Tier:
 
     def _scan(self) -> tuple[dict[int, str], set[int]]:
         """``({committed step: its marker's version}, unmarked steps)`` from one listing."""
+        _faults.hit("s3_list")
         base = self._where.key("")
         committed: dict[int, str] = {}
         seen: set[int] = set()
