@@ -639,7 +639,7 @@ class CheckpointManager:
         if step is not None:
             step = check_step(step, hint=hint)
         self._saver.synchronize_staging()  # never load into tensors an overlapped copy still reads
-        where: str | os.PathLike | None = None
+        where: str | None = None
         if step is None:
             choice = self._agreed_newest()
             if choice is None and initial is not None:  # a fresh run: its starting point
@@ -650,6 +650,18 @@ class CheckpointManager:
             if choice is None:
                 raise CheckpointNotFoundError("no committed checkpoint", str(self.root_dir))
             step, where = choice
+        return self._load_from(state_dict, step, where, verify, allow_pickle)
+
+    def _load_from(
+        self,
+        state_dict: dict[str, Any],
+        step: int,
+        where: str | None,
+        verify: bool | Literal["inline"] = "inline",
+        allow_pickle: bool = False,
+    ) -> int:
+        """Load ``step`` from ``where`` (a URL), or from the root (``None``; from the
+        remote tier when the root does not hold it); returns ``step``."""
         path = self.step_dir(step)
         if where is None and not _manifest.is_committed(path) and self._upload is not None:
             where = self._upload.remote_url(step)  # only in the remote tier
@@ -699,7 +711,9 @@ class CheckpointManager:
     def restore(self, state_dict: dict[str, Any]) -> RestoreResult | None:
         """Restore the newest checkpoint of either tier into ``state_dict`` (collective).
 
-        Without a local tier: the root's newest step (:meth:`load`). With one: see
+        The persistent tiers' newest save (the root's, or the bucket's of ``upload_to``)
+        is chosen as :meth:`load` chooses it (by the coordinator, for every rank).
+        Without a local tier, that is restored. With one: see
         :meth:`asyncckpt.replication.LocalCheckpoints.restore` (one collective census,
         peers send missing shards, every byte CRC-checked, a bad copy falls back to a
         replica, then to the root). The result is also logged (rank 0) and kept as
@@ -709,13 +723,18 @@ class CheckpointManager:
             The step, tier and peers restored from, or ``None`` when neither tier holds
             a checkpoint (start from step 0).
         """
-        if self.local is None:
-            step = self.latest_step()
-            if step is None:
-                return None
-            return RestoreResult(self.load(state_dict, step), "persistent", {}, "persistent")
         self._saver.synchronize_staging()
-        return self.local.restore(state_dict, self.latest_step(), lambda step: self.load(state_dict, step))
+        choice = self._agreed_newest()  # the persistent tiers' newest, the same on every rank
+        if self.local is None:
+            if choice is None:
+                return None
+            return RestoreResult(self._load_from(state_dict, *choice), "persistent", {}, "persistent")
+        where = None if choice is None else choice[1]
+        return self.local.restore(
+            state_dict,
+            None if choice is None else choice[0],
+            lambda step: self._load_from(state_dict, step, where),
+        )
 
     def close(self, abort: bool = False) -> None:
         """Commit pending saves and stop the worker; ``abort`` drops them instead.
