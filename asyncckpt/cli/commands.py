@@ -116,11 +116,10 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         CorruptCheckpointError: ``.metadata`` or the manifest is unreadable, holds a
             disallowed global, or names a path outside the directory.
     """
-    path = Path(checkpoint_dir).absolute()
-    _require_checkpoint_dir(path)
-    manifest: dict[str, Any] | None = None
-    if LOCAL.exists(path, MANIFEST_NAME):
-        manifest = LOCAL.read_manifest(path)
+    remote = _s3.is_url(checkpoint_dir)
+    path: Any = str(checkpoint_dir) if remote else Path(checkpoint_dir).absolute()
+    if not remote:
+        _require_checkpoint_dir(path)
 
     from torch.distributed.checkpoint.metadata import (
         TensorStorageMetadata,  # torch only once needed
@@ -129,9 +128,15 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     from asyncckpt.loading.metadata import read_metadata
     from asyncckpt.loading.read import manifest_int_keys, typed_entry_paths
 
-    metadata = read_metadata(path)
-    where = str(path / METADATA_NAME)
-    paths = typed_entry_paths(metadata, manifest_int_keys(manifest, str(path / MANIFEST_NAME)), where)
+    with _readable(str(path)) as tier:  # a URL: its marker and .metadata, nothing else
+        manifest: dict[str, Any] | None = None
+        if remote or tier.exists(path, MANIFEST_NAME):  # a remote one's is its commit marker
+            manifest = tier.read_manifest(path)
+        metadata = read_metadata(path, tier)
+        with tier.open_checkpoint(str(path)) as opened:
+            sizes = {name: opened.file_size(name) for name in {i.relative_path for i in metadata.storage_data.values()}}
+    where = f"{path}/{METADATA_NAME}"
+    paths = typed_entry_paths(metadata, manifest_int_keys(manifest, f"{path}/{MANIFEST_NAME}"), where)
 
     storage: dict[str, list[dict[str, Any]]] = {}
     for index, info in metadata.storage_data.items():
@@ -169,7 +174,7 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         if manifest is not None and name in manifest["files"]:
             file_sizes[name] = manifest["files"][name]["size"]
         else:
-            file_sizes[name] = os.stat(path / name, follow_symlinks=False).st_size
+            file_sizes[name] = sizes[name] or 0
     tensors = [e for e in entries if e["kind"] == "tensor"]
 
     def manifest_int(key: str) -> int | None:
@@ -178,7 +183,7 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
 
     return {
         "path": str(path),
-        "committed": manifest is not None and is_committed(path),
+        "committed": manifest is not None and (remote or is_committed(path)),
         "step": manifest_int("step"),
         "world_size": manifest_int("world_size"),
         "saved_with": step_metadata(manifest) if manifest is not None else None,
@@ -332,9 +337,10 @@ def convert_to_torch_save(
         CheckpointError: a non-tensor value needs ``allow_pickle``.
         OSError: writing ``out`` failed (nothing is left behind).
     """
-    src = Path(checkpoint_dir).absolute()
+    src: Any = str(checkpoint_dir) if _s3.is_url(checkpoint_dir) else Path(checkpoint_dir).absolute()
     dst = Path(out).absolute()
-    _require_checkpoint_dir(src)
+    if not _s3.is_url(src):
+        _require_checkpoint_dir(src)
     if dst.is_dir():
         raise CliError(f"{dst} is a directory")
     if os.path.lexists(dst) and not force:
@@ -349,8 +355,9 @@ def convert_to_torch_save(
     from asyncckpt import read_state_dict  # the public API
     from asyncckpt.loading.metadata import read_metadata
 
-    entries = len(read_metadata(src).state_dict_metadata)  # an unsafe .metadata is named as such first
-    has_manifest = LOCAL.exists(src, MANIFEST_NAME)
+    with _readable(str(src)) as tier:  # a URL: read in place, with ranged GETs, as read_state_dict does
+        entries = len(read_metadata(src, tier).state_dict_metadata)  # an unsafe .metadata is named as such first
+        has_manifest = _s3.is_url(src) or tier.exists(src, MANIFEST_NAME)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -4,20 +4,16 @@
 ``ls s3://bucket/prefix`` lists the remote tier (:class:`asyncckpt.io.s3.S3Tier`):
 the committed steps (those with a commit marker), their sizes, which one ``latest``
 names, and the steps with objects but no marker (uploads in flight or failed).
-``verify`` takes URLs and local paths alike (:func:`asyncckpt.cli.commands.cmd_verify`
-reads each through its tier's :class:`~asyncckpt.io.storage.ReadableStorage`; a remote
-one is streamed with ranged GETs, nothing on disk); :func:`root_steps` expands a root
-URL into its committed steps for it. ``inspect`` and ``convert`` read a remote
-checkpoint with :func:`asyncckpt.io.s3.fetched` (ranged GETs in parallel, into a
-scratch directory in memory) and run the local subcommand on it, printing the URL
-where the local one prints the scratch directory.
+``verify``, ``inspect`` and ``convert`` take URLs and local paths alike
+(:mod:`asyncckpt.cli.commands` reads each through its tier's
+:class:`~asyncckpt.io.storage.ReadableStorage`: a remote checkpoint is read in place
+with ranged GETs, nothing copied to disk or memory first); :func:`root_steps` expands
+a root URL into its committed steps for ``verify``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -81,27 +77,9 @@ def _ls(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def run_remote(args: argparse.Namespace, out: TextIO, local: Callable[[argparse.Namespace, TextIO], int]) -> int | None:
-    """Run a subcommand whose checkpoint arguments are ``s3://`` URLs; ``None`` when none
-    is (the caller runs the local subcommand ``local``)."""
+    """Run ``ls`` of an ``s3://`` root; ``None`` for anything else (the caller runs the
+    subcommand ``local``, which reads URLs and paths alike through their tier's
+    :class:`~asyncckpt.io.storage.ReadableStorage`)."""
     if args.command == "ls":
         return _ls(args, out) if _s3.is_url(args.root) else None
-    attr = {"inspect": "checkpoint", "convert": "checkpoint"}.get(args.command)
-    if attr is None:
-        return None
-    value = getattr(args, attr)
-    urls = [v for v in (value if isinstance(value, list) else [value]) if _s3.is_url(v)]
-    if not urls:
-        return None
-    with contextlib.ExitStack() as stack:
-        places = {url: stack.enter_context(_s3.fetched(url)) for url in dict.fromkeys(urls)}
-        if isinstance(value, list):
-            setattr(args, attr, [str(places[v]) if v in places else v for v in value])
-        else:
-            setattr(args, attr, str(places[value]))
-        buffer = io.StringIO()
-        code = local(args, buffer)
-    text = buffer.getvalue()
-    for url, place in places.items():
-        text = text.replace(str(place), url)
-    out.write(text)
-    return code
+    return None

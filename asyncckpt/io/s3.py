@@ -59,7 +59,6 @@ import contextlib
 import os
 import queue
 import re
-import shutil
 import sys
 import tempfile
 import threading
@@ -80,8 +79,6 @@ __all__ = [
     "S3Tier",
     "is_url",
     "parse_url",
-    "fetched",
-    "fetch_url",
     "open_url",
     "reader_tier",
     "S3Checkpoint",
@@ -662,12 +659,6 @@ class S3Tier:
                 lister.shutdown()
         return sent
 
-    # ------------------------------------------------------------------ reads
-    def fetch(self, step: int, dest: str | os.PathLike) -> dict[str, Any]:
-        """Read committed step ``step`` into the empty local directory ``dest``
-        (see :meth:`fetch_url`)."""
-        return fetch_url(self, self._where.child(step_dir_name(step)), dest)
-
 
 #: The nice value (Linux) of the upload threads: above the training thread's 0, so
 #: that on a busy core the scheduler runs the training thread first (the upload is
@@ -947,134 +938,6 @@ def read_marker(tier: S3Tier, where: S3Url) -> Marker:
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"{url}: {exc}", url) from None
     return Marker(body, response.get("Metadata", {}).get(TOKEN_META), manifest)
-
-
-def fetch_url(tier: S3Tier, where: S3Url, dest: str | os.PathLike, marker: Marker | None = None) -> dict[str, Any]:
-    """Read the committed checkpoint at ``where`` into the local directory ``dest``:
-    the marker first (a checkpoint without one is absent; ``marker``: already read),
-    then every file it lists, with ranged GETs of ``part_size`` bytes,
-    ``max_concurrency`` in flight, written in place with ``pwrite``; each response must
-    carry the marker's save token. The manifest is written last.
-
-    Returns:
-        The manifest.
-
-    Raises:
-        CheckpointNotFoundError: no marker, or an object was removed meanwhile (a
-            remote retention racing this read).
-        CorruptCheckpointError: an object of another save or of another size.
-        RemoteStorageError: a request failed.
-    """
-    client = tier.client
-    url = str(where)
-    dest = Path(dest)
-    if marker is None:
-        marker = read_marker(tier, where)
-    manifest, token, body = marker.manifest, marker.token, marker.body
-    _faults.hit("s3_read")
-
-    jobs: list[tuple[str, int, int, int]] = []  # name, fd, offset, length
-    fds: dict[str, int] = {}
-    try:
-        for name, entry in sorted(manifest["files"].items()):
-            if name == _manifest.MANIFEST_NAME:
-                continue
-            fd = fds[name] = os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            size = int(entry["size"])
-            os.ftruncate(fd, size)
-            jobs.extend((name, fd, off, min(tier.part_size, size - off)) for off in range(0, size, tier.part_size))
-            if size == 0:
-                jobs.append((name, fd, 0, 0))
-
-        def get(job: tuple[str, int, int, int]) -> None:
-            name, fd, offset, length = job
-            key = where.key(name)
-            kwargs: dict[str, Any] = {"Bucket": where.bucket, "Key": key}
-            if length:
-                kwargs["Range"] = f"bytes={offset}-{offset + length - 1}"
-            try:
-                response = client.get_object(**kwargs)
-            except Exception as exc:  # botocore's errors
-                if _is_missing(exc):
-                    raise CheckpointNotFoundError(
-                        f"{name} was removed while the checkpoint was being read (retention?): load a newer step",
-                        url,
-                    ) from None
-                raise _remote_error(exc, "GET", f"{url}/{name}") from exc
-            got = response.get("Metadata", {}).get(TOKEN_META)
-            total = int(manifest["files"][name]["size"])
-            if token is not None and got != token:
-                raise CorruptCheckpointError(f"{url}/{name} belongs to another save than its manifest", url)
-            content_range = response.get("ContentRange")
-            if length and content_range and not content_range.endswith(f"/{total}"):
-                raise CorruptCheckpointError(
-                    f"{url}/{name} has another size than its manifest's {total} bytes ({content_range})", url
-                )
-            stream = response["Body"]
-            done = 0
-            while done < length:
-                chunk = stream.read(min(8 << 20, length - done))
-                if not chunk:
-                    break
-                os.pwrite(fd, chunk, offset + done)
-                done += len(chunk)
-            if done != length:
-                raise CorruptCheckpointError(f"{url}/{name}: short read at byte {offset + done}", url)
-
-        with concurrent.futures.ThreadPoolExecutor(max(1, tier.max_concurrency), "asyncckpt-s3-get") as pool:
-            futures = [pool.submit(get, job) for job in jobs]
-            try:
-                for future in concurrent.futures.as_completed(futures):
-                    future.result()
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    (dest / _manifest.MANIFEST_NAME).write_bytes(body)
-    return manifest
-
-
-def _scratch_parent(nbytes: int) -> str:
-    chosen = os.environ.get("ASYNCCKPT_S3_SCRATCH")
-    if chosen:
-        return chosen
-    try:
-        st = os.statvfs("/dev/shm")
-        if st.f_bavail * st.f_frsize > nbytes + (256 << 20):
-            return "/dev/shm"
-    except OSError:
-        pass
-    return tempfile.gettempdir()
-
-
-@contextlib.contextmanager
-def fetched(url: str, *, endpoint_url: str | None = None) -> Iterator[Path]:
-    """A committed remote checkpoint (``s3://bucket/prefix/step_00000007``) as a local
-    directory for the duration of the ``with`` block (see :func:`fetch_url`), in
-    memory when ``/dev/shm`` has room (``ASYNCCKPT_S3_SCRATCH``: another parent);
-    removed at the end.
-
-    Yields:
-        The local directory (named as the URL's last component, e.g. ``step_00000007``).
-
-    Raises:
-        CheckpointNotFoundError: no committed checkpoint at ``url`` (or removed meanwhile).
-        CorruptCheckpointError, RemoteStorageError: see :func:`fetch_url`.
-    """
-    where = parse_url(url)
-    tier = S3Tier(f"{SCHEME}{where.bucket}", endpoint_url=endpoint_url)
-    marker = read_marker(tier, where)
-    parent = tempfile.mkdtemp(prefix="asyncckpt-s3-", dir=_scratch_parent(marker.total_bytes))
-    try:
-        dest = Path(parent) / (where.prefix.rsplit("/", 1)[-1] or where.bucket)
-        dest.mkdir()
-        fetch_url(tier, where, dest, marker)
-        yield dest
-    finally:
-        shutil.rmtree(parent, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------- direct reads

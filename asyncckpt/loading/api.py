@@ -370,14 +370,6 @@ def opened_on_every_rank(url: str, process_group: Any) -> Iterator[_s3.S3Checkpo
 
 
 @contextlib.contextmanager
-def fetched_on_every_rank(url: str, process_group: Any) -> Iterator[Path]:
-    """(all ranks) :func:`asyncckpt.io.s3.fetched` (a scratch copy) on each rank, with
-    the error funnel of :func:`opened_on_every_rank`."""
-    with _on_every_rank(url, process_group, _s3.fetched) as local:
-        yield local
-
-
-@contextlib.contextmanager
 def _on_every_rank(url: str, process_group: Any, enter: Callable[[str], Any]) -> Iterator[Any]:
     sync = SyncGroup(process_group)
     with contextlib.ExitStack() as stack:
