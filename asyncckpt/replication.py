@@ -52,6 +52,7 @@ import ctypes
 import dataclasses
 import functools
 import io
+import itertools
 import json
 import logging
 import os
@@ -770,6 +771,7 @@ class _Fetch:
         self.where = owner.storage.step_dir(owner.rank, step)
         self.pieces = _pieces(header)
         self.bufs: list[memoryview] = []
+        self.sources: list[memoryview | None] = []  # (the mapped own shard's: what fills bufs)
         self.failure: RankFailure | None = None
         self.arrival: Arrival | None = None
         self.plan: Any = None
@@ -781,19 +783,8 @@ class _Fetch:
             if self.plan is not None:
                 targets = {e.fqn: e for es in self.plan.files.values() for e in es}
                 for piece in self.pieces:
-                    entry = targets.get(piece.fqn) if piece.fqn is not None else None
-                    if entry is None or entry.target is None:
-                        self.bufs.append(memoryview(bytearray(piece.length)))
-                        continue
-                    target = entry.target.detach()
-                    if not (target.is_cpu and target.is_contiguous()):
-                        target = self.temps[entry.fqn] = torch.empty(target.shape, dtype=target.dtype)
-                    view = _memory(target)
-                    if len(view) != piece.length:
-                        raise CorruptCheckpointError(
-                            f"the record of {piece.fqn!r} does not fit its tensor", str(self.where)
-                        )
-                    self.bufs.append(view)
+                    view = self._target(targets, piece)
+                    self.bufs.append(view if view is not None else memoryview(bytearray(piece.length)))
             else:
                 self.arrival = owner.storage.arrival(owner.rank, step, header["files"])
                 maps = {name: m for (name, _), m in zip(header["files"], self.arrival.maps)}
@@ -810,10 +801,13 @@ class _Fetch:
 
     @classmethod
     def mapped(cls, owner: LocalCheckpoints, state_dict: dict[str, Any], step: int, packed: Packed) -> _Fetch | None:
-        """The shard in this node's files (``packed``: their mappings) as if received:
-        each data file one piece over its mapping; :meth:`finish` then checks every byte
-        and copies each tensor out. ``None``: the state has another structure (load it
-        from the files).
+        """The shard in this node's files (``packed``: their mappings) as if received,
+        cut into the same :func:`_pieces`: each tensor of 1 MiB or more lands in the
+        tensor it restores, copied from the mapping chunk by chunk just before the
+        chunk's CRC (:func:`check_segments` with ``fill``: the CRC reads the copy from
+        the cache), the bytes between are checked in the mapping and placed from there
+        (:meth:`finish`). ``None``: the state has another structure (load it from the
+        files).
 
         Raises:
             CorruptCheckpointError: the small files do not match the manifest.
@@ -827,17 +821,43 @@ class _Fetch:
         self.plan = plan_direct_load(state_dict, records) if records is not None else None
         if self.plan is None:
             return None
-        self.pieces, self.bufs = [], []
-        for (name, size), m in zip(packed.files, packed.maps):
-            if name not in _SMALL and m is not None:
-                self.pieces.append(_Piece(name, 0, size, None))
-                self.bufs.append(memoryview(m))
+        self.pieces, self.bufs, self.sources = _pieces(header), [], []
+        maps = {name: m for (name, _), m in zip(packed.files, packed.maps)}
+        targets = {e.fqn: e for es in self.plan.files.values() for e in es}
+        try:
+            for piece in self.pieces:
+                source = memoryview(maps[piece.file])[piece.offset : piece.offset + piece.length]  # type: ignore[arg-type]
+                view = self._target(targets, piece)
+                self.bufs.append(view if view is not None else source)
+                self.sources.append(source if view is not None else None)
+        except BaseException:
+            self._release()
+            raise
         return self
 
+    def _target(self, targets: dict[str, Any], piece: _Piece) -> memoryview | None:
+        """Where ``piece`` lands in the state: its tensor's memory (a temporary for a
+        tensor that is not CPU contiguous, copied in by :meth:`finish`), or ``None``
+        (the bytes between: a buffer).
+
+        Raises:
+            CorruptCheckpointError: the piece is not its tensor's size.
+        """
+        entry = targets.get(piece.fqn) if piece.fqn is not None else None
+        if entry is None or entry.target is None:
+            return None
+        target = entry.target.detach()
+        if not (target.is_cpu and target.is_contiguous()):
+            target = self.temps[entry.fqn] = torch.empty(target.shape, dtype=target.dtype)
+        view = _memory(target)
+        if len(view) != piece.length:
+            raise CorruptCheckpointError(f"the record of {piece.fqn!r} does not fit its tensor", str(self.where))
+        return view
+
     def _release(self) -> None:
-        for view in self.bufs:
+        for view in (*self.bufs, *(v for v in self.sources if v is not None)):
             view.release()
-        self.bufs = []
+        self.bufs, self.sources = [], []
         if self.arrival is not None:
             self.arrival.discard()
             self.arrival = None
@@ -893,14 +913,18 @@ class _Fetch:
             CheckpointError: a value that needs ``allow_pickle``.
         """
         by_file: dict[str, list[memoryview]] = {}
-        for piece, buf in zip(self.pieces, self.bufs):
+        copies: dict[str, list[memoryview | None]] = {}
+        for piece, buf, source in itertools.zip_longest(self.pieces, self.bufs, self.sources):
             by_file.setdefault(piece.file, []).append(buf)
+            copies.setdefault(piece.file, []).append(source)
             starts, pieces = self._index.setdefault(piece.file, ([], []))
             starts.append(piece.offset)
             pieces.append((piece.offset, buf))
         for name, entry in self.entries.items():
             if name not in _SMALL:
-                check_segments(entry, by_file.get(name, []), self.where / name)
+                views, sources = by_file.get(name, []), copies.get(name, [])
+                fill = functools.partial(_copy_from, views, sources) if any(v is not None for v in sources) else None
+                check_segments(entry, views, self.where / name, fill)
         received = {p.fqn for p in self.pieces if p.fqn is not None}
         planner = SafeLoadPlanner(allow_pickle=False)
         values = []
@@ -932,6 +956,14 @@ class _Fetch:
                     e.target.detach().copy_(self.temps[e.fqn])
         for fqn, obj in values:
             set_value(self.plan.state_dict, self.plan.mappings[fqn], obj)
+
+
+def _copy_from(views: list[memoryview], sources: list[memoryview | None], i: int, lo: int, hi: int) -> None:
+    """``fill`` of :func:`check_segments`: bytes ``[lo, hi)`` of ``sources[i]`` into
+    ``views[i]`` (nothing where ``sources[i]`` is ``None``: the view holds its bytes)."""
+    source = sources[i]
+    if source is not None:
+        views[i][lo:hi] = source[lo:hi]
 
 
 def _exchange(
