@@ -47,6 +47,7 @@ its docstring for the contract.
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -451,9 +452,11 @@ class LocalCheckpoints:
 
         Call sequence:
 
-        1. (all ranks) one ``all_gather_object``: the shards each node holds (``(rank, step,
-           world_size)`` of every restorable marker; every rank of a node reports its
-           node's), and rank 0's newest persistent step.
+        1. (all ranks) the census, one all_gather (``all_gather_object`` with ``fits``:
+           a second only when a node holds more shards than this job's saves leave
+           there): the shards each node holds (``(rank, step, world_size)`` of every
+           restorable marker; every rank of a node reports its node's), and rank 0's
+           newest persistent step.
         2. (each rank, the same result) the newest step for which every rank's shard is
            held somewhere, saved by this world size; newest wins against the persistent
            tier (equal: the local tier). A local tier of another world size is named
@@ -465,7 +468,8 @@ class LocalCheckpoints:
            tensor it restores (:class:`_Fetch`; nothing is written on the receiver's
            node); the receiver checks every byte against the manifest's CRC-32s. A rank
            holding its own shard loads it (:meth:`_load_own`: every byte CRC-checked)
-           while its sends are in flight. One funnel. A rank whose copy failed takes the
+           while its sends are in flight. One funnel (one int64 all_gather when no rank
+           failed). A rank whose copy failed takes the
            next holder in the next round; when a rank has none left, every rank loads
            the persistent tier.
 
@@ -484,7 +488,7 @@ class LocalCheckpoints:
         """
         sync = self.sync
         with sync.describing("the restore's census of the local tier"):
-            census = sync.all_gather_object((self.storage.held(), persistent_step))
+            census = sync.all_gather_object((self.storage.held(), persistent_step), fits=self._census_bytes())
         persistent = census[0][1]
         held: dict[tuple[int, int], list[int]] = {}
         worlds: set[int] = set()
@@ -517,6 +521,13 @@ class LocalCheckpoints:
             return None
         load_persistent(persistent)
         return self._done(RestoreResult(int(persistent), "persistent", {}, "persistent", tuple(notes)))
+
+    def _census_bytes(self) -> int:
+        """Bytes that a rank's census fits when its node holds what this job's saves leave
+        there (its ranks' shards and the replicas they receive; about 20 bytes a shard
+        pickled), the same on every rank: the census is then one collective."""
+        ranks = collections.Counter(self.nodes)
+        return 64 + 24 * max(ranks.values()) * (1 + self.tier.replicas)
 
     def _done(self, result: RestoreResult) -> RestoreResult:
         self.restored = result

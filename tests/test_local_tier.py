@@ -380,6 +380,21 @@ def test_own_shard_lands_in_the_state_and_a_flipped_byte_falls_back(tmp_path: Pa
             assert same(got, 2)
 
 
+def test_the_census_gathers_what_does_not_fit_too() -> None:
+    # the restore's census is one all_gather of a guessed width; a rank whose census does
+    # not fit it (a node holding shards of earlier jobs) makes it two, with the same result
+    preload_forkserver()
+    for got in run_ranks(_gather_fits, 2, timeout=60, start_method="forkserver"):
+        assert got == [[("r0", "x" * 10), ("r1", "x" * 10)], [("r0", "x" * 10), ("r1", "x" * 500)]], got
+
+
+def _gather_fits(rank: int, world: int) -> Any:
+    from asyncckpt.dist import SyncGroup
+
+    sync = SyncGroup()
+    return [sync.all_gather_object((f"r{rank}", "x" * n), fits=64) for n in (10, 10 if rank == 0 else 500)]
+
+
 def _big_state(rank: int, step: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1000 * rank + step)
     return {"w": torch.randn(4 << 20, generator=g), "step": step}  # 16 MiB: a transfer of some milliseconds
