@@ -670,17 +670,17 @@ def _header(packed: Packed) -> dict[str, Any]:
     return {"files": list(packed.files), "small": small}
 
 
-def _pieces(header: dict[str, Any]) -> list[_Piece]:
+def _pieces(header: dict[str, Any], records: dict[str, Record] | None = None) -> list[_Piece]:
     """The messages of a shard's data files (the sender's cut and the receiver's, from the
     same header): each tensor record's data of at least :data:`_PIECE_MIN_BYTES` alone
     (so that it lands in the tensor it restores), and the bytes between (framing,
     values, gaps, smaller tensors: one message for many). Without a records file
     that stands for the ``.metadata`` (``parse_records``), each file is one piece.
+    ``records``: those of the header, parsed already (:func:`_checked_header`).
     Never raises: a header that does not check is refused by the receiver
     (:func:`_checked_header`), which still drains these pieces."""
     files, small = header["files"], header["small"]
-    records: dict[str, Record] | None = None
-    if METADATA_NAME in small and RECORDS_NAME in small:
+    if records is None and METADATA_NAME in small and RECORDS_NAME in small:
         names = dict.fromkeys(name for name, _ in files)
         records = parse_records(small[RECORDS_NAME], crc32(small[METADATA_NAME]), names)
     by_file: dict[str, list[tuple[int, int, str, Any, Any]]] = {}
@@ -780,7 +780,8 @@ class _Fetch:
     ) -> None:
         self.owner, self.state_dict, self.src = owner, state_dict, src
         self.where = owner.storage.step_dir(owner.rank, step)
-        self.pieces = _pieces(header)
+        self.pieces: list[_Piece] = []
+        cut = False
         self.bufs: list[memoryview] = []
         self.sources: list[memoryview | None] = []  # (the mapped own shard's: what fills bufs)
         self.failure: RankFailure | None = None
@@ -790,6 +791,7 @@ class _Fetch:
         self._index: dict[str, tuple[list[int], list[tuple[int, memoryview]]]] = {}
         try:
             self.entries, records = _checked_header(header, self.where)
+            self.pieces, cut = _pieces(header, records), True  # (the sender's cut, of the same records)
             self.plan = plan_direct_load(state_dict, records) if records is not None else None
             if self.plan is not None:
                 targets = {e.fqn: e for es in self.plan.files.values() for e in es}
@@ -808,6 +810,7 @@ class _Fetch:
             self._release()
             self.failure = RankFailure.from_exception(exc, f"the copy of step {step} from rank {src}: ")
             self.plan = None
+            self.pieces = self.pieces if cut else _pieces(header)
             self.bufs = [memoryview(bytearray(piece.length)) for piece in self.pieces]
 
     @classmethod
@@ -832,7 +835,7 @@ class _Fetch:
         self.plan = plan_direct_load(state_dict, records) if records is not None else None
         if self.plan is None:
             return None
-        self.pieces, self.bufs, self.sources = _pieces(header), [], []
+        self.pieces, self.bufs, self.sources = _pieces(header, records), [], []
         maps = {name: m for (name, _), m in zip(packed.files, packed.maps)}
         targets = {e.fqn: e for es in self.plan.files.values() for e in es}
         try:
