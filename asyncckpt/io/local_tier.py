@@ -30,6 +30,7 @@ import mmap
 import os
 import secrets
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +55,7 @@ _SPARE_PREFIX = ".spare.tmp-"
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 #: Linux's ``MADV_POPULATE_READ`` (5.14; ``mmap`` names it from Python 3.13 only): the
 #: page tables of a mapping filled in one call, read-only, as if every page had been read.
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+_MADV_POPULATE_READ: int | None = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
 #: :func:`check_segments` with ``fill`` lands and checks this many bytes at a time, so
 #: that the CRC reads the bytes the copy has just written, from the cache.
 CHECK_CHUNK_BYTES = 2 << 20
@@ -319,10 +320,11 @@ def _map_populated(fd: int, size: int) -> mmap.mmap:
     per 4 KiB page as gloo or the CRC reads them (``MAP_POPULATE`` would copy every
     page of a private writable mapping). A kernel without it (before 5.14): faults."""
     m = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-    try:
-        m.madvise(_MADV_POPULATE_READ)
-    except (OSError, ValueError):
-        pass
+    if _MADV_POPULATE_READ is not None:
+        try:
+            m.madvise(_MADV_POPULATE_READ)
+        except (OSError, ValueError):
+            pass
     return m
 
 
