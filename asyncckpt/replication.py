@@ -537,12 +537,13 @@ class LocalCheckpoints:
 
     def _load_own(self, state_dict: dict[str, Any], step: int, out: list[RankFailure]) -> None:
         """Load this rank's shard of ``step`` from its own node; a failure is appended to
-        ``out``. When the state has the shard's structure, from the files' mappings
-        (:meth:`_Fetch.mapped`: every byte CRC-checked, then each tensor copied out, no
-        per-entry read planning); else with :func:`~asyncckpt.loading.api.load` (every
+        ``out``. When the state has the shard's structure, from its files
+        (:meth:`_Fetch.mapped`: tensors of 1 MiB or more read into the state, the rest
+        from the mappings, every byte CRC-checked once, no per-entry read planning);
+        else with :func:`~asyncckpt.loading.api.load` (every
         byte CRC-checked as it is read)."""
         try:
-            packed = self.storage.pack(self.rank, step)
+            packed = self.storage.pack(self.rank, step, read=True)
             try:
                 fetch = _Fetch.mapped(self, state_dict, step, packed)
                 if fetch is None:
@@ -783,7 +784,8 @@ class _Fetch:
         self.pieces: list[_Piece] = []
         cut = False
         self.bufs: list[memoryview] = []
-        self.sources: list[memoryview | None] = []  # (the mapped own shard's: what fills bufs)
+        self.packed: Packed | None = None  # (the own shard's files, :meth:`mapped`)
+        self.sources: list[tuple[int, int] | None] = []  # (theirs: where each buffer is read from)
         self.failure: RankFailure | None = None
         self.arrival: Arrival | None = None
         self.plan: Any = None
@@ -815,13 +817,13 @@ class _Fetch:
 
     @classmethod
     def mapped(cls, owner: LocalCheckpoints, state_dict: dict[str, Any], step: int, packed: Packed) -> _Fetch | None:
-        """The shard in this node's files (``packed``: their mappings) as if received,
+        """The shard in this node's files (``packed``, packed to read) as if received,
         cut into the same :func:`_pieces`: each tensor of 1 MiB or more lands in the
-        tensor it restores, copied from the mapping chunk by chunk just before the
-        chunk's CRC (:func:`check_segments` with ``fill``: the CRC reads the copy from
-        the cache), the bytes between are checked in the mapping and placed from there
-        (:meth:`finish`). ``None``: the state has another structure (load it from the
-        files).
+        tensor it restores, read from its file (``preadv``) chunk by chunk just before
+        the chunk's CRC (:func:`check_segments` with ``fill``: the CRC reads the bytes
+        from the cache), the bytes between are checked in the files' mappings and placed
+        from there (:meth:`finish`). ``None``: the state has another structure (load it
+        from the files).
 
         Raises:
             CorruptCheckpointError: the small files do not match the manifest.
@@ -835,15 +837,19 @@ class _Fetch:
         self.plan = plan_direct_load(state_dict, records) if records is not None else None
         if self.plan is None:
             return None
-        self.pieces, self.bufs, self.sources = _pieces(header, records), [], []
-        maps = {name: m for (name, _), m in zip(packed.files, packed.maps)}
+        self.pieces, self.bufs, self.sources, self.packed = _pieces(header, records), [], [], packed
+        index = {name: i for i, (name, _) in enumerate(packed.files)}
         targets = {e.fqn: e for es in self.plan.files.values() for e in es}
         try:
             for piece in self.pieces:
-                source = memoryview(maps[piece.file])[piece.offset : piece.offset + piece.length]  # type: ignore[arg-type]
                 view = self._target(targets, piece)
-                self.bufs.append(view if view is not None else source)
-                self.sources.append(source if view is not None else None)
+                if view is None:  # (the bytes between: checked and placed from the mapping)
+                    m = packed.maps[index[piece.file]]
+                    view = memoryview(m)[piece.offset : piece.offset + piece.length]  # type: ignore[arg-type]
+                    self.sources.append(None)
+                else:
+                    self.sources.append((index[piece.file], piece.offset))
+                self.bufs.append(view)
         except BaseException:
             self._release()
             raise
@@ -869,7 +875,7 @@ class _Fetch:
         return view
 
     def _release(self) -> None:
-        for view in (*self.bufs, *(v for v in self.sources if v is not None)):
+        for view in self.bufs:
             view.release()
         self.bufs, self.sources = [], []
         if self.arrival is not None:
@@ -927,7 +933,7 @@ class _Fetch:
             CheckpointError: a value that needs ``allow_pickle``.
         """
         by_file: dict[str, list[memoryview]] = {}
-        copies: dict[str, list[memoryview | None]] = {}
+        copies: dict[str, list[tuple[int, int] | None]] = {}
         for piece, buf, source in itertools.zip_longest(self.pieces, self.bufs, self.sources):
             by_file.setdefault(piece.file, []).append(buf)
             copies.setdefault(piece.file, []).append(source)
@@ -937,7 +943,9 @@ class _Fetch:
         for name, entry in self.entries.items():
             if name not in _SMALL:
                 views, sources = by_file.get(name, []), copies.get(name, [])
-                fill = functools.partial(_copy_from, views, sources) if any(v is not None for v in sources) else None
+                fill = None
+                if self.packed is not None and any(v is not None for v in sources):
+                    fill = functools.partial(_read_into, self.packed, views, sources)
                 check_segments(entry, views, self.where / name, fill)
         received = {p.fqn for p in self.pieces if p.fqn is not None}
         planner = SafeLoadPlanner(allow_pickle=False)
@@ -972,12 +980,15 @@ class _Fetch:
             set_value(self.plan.state_dict, self.plan.mappings[fqn], obj)
 
 
-def _copy_from(views: list[memoryview], sources: list[memoryview | None], i: int, lo: int, hi: int) -> None:
-    """``fill`` of :func:`check_segments`: bytes ``[lo, hi)`` of ``sources[i]`` into
-    ``views[i]`` (nothing where ``sources[i]`` is ``None``: the view holds its bytes)."""
+def _read_into(
+    packed: Packed, views: list[memoryview], sources: list[tuple[int, int] | None], i: int, lo: int, hi: int
+) -> None:
+    """``fill`` of :func:`check_segments`: bytes ``[lo, hi)`` of ``views[i]`` read from
+    ``sources[i]`` (``(file index, offset)`` in ``packed``; ``None``: the view holds its
+    bytes already)."""
     source = sources[i]
     if source is not None:
-        views[i][lo:hi] = source[lo:hi]
+        packed.readinto(source[0], source[1] + lo, views[i][lo:hi])
 
 
 def _exchange(

@@ -30,7 +30,6 @@ import mmap
 import os
 import secrets
 import shutil
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ from asyncckpt.errors import CorruptCheckpointError, InvalidArgumentError
 from asyncckpt.format import manifest as _manifest
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.naming import parse_step_dir, step_dir_name
-from asyncckpt.io.storage import LocalStorage
+from asyncckpt.io.storage import LocalStorage, preadv_all
 
 __all__ = ["LocalTier", "NodeLocalStorage", "Packed", "Arrival", "RESTORABLE_NAME", "check_segments"]
 
@@ -53,9 +52,6 @@ RESTORABLE_NAME = "restorable.json"
 #: :meth:`NodeLocalStorage.remove_leftovers`).
 _SPARE_PREFIX = ".spare.tmp-"
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-#: Linux's ``MADV_POPULATE_READ`` (5.14; ``mmap`` names it from Python 3.13 only): the
-#: page tables of a mapping filled in one call, read-only, as if every page had been read.
-_MADV_POPULATE_READ: int | None = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
 #: :func:`check_segments` with ``fill`` lands and checks this many bytes at a time, so
 #: that the CRC reads the bytes the copy has just written, from the cache.
 CHECK_CHUNK_BYTES = 2 << 20
@@ -212,11 +208,12 @@ class NodeLocalStorage(LocalStorage):
                     entry.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ replicas
-    def pack(self, rank: int, step: int) -> Packed:
+    def pack(self, rank: int, step: int, read: bool = False) -> Packed:
         """Rank ``rank``'s shard of ``step``, to send or to read: its files (the manifest's
         data files, then the manifest), each mapped read-only-in-effect (``MAP_PRIVATE``,
-        never written: no copy of the bytes, which are in memory already on a RAM tier),
-        its page tables filled at once (:func:`_map_populated`). Close it after use.
+        never written: no copy of the bytes, which are in memory already on a RAM tier;
+        pages fault in where they are read). With ``read``: the files kept open too, for
+        :meth:`Packed.readinto`. Close it after use.
 
         Raises:
             CorruptCheckpointError: the shard is missing, a file shorter than its manifest.
@@ -225,7 +222,7 @@ class NodeLocalStorage(LocalStorage):
         directory = self.step_dir(rank, step)
         manifest = _manifest.read_manifest(directory)
         names = sorted(manifest["files"]) + [_manifest.MANIFEST_NAME]
-        packed = Packed([], [])
+        packed = Packed([], [], directory=directory)
         dir_fd = _fs.open_dir(str(directory))
         try:
             for name in names:
@@ -236,9 +233,12 @@ class NodeLocalStorage(LocalStorage):
                     if size != want:
                         raise CorruptCheckpointError(f"{directory / name} has {size} bytes, not {want}", str(directory))
                     packed.files.append((name, size))
-                    packed.maps.append(_map_populated(fd, size) if size else None)
+                    packed.maps.append(mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None)
                 finally:
-                    os.close(fd)
+                    if read:
+                        packed.fds.append(fd)
+                    else:
+                        os.close(fd)
         except BaseException:
             packed.close()
             raise
@@ -313,34 +313,36 @@ class NodeLocalStorage(LocalStorage):
         return arrival.finish()
 
 
-def _map_populated(fd: int, size: int) -> mmap.mmap:
-    """``size`` bytes of file ``fd`` mapped ``MAP_PRIVATE`` (a writable buffer, so that
-    ``torch.frombuffer`` and ``ctypes`` take it; never written, so no page is copied),
-    then ``MADV_POPULATE_READ``: the page tables filled in one call instead of one fault
-    per 4 KiB page as gloo or the CRC reads them (``MAP_POPULATE`` would copy every
-    page of a private writable mapping). A kernel without it (before 5.14): faults."""
-    m = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-    if _MADV_POPULATE_READ is not None:
-        try:
-            m.madvise(_MADV_POPULATE_READ)
-        except (OSError, ValueError):
-            pass
-    return m
-
-
 @dataclass
 class Packed:
-    """A shard to send (:meth:`NodeLocalStorage.pack`): ``files`` ``[(name, size)]`` and
-    the mapping of each (``None`` for an empty file). :meth:`close` unmaps them."""
+    """A shard to send or read (:meth:`NodeLocalStorage.pack`): ``files`` ``[(name,
+    size)]``, the mapping of each (``None`` for an empty file), and, when packed to
+    read, each file's descriptor. :meth:`close` unmaps and closes them."""
 
     files: list[tuple[str, int]]
     maps: list[mmap.mmap | None]
+    fds: list[int] = field(default_factory=list)
+    directory: Path | None = None
+
+    def readinto(self, index: int, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with bytes ``[offset, offset + len(view))`` of file ``index``
+        (``os.preadv`` into it: the kernel copies from the page cache, no page of
+        this process is mapped or unmapped).
+
+        Raises:
+            CorruptCheckpointError: the file ends first.
+            OSError: the read failed.
+        """
+        name = self.files[index][0]
+        preadv_all(self.fds[index], [view], offset, str(self.directory / name if self.directory else name))
 
     def close(self) -> None:
         for m in self.maps:
             if m is not None:
                 m.close()
-        self.maps = []
+        for fd in self.fds:
+            os.close(fd)
+        self.maps, self.fds = [], []
 
 
 @dataclass
