@@ -84,7 +84,7 @@ from asyncckpt.format.crc import crc32
 from asyncckpt.format.layout import RankLayout
 from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, RECORDS_NAME, is_plain_name
 from asyncckpt.format.records import Record, parse_records
-from asyncckpt.io.local_tier import Arrival, LocalTier, NodeLocalStorage, Packed, check_segments
+from asyncckpt.io.local_tier import CHECK_CHUNK_BYTES, Arrival, LocalTier, NodeLocalStorage, Packed, check_segments
 from asyncckpt.loading.api import load
 from asyncckpt.loading.dcp import SafeLoadPlanner, set_value
 from asyncckpt.loading.direct import plan_direct_load
@@ -665,19 +665,21 @@ def _header(packed: Packed) -> dict[str, Any]:
     """What a rank serving a shard at a restore tells its receiver first: the files
     (``[(name, size)]``) and the bytes of the small ones (manifest, ``.metadata``,
     ``.records.json``), from which both sides cut the data files into :func:`_pieces`."""
-    small = {
-        name: bytes(m) if m is not None else b"" for (name, _), m in zip(packed.files, packed.maps) if name in _SMALL
-    }
+    small = {name: packed.read_all(i) for i, (name, _) in enumerate(packed.files) if name in _SMALL}
     return {"files": list(packed.files), "small": small}
 
 
-def _pieces(header: dict[str, Any], records: dict[str, Record] | None = None) -> list[_Piece]:
+def _pieces(
+    header: dict[str, Any], records: dict[str, Record] | None = None, min_bytes: int = _PIECE_MIN_BYTES
+) -> list[_Piece]:
     """The messages of a shard's data files (the sender's cut and the receiver's, from the
     same header): each tensor record's data of at least :data:`_PIECE_MIN_BYTES` alone
     (so that it lands in the tensor it restores), and the bytes between (framing,
     values, gaps, smaller tensors: one message for many). Without a records file
     that stands for the ``.metadata`` (``parse_records``), each file is one piece.
-    ``records``: those of the header, parsed already (:func:`_checked_header`).
+    ``records``: those of the header, parsed already (:func:`_checked_header`);
+    ``min_bytes``: the size from which a tensor's data is a piece of its own (1 for
+    a shard read from this node's files: a piece costs no message there).
     Never raises: a header that does not check is refused by the receiver
     (:func:`_checked_header`), which still drains these pieces."""
     files, small = header["files"], header["small"]
@@ -696,7 +698,7 @@ def _pieces(header: dict[str, Any], records: dict[str, Record] | None = None) ->
             framing = writer_framing(dtype, shape) if dtype is not None else None
             if (
                 framing is None
-                or framing.nbytes < _PIECE_MIN_BYTES
+                or framing.nbytes < max(1, min_bytes)
                 or offset < pos
                 or offset + length > size
                 or length != len(framing.prefix) + framing.nbytes + len(framing.suffix)
@@ -784,8 +786,7 @@ class _Fetch:
         self.pieces: list[_Piece] = []
         cut = False
         self.bufs: list[memoryview] = []
-        self.packed: Packed | None = None  # (the own shard's files, :meth:`mapped`)
-        self.sources: list[tuple[int, int] | None] = []  # (theirs: where each buffer is read from)
+        self.packed: Packed | None = None  # (the own shard's files, read by :meth:`finish`)
         self.failure: RankFailure | None = None
         self.arrival: Arrival | None = None
         self.plan: Any = None
@@ -817,13 +818,13 @@ class _Fetch:
 
     @classmethod
     def mapped(cls, owner: LocalCheckpoints, state_dict: dict[str, Any], step: int, packed: Packed) -> _Fetch | None:
-        """The shard in this node's files (``packed``, packed to read) as if received,
-        cut into the same :func:`_pieces`: each tensor of 1 MiB or more lands in the
-        tensor it restores, read from its file (``preadv``) chunk by chunk just before
-        the chunk's CRC (:func:`check_segments` with ``fill``: the CRC reads the bytes
-        from the cache), the bytes between are checked in the files' mappings and placed
-        from there (:meth:`finish`). ``None``: the state has another structure (load it
-        from the files).
+        """The shard in this node's files (``packed``, packed to read) as if received:
+        every tensor's data a piece that lands in the tensor it restores, the bytes
+        between (framing, values) in buffers, all read from the files with ``preadv``
+        (many pieces a call) a few MiB ahead of the CRC (:func:`check_segments` with
+        ``fill``: the CRC reads the bytes from the cache); :meth:`finish` then checks
+        the framing and decodes the values. No page is mapped. ``None``: the state has
+        another structure (load it from the files).
 
         Raises:
             CorruptCheckpointError: the small files do not match the manifest.
@@ -837,19 +838,12 @@ class _Fetch:
         self.plan = plan_direct_load(state_dict, records) if records is not None else None
         if self.plan is None:
             return None
-        self.pieces, self.bufs, self.sources, self.packed = _pieces(header, records), [], [], packed
-        index = {name: i for i, (name, _) in enumerate(packed.files)}
+        self.pieces, self.bufs, self.packed = _pieces(header, records, min_bytes=1), [], packed
         targets = {e.fqn: e for es in self.plan.files.values() for e in es}
         try:
             for piece in self.pieces:
                 view = self._target(targets, piece)
-                if view is None:  # (the bytes between: checked and placed from the mapping)
-                    m = packed.maps[index[piece.file]]
-                    view = memoryview(m)[piece.offset : piece.offset + piece.length]  # type: ignore[arg-type]
-                    self.sources.append(None)
-                else:
-                    self.sources.append((index[piece.file], piece.offset))
-                self.bufs.append(view)
+                self.bufs.append(view if view is not None else memoryview(bytearray(piece.length)))
         except BaseException:
             self._release()
             raise
@@ -877,7 +871,7 @@ class _Fetch:
     def _release(self) -> None:
         for view in self.bufs:
             view.release()
-        self.bufs, self.sources = [], []
+        self.bufs = []
         if self.arrival is not None:
             self.arrival.discard()
             self.arrival = None
@@ -933,19 +927,16 @@ class _Fetch:
             CheckpointError: a value that needs ``allow_pickle``.
         """
         by_file: dict[str, list[memoryview]] = {}
-        copies: dict[str, list[tuple[int, int] | None]] = {}
-        for piece, buf, source in itertools.zip_longest(self.pieces, self.bufs, self.sources):
+        for piece, buf in zip(self.pieces, self.bufs):
             by_file.setdefault(piece.file, []).append(buf)
-            copies.setdefault(piece.file, []).append(source)
             starts, pieces = self._index.setdefault(piece.file, ([], []))
             starts.append(piece.offset)
             pieces.append((piece.offset, buf))
+        index = {name: i for i, (name, _) in enumerate(self.packed.files)} if self.packed is not None else {}
         for name, entry in self.entries.items():
             if name not in _SMALL:
-                views, sources = by_file.get(name, []), copies.get(name, [])
-                fill = None
-                if self.packed is not None and any(v is not None for v in sources):
-                    fill = functools.partial(_read_into, self.packed, views, sources)
+                views = by_file.get(name, [])
+                fill = _Reader(self.packed, index[name], views) if self.packed is not None else None
                 check_segments(entry, views, self.where / name, fill)
         received = {p.fqn for p in self.pieces if p.fqn is not None}
         planner = SafeLoadPlanner(allow_pickle=False)
@@ -980,15 +971,33 @@ class _Fetch:
             set_value(self.plan.state_dict, self.plan.mappings[fqn], obj)
 
 
-def _read_into(
-    packed: Packed, views: list[memoryview], sources: list[tuple[int, int] | None], i: int, lo: int, hi: int
-) -> None:
-    """``fill`` of :func:`check_segments`: bytes ``[lo, hi)`` of ``views[i]`` read from
-    ``sources[i]`` (``(file index, offset)`` in ``packed``; ``None``: the view holds its
-    bytes already)."""
-    source = sources[i]
-    if source is not None:
-        packed.readinto(source[0], source[1] + lo, views[i][lo:hi])
+class _Reader:
+    """``fill`` of :func:`check_segments` for a file of this node's shard: ``views`` hold
+    the file's bytes in order; when piece ``i``'s bytes up to ``hi`` are asked for,
+    the file is read from where the last read stopped to at least there and
+    :data:`~asyncckpt.io.local_tier.CHECK_CHUNK_BYTES` further, into as many pieces as
+    that spans (one ``preadv`` per up to ``IOV_MAX`` of them)."""
+
+    def __init__(self, packed: Packed, index: int, views: list[memoryview]) -> None:
+        self.packed, self.index, self.views = packed, index, views
+        self.starts = list(itertools.accumulate((len(v) for v in views), initial=0))
+        self.piece, self.pos = 0, 0  # read up to file offset ``pos``, inside piece ``piece``
+
+    def __call__(self, i: int, lo: int, hi: int) -> None:
+        want = self.starts[i] + hi
+        if want <= self.pos:
+            return
+        end = min(self.starts[-1], max(want, self.pos + CHECK_CHUNK_BYTES))
+        parts, start, k = [], self.pos, self.piece
+        while self.pos < end:
+            piece_end = self.starts[k + 1]
+            take = min(end, piece_end) - self.pos
+            parts.append(self.views[k][self.pos - self.starts[k] : self.pos - self.starts[k] + take])
+            self.pos += take
+            if self.pos == piece_end:
+                k += 1
+        self.piece = k
+        self.packed.readinto(self.index, start, parts)
 
 
 def _exchange(

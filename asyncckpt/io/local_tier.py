@@ -212,8 +212,8 @@ class NodeLocalStorage(LocalStorage):
         """Rank ``rank``'s shard of ``step``, to send or to read: its files (the manifest's
         data files, then the manifest), each mapped read-only-in-effect (``MAP_PRIVATE``,
         never written: no copy of the bytes, which are in memory already on a RAM tier;
-        pages fault in where they are read). With ``read``: the files kept open too, for
-        :meth:`Packed.readinto`. Close it after use.
+        pages fault in where they are read). With ``read``: the files are not mapped but
+        kept open, to be read with :meth:`Packed.readinto`. Close it after use.
 
         Raises:
             CorruptCheckpointError: the shard is missing, a file shorter than its manifest.
@@ -233,7 +233,7 @@ class NodeLocalStorage(LocalStorage):
                     if size != want:
                         raise CorruptCheckpointError(f"{directory / name} has {size} bytes, not {want}", str(directory))
                     packed.files.append((name, size))
-                    packed.maps.append(mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None)
+                    packed.maps.append(mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size and not read else None)
                 finally:
                     if read:
                         packed.fds.append(fd)
@@ -324,17 +324,31 @@ class Packed:
     fds: list[int] = field(default_factory=list)
     directory: Path | None = None
 
-    def readinto(self, index: int, offset: int, view: memoryview) -> None:
-        """Fill ``view`` with bytes ``[offset, offset + len(view))`` of file ``index``
-        (``os.preadv`` into it: the kernel copies from the page cache, no page of
-        this process is mapped or unmapped).
+    def readinto(self, index: int, offset: int, views: list[memoryview]) -> None:
+        """Fill ``views`` (in order) with the bytes of file ``index`` from ``offset``
+        (``os.preadv``: the kernel copies from the page cache into memory mapped
+        already; no page of this process is mapped or unmapped).
 
         Raises:
             CorruptCheckpointError: the file ends first.
             OSError: the read failed.
         """
         name = self.files[index][0]
-        preadv_all(self.fds[index], [view], offset, str(self.directory / name if self.directory else name))
+        preadv_all(self.fds[index], views, offset, str(self.directory / name if self.directory else name))
+
+    def read_all(self, index: int) -> bytes:
+        """The bytes of file ``index`` (from its mapping, else read).
+
+        Raises:
+            CorruptCheckpointError: the file ends before its size.
+            OSError: the read failed.
+        """
+        m, size = self.maps[index], self.files[index][1]
+        if m is not None or not size:
+            return bytes(m) if m is not None else b""
+        buf = bytearray(size)
+        self.readinto(index, 0, [memoryview(buf)])
+        return bytes(buf)
 
     def close(self) -> None:
         for m in self.maps:
