@@ -538,8 +538,8 @@ class LocalCheckpoints:
     def _load_own(self, state_dict: dict[str, Any], step: int, out: list[RankFailure]) -> None:
         """Load this rank's shard of ``step`` from its own node; a failure is appended to
         ``out``. When the state has the shard's structure, from its files
-        (:meth:`_Fetch.mapped`: tensors of 1 MiB or more read into the state, the rest
-        from the mappings, every byte CRC-checked once, no per-entry read planning);
+        (:meth:`_Fetch.mapped`: read with ``preadv``, each tensor's data into the
+        tensor, every byte CRC-checked once, no per-entry read planning);
         else with :func:`~asyncckpt.loading.api.load` (every
         byte CRC-checked as it is read)."""
         try:

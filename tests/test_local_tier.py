@@ -338,10 +338,10 @@ def _sized_state(step: int) -> dict[str, Any]:
 
 
 def test_own_shard_lands_in_the_state_and_a_flipped_byte_falls_back(tmp_path: Path) -> None:
-    # one process: the own shard's tensors of 1 MiB and more are copied from the mapped
-    # files into the state (a non-contiguous one through a temporary), every byte
-    # CRC-checked as it lands; a byte flipped inside one of them fails the copy, and with
-    # no replica the root restores, all of it
+    # one process: the own shard's tensors are read from its files into the state (a
+    # non-contiguous one through a temporary), every byte CRC-checked as it lands, 2 MiB
+    # at a time; a byte flipped inside one of them fails the copy, and with no replica
+    # the root restores, all of it
     tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
     with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
         assert mgr.local is not None
