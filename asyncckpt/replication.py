@@ -84,7 +84,7 @@ from asyncckpt.format.crc import crc32
 from asyncckpt.format.layout import RankLayout
 from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, RECORDS_NAME, is_plain_name
 from asyncckpt.format.records import Record, parse_records
-from asyncckpt.io.local_tier import CHECK_CHUNK_BYTES, Arrival, LocalTier, NodeLocalStorage, Packed, check_segments
+from asyncckpt.io.local_tier import Arrival, LocalTier, NodeLocalStorage, Packed, check_segments
 from asyncckpt.loading.api import load
 from asyncckpt.loading.dcp import SafeLoadPlanner, set_value
 from asyncckpt.loading.direct import plan_direct_load
@@ -538,8 +538,9 @@ class LocalCheckpoints:
     def _load_own(self, state_dict: dict[str, Any], step: int, out: list[RankFailure]) -> None:
         """Load this rank's shard of ``step`` from its own node; a failure is appended to
         ``out``. When the state has the shard's structure, from its files
-        (:meth:`_Fetch.mapped`: read with ``preadv``, each tensor's data into the
-        tensor, every byte CRC-checked once, no per-entry read planning);
+        (:meth:`_Fetch.mapped`: tensors of 1 MiB or more read into the state, the rest
+        from the files' mappings, every byte CRC-checked once, no per-entry read
+        planning);
         else with :func:`~asyncckpt.loading.api.load` (every
         byte CRC-checked as it is read)."""
         try:
@@ -669,17 +670,13 @@ def _header(packed: Packed) -> dict[str, Any]:
     return {"files": list(packed.files), "small": small}
 
 
-def _pieces(
-    header: dict[str, Any], records: dict[str, Record] | None = None, min_bytes: int = _PIECE_MIN_BYTES
-) -> list[_Piece]:
+def _pieces(header: dict[str, Any], records: dict[str, Record] | None = None) -> list[_Piece]:
     """The messages of a shard's data files (the sender's cut and the receiver's, from the
     same header): each tensor record's data of at least :data:`_PIECE_MIN_BYTES` alone
     (so that it lands in the tensor it restores), and the bytes between (framing,
     values, gaps, smaller tensors: one message for many). Without a records file
     that stands for the ``.metadata`` (``parse_records``), each file is one piece.
-    ``records``: those of the header, parsed already (:func:`_checked_header`);
-    ``min_bytes``: the size from which a tensor's data is a piece of its own (1 for
-    a shard read from this node's files: a piece costs no message there).
+    ``records``: those of the header, parsed already (:func:`_checked_header`).
     Never raises: a header that does not check is refused by the receiver
     (:func:`_checked_header`), which still drains these pieces."""
     files, small = header["files"], header["small"]
@@ -698,7 +695,7 @@ def _pieces(
             framing = writer_framing(dtype, shape) if dtype is not None else None
             if (
                 framing is None
-                or framing.nbytes < max(1, min_bytes)
+                or framing.nbytes < _PIECE_MIN_BYTES
                 or offset < pos
                 or offset + length > size
                 or length != len(framing.prefix) + framing.nbytes + len(framing.suffix)
@@ -787,6 +784,7 @@ class _Fetch:
         cut = False
         self.bufs: list[memoryview] = []
         self.packed: Packed | None = None  # (the own shard's files, read by :meth:`finish`)
+        self.sources: list[tuple[int, int, bool]] = []  # (theirs: each piece's file, offset, whether read)
         self.failure: RankFailure | None = None
         self.arrival: Arrival | None = None
         self.plan: Any = None
@@ -818,13 +816,16 @@ class _Fetch:
 
     @classmethod
     def mapped(cls, owner: LocalCheckpoints, state_dict: dict[str, Any], step: int, packed: Packed) -> _Fetch | None:
-        """The shard in this node's files (``packed``, packed to read) as if received:
-        every tensor's data a piece that lands in the tensor it restores, the bytes
-        between (framing, values) in buffers, all read from the files with ``preadv``
-        (many pieces a call) a few MiB ahead of the CRC (:func:`check_segments` with
-        ``fill``: the CRC reads the bytes from the cache); :meth:`finish` then checks
-        the framing and decodes the values. No page is mapped. ``None``: the state has
-        another structure (load it from the files).
+        """The shard in this node's files (``packed``, packed to read) as if received,
+        cut into the same :func:`_pieces`: each tensor of 1 MiB or more lands in the
+        tensor it restores, read from its file (``preadv``) 2 MiB at a time just before
+        the CRC reads it, from the cache (:func:`check_segments` with ``fill``; no page
+        of it mapped); the bytes between (framing, values, smaller tensors) are checked
+        in the files' mappings and placed from there (:meth:`finish`: one mapping
+        fault per 16 pages where a copy into buffers by ``preadv`` would cost a page
+        of buffer and a copy each, and thousands of small pieces would cost more in
+        Python than they save). ``None``: the state has another structure (load it
+        from the files).
 
         Raises:
             CorruptCheckpointError: the small files do not match the manifest.
@@ -838,12 +839,18 @@ class _Fetch:
         self.plan = plan_direct_load(state_dict, records) if records is not None else None
         if self.plan is None:
             return None
-        self.pieces, self.bufs, self.packed = _pieces(header, records, min_bytes=1), [], packed
+        self.pieces, self.bufs, self.sources, self.packed = _pieces(header, records), [], [], packed
+        index = {name: i for i, (name, _) in enumerate(packed.files)}
         targets = {e.fqn: e for es in self.plan.files.values() for e in es}
         try:
             for piece in self.pieces:
                 view = self._target(targets, piece)
-                self.bufs.append(view if view is not None else memoryview(bytearray(piece.length)))
+                read = view is not None
+                if view is None:  # (the bytes between: checked and placed from the mapping)
+                    m = packed.maps[index[piece.file]]
+                    view = memoryview(m)[piece.offset : piece.offset + piece.length]  # type: ignore[arg-type]
+                self.bufs.append(view)
+                self.sources.append((index[piece.file], piece.offset, read))
         except BaseException:
             self._release()
             raise
@@ -871,7 +878,7 @@ class _Fetch:
     def _release(self) -> None:
         for view in self.bufs:
             view.release()
-        self.bufs = []
+        self.bufs, self.sources = [], []
         if self.arrival is not None:
             self.arrival.discard()
             self.arrival = None
@@ -927,16 +934,19 @@ class _Fetch:
             CheckpointError: a value that needs ``allow_pickle``.
         """
         by_file: dict[str, list[memoryview]] = {}
-        for piece, buf in zip(self.pieces, self.bufs):
+        sources: dict[str, list[tuple[int, int, bool]]] = {}
+        for piece, buf, source in itertools.zip_longest(self.pieces, self.bufs, self.sources):
             by_file.setdefault(piece.file, []).append(buf)
+            sources.setdefault(piece.file, []).append(source)
             starts, pieces = self._index.setdefault(piece.file, ([], []))
             starts.append(piece.offset)
             pieces.append((piece.offset, buf))
-        index = {name: i for i, (name, _) in enumerate(self.packed.files)} if self.packed is not None else {}
         for name, entry in self.entries.items():
             if name not in _SMALL:
                 views = by_file.get(name, [])
-                fill = _Reader(self.packed, index[name], views) if self.packed is not None else None
+                fill = None
+                if self.packed is not None:
+                    fill = functools.partial(_read_into, self.packed, views, sources.get(name, []))
                 check_segments(entry, views, self.where / name, fill)
         received = {p.fqn for p in self.pieces if p.fqn is not None}
         planner = SafeLoadPlanner(allow_pickle=False)
@@ -971,33 +981,18 @@ class _Fetch:
             set_value(self.plan.state_dict, self.plan.mappings[fqn], obj)
 
 
-class _Reader:
-    """``fill`` of :func:`check_segments` for a file of this node's shard: ``views`` hold
-    the file's bytes in order; when piece ``i``'s bytes up to ``hi`` are asked for,
-    the file is read from where the last read stopped to at least there and
-    :data:`~asyncckpt.io.local_tier.CHECK_CHUNK_BYTES` further, into as many pieces as
-    that spans (one ``preadv`` per up to ``IOV_MAX`` of them)."""
-
-    def __init__(self, packed: Packed, index: int, views: list[memoryview]) -> None:
-        self.packed, self.index, self.views = packed, index, views
-        self.starts = list(itertools.accumulate((len(v) for v in views), initial=0))
-        self.piece, self.pos = 0, 0  # read up to file offset ``pos``, inside piece ``piece``
-
-    def __call__(self, i: int, lo: int, hi: int) -> None:
-        want = self.starts[i] + hi
-        if want <= self.pos:
-            return
-        end = min(self.starts[-1], max(want, self.pos + CHECK_CHUNK_BYTES))
-        parts, start, k = [], self.pos, self.piece
-        while self.pos < end:
-            piece_end = self.starts[k + 1]
-            take = min(end, piece_end) - self.pos
-            parts.append(self.views[k][self.pos - self.starts[k] : self.pos - self.starts[k] + take])
-            self.pos += take
-            if self.pos == piece_end:
-                k += 1
-        self.piece = k
-        self.packed.readinto(self.index, start, parts)
+def _read_into(
+    packed: Packed, views: list[memoryview], sources: list[tuple[int, int, bool]], i: int, lo: int, hi: int
+) -> int:
+    """``fill`` of :func:`check_segments` for this node's shard: bytes ``[lo, hi)`` of
+    ``views[i]`` read from its file (``sources[i]``: file index, offset, and whether
+    it is read; else the view is the file's mapping). Returns the file offset up to
+    which ``views`` hold their bytes."""
+    index, offset, read = sources[i]
+    if not read:
+        return offset + len(views[i])
+    packed.readinto(index, offset + lo, [views[i][lo:hi]])
+    return offset + hi
 
 
 def _exchange(

@@ -212,8 +212,8 @@ class NodeLocalStorage(LocalStorage):
         """Rank ``rank``'s shard of ``step``, to send or to read: its files (the manifest's
         data files, then the manifest), each mapped read-only-in-effect (``MAP_PRIVATE``,
         never written: no copy of the bytes, which are in memory already on a RAM tier;
-        pages fault in where they are read). With ``read``: the files are not mapped but
-        kept open, to be read with :meth:`Packed.readinto`. Close it after use.
+        pages fault in where they are read). With ``read``: the files kept open too, to
+        be read with :meth:`Packed.readinto`. Close it after use.
 
         Raises:
             CorruptCheckpointError: the shard is missing, a file shorter than its manifest.
@@ -233,7 +233,7 @@ class NodeLocalStorage(LocalStorage):
                     if size != want:
                         raise CorruptCheckpointError(f"{directory / name} has {size} bytes, not {want}", str(directory))
                     packed.files.append((name, size))
-                    packed.maps.append(mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size and not read else None)
+                    packed.maps.append(mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None)
                 finally:
                     if read:
                         packed.fds.append(fd)
@@ -446,7 +446,7 @@ def check_segments(
     entry: dict[str, Any],
     views: list[memoryview],
     path: Path,
-    fill: Callable[[int, int, int], None] | None = None,
+    fill: Callable[[int, int, int], int] | None = None,
 ) -> None:
     """Check the bytes of one file, held by ``views`` in file order (pieces of any
     lengths), against its manifest entry (``entry["segments"]``: ``[offset, length,
@@ -454,10 +454,12 @@ def check_segments(
     spans (no copy).
 
     Args:
-        fill: lands bytes ``[lo, hi)`` of ``views[i]`` (``fill(i, lo, hi)``; e.g. a copy
+        fill: lands bytes ``[lo, hi)`` of ``views[i]`` (``fill(i, lo, hi)``; e.g. a read
             into them) just before they are checked, at most :data:`CHECK_CHUNK_BYTES`
-            at a time, so that the CRC reads them from the cache; every byte of the
-            views is landed once, and the segments must then cover the file in order.
+            at a time, so that the CRC reads them from the cache, and returns the file
+            offset up to which the views hold their bytes now (it may land more: it is
+            called again only past that); every byte of the views is landed once, and
+            the segments must then cover the file in order.
 
     Raises:
         CorruptCheckpointError: the pieces are not the entry's size, segments that do
@@ -468,7 +470,7 @@ def check_segments(
     if entry.get("size") != size:
         raise CorruptCheckpointError(f"{path} has {size} bytes, its manifest says {entry.get('size')}", str(path))
     step = CHECK_CHUNK_BYTES if fill is not None else size
-    i, start, covered = 0, 0, 0  # the piece holding file offset ``start``; the bytes covered in order
+    i, start, covered, landed = 0, 0, 0, 0  # the piece holding file offset ``start``; the bytes covered in order
     for offset, length, expected in entry["segments"]:
         if offset + length > size or (fill is not None and offset != covered):
             raise CorruptCheckpointError(f"{path}: manifest segments do not cover the file", str(path))
@@ -479,8 +481,8 @@ def check_segments(
                 i += 1
             lo = pos - start
             take = min(end - pos, len(views[i]) - lo, step)
-            if fill is not None:
-                fill(i, lo, lo + take)
+            if fill is not None and pos + take > landed:
+                landed = fill(i, lo, lo + take)
             actual = crc32(views[i][lo : lo + take], actual)
             pos += take
         covered = end
