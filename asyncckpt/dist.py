@@ -185,17 +185,41 @@ class SyncGroup:
         causes = self.all_gather_object(failure)
         return {r: c for r, c in enumerate(causes) if c is not None}
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, fits: int = 0) -> list[Any]:
         """Gather one picklable object from every rank; ``result[r]`` is rank ``r``'s.
 
         Two all_gathers on the gloo group: the pickled sizes (int64), then the bytes
         padded to the largest (uint8). Unlike ``torch.distributed.all_gather_object``
         (which goes through ``Tensor.numpy()`` in torch 2.13) it needs no NumPy.
+
+        Args:
+            fits: bytes that every rank's pickle is expected to fit (the same on every
+                rank; 0: no guess): one all_gather of that many bytes (and the size)
+                per rank; the two above only when some rank's does not fit.
         """
         if not self.active:
             return [obj]
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        sizes = [s[0] for s in self.all_gather_ints([len(payload)])]
+        if fits > 0:
+            first = bytearray(8 + fits)
+            first[:8] = len(payload).to_bytes(8, "little")
+            if len(payload) <= fits:
+                first[8 : 8 + len(payload)] = payload
+            gathered = [bytearray(8 + fits) for _ in range(self.world_size)]
+            self._collective(
+                "all_gather",
+                lambda group: dist.all_gather(
+                    [torch.frombuffer(b, dtype=torch.uint8) for b in gathered],
+                    torch.frombuffer(first, dtype=torch.uint8),
+                    group=group,
+                    async_op=True,
+                ),
+            )
+            sizes = [int.from_bytes(b[:8], "little") for b in gathered]
+            if max(sizes) <= fits:
+                return [pickle.loads(memoryview(b)[8 : 8 + n]) for b, n in zip(gathered, sizes)]
+        else:
+            sizes = [s[0] for s in self.all_gather_ints([len(payload)])]
         width = max(max(sizes), 1)
         local = bytearray(width)
         local[: len(payload)] = payload

@@ -47,11 +47,13 @@ its docstring for the contract.
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import ctypes
 import dataclasses
 import functools
 import io
+import itertools
 import json
 import logging
 import os
@@ -450,9 +452,11 @@ class LocalCheckpoints:
 
         Call sequence:
 
-        1. (all ranks) one ``all_gather_object``: the shards each node holds (``(rank, step,
-           world_size)`` of every restorable marker; every rank of a node reports its
-           node's), and rank 0's newest persistent step.
+        1. (all ranks) the census, one all_gather (``all_gather_object`` with ``fits``:
+           a second only when a node holds more shards than this job's saves leave
+           there): the shards each node holds (``(rank, step, world_size)`` of every
+           restorable marker; every rank of a node reports its node's), and rank 0's
+           newest persistent step.
         2. (each rank, the same result) the newest step for which every rank's shard is
            held somewhere, saved by this world size; newest wins against the persistent
            tier (equal: the local tier). A local tier of another world size is named
@@ -464,7 +468,8 @@ class LocalCheckpoints:
            tensor it restores (:class:`_Fetch`; nothing is written on the receiver's
            node); the receiver checks every byte against the manifest's CRC-32s. A rank
            holding its own shard loads it (:meth:`_load_own`: every byte CRC-checked)
-           while its sends are in flight. One funnel. A rank whose copy failed takes the
+           while its sends are in flight. One funnel (one int64 all_gather when no rank
+           failed). A rank whose copy failed takes the
            next holder in the next round; when a rank has none left, every rank loads
            the persistent tier.
 
@@ -483,7 +488,7 @@ class LocalCheckpoints:
         """
         sync = self.sync
         with sync.describing("the restore's census of the local tier"):
-            census = sync.all_gather_object((self.storage.held(), persistent_step))
+            census = sync.all_gather_object((self.storage.held(), persistent_step), fits=self._census_bytes())
         persistent = census[0][1]
         held: dict[tuple[int, int], list[int]] = {}
         worlds: set[int] = set()
@@ -517,6 +522,13 @@ class LocalCheckpoints:
         load_persistent(persistent)
         return self._done(RestoreResult(int(persistent), "persistent", {}, "persistent", tuple(notes)))
 
+    def _census_bytes(self) -> int:
+        """Bytes that a rank's census fits when its node holds what this job's saves leave
+        there (its ranks' shards and the replicas they receive; about 20 bytes a shard
+        pickled), the same on every rank: the census is then one collective."""
+        ranks = collections.Counter(self.nodes)
+        return 64 + 24 * max(ranks.values()) * (1 + self.tier.replicas)
+
     def _done(self, result: RestoreResult) -> RestoreResult:
         self.restored = result
         if self.rank == 0:
@@ -525,12 +537,14 @@ class LocalCheckpoints:
 
     def _load_own(self, state_dict: dict[str, Any], step: int, out: list[RankFailure]) -> None:
         """Load this rank's shard of ``step`` from its own node; a failure is appended to
-        ``out``. When the state has the shard's structure, from the files' mappings
-        (:meth:`_Fetch.mapped`: every byte CRC-checked, then each tensor copied out, no
-        per-entry read planning); else with :func:`~asyncckpt.loading.api.load` (every
+        ``out``. When the state has the shard's structure, from its files
+        (:meth:`_Fetch.mapped`: tensors of 1 MiB or more read into the state, the rest
+        from the files' mappings, every byte CRC-checked once, no per-entry read
+        planning);
+        else with :func:`~asyncckpt.loading.api.load` (every
         byte CRC-checked as it is read)."""
         try:
-            packed = self.storage.pack(self.rank, step)
+            packed = self.storage.pack(self.rank, step, read=True)
             try:
                 fetch = _Fetch.mapped(self, state_dict, step, packed)
                 if fetch is None:
@@ -652,23 +666,21 @@ def _header(packed: Packed) -> dict[str, Any]:
     """What a rank serving a shard at a restore tells its receiver first: the files
     (``[(name, size)]``) and the bytes of the small ones (manifest, ``.metadata``,
     ``.records.json``), from which both sides cut the data files into :func:`_pieces`."""
-    small = {
-        name: bytes(m) if m is not None else b"" for (name, _), m in zip(packed.files, packed.maps) if name in _SMALL
-    }
+    small = {name: packed.read_all(i) for i, (name, _) in enumerate(packed.files) if name in _SMALL}
     return {"files": list(packed.files), "small": small}
 
 
-def _pieces(header: dict[str, Any]) -> list[_Piece]:
+def _pieces(header: dict[str, Any], records: dict[str, Record] | None = None) -> list[_Piece]:
     """The messages of a shard's data files (the sender's cut and the receiver's, from the
     same header): each tensor record's data of at least :data:`_PIECE_MIN_BYTES` alone
     (so that it lands in the tensor it restores), and the bytes between (framing,
     values, gaps, smaller tensors: one message for many). Without a records file
     that stands for the ``.metadata`` (``parse_records``), each file is one piece.
+    ``records``: those of the header, parsed already (:func:`_checked_header`).
     Never raises: a header that does not check is refused by the receiver
     (:func:`_checked_header`), which still drains these pieces."""
     files, small = header["files"], header["small"]
-    records: dict[str, Record] | None = None
-    if METADATA_NAME in small and RECORDS_NAME in small:
+    if records is None and METADATA_NAME in small and RECORDS_NAME in small:
         names = dict.fromkeys(name for name, _ in files)
         records = parse_records(small[RECORDS_NAME], crc32(small[METADATA_NAME]), names)
     by_file: dict[str, list[tuple[int, int, str, Any, Any]]] = {}
@@ -768,8 +780,11 @@ class _Fetch:
     ) -> None:
         self.owner, self.state_dict, self.src = owner, state_dict, src
         self.where = owner.storage.step_dir(owner.rank, step)
-        self.pieces = _pieces(header)
+        self.pieces: list[_Piece] = []
+        cut = False
         self.bufs: list[memoryview] = []
+        self.packed: Packed | None = None  # (the own shard's files, read by :meth:`finish`)
+        self.sources: list[tuple[int, int, bool]] = []  # (theirs: each piece's file, offset, whether read)
         self.failure: RankFailure | None = None
         self.arrival: Arrival | None = None
         self.plan: Any = None
@@ -777,23 +792,13 @@ class _Fetch:
         self._index: dict[str, tuple[list[int], list[tuple[int, memoryview]]]] = {}
         try:
             self.entries, records = _checked_header(header, self.where)
+            self.pieces, cut = _pieces(header, records), True  # (the sender's cut, of the same records)
             self.plan = plan_direct_load(state_dict, records) if records is not None else None
             if self.plan is not None:
                 targets = {e.fqn: e for es in self.plan.files.values() for e in es}
                 for piece in self.pieces:
-                    entry = targets.get(piece.fqn) if piece.fqn is not None else None
-                    if entry is None or entry.target is None:
-                        self.bufs.append(memoryview(bytearray(piece.length)))
-                        continue
-                    target = entry.target.detach()
-                    if not (target.is_cpu and target.is_contiguous()):
-                        target = self.temps[entry.fqn] = torch.empty(target.shape, dtype=target.dtype)
-                    view = _memory(target)
-                    if len(view) != piece.length:
-                        raise CorruptCheckpointError(
-                            f"the record of {piece.fqn!r} does not fit its tensor", str(self.where)
-                        )
-                    self.bufs.append(view)
+                    view = self._target(targets, piece)
+                    self.bufs.append(view if view is not None else memoryview(bytearray(piece.length)))
             else:
                 self.arrival = owner.storage.arrival(owner.rank, step, header["files"])
                 maps = {name: m for (name, _), m in zip(header["files"], self.arrival.maps)}
@@ -806,13 +811,20 @@ class _Fetch:
             self._release()
             self.failure = RankFailure.from_exception(exc, f"the copy of step {step} from rank {src}: ")
             self.plan = None
+            self.pieces = self.pieces if cut else _pieces(header)
             self.bufs = [memoryview(bytearray(piece.length)) for piece in self.pieces]
 
     @classmethod
     def mapped(cls, owner: LocalCheckpoints, state_dict: dict[str, Any], step: int, packed: Packed) -> _Fetch | None:
-        """The shard in this node's files (``packed``: their mappings) as if received:
-        each data file one piece over its mapping; :meth:`finish` then checks every byte
-        and copies each tensor out. ``None``: the state has another structure (load it
+        """The shard in this node's files (``packed``, packed to read) as if received,
+        cut into the same :func:`_pieces`: each tensor of 1 MiB or more lands in the
+        tensor it restores, read from its file (``preadv``) 2 MiB at a time just before
+        the CRC reads it, from the cache (:func:`check_segments` with ``fill``; no page
+        of it mapped); the bytes between (framing, values, smaller tensors) are checked
+        in the files' mappings and placed from there (:meth:`finish`: one mapping
+        fault per 16 pages where a copy into buffers by ``preadv`` would cost a page
+        of buffer and a copy each, and thousands of small pieces would cost more in
+        Python than they save). ``None``: the state has another structure (load it
         from the files).
 
         Raises:
@@ -827,17 +839,46 @@ class _Fetch:
         self.plan = plan_direct_load(state_dict, records) if records is not None else None
         if self.plan is None:
             return None
-        self.pieces, self.bufs = [], []
-        for (name, size), m in zip(packed.files, packed.maps):
-            if name not in _SMALL and m is not None:
-                self.pieces.append(_Piece(name, 0, size, None))
-                self.bufs.append(memoryview(m))
+        self.pieces, self.bufs, self.sources, self.packed = _pieces(header, records), [], [], packed
+        index = {name: i for i, (name, _) in enumerate(packed.files)}
+        targets = {e.fqn: e for es in self.plan.files.values() for e in es}
+        try:
+            for piece in self.pieces:
+                view = self._target(targets, piece)
+                read = view is not None
+                if view is None:  # (the bytes between: checked and placed from the mapping)
+                    m = packed.maps[index[piece.file]]
+                    view = memoryview(m)[piece.offset : piece.offset + piece.length]  # type: ignore[arg-type]
+                self.bufs.append(view)
+                self.sources.append((index[piece.file], piece.offset, read))
+        except BaseException:
+            self._release()
+            raise
         return self
+
+    def _target(self, targets: dict[str, Any], piece: _Piece) -> memoryview | None:
+        """Where ``piece`` lands in the state: its tensor's memory (a temporary for a
+        tensor that is not CPU contiguous, copied in by :meth:`finish`), or ``None``
+        (the bytes between: a buffer).
+
+        Raises:
+            CorruptCheckpointError: the piece is not its tensor's size.
+        """
+        entry = targets.get(piece.fqn) if piece.fqn is not None else None
+        if entry is None or entry.target is None:
+            return None
+        target = entry.target.detach()
+        if not (target.is_cpu and target.is_contiguous()):
+            target = self.temps[entry.fqn] = torch.empty(target.shape, dtype=target.dtype)
+        view = _memory(target)
+        if len(view) != piece.length:
+            raise CorruptCheckpointError(f"the record of {piece.fqn!r} does not fit its tensor", str(self.where))
+        return view
 
     def _release(self) -> None:
         for view in self.bufs:
             view.release()
-        self.bufs = []
+        self.bufs, self.sources = [], []
         if self.arrival is not None:
             self.arrival.discard()
             self.arrival = None
@@ -893,14 +934,20 @@ class _Fetch:
             CheckpointError: a value that needs ``allow_pickle``.
         """
         by_file: dict[str, list[memoryview]] = {}
-        for piece, buf in zip(self.pieces, self.bufs):
+        sources: dict[str, list[tuple[int, int, bool]]] = {}
+        for piece, buf, source in itertools.zip_longest(self.pieces, self.bufs, self.sources):
             by_file.setdefault(piece.file, []).append(buf)
+            sources.setdefault(piece.file, []).append(source)
             starts, pieces = self._index.setdefault(piece.file, ([], []))
             starts.append(piece.offset)
             pieces.append((piece.offset, buf))
         for name, entry in self.entries.items():
             if name not in _SMALL:
-                check_segments(entry, by_file.get(name, []), self.where / name)
+                views = by_file.get(name, [])
+                fill = None
+                if self.packed is not None:
+                    fill = functools.partial(_read_into, self.packed, views, sources.get(name, []))
+                check_segments(entry, views, self.where / name, fill)
         received = {p.fqn for p in self.pieces if p.fqn is not None}
         planner = SafeLoadPlanner(allow_pickle=False)
         values = []
@@ -932,6 +979,20 @@ class _Fetch:
                     e.target.detach().copy_(self.temps[e.fqn])
         for fqn, obj in values:
             set_value(self.plan.state_dict, self.plan.mappings[fqn], obj)
+
+
+def _read_into(
+    packed: Packed, views: list[memoryview], sources: list[tuple[int, int, bool]], i: int, lo: int, hi: int
+) -> int:
+    """``fill`` of :func:`check_segments` for this node's shard: bytes ``[lo, hi)`` of
+    ``views[i]`` read from its file (``sources[i]``: file index, offset, and whether
+    it is read; else the view is the file's mapping). Returns the file offset up to
+    which ``views`` hold their bytes."""
+    index, offset, read = sources[i]
+    if not read:
+        return offset + len(views[i])
+    packed.readinto(index, offset + lo, [views[i][lo:hi]])
+    return offset + hi
 
 
 def _exchange(

@@ -326,6 +326,75 @@ def test_the_newest_tier_wins(tmp_path: Path) -> None:
         assert result is not None and (result.step, result.tier) == (4, "local") and got["rank"] == 1
 
 
+def _sized_state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    # tensors of 3 MiB and 2 MiB (each lands in its tensor, chunk by chunk) and small ones between
+    return {
+        "a": torch.randn(3 << 18, generator=g),
+        "t": torch.randn(1024, 512, generator=g),
+        "b": torch.arange(5) * step,
+        "step": step,
+    }
+
+
+def test_own_shard_lands_in_the_state_and_a_flipped_byte_falls_back(tmp_path: Path) -> None:
+    # one process: the own shard's tensors are read from its files into the state (a
+    # non-contiguous one through a temporary), every byte CRC-checked as it lands, 2 MiB
+    # at a time; a byte flipped inside one of them fails the copy, and with no replica
+    # the root restores, all of it
+    tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        assert mgr.local is not None
+        mgr.save(2, _sized_state(2))
+        mgr.local.save(3, _sized_state(3))
+        mgr.maybe_finalize(blocking=True)
+        assert mgr.local.maybe_finalize(blocking=True) == [3]
+
+    def template() -> dict[str, Any]:
+        return {
+            "a": torch.zeros(3 << 18),
+            "t": torch.zeros(512, 1024).t(),
+            "b": torch.zeros(5, dtype=torch.int64),
+            "step": -1,
+        }
+
+    def same(got: dict[str, Any], step: int) -> bool:
+        want = _sized_state(step)
+        return all(torch.equal(got[k], want[k]) for k in ("a", "t", "b")) and got["step"] == step
+
+    for flipped in (False, True):
+        if flipped:
+            (data,) = (tmp_path / "node0" / "rank_00000" / "step_00000003").glob("*.distcp")
+            flip_byte(data, data.stat().st_size // 2)  # inside a tensor's data (they are nearly all of it)
+        with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+            got = template()
+            assert not got["t"].is_contiguous()
+            result = mgr.restore(got)
+        assert result is not None
+        if not flipped:
+            assert (result.step, result.tier, result.source) == (3, "local", "local"), result
+            assert same(got, 3)
+        else:
+            assert (result.step, result.tier) == (2, "persistent"), result
+            assert "rank 0's copy from its own node failed" in str(result) and "checksum mismatch" in str(result)
+            assert same(got, 2)
+
+
+def test_the_census_gathers_what_does_not_fit_too() -> None:
+    # the restore's census is one all_gather of a guessed width; a rank whose census does
+    # not fit it (a node holding shards of earlier jobs) makes it two, with the same result
+    preload_forkserver()
+    for got in run_ranks(_gather_fits, 2, timeout=60, start_method="forkserver"):
+        assert got == [[("r0", "x" * 10), ("r1", "x" * 10)], [("r0", "x" * 10), ("r1", "x" * 500)]], got
+
+
+def _gather_fits(rank: int, world: int) -> Any:
+    from asyncckpt.dist import SyncGroup
+
+    sync = SyncGroup()
+    return [sync.all_gather_object((f"r{rank}", "x" * n), fits=64) for n in (10, 10 if rank == 0 else 500)]
+
+
 def _big_state(rank: int, step: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1000 * rank + step)
     return {"w": torch.randn(4 << 20, generator=g), "step": step}  # 16 MiB: a transfer of some milliseconds

@@ -30,6 +30,7 @@ import mmap
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from asyncckpt.errors import CorruptCheckpointError, InvalidArgumentError
 from asyncckpt.format import manifest as _manifest
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.naming import parse_step_dir, step_dir_name
-from asyncckpt.io.storage import LocalStorage
+from asyncckpt.io.storage import LocalStorage, preadv_all
 
 __all__ = ["LocalTier", "NodeLocalStorage", "Packed", "Arrival", "RESTORABLE_NAME", "check_segments"]
 
@@ -51,6 +52,9 @@ RESTORABLE_NAME = "restorable.json"
 #: :meth:`NodeLocalStorage.remove_leftovers`).
 _SPARE_PREFIX = ".spare.tmp-"
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+#: :func:`check_segments` with ``fill`` lands and checks this many bytes at a time, so
+#: that the CRC reads the bytes the copy has just written, from the cache.
+CHECK_CHUNK_BYTES = 2 << 20
 
 
 def _entries(directory: Path) -> list[Path]:
@@ -204,10 +208,12 @@ class NodeLocalStorage(LocalStorage):
                     entry.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ replicas
-    def pack(self, rank: int, step: int) -> Packed:
-        """Rank ``rank``'s shard of ``step``, to send: its files (the manifest's data files,
-        then the manifest), each mapped read-only-in-effect (``MAP_PRIVATE``: no copy of
-        the bytes, which are in memory already on a RAM tier). Close it after the send.
+    def pack(self, rank: int, step: int, read: bool = False) -> Packed:
+        """Rank ``rank``'s shard of ``step``, to send or to read: its files (the manifest's
+        data files, then the manifest), each mapped read-only-in-effect (``MAP_PRIVATE``,
+        never written: no copy of the bytes, which are in memory already on a RAM tier;
+        pages fault in where they are read). With ``read``: the files kept open too, to
+        be read with :meth:`Packed.readinto`. Close it after use.
 
         Raises:
             CorruptCheckpointError: the shard is missing, a file shorter than its manifest.
@@ -216,7 +222,7 @@ class NodeLocalStorage(LocalStorage):
         directory = self.step_dir(rank, step)
         manifest = _manifest.read_manifest(directory)
         names = sorted(manifest["files"]) + [_manifest.MANIFEST_NAME]
-        packed = Packed([], [])
+        packed = Packed([], [], directory=directory)
         dir_fd = _fs.open_dir(str(directory))
         try:
             for name in names:
@@ -229,7 +235,10 @@ class NodeLocalStorage(LocalStorage):
                     packed.files.append((name, size))
                     packed.maps.append(mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None)
                 finally:
-                    os.close(fd)
+                    if read:
+                        packed.fds.append(fd)
+                    else:
+                        os.close(fd)
         except BaseException:
             packed.close()
             raise
@@ -306,17 +315,48 @@ class NodeLocalStorage(LocalStorage):
 
 @dataclass
 class Packed:
-    """A shard to send (:meth:`NodeLocalStorage.pack`): ``files`` ``[(name, size)]`` and
-    the mapping of each (``None`` for an empty file). :meth:`close` unmaps them."""
+    """A shard to send or read (:meth:`NodeLocalStorage.pack`): ``files`` ``[(name,
+    size)]``, the mapping of each (``None`` for an empty file), and, when packed to
+    read, each file's descriptor. :meth:`close` unmaps and closes them."""
 
     files: list[tuple[str, int]]
     maps: list[mmap.mmap | None]
+    fds: list[int] = field(default_factory=list)
+    directory: Path | None = None
+
+    def readinto(self, index: int, offset: int, views: list[memoryview]) -> None:
+        """Fill ``views`` (in order) with the bytes of file ``index`` from ``offset``
+        (``os.preadv``: the kernel copies from the page cache into memory mapped
+        already; no page of this process is mapped or unmapped).
+
+        Raises:
+            CorruptCheckpointError: the file ends first.
+            OSError: the read failed.
+        """
+        name = self.files[index][0]
+        preadv_all(self.fds[index], views, offset, str(self.directory / name if self.directory else name))
+
+    def read_all(self, index: int) -> bytes:
+        """The bytes of file ``index`` (from its mapping, else read).
+
+        Raises:
+            CorruptCheckpointError: the file ends before its size.
+            OSError: the read failed.
+        """
+        m, size = self.maps[index], self.files[index][1]
+        if m is not None or not size:
+            return bytes(m) if m is not None else b""
+        buf = bytearray(size)
+        self.readinto(index, 0, [memoryview(buf)])
+        return bytes(buf)
 
     def close(self) -> None:
         for m in self.maps:
             if m is not None:
                 m.close()
-        self.maps = []
+        for fd in self.fds:
+            os.close(fd)
+        self.maps, self.fds = [], []
 
 
 @dataclass
@@ -402,34 +442,55 @@ def _check_received(files: list[tuple[str, int]], views: list[memoryview], where
         check_segments(entries[name], [view], where / name)
 
 
-def check_segments(entry: dict[str, Any], views: list[memoryview], path: Path) -> None:
+def check_segments(
+    entry: dict[str, Any],
+    views: list[memoryview],
+    path: Path,
+    fill: Callable[[int, int, int], int] | None = None,
+) -> None:
     """Check the bytes of one file, held by ``views`` in file order (pieces of any
     lengths), against its manifest entry (``entry["segments"]``: ``[offset, length,
     crc32]``, covering the file): each segment's CRC-32 is folded over the pieces it
     spans (no copy).
 
+    Args:
+        fill: lands bytes ``[lo, hi)`` of ``views[i]`` (``fill(i, lo, hi)``; e.g. a read
+            into them) just before they are checked, at most :data:`CHECK_CHUNK_BYTES`
+            at a time, so that the CRC reads them from the cache, and returns the file
+            offset up to which the views hold their bytes now (it may land more: it is
+            called again only past that); every byte of the views is landed once, and
+            the segments must then cover the file in order.
+
     Raises:
-        CorruptCheckpointError: the pieces are not the entry's size, or the first
-            segment whose CRC-32 differs (naming its bytes).
+        CorruptCheckpointError: the pieces are not the entry's size, segments that do
+            not cover the file, or the first segment whose CRC-32 differs (naming its
+            bytes).
     """
     size = sum(len(v) for v in views)
     if entry.get("size") != size:
         raise CorruptCheckpointError(f"{path} has {size} bytes, its manifest says {entry.get('size')}", str(path))
-    i, start = 0, 0  # the piece holding file offset ``start``
+    step = CHECK_CHUNK_BYTES if fill is not None else size
+    i, start, covered, landed = 0, 0, 0, 0  # the piece holding file offset ``start``; the bytes covered in order
     for offset, length, expected in entry["segments"]:
-        if offset + length > size:
+        if offset + length > size or (fill is not None and offset != covered):
             raise CorruptCheckpointError(f"{path}: manifest segments do not cover the file", str(path))
         actual, pos, end = 0, offset, offset + length
         while pos < end:
             while start + len(views[i]) <= pos:
                 start += len(views[i])
                 i += 1
-            take = min(end, start + len(views[i])) - pos
-            actual = crc32(views[i][pos - start : pos - start + take], actual)
+            lo = pos - start
+            take = min(end - pos, len(views[i]) - lo, step)
+            if fill is not None and pos + take > landed:
+                landed = fill(i, lo, lo + take)
+            actual = crc32(views[i][lo : lo + take], actual)
             pos += take
+        covered = end
         if actual != expected:
             raise CorruptCheckpointError(
                 f"{path}: checksum mismatch in bytes [{offset}, {end}) "
                 f"(crc32 {actual & 0xFFFFFFFF:08x}, manifest {expected:08x})",
                 str(path),
             )
+    if fill is not None and covered != size:
+        raise CorruptCheckpointError(f"{path}: manifest segments do not cover the file", str(path))
