@@ -37,12 +37,18 @@ def _shm_entries() -> set[str]:
 
 def _is_mp_infrastructure(p: psutil.Process) -> bool:
     # multiprocessing's resource tracker (and forkserver) are per-interpreter singletons
-    # that Python starts with the first spawn/forkserver child and stops at exit.
+    # that Python starts with the first spawn/forkserver child and stops at exit. A process
+    # forked from a forkserver (a rank of run_ranks(start_method="forkserver")), and what
+    # such a process forks (a temporal save's child), show the forkserver's command line
+    # too: a forkserver is one whose parent does not.
     try:
         cmd = " ".join(p.cmdline())
+        if "multiprocessing.forkserver" in cmd:
+            parent = p.parent()
+            return parent is None or "multiprocessing.forkserver" not in " ".join(parent.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return True
-    return "multiprocessing.resource_tracker" in cmd or "multiprocessing.forkserver" in cmd
+    return "multiprocessing.resource_tracker" in cmd
 
 
 def _session_server(p: psutil.Process) -> bool:

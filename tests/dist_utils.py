@@ -108,8 +108,14 @@ def run_ranks(
     ``fn`` must be a module-level function (it is pickled for spawn). Raises
     AssertionError with every rank's traceback if a rank fails or the run exceeds
     ``timeout`` seconds; all rank processes are killed on the way out.
-    ``start_method="forkserver"`` (see :func:`preload_forkserver`) starts ranks faster.
+    ``start_method="forkserver"`` starts ranks faster: they fork from multiprocessing's
+    forkserver, which imported :data:`TORCH_PRELOAD` once when it started (see
+    :func:`preload_forkserver`). Such a rank inherits the environment of the process when
+    its forkserver started, not ``os.environ`` as it is now: a test that changes the
+    environment for its ranks spawns them.
     """
+    if start_method == "forkserver":
+        preload_forkserver()
     ctx: Any = mp.get_context(start_method)  # typeshed's BaseContext has no Process; every real one has
     out = ctx.Queue()
     # Rendezvous through a file, not a TCP port picked beforehand: another process can

@@ -303,16 +303,42 @@ def small_tmpfs(path: Path, size: str, nr_inodes: int | None = None) -> Iterator
                 subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
 
 
-def process_group_gone(pgid: int, timeout: float) -> bool:
-    """Wait up to ``timeout`` s for every process of group ``pgid`` to exit."""
+def _group_has_live_process(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is still running: one that has exited and waits
+    to be reaped (a zombie) is not (it holds no memory, file or segment any more)."""
     import os
+
+    import psutil
+
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) != pgid:
+                continue
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE or proc.num_threads() > 1:  # threads still exiting
+                return True
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    return False
+
+
+def process_group_gone(pgid: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` s for every process of group ``pgid`` to exit.
+
+    An exited process not reaped yet (a zombie) counts as gone, as everywhere in the
+    tests: the children of a process that exited (multiprocessing's resource tracker, a
+    worker) are orphans that the machine's init reaps, and an init may do that seconds
+    later (a container's: ~2 s per orphan on the CI machine).
+    """
     import time
 
     deadline = time.monotonic() + timeout
     while True:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
+        if not _group_has_live_process(pgid):
             return True
         if time.monotonic() > deadline:
             return False

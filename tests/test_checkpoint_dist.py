@@ -210,7 +210,9 @@ def test_two_ranks_save_load_and_refuse(tmp_path: Path, caller: str) -> None:
     occupied.mkdir()
     (occupied / "keep").write_text("x")
 
-    results = run_ranks(_rank_save_load, WORLD, str(tmp_path), caller == "persistent", timeout=50)
+    results = run_ranks(
+        _rank_save_load, WORLD, str(tmp_path), caller == "persistent", timeout=50, start_method="forkserver"
+    )
 
     for rank, res in enumerate(results):
         assert [d for d in res["diffs"] if d] == [], f"rank {rank}"
@@ -351,7 +353,9 @@ def test_two_ranks_manager_and_one_rank_failure(tmp_path: Path, caller: str) -> 
     blocker = tmp_path / "blocker"
     blocker.write_text("a regular file: rank 1's data directory cannot be created under it")
 
-    results = run_ranks(_rank_manager, WORLD, str(root), caller == "persistent", str(blocker), timeout=50)
+    results = run_ranks(
+        _rank_manager, WORLD, str(root), caller == "persistent", str(blocker), timeout=50, start_method="forkserver"
+    )
 
     for rank, res in enumerate(results):
         assert [d for d in res["diffs"] if d] == [], f"rank {rank}"
@@ -424,5 +428,5 @@ def test_gloo_groups_of_destroyed_process_groups_are_not_kept(tmp_path: Path) ->
     """The dedicated gloo groups of destroyed process groups are dropped, and all of them at
     exit: left to interpreter finalization, a gloo group's destructor now and then aborted a
     successful run ("terminate called without an active exception", exit -6)."""
-    for result in run_ranks(_rank_gloo_cache, 2, f"file://{tmp_path / 'second-store'}"):
+    for result in run_ranks(_rank_gloo_cache, 2, f"file://{tmp_path / 'second-store'}", start_method="forkserver"):
         assert result == {"before": 1, "after": 1, "current": True, "released": 0}

@@ -373,7 +373,7 @@ def _rank_main(rank, world_size, persistent, tmpdir):
 def rank_results(request, tmp_path_factory):
     """Run every scenario on 2 gloo ranks with one caller; ``{name: [rank0, rank1]}``."""
     tmpdir = str(tmp_path_factory.mktemp("ranks"))
-    per_rank = run_ranks(_rank_main, WORLD_SIZE, request.param, tmpdir, timeout=40)
+    per_rank = run_ranks(_rank_main, WORLD_SIZE, request.param, tmpdir, timeout=40, start_method="forkserver")
     return {
         "persistent": request.param,
         **{name: [per_rank[r][name] for r in range(WORLD_SIZE)] for name in per_rank[0]},

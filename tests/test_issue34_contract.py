@@ -279,7 +279,7 @@ def _two_rank_faults(rank: int, world_size: int, root: str) -> list[str]:
 def test_a_failure_after_the_commit_point_is_a_warning_two_ranks(tmp_path: Path) -> None:
     """On 2 gloo ranks the coordinator still broadcasts the outcome: both ranks return
     from the synchronous save and from ``wait`` of the asynchronous one."""
-    seen = run_ranks(_two_rank_faults, 2, str(tmp_path), timeout=150)
+    seen = run_ranks(_two_rank_faults, 2, str(tmp_path), timeout=150, start_method="forkserver")
     assert any("after_rename" in w for w in seen[0]) and any("after_latest" in w for w in seen[0]), seen
     assert seen[1] == [], seen  # nothing failed on rank 1
     _check_committed(tmp_path)
@@ -334,7 +334,7 @@ def test_a_new_process_group_gets_a_new_default_queue(tmp_path: Path) -> None:
     """2 gloo ranks destroy and re-init the default group twice, saving through the
     default queue each time: every save commits through its own group's collectives
     (no disk-polling fallback, no warning), and the old queues are closed."""
-    results = run_ranks(_restart_and_save, 2, str(tmp_path), timeout=200)
+    results = run_ranks(_restart_and_save, 2, str(tmp_path), timeout=200, start_method="forkserver")
     for rank, out in enumerate(results):
         assert out["distinct"], out
         assert out["old_closed"] == [True, True], out

@@ -95,7 +95,7 @@ def _rank_keys(rank: int, world_size: int, root: str, persistent: bool) -> dict[
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("caller", ["temporal", "persistent"])
 def test_entries_that_differ_across_ranks_are_refused_on_every_rank(tmp_path: Path, caller: str) -> None:
-    results = run_ranks(_rank_keys, 2, str(tmp_path), caller == "persistent", timeout=200)
+    results = run_ranks(_rank_keys, 2, str(tmp_path), caller == "persistent", timeout=200, start_method="forkserver")
     expected = {
         "tensor or value": r"'x' differs across ranks: a tensor float32\[3\] on rank 0, a non-tensor value on rank 1",
         "shape": r"'x' differs across ranks: a tensor float32\[3\] on rank 0, a tensor float32\[4\] on rank 1",

@@ -75,7 +75,7 @@ def _rank_lifecycle(rank: int, world: int, root: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(180)
 def test_lifecycle_on_two_ranks(tmp_path: Path) -> None:
-    results = run_ranks(_rank_lifecycle, WORLD, str(tmp_path), timeout=150)
+    results = run_ranks(_rank_lifecycle, WORLD, str(tmp_path), timeout=150, start_method="forkserver")
     for rank, out in enumerate(results):
         assert out["refused"] is not None and "step 10 is already being saved" in out["refused"], (rank, out)
         assert str(tmp_path / "dup" / "step_00000010") in out["refused"]

@@ -287,9 +287,9 @@ def _rank_load(rank: int, world_size: int, ckpt: str, odd_rank: int) -> dict[str
 
 @pytest.mark.timeout(180)
 def test_two_ranks_agree_on_the_path(ckpt: Path) -> None:
-    both = run_ranks(_rank_load, 2, str(ckpt), -1, timeout=120)
+    both = run_ranks(_rank_load, 2, str(ckpt), -1, timeout=120, start_method="forkserver")
     assert [r.get("direct", 0) for r in both] == [1, 1], both
-    mixed = run_ranks(_rank_load, 2, str(ckpt), 1, timeout=120)
+    mixed = run_ranks(_rank_load, 2, str(ckpt), 1, timeout=120, start_method="forkserver")
     assert [r.get("dcp", 0) for r in mixed] == [1, 1] and [r.get("direct", 0) for r in mixed] == [0, 0], mixed
 
 

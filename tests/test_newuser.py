@@ -318,7 +318,7 @@ def _rank_two_managers(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(200)
 def test_ranks_of_one_job_share_the_root_and_a_second_manager_is_refused_on_every_rank(tmp_path: Path) -> None:
-    results = run_ranks(_rank_two_managers, 2, str(tmp_path), timeout=150)
+    results = run_ranks(_rank_two_managers, 2, str(tmp_path), timeout=150, start_method="forkserver")
     holder = results[0]["pid"]
     assert [r["second"] for r in results] == [f"refused pid={holder}"] * 2
     assert all(r["steps"] == [1] for r in results)

@@ -140,4 +140,4 @@ def _two_ranks(rank: int, world_size: int, root: str) -> tuple[int, int]:
 
 
 def test_only_the_coordinator_logs_with_two_ranks(tmp_path: Path) -> None:
-    assert run_ranks(_two_ranks, 2, str(tmp_path)) == [(2, 2), (0, 2)]
+    assert run_ranks(_two_ranks, 2, str(tmp_path), start_method="forkserver") == [(2, 2), (0, 2)]

@@ -147,7 +147,10 @@ def test_an_optimizer_step_before_synchronize_staging_never_tears_the_checkpoint
     if world_size == 1:
         assert _step_before_synchronize(0, 1, root, kind)
     else:
-        assert run_ranks(_step_before_synchronize, world_size, root, kind, timeout=120) == [True] * world_size
+        assert (
+            run_ranks(_step_before_synchronize, world_size, root, kind, timeout=120, start_method="forkserver")
+            == [True] * world_size
+        )
 
 
 def test_flat_buffer_parameters_stepped_through_the_flat_parameter(tmp_path: Path, slow_copy: None) -> None:

@@ -172,7 +172,7 @@ def _scenarios(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("pipeline")
-    return run_ranks(_scenarios, 2, str(tmp), timeout=150)
+    return run_ranks(_scenarios, 2, str(tmp), timeout=150, start_method="forkserver")
 
 
 @pytest.mark.timeout(180)

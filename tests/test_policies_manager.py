@@ -58,7 +58,7 @@ def _should_save_rank(rank: int, world_size: int, root: str) -> list[int]:
 
 
 def test_should_save_agrees_on_two_ranks_with_steps_and_seconds(tmp_path: Path) -> None:
-    by_rank = run_ranks(_should_save_rank, 2, str(tmp_path), timeout=120)
+    by_rank = run_ranks(_should_save_rank, 2, str(tmp_path), timeout=120, start_method="forkserver")
     assert by_rank[0] == by_rank[1]
     saved = by_rank[0]
     assert saved[0] == 1  # the clock starts with a save every rank took part in

@@ -2,7 +2,10 @@
 
 A new user follows the README from top to bottom in the repository root, with the
 programs of the ``.venv`` that command 1 creates, and may run it all again. This test
-does the same in a temporary directory, in two passes over the same directory:
+does the same, in two passes: the blocks that share files (:data:`GROUPS`) are one job,
+every other block a job of its own; each job runs in a temporary directory of its own,
+pass 1 then pass 2 there, two jobs at a time (the CI machine's 2 cores), and no two jobs
+may leave files of the same name (in the user's one directory they would meet):
 
 - ``.venv/bin/python``, ``.venv/bin/torchrun`` and ``.venv/bin/asyncckpt`` there are
   small scripts that run this interpreter (the one the tests run in, with the package
@@ -29,6 +32,7 @@ persistent worker re-imports it (see BOOTSTRAP_PATCH.md).
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shlex
@@ -37,6 +41,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -378,6 +383,9 @@ def test_every_block_is_run_or_skipped() -> None:
         "a new README code block: add it to PYTHON / BASH (or SKIPPED_BLOCKS, with why)"
     )
     assert handled <= set(found), "a block in PYTHON, BASH or SKIPPED_BLOCKS is no longer in README.md"
+    grouped = [key for group in GROUPS for key in group]
+    assert len(grouped) == len(set(grouped)), "a block in two GROUPS"
+    assert set(grouped) <= set(found) - set(SKIPPED_BLOCKS), "a block in GROUPS is not a run block of README.md"
 
 
 def test_bash_blocks_use_the_venv() -> None:
@@ -393,43 +401,103 @@ def test_bash_blocks_use_the_venv() -> None:
                     pytest.fail(f"under {block.heading!r}: {line.strip()!r} does not run a .venv/bin program")
 
 
-def run_pass(d: Path, pass_no: int) -> None:
-    """Run every code block of README.md in order in ``d`` (see the module docstring)."""
+#: Blocks that work on the same files, each group run as one job, in README order, pass 1
+#: then pass 2 (see :func:`test_readme_runs_in_order_twice`): the command-line tool reads
+#: the set-up run's ``checkpoints``; the export reads the FSDP example's ``ckpt_sharded``.
+GROUPS: list[tuple[tuple[str, str], ...]] = [
+    (("Set up and run", "bash"), ("The `asyncckpt` command", "bash")),
+    (("Sharded state (FSDP2 / DTensor) and resharding", "python"), ("Export to Hugging Face", "python")),
+]
+
+#: Jobs run at once: the CI machine's 2 cores (most blocks are one process on one core).
+CONCURRENT_JOBS = 2
+
+
+def jobs() -> list[list[Block]]:
+    """The run blocks in groups (:data:`GROUPS`; every other block alone), each group's
+    blocks in README order, the groups in the order of their first block."""
+    grouped: dict[tuple[str, str], list[Block]] = {}
+    out: list[list[Block]] = []
     for block in code_blocks():
         if block.key in SKIPPED_BLOCKS:
             continue
-        t0 = time.monotonic()
-        where = f"pass {pass_no}, the {block.lang} block under {block.heading!r}"
-        if block.lang == "bash":
-            if pass_no not in BASH_PASSES.get(block.heading, (1, 2)):
-                continue
-            script = as_run_here(block.code)
-            rc, out = run_in(d, ["bash", "-c", script], timeout=240)
-            assert rc == 0, f"{where} exited with {rc}:\n{script}\n{out}"
-            BASH[block.heading](d, out, pass_no)
-        else:
-            how = PYTHON[block.heading]
-            if pass_no not in how.passes:
-                continue
-            name, cmd = python_command(block)
-            (d / name).write_text(block.code)
-            outs = []
-            for i in range(how.times):
-                rc, out = run_in(d, cmd, timeout=120)
-                expected = how.exit_codes(pass_no)[i] if how.exit_codes(pass_no) else 0
-                assert rc == expected, f"{where}, run {i + 1}: exit code {rc}:\n{out}"
-                outs.append(out)
-            how.check(d, outs, pass_no)
-        print(f"pass {pass_no}: {block.lang} block under {block.heading!r} in {time.monotonic() - t0:.1f} s")
+        group = next((g for g in GROUPS if block.key in g), (block.key,))
+        if group[0] not in grouped:
+            grouped[group[0]] = []
+            out.append(grouped[group[0]])
+        grouped[group[0]].append(block)
+    return out
+
+
+def run_block(d: Path, block: Block, pass_no: int) -> None:
+    """Run one code block of README.md in ``d`` on pass ``pass_no`` and check what must
+    hold after it (see the module docstring)."""
+    t0 = time.monotonic()
+    where = f"pass {pass_no}, the {block.lang} block under {block.heading!r}"
+    if block.lang == "bash":
+        if pass_no not in BASH_PASSES.get(block.heading, (1, 2)):
+            return
+        script = as_run_here(block.code)
+        rc, out = run_in(d, ["bash", "-c", script], timeout=240)
+        assert rc == 0, f"{where} exited with {rc}:\n{script}\n{out}"
+        BASH[block.heading](d, out, pass_no)
+    else:
+        how = PYTHON[block.heading]
+        if pass_no not in how.passes:
+            return
+        name, cmd = python_command(block)
+        (d / name).write_text(block.code)
+        outs = []
+        for i in range(how.times):
+            rc, out = run_in(d, cmd, timeout=120)
+            expected = how.exit_codes(pass_no)[i] if how.exit_codes(pass_no) else 0
+            assert rc == expected, f"{where}, run {i + 1}: exit code {rc}:\n{out}"
+            outs.append(out)
+        how.check(d, outs, pass_no)
+    print(f"pass {pass_no}: {block.lang} block under {block.heading!r} in {time.monotonic() - t0:.1f} s")
+
+
+def run_job(d: Path, blocks: list[Block]) -> None:
+    """A group's blocks in ``d``: all of them in order, then all of them again."""
+    make_workdir(d)
+    for pass_no in (1, 2):
+        for block in blocks:
+            run_block(d, block, pass_no)
+
+
+def user_files(d: Path) -> set[str]:
+    """The names a job left in its directory (besides what :func:`make_workdir` made)."""
+    return {p.name for p in d.iterdir()} - {".venv", "scripts"}
 
 
 @pytest.mark.timeout(1200)
 def test_readme_runs_in_order_twice(tmp_path: Path) -> None:
-    """Every command and snippet of README.md, in order, in one directory; then all of
-    them again there (each example has its own directory and can be run again)."""
-    make_workdir(tmp_path)
-    run_pass(tmp_path, 1)
-    run_pass(tmp_path, 2)
+    """Every command and snippet of README.md, in order, then all of them again.
+
+    The blocks that share files (:data:`GROUPS`) run as one job; every other block is a
+    job of its own. Each job runs in a user's directory of its own, its blocks in README
+    order, then again there, :data:`CONCURRENT_JOBS` jobs at a time. No two jobs may leave
+    a file or directory of the same name: in the one directory of a user who runs the
+    README from top to bottom, they would meet (and a block that needs another's files,
+    undeclared in GROUPS, fails every time: the files are not in its directory)."""
+    work = jobs()
+    dirs = [tmp_path / f"job{i:02d}" for i in range(len(work))]
+    failures: list[BaseException] = []
+    with ThreadPoolExecutor(CONCURRENT_JOBS) as pool:
+        futures = [pool.submit(run_job, d, blocks) for d, blocks in zip(dirs, work)]
+        for future in futures:
+            exc = future.exception()
+            if exc is not None:
+                failures.append(exc)
+    if failures:
+        raise failures[0]
+    names = {d: user_files(d) for d in dirs}
+    for (a, blocks_a), (b, blocks_b) in itertools.combinations(zip(dirs, work), 2):
+        shared = names[a] & names[b]
+        assert not shared, (
+            f"{[x.heading for x in blocks_a]} and {[x.heading for x in blocks_b]} both leave {sorted(shared)}: "
+            "in the user's one directory they would meet (a group in GROUPS if one needs the other's)"
+        )
 
 
 # ----------------------------------------------------------------------------- a script without a guard

@@ -432,7 +432,7 @@ def test_a_steady_save_plans_with_one_collective_and_keeps_the_error_funnel(tmp_
     rank resolves and lays out its data before it); a value that cannot be pickled on
     one rank still fails the save on every rank, and a change on one rank re-plans on
     every rank."""
-    results = run_ranks(_rank_collectives, 2, str(tmp_path), timeout=150)
+    results = run_ranks(_rank_collectives, 2, str(tmp_path), timeout=150, start_method="forkserver")
     for res in results:
         assert res["calls"][2] == ["all_gather_ints"], res["calls"]
         assert res["calls"][4] == ["all_gather_ints"] and res["calls"][6] == ["all_gather_ints"], res["calls"]
@@ -512,7 +512,7 @@ def test_a_commit_sends_an_unchanged_layout_once(tmp_path: Path) -> None:
     still lists both ranks' records, loadable by both loaders. A coordinator that does
     not hold a layout fails that commit on every rank, naming the rank, commits
     nothing, and the next save sends the layouts again."""
-    results = run_ranks(_rank_layout_exchange, 2, str(tmp_path), timeout=150)
+    results = run_ranks(_rank_layout_exchange, 2, str(tmp_path), timeout=150, start_method="forkserver")
     for res in results:
         # Full sends at steps 1, 5 (after the failure) and 7 (new layout); tokens else.
         assert res["token_only"] == {1: 0, 2: 1, 3: 2, 5: 3, 6: 4, 7: 4, 8: 5}, res["token_only"]

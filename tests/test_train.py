@@ -21,6 +21,7 @@ import termios
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -377,16 +378,17 @@ def test_sigterm_to_one_of_two_ranks_is_a_preemption_save_of_an_agreed_step(tmp_
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     # the reference run writes with forked children (cheaper to start; the writer cannot change
-    # the parameters, see test_resume_is_bitwise_identical), the interrupted one with the worker
-    out = run(
+    # the parameters, see test_resume_is_bitwise_identical), the interrupted one with the worker;
+    # they are independent: the reference runs while the other is interrupted
+    pool = ThreadPoolExecutor(1)
+    reference = pool.submit(
+        run,
         [*args, "--temporal", "--stop-at", str(stop_at), "--save-final", "final.pt"],
         tmp_path / "a",
         launcher=torchrun(2),
     )
-    assert "world size 2" in out and f"summary: {stop_at} steps" in out, out
-    assert len(re.findall(r"^checkpoint step 50 committed", out, re.M)) == 1, out  # rank 0 prints, once
     port = str(free_port())
-    with contextlib.ExitStack() as stack:
+    with pool, contextlib.ExitStack() as stack:
         ranks = []
         for rank in range(2):  # started directly, without torchrun: each rank's own exit code
             env = dict(
@@ -408,6 +410,9 @@ def test_sigterm_to_one_of_two_ranks_is_a_preemption_save_of_an_agreed_step(tmp_
         out += ranks[0].communicate(timeout=60)[0]
         out1 = ranks[1].communicate(timeout=60)[0]
         assert [r.returncode for r in ranks] == [143, 143], f"{out}\n--- rank 1:\n{out1}"
+        ref = reference.result()
+    assert "world size 2" in ref and f"summary: {stop_at} steps" in ref, ref
+    assert len(re.findall(r"^checkpoint step 50 committed", ref, re.M)) == 1, ref  # rank 0 prints, once
     m = re.search(r"^received SIGTERM: preemption save of step (\d+)$", out, re.M)
     assert m, out
     k = int(m.group(1))
@@ -440,12 +445,20 @@ def losses(out: str) -> dict[int, float]:
 def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """On 2 ranks with --fsdp: a straight run of 12 steps, and a run stopped at step 6."""
     straight_dir, stopped_dir = tmp_path_factory.mktemp("fsdp_straight"), tmp_path_factory.mktemp("fsdp_stopped")
-    straight_out = run(
-        [*FSDP, "--batch-size", "3", "--temporal", "--save-final", "final.pt"], straight_dir, launcher=torchrun(2)
-    )
-    stopped_out = run(
-        [*FSDP, "--batch-size", "3", "--stop-at", "6", "--save-final", "at6.pt"], stopped_dir, launcher=torchrun(2)
-    )
+    with ThreadPoolExecutor(2) as pool:  # independent runs: at once
+        straight = pool.submit(
+            run,
+            [*FSDP, "--batch-size", "3", "--temporal", "--save-final", "final.pt"],
+            straight_dir,
+            launcher=torchrun(2),
+        )
+        stopped = pool.submit(
+            run,
+            [*FSDP, "--batch-size", "3", "--stop-at", "6", "--save-final", "at6.pt"],
+            stopped_dir,
+            launcher=torchrun(2),
+        )
+        straight_out, stopped_out = straight.result(), stopped.result()
     return {
         "final": straight_dir / "final.pt",
         "straight_out": straight_out,

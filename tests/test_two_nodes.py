@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -119,10 +120,15 @@ def test_resume_on_two_nodes_is_bitwise_identical(tmp_path: Path) -> None:
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     straight.mkdir()
     stopped.mkdir()
-    out = run_two_agents([*RUN, "--save-final", "final.pt"], straight)
-    assert "world size 4 | DDP" in out, out
-    out = run_two_agents([*RUN, "--stop-at", "20"], stopped)
-    assert "checkpoint step 20 committed" in out, out
+    # The uninterrupted run and the one stopped at step 20 are independent: at once.
+    with ThreadPoolExecutor(2) as pool:
+        runs = [
+            pool.submit(run_two_agents, [*RUN, "--save-final", "final.pt"], straight),
+            pool.submit(run_two_agents, [*RUN, "--stop-at", "20"], stopped),
+        ]
+        out_straight, out_stopped = (run.result() for run in runs)
+    assert "world size 4 | DDP" in out_straight, out_straight
+    assert "checkpoint step 20 committed" in out_stopped, out_stopped
     out = run_two_agents([*RUN, "--resume", "--save-final", "final.pt"], stopped)
     assert "resumed from step 20 in ./checkpoints" in out and "resharded" not in out, out
     a, b = torch.load(straight / "final.pt"), torch.load(stopped / "final.pt")
