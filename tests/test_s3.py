@@ -639,6 +639,6 @@ def test_bench_s3_runs_every_row(s3_server, tmp_path, capsys):
                 os.environ[k] = v
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(rows) == 1 + 8 + 2, out  # the title, upload / load rows, the training row and its CPU row
+    assert len(rows) == 1 + 9 + 2, out  # the title, upload (with its CPU row) / load rows, the training rows
     assert "failed" not in out, out
-    assert "x raw; goal >= 0.9x" in out and "CPU-s" in out
+    assert "x raw; goal >= 0.9x" in out and "CPU-s" in out and "CPU seconds per GiB" in out

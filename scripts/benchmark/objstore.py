@@ -6,7 +6,8 @@ server, in one run.
   token metadata, marker, latest) against boto3's own multipart upload of the same
   files (one ``TransferManager``, every file submitted at once) with the same client,
   part size and concurrency (botocore's default CRC32 trailer, no marker), the reps
-  interleaved. Goal: >= 0.9x the raw throughput. ``--workload llm``: the LLM-shaped
+  interleaved. Goal: >= 0.9x the raw throughput. Beside it, the CPU seconds per GiB
+  each upload cost this process (the client) and the server. ``--workload llm``: the LLM-shaped
   checkpoint (GPT + AdamW, about 1.02 GiB in 1172 tensors) instead of ``--mib`` in
   ``--tensors`` equal ones.
 - **load**: ``asyncckpt.load(state, "s3://...")`` (ranged GETs of ``part_size`` bytes,
@@ -208,10 +209,15 @@ def bench_upload_load(
 
     ours()  # warm: connections, volumes
     raw()
-    t_raw, t_ours = [], []
+    t_raw: list[float] = []
+    t_ours: list[float] = []
+    cpu: dict[str, list[tuple[float, float]]] = {"raw": [], "ours": []}  # (client, server) CPU-s
     for _ in range(reps):  # interleaved: the same load on the machine for both
-        t_raw.append(_timed(raw))
-        t_ours.append(_timed(ours))
+        for name, fn, times in (("raw", raw, t_raw), ("ours", ours, t_ours)):
+            client0, server0 = time.process_time(), _cpu_s(SERVER_PID[0]) if SERVER_PID else 0.0
+            times.append(_timed(fn))
+            server = _cpu_s(SERVER_PID[0]) - server0 if SERVER_PID else 0.0
+            cpu[name].append((time.process_time() - client0, server))
     gb = nbytes / 1e9
     rows.append(
         ("upload: raw boto3 TransferManager, every file at once (same client, parts, concurrency)", _rate(gb, t_raw))
@@ -221,6 +227,16 @@ def bench_upload_load(
         (
             "upload: asyncckpt S3Tier.upload_step (CRC32 per part, manifest CRCs checked, marker, latest)",
             f"{_rate(gb, t_ours)} ({ratio:.2f}x raw; goal >= 0.9x)",
+        )
+    )
+    gib = nbytes / 2**30
+    per = {name: [statistics.median(c[i] for c in cpu[name]) / gib for i in (0, 1)] for name in cpu}
+    rows.append(
+        (
+            "upload: CPU seconds per GiB uploaded, client (this process) / S3 server (medians)",
+            f"asyncckpt {per['ours'][0]:.2f} / {per['ours'][1]:.2f}, raw TransferManager "
+            f"{per['raw'][0]:.2f} / {per['raw'][1]:.2f}"
+            + ("" if SERVER_PID else " (the server's: not started here, not measured)"),
         )
     )
 
