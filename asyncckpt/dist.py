@@ -205,16 +205,7 @@ class SyncGroup:
             first[:8] = len(payload).to_bytes(8, "little")
             if len(payload) <= fits:
                 first[8 : 8 + len(payload)] = payload
-            gathered = [bytearray(8 + fits) for _ in range(self.world_size)]
-            self._collective(
-                "all_gather",
-                lambda group: dist.all_gather(
-                    [torch.frombuffer(b, dtype=torch.uint8) for b in gathered],
-                    torch.frombuffer(first, dtype=torch.uint8),
-                    group=group,
-                    async_op=True,
-                ),
-            )
+            gathered = self._all_gather_bytes(first)
             sizes = [int.from_bytes(b[:8], "little") for b in gathered]
             if max(sizes) <= fits:
                 return [pickle.loads(memoryview(b)[8 : 8 + n]) for b, n in zip(gathered, sizes)]
@@ -223,7 +214,13 @@ class SyncGroup:
         width = max(max(sizes), 1)
         local = bytearray(width)
         local[: len(payload)] = payload
-        bufs = [bytearray(width) for _ in range(self.world_size)]
+        bufs = self._all_gather_bytes(local)
+        return [pickle.loads(memoryview(b)[:n]) for b, n in zip(bufs, sizes)]
+
+    def _all_gather_bytes(self, local: bytearray) -> list[bytearray]:
+        """One all_gather of ``local`` (the same length on every rank) on the gloo group;
+        ``result[r]`` is rank ``r``'s bytes."""
+        bufs = [bytearray(len(local)) for _ in range(self.world_size)]
         self._collective(
             "all_gather",
             lambda group: dist.all_gather(
@@ -233,7 +230,7 @@ class SyncGroup:
                 async_op=True,
             ),
         )
-        return [pickle.loads(memoryview(b)[:n]) for b, n in zip(bufs, sizes)]
+        return bufs
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Broadcast a picklable object from group rank ``src``; returns it on every rank.
