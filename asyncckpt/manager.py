@@ -589,10 +589,7 @@ class CheckpointManager:
         rename is the commit), and ``latest`` is replaced only after it, so ``latest``
         can lag one save behind (a crash between the two) but never lead.
         """
-        local = self._root.latest()
-        if self._upload is None:
-            return local
-        newest = self._upload.newest(local)
+        newest = self._newest()
         return None if newest is None else newest[0]
 
     def load(

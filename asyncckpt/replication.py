@@ -666,7 +666,9 @@ def _header(packed: Packed) -> dict[str, Any]:
     """What a rank serving a shard at a restore tells its receiver first: the files
     (``[(name, size)]``) and the bytes of the small ones (manifest, ``.metadata``,
     ``.records.json``), from which both sides cut the data files into :func:`_pieces`."""
-    small = {name: packed.read_all(i) for i, (name, _) in enumerate(packed.files) if name in _SMALL}
+    small = {
+        name: bytes(m) if m is not None else b"" for (name, _), m in zip(packed.files, packed.maps) if name in _SMALL
+    }
     return {"files": list(packed.files), "small": small}
 
 
@@ -781,7 +783,6 @@ class _Fetch:
         self.owner, self.state_dict, self.src = owner, state_dict, src
         self.where = owner.storage.step_dir(owner.rank, step)
         self.pieces: list[_Piece] = []
-        cut = False
         self.bufs: list[memoryview] = []
         self.packed: Packed | None = None  # (the own shard's files, read by :meth:`finish`)
         self.sources: list[tuple[int, int, bool]] = []  # (theirs: each piece's file, offset, whether read)
@@ -792,7 +793,7 @@ class _Fetch:
         self._index: dict[str, tuple[list[int], list[tuple[int, memoryview]]]] = {}
         try:
             self.entries, records = _checked_header(header, self.where)
-            self.pieces, cut = _pieces(header, records), True  # (the sender's cut, of the same records)
+            self.pieces = _pieces(header, records)  # (the sender's cut, of the same records)
             self.plan = plan_direct_load(state_dict, records) if records is not None else None
             if self.plan is not None:
                 targets = {e.fqn: e for es in self.plan.files.values() for e in es}
@@ -811,7 +812,7 @@ class _Fetch:
             self._release()
             self.failure = RankFailure.from_exception(exc, f"the copy of step {step} from rank {src}: ")
             self.plan = None
-            self.pieces = self.pieces if cut else _pieces(header)
+            self.pieces = self.pieces or _pieces(header)  # (the header did not check: cut as the sender did)
             self.bufs = [memoryview(bytearray(piece.length)) for piece in self.pieces]
 
     @classmethod

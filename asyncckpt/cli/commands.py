@@ -133,8 +133,10 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         if remote or tier.exists(path, MANIFEST_NAME):  # a remote one's is its commit marker
             manifest = tier.read_manifest(path)
         metadata = read_metadata(path, tier)
-        with tier.open_checkpoint(str(path)) as opened:
-            sizes = {name: opened.file_size(name) for name in {i.relative_path for i in metadata.storage_data.values()}}
+        listed = manifest["files"] if manifest is not None else {}
+        files = sorted({info.relative_path for info in metadata.storage_data.values()})
+        with tier.open_checkpoint(str(path)) as opened:  # (a stock DCP directory: from the files)
+            file_sizes = {n: listed[n]["size"] if n in listed else opened.file_size(n) or 0 for n in files}
     where = f"{path}/{METADATA_NAME}"
     paths = typed_entry_paths(metadata, manifest_int_keys(manifest, f"{path}/{MANIFEST_NAME}"), where)
 
@@ -168,13 +170,6 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         entry["files"] = records
         entries.append(entry)
 
-    files = sorted({info.relative_path for info in metadata.storage_data.values()})
-    file_sizes = {}
-    for name in files:
-        if manifest is not None and name in manifest["files"]:
-            file_sizes[name] = manifest["files"][name]["size"]
-        else:
-            file_sizes[name] = sizes[name] or 0
     tensors = [e for e in entries if e["kind"] == "tensor"]
 
     def manifest_int(key: str) -> int | None:

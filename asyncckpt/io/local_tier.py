@@ -336,20 +336,6 @@ class Packed:
         name = self.files[index][0]
         preadv_all(self.fds[index], views, offset, str(self.directory / name if self.directory else name))
 
-    def read_all(self, index: int) -> bytes:
-        """The bytes of file ``index`` (from its mapping, else read).
-
-        Raises:
-            CorruptCheckpointError: the file ends before its size.
-            OSError: the read failed.
-        """
-        m, size = self.maps[index], self.files[index][1]
-        if m is not None or not size:
-            return bytes(m) if m is not None else b""
-        buf = bytearray(size)
-        self.readinto(index, 0, [memoryview(buf)])
-        return bytes(buf)
-
     def close(self) -> None:
         for m in self.maps:
             if m is not None:
