@@ -22,9 +22,10 @@ inherits the training process's environment when it is started). Points:
   all the same);
 - ``verify_scanned``: in ``asyncckpt verify``, after a root was listed, before its
   checkpoints are checked;
-- ``upload``: in an upload thread, after this rank's files of a step are uploaded,
-  before the coordinator's wait for the others and its commit marker
-  (``asyncckpt.io.s3``);
+- ``upload``: in the upload process (``asyncckpt.io.s3_agent``, with the training
+  process's ``ASYNCCKPT_FAULT`` at the time of the job; in the upload thread with
+  ``upload_process=False``), after this rank's files of a step are uploaded, before
+  the coordinator's wait for the others and its commit marker (``asyncckpt.io.s3``);
 - ``s3_read``: when a remote checkpoint is opened for reading (or fetched), after its
   commit marker was read;
 - ``s3_list``: before each listing of a remote tier's steps (``raise``: the bucket

@@ -99,6 +99,10 @@ class CheckpointManager:
         upload_timeout_s: seconds :meth:`close` waits for the uploads in flight (then
             they are resumed at the next start), and the coordinator for the other
             ranks' objects of a step.
+        upload_process: upload the bytes from a process of its own (default; see
+            :mod:`asyncckpt.io.s3_agent`: the requests' Python work then never takes
+            the training process's GIL); ``False``: from a thread of this process
+            (no extra process).
         local: a node-local tier beside the root (:class:`~asyncckpt.LocalTier`: a
             directory on each node, saved every ``every`` steps with
             ``manager.local.save(step, state)``, replicated to ``replicas`` peer
@@ -165,6 +169,7 @@ class CheckpointManager:
         keep_remote: int | None = None,
         upload_failure: Literal["warn", "raise"] = "warn",
         upload_timeout_s: float = 600.0,
+        upload_process: bool = True,
         local: LocalTier | None = None,
     ) -> None:
         self._closed = True  # until constructed
@@ -265,7 +270,7 @@ class CheckpointManager:
             if self._owns_queue and isinstance(self.queue.caller, PersistentAsyncCaller) and not self.read_only:
                 self.queue.caller.start()  # ready before the first save: no start-up stall
             self._saver = Saver(self.queue, self.options, root)
-            self._upload = self._open_upload(upload_to, keep_remote, upload_failure, upload_timeout_s)
+            self._upload = self._open_upload(upload_to, keep_remote, upload_failure, upload_timeout_s, upload_process)
             if local is not None:
                 self.local = LocalCheckpoints(local, self.queue, self.options, process_group)
         except BaseException:
@@ -324,7 +329,9 @@ class CheckpointManager:
         assert root is not None
         return root
 
-    def _open_upload(self, url: str | None, keep: int | None, failure: Any, timeout_s: float) -> Uploader | None:
+    def _open_upload(
+        self, url: str | None, keep: int | None, failure: Any, timeout_s: float, process: bool = True
+    ) -> Uploader | None:
         """The upload tier (``upload_to``), or ``None``; ``keep_remote`` and the other
         upload options without ``upload_to`` raise ``InvalidArgumentError``."""
         if url is None:
@@ -340,6 +347,7 @@ class CheckpointManager:
             coordinator=sync.rank == self.coordinator_rank,
             callback=self.callback,
             read_only=self.read_only,
+            process=process,
         )
 
     @property

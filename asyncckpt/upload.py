@@ -5,8 +5,11 @@ upload_to="s3://bucket/prefix")``).
 One :class:`Uploader` per manager, one thread of its own (``asyncckpt-upload``), so
 that an upload never runs on the training thread nor in the queue's finalizer thread
 (which commits the next save), and never delays a save's stall: the training thread
-only appends to a list. The tier and its remote commit protocol are
-:mod:`asyncckpt.io.s3`.
+only appends to a list. The bytes themselves go up from a process of its own, the
+upload agent (:mod:`asyncckpt.io.s3_agent`, started by the upload thread on the first
+upload), so that the requests' Python work (botocore) never competes with the training
+thread for its GIL; the upload thread sends it each step's open files and waits. The
+tier and its remote commit protocol are :mod:`asyncckpt.io.s3`.
 
 The life of a step's upload (each rank; no collective):
 
@@ -15,11 +18,12 @@ The life of a step's upload (each rank; no collective):
    the step (its data files; on the coordinator also the metadata files and the
    manifest) and queues the job. The open descriptors keep the bytes readable even if
    local retention (``keep_last``) removes the directory before the upload ends.
-2. (the upload thread) each rank uploads its files (multipart, CRC32 per part); the
-   coordinator waits until every rank's objects carry the save's token, writes the
-   commit marker, then ``latest``, then runs remote retention (``keep_remote``: the
-   oldest uploads go first; objects of unmarked steps that are not committed locally
-   are leftovers of failed uploads and go too).
+2. (the upload agent, for the upload thread) each rank uploads its files (multipart,
+   CRC32 per part); the coordinator waits until every rank's objects carry the save's
+   token, writes the commit marker, then ``latest``; then (the coordinator's upload
+   thread) remote retention (``keep_remote``: the oldest uploads go first; objects of
+   unmarked steps that are not committed locally are leftovers of failed uploads and
+   go too).
 3. The outcome, an :class:`UploadResult` or an :class:`~asyncckpt.errors.UploadError`,
    goes to the save's completion callback, and to the next
    :meth:`CheckpointManager.maybe_finalize` (``upload_failure="warn"``: an
@@ -32,8 +36,9 @@ cut short by a crash, a server down, a ``close()`` past its bound, are resumed.
 The end: :meth:`Uploader.close` (``upload_timeout_s``), or, for a process that exits
 without it, the exit phase ``FINISH_UPLOADS`` (:mod:`asyncckpt._exit`,
 ``ASYNCCKPT_EXIT_TIMEOUT_S``), waits for the queue, then :meth:`Uploader.give_up`
-names every step not uploaded and cancels the one in flight (no marker): bounded, and
-nothing dropped without a word. The upload threads run at nice 10 (Linux).
+names every step not uploaded, cancels the one in flight (no marker) and stops the
+agent: bounded, and nothing dropped without a word. The upload thread and the agent
+run at nice 10 (Linux).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from asyncckpt.errors import (
 )
 from asyncckpt.format import manifest as _manifest
 from asyncckpt.io import s3 as _s3
+from asyncckpt.io import s3_agent as _s3_agent
 from asyncckpt.root import CheckpointRoot
 from asyncckpt.saving.handle import SaveResult
 
@@ -131,6 +137,10 @@ class Uploader:
         callback: the default callback of an upload's outcome.
         read_only: only read the remote tier (no thread, no uploads).
         tier: the remote tier (default ``S3Tier(url)``).
+        process: upload the bytes from a process of its own
+            (:class:`asyncckpt.io.s3_agent.UploadProcess`, the default), so that the
+            upload's Python work never takes the training process's GIL; ``False``: in
+            this process's upload thread (no extra process).
 
     Raises:
         InvalidArgumentError: a bad ``url``, ``keep_remote``, ``failure`` or ``timeout_s``.
@@ -150,6 +160,7 @@ class Uploader:
         callback: Callable[[Any], None] | None = None,
         read_only: bool = False,
         tier: _s3.S3Tier | None = None,
+        process: bool = True,
     ) -> None:
         self.check_options(url, keep_remote, failure, timeout_s)
         self.root = root
@@ -169,6 +180,7 @@ class Uploader:
         self._failures: list[UploadError] = []
         self._current: _Job | None = None
         self._thread: threading.Thread | None = None
+        self._agent = _s3_agent.UploadProcess(self.tier) if process and not read_only else None
         if not read_only:
             _live.add(self)
             _exit.arm()
@@ -311,15 +323,26 @@ class Uploader:
         url = self.tier.step_url(job.step)
         start = time.monotonic()
         try:
-            sent = self.tier.upload_step(
-                job.step,
-                {name: f"/proc/self/fd/{fd}" for name, fd in job.files.items()},
-                job.manifest,
-                rank=self.rank,
-                coordinator=self.coordinator,
-                timeout=self.timeout_s,
-                cancel=job.cancel,
-            )
+            if self._agent is not None:  # the bytes go up from the upload process (its own GIL)
+                sent = self._agent.upload_step(
+                    job.step,
+                    job.files,
+                    job.manifest,
+                    rank=self.rank,
+                    coordinator=self.coordinator,
+                    timeout=self.timeout_s,
+                    cancel=job.cancel,
+                )
+            else:
+                sent = self.tier.upload_step(
+                    job.step,
+                    {name: f"/proc/self/fd/{fd}" for name, fd in job.files.items()},
+                    job.manifest,
+                    rank=self.rank,
+                    coordinator=self.coordinator,
+                    timeout=self.timeout_s,
+                    cancel=job.cancel,
+                )
         except CorruptCheckpointError as exc:  # the local files differ from their manifest's CRC-32s
             return UploadError(
                 f"upload of step {job.step} to {url} failed: {exc} (the local checkpoint is damaged: `asyncckpt "
@@ -451,6 +474,8 @@ class Uploader:
                 ),
                 job.callback,
             )
+        if self._agent is not None:  # after the cancel: its multipart uploads aborted, bounded
+            self._agent.stop()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(0.1)
         return ([] if current is None else [current.step]) + [job.step for job in left]

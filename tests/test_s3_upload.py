@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from test_s3 import state, uploaded
+from test_s3 import Outcomes, state, uploaded
 
 import asyncckpt
 from asyncckpt.io import s3 as s3tier
@@ -164,3 +164,60 @@ def test_uploads_run_off_the_training_thread_at_a_lower_priority(remote, tmp_pat
         assert manager.remote_steps() == [1]
     assert seen == [("asyncckpt-upload", max(10, before))]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the training thread's is its own
+
+
+def _agents() -> list:
+    """This process's upload agents (children running ``asyncckpt.io.s3_agent``)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children():
+        try:
+            if "asyncckpt.io.s3_agent" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def test_the_bytes_go_up_from_an_upload_process_and_its_death_fails_that_step_only(remote, tmp_path, monkeypatch):
+    """The failpoint ``upload`` is reached in the upload process: ``kill`` kills it (from a
+    thread of the training process it would kill the training process): that step's
+    upload fails with the reason, the local tier and training go on, the next step's
+    upload starts a new upload process; ``close()`` stops it."""
+    outcomes = Outcomes()
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    with asyncckpt.CheckpointManager(tmp_path / "k", upload_to=remote, callback=outcomes) as manager:
+        manager.save(1, state(1, 0.25))
+        manager.maybe_finalize(blocking=True)
+        uploaded(manager)
+        (agent,) = _agents()
+        assert agent.nice() == max(10, before)  # below the training process, as the upload thread
+        monkeypatch.setenv("ASYNCCKPT_FAULT", "upload:kill")
+        manager.save(2, state(2, 0.25))
+        manager.maybe_finalize(blocking=True)
+        uploaded(manager)
+        monkeypatch.delenv("ASYNCCKPT_FAULT")
+        with pytest.warns(asyncckpt.UploadWarning, match=r"upload process \(pid \d+\) ended \(signal 9 \(SIGKILL\)\)"):
+            manager.maybe_finalize()
+        assert not agent.is_running()
+        manager.save(3, state(3, 0.25))
+        manager.maybe_finalize(blocking=True)
+        uploaded(manager)
+        assert manager.remote_steps() == [1, 3]
+        assert manager.steps() == [1, 2, 3]  # the local tier is intact
+        assert len(_agents()) == 1
+    assert not _agents()
+    assert [e.step for e in outcomes.of(asyncckpt.UploadError)] == [2]
+    assert [r.step for r in outcomes.of(asyncckpt.UploadResult)] == [1, 3]
+    assert_same(state(2, 0.25), asyncckpt.read_state_dict(tmp_path / "k" / "step_00000002"))
+
+
+def test_upload_process_false_uploads_from_a_thread_of_the_training_process(remote, tmp_path):
+    with asyncckpt.CheckpointManager(tmp_path / "t", upload_to=remote, upload_process=False) as manager:
+        manager.save(1, state(1, 0.25))
+        manager.maybe_finalize(blocking=True)
+        uploaded(manager)
+        assert manager.remote_steps() == [1]
+        assert not _agents()
+    assert_same(state(1, 0.25), asyncckpt.read_state_dict(f"{remote}/step_00000001"))

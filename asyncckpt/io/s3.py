@@ -19,9 +19,11 @@ before the marker leaves objects without a marker: absent, re-uploaded by the ne
 A removal deletes the marker first, so a step is never half-present to a new reader,
 and a reader that already read the marker fails with ``CheckpointNotFoundError``.
 
-**Integrity.** Uploads are multipart (boto3's ``TransferConfig``: parts of
-``part_size`` bytes, ``max_concurrency`` in flight) with ``ChecksumAlgorithm="CRC32"``:
-the server checks every part as it arrives. Every object carries the save's token
+**Integrity.** Uploads are our own multipart uploads (:meth:`S3Tier.upload_files`:
+parts of ``part_size`` bytes, ``max_concurrency`` in flight), each part with its
+CRC-32 (``ChecksumCRC32``), which the server checks as it arrives; the same pass checks
+the manifest's CRC-32s of the local bytes. A manager's uploads run in the upload
+process (:mod:`asyncckpt.io.s3_agent`). Every object carries the save's token
 (``x-amz-meta-asyncckpt-token``); the coordinator writes the marker only when every
 rank's object has the manifest's size and token, and a reader refuses an object of
 another save. End to end, the manifest's CRC-32s are checked by the loaders on the
@@ -33,10 +35,7 @@ first, the small files whole into memory, a data file's bytes on demand with ran
 GETs of ``part_size``, ``max_concurrency`` in flight, streamed straight into the
 loaders' buffers (:class:`S3FileReader`), so that each rank GETs only what its plan
 reads and the loaders check the manifest's CRC-32s as the bytes arrive (``load``,
-``read_state_dict``, ``verify``). :func:`fetched` still reads a whole checkpoint into a
-private scratch directory in memory (``/dev/shm`` when it has room, else the temporary
-directory; ``ASYNCCKPT_S3_SCRATCH`` chooses), removed when the context ends, for the
-CLI's ``inspect`` / ``verify`` / ``convert``. Nothing is cached on disk.
+``read_state_dict``, ``verify``, and the CLI). Nothing is copied or cached on disk.
 
 **Configuration** is the AWS SDK's: the standard credential chain (environment,
 ``~/.aws``, instance roles), ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``) for
@@ -224,9 +223,8 @@ class S3Tier:
             (``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE``, the config file), else 4 in
             ``standard`` mode.
 
-    Thread-safe (boto3 clients are). Not picklable (it holds a client); the torch-free
-    worker never sees it: uploads run in a thread of the training process, over
-    committed files.
+    Thread-safe (boto3 clients are). Not picklable (it holds a client): the upload
+    process (:mod:`asyncckpt.io.s3_agent`) makes its own from the same fields.
     """
 
     url: str

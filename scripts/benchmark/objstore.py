@@ -19,12 +19,16 @@ server, in one run.
   ``FsspecReader`` and ``dcp.save`` through ``FsspecWriter``
   (``torch.distributed.checkpoint._fsspec_filesystem``, with s3fs) on the same server; a
   row that fails says so and the run goes on.
-- **training**: the loop of a small MLP with a save every K steps (K = 4, 16), with
-  ``upload_to`` and without, interleaved, ``--reps`` each: the slowdown of the medians
-  beside the min..max of each and the local tier's own run-to-run spread. Goal: within
-  the spread. Beside it, the CPU seconds the training process and the server (when
-  started here) used during the loops: on one machine both share its cores, so an
-  upload costs the loop the server's work too, which a remote store does elsewhere.
+- **training**: the loop of a small MLP with a save every K steps (K = 4, 16): local
+  only, with ``upload_to`` (the bytes going up from the upload process, the default),
+  and with ``upload_to`` in a thread of the training process (``upload_process=False``),
+  interleaved, ``--reps`` each: the slowdown of the medians beside the min..max of each
+  and the local tier's own run-to-run spread. Goal: within the spread. Beside it, the
+  CPU seconds the training process with its children and the server (when started
+  here) used during the loops. On one machine the server shares its cores with the
+  loop, so an upload costs the loop the server's work too, which a remote store does
+  elsewhere: ``--pin`` puts the server on the last CPU and everything else on the
+  others, standing for a remote server.
 
 By default it starts a SeaweedFS server (``weed server -s3``, the tests' fixture
 ``tests/s3_server.py``) on 127.0.0.1 in a temporary directory; ``--endpoint`` (with
@@ -32,6 +36,7 @@ the standard AWS variables for the keys) uses another S3 server instead.
 
     python scripts/bench_s3.py                       # 1 GiB in 4096 tensors, K = 4, 16
     python scripts/bench_s3.py --mib 256 --tensors 1024 --no-train
+    python scripts/bench_s3.py --mib 512 --tensors 2048 --pin    # the server off the loop's cores
 """
 
 from __future__ import annotations
@@ -343,19 +348,32 @@ def bench_load(
     return rows
 
 
-def _train(root: Path, every: int, steps: int, upload_to: str | None) -> tuple[float, float, float]:
+def _train(
+    root: Path, every: int, steps: int, upload_to: str | None, process: bool = True
+) -> tuple[float, float, float]:
     """Seconds of ``steps`` training steps with a save every ``every`` (``upload_to``:
-    uploaded too), and the CPU seconds the training process and the server (0 when not
-    started here) used meanwhile."""
+    uploaded too, from the upload process or, ``process=False``, a thread of this one),
+    and the CPU seconds this process with its children (the upload process, the writer)
+    and the server (0 when not started here) used meanwhile."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])  # 32 MiB of weights
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(64, 1024)
-    with asyncckpt.CheckpointManager(root, keep_last=2, upload_to=upload_to, keep_remote=2 if upload_to else None) as m:
+    with asyncckpt.CheckpointManager(
+        root,
+        keep_last=2,
+        upload_to=upload_to,
+        keep_remote=2 if upload_to else None,
+        upload_process=process,
+    ) as m:
+        if upload_to:  # the upload process is up before the loop, as after a run's first upload
+            m.save(0, {"w": torch.zeros(1)})
+            m.maybe_finalize(blocking=True)
+            m.wait_uploads(600)
         server0 = _cpu_s(SERVER_PID[0]) if SERVER_PID else 0.0
-        own0 = _cpu_s(os.getpid())
+        own0 = _tree_cpu_s()
         t = time.perf_counter()
-        for step in range(steps):
+        for step in range(1, steps + 1):
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
@@ -363,43 +381,79 @@ def _train(root: Path, every: int, steps: int, upload_to: str | None) -> tuple[f
             if step % every == 0:
                 m.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
         elapsed = time.perf_counter() - t
-        own = _cpu_s(os.getpid()) - own0
+        own = _tree_cpu_s() - own0
         server = _cpu_s(SERVER_PID[0]) - server0 if SERVER_PID else 0.0
         m.wait_uploads(600)
     return elapsed, own, server
 
 
+def _tree_cpu_s() -> float:
+    """CPU seconds of this process and its live children (the upload process, the writer)."""
+    import psutil
+
+    total = _cpu_s(os.getpid())
+    for child in psutil.Process().children(recursive=True):
+        try:
+            total += _cpu_s(child.pid)
+        except OSError:
+            pass
+    return total
+
+
+MODES = {"local": "local only", "process": "upload_to (upload process)", "thread": "upload_to (in a thread)"}
+
+
 def bench_training(url_base: str, ks: list[int], steps: int, reps: int, work: Path) -> list[tuple[str, str]]:
     rows = []
     for k in ks:
-        runs: dict[str, list[tuple[float, float, float]]] = {"local": [], "remote": []}
+        runs: dict[str, list[tuple[float, float, float]]] = {mode: [] for mode in MODES}
         for r in range(reps):  # interleaved
-            runs["local"].append(_train(work / f"l{k}-{r}", k, steps, None))
-            runs["remote"].append(_train(work / f"r{k}-{r}", k, steps, f"{url_base}/train-{k}-{r}"))
-        local, remote = [x[0] for x in runs["local"]], [x[0] for x in runs["remote"]]
-        lm, rm = statistics.median(local), statistics.median(remote)
-        spread = (max(local) - min(local)) / lm
-        rows.append(
-            (
-                f"training, a save every K={k} of {steps} steps: upload_to vs local only ({reps} reps, interleaved)",
+            for mode in MODES:
+                url = None if mode == "local" else f"{url_base}/train-{mode}-{k}-{r}"
+                runs[mode].append(_train(work / f"{mode}{k}-{r}", k, steps, url, process=mode != "thread"))
+        times = {mode: [x[0] for x in runs[mode]] for mode in MODES}
+        med = {mode: statistics.median(times[mode]) for mode in MODES}
+        local = times["local"]
+        spread = (max(local) - min(local)) / med["local"]
+        for mode in ("process", "thread"):
+            rows.append(
                 (
-                    f"median {rm:.2f} s (min..max {min(remote):.2f}..{max(remote):.2f}) vs median {lm:.2f} s "
-                    f"({min(local):.2f}..{max(local):.2f}): {rm / lm - 1:+.1%}; local run-to-run spread "
-                    f"(max-min)/median {spread:.1%}; goal: within the spread"
-                ),
+                    f"training, a save every K={k} of {steps} steps: {MODES[mode]} vs local only ({reps} reps)",
+                    (
+                        f"median {med[mode]:.2f} s (min..max {min(times[mode]):.2f}..{max(times[mode]):.2f}) vs "
+                        f"median {med['local']:.2f} s ({min(local):.2f}..{max(local):.2f}): "
+                        f"{med[mode] / med['local'] - 1:+.1%}; local run-to-run spread (max-min)/median "
+                        f"{spread:.1%}; goal: within the spread"
+                    ),
+                )
             )
-        )
-        cpu = {mode: [statistics.median(x[i] for x in runs[mode]) for i in (1, 2)] for mode in runs}
+        cpu = {mode: [statistics.median(x[i] for x in runs[mode]) for i in (1, 2)] for mode in MODES}
         rows.append(
             (
-                "the same, CPU seconds used during the loop: training process / S3 server (medians)",
-                (
-                    f"upload_to {cpu['remote'][0]:.1f} / {cpu['remote'][1]:.1f} CPU-s vs local only "
-                    f"{cpu['local'][0]:.1f} / {cpu['local'][1]:.1f} CPU-s ({os.cpu_count()} cores shared by both)"
-                ),
+                "the same, CPU seconds used during the loop: training process and its children / S3 server (medians)",
+                "; ".join(f"{MODES[mode]} {cpu[mode][0]:.1f} / {cpu[mode][1]:.1f}" for mode in MODES)
+                + f" ({_placement()})",
             )
         )
     return rows
+
+
+def _placement() -> str:
+    ours = sorted(os.sched_getaffinity(0))
+    if SERVER_CPUS:
+        return f"the server on CPUs {SERVER_CPUS}, the training process on {ours}, of {os.cpu_count()}"
+    return f"{os.cpu_count()} cores shared by all"
+
+
+#: The CPUs the server was pinned to (``--pin``), else empty.
+SERVER_CPUS: list[int] = []
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of process ``pid`` to ``cpus`` (new threads inherit it)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(task), cpus)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -419,9 +473,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-k", default="4,16", help="training rows: a save every K steps (%(default)s)")
     p.add_argument("--train-steps", type=int, default=64, help="steps per training run (%(default)s)")
     p.add_argument("--no-train", action="store_true")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin the server started here to the last CPU and this process (its children, its torch "
+        "threads) to the others: the server stands for a remote one, off the training cores",
+    )
     args = p.parse_args(argv)
     with _server(args.endpoint) as env, tempfile.TemporaryDirectory(prefix="asyncckpt-bench-") as work:
         os.environ.update(env)
+        cpus = sorted(os.sched_getaffinity(0))
+        if args.pin and SERVER_PID and len(cpus) > 1:
+            SERVER_CPUS[:] = cpus[-1:]
+            _pin(SERVER_PID[0], set(SERVER_CPUS))
+            os.sched_setaffinity(0, set(cpus[:-1]))
+            torch.set_num_threads(len(cpus) - 1)
         tier = _s3.S3Tier(f"s3://{args.bucket}")
         with contextlib.suppress(Exception):
             tier.client.create_bucket(Bucket=args.bucket)
