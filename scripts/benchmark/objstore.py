@@ -108,7 +108,11 @@ def _server(endpoint: str | None) -> Iterator[dict[str, str]]:
     from s3_server import S3Server
 
     with tempfile.TemporaryDirectory(prefix="asyncckpt-bench-s3-") as d:
-        server = S3Server(d)
+        # The runs write several times the state (each rep, raw and ours, DCP's rows, the
+        # training rows) and a volume's space of an overwritten object comes back only when
+        # vacuumed: 64 GB of room (nothing is preallocated), against an "internal error"
+        # of a full server in a 1 GiB run.
+        server = S3Server(d, max_volumes=1000)
         try:
             server.start()
             if server._proc is not None:
@@ -494,14 +498,17 @@ def main(argv: list[str] | None = None) -> int:
         base = f"s3://{args.bucket}/bench-{uuid.uuid4().hex[:8]}"
         what = "the LLM-shaped checkpoint" if args.workload == "llm" else f"{args.mib} MiB in {args.tensors} tensors"
         log(f"upload / load of {what}")
-        rows = bench_upload_load(base, args.mib, args.tensors, args.reps, Path(work), llm=args.workload == "llm")
-        if not args.no_train:
-            ks = [int(k) for k in args.train_k.split(",") if k]
-            log(f"training loop, K = {ks}")
-            rows += bench_training(base, ks, args.train_steps, args.reps, Path(work))
-    shape = "LLM-shaped, GPT + AdamW" if args.workload == "llm" else f"{args.mib} MiB / {args.tensors} tensors"
-    print(f"| object storage ({shape}, one run) | |")
-    print("|---|---|")
-    for name, value in rows:
-        print(f"| {name} | {value} |")
+        rows: list[tuple[str, str]] = []
+        try:  # what was measured is printed, also when a later stage fails
+            rows += bench_upload_load(base, args.mib, args.tensors, args.reps, Path(work), llm=args.workload == "llm")
+            if not args.no_train:
+                ks = [int(k) for k in args.train_k.split(",") if k]
+                log(f"training loop, K = {ks}")
+                rows += bench_training(base, ks, args.train_steps, args.reps, Path(work))
+        finally:
+            shape = "LLM-shaped, GPT + AdamW" if args.workload == "llm" else f"{args.mib} MiB / {args.tensors} tensors"
+            print(f"| object storage ({shape}, one run) | |")
+            print("|---|---|")
+            for name, value in rows:
+                print(f"| {name} | {value} |")
     return 0
