@@ -613,7 +613,7 @@ class LocalCheckpoints:
                 )
                 sends = {r: _piece_views(p, _pieces(offers[r])) for r, p in packed.items()}
                 receive = (mine, fetch.bufs) if fetch is not None and mine is not None else None
-                error = _exchange(sync, sends, receive, meanwhile)
+                error = _exchange(sync, sends, receive, meanwhile, fetch.check_arriving if fetch is not None else None)
                 for views in sends.values():
                     for view in views:
                         view.release()  # before the mappings close
@@ -650,6 +650,16 @@ _SMALL = (MANIFEST_NAME, METADATA_NAME, RECORDS_NAME)
 #: size on; smaller ones travel with the bytes around them (a message costs more than
 #: copying this many bytes, and an LLM state has thousands of small tensors).
 _PIECE_MIN_BYTES = 1 << 20
+
+
+#: A restore's transfer moves each piece in messages of at most this many bytes (both
+#: sides cut the same pieces the same way), so that the receiver checks each message's
+#: CRC-32 as soon as it has arrived, from the cache, while the next ones arrive.
+_MESSAGE_BYTES = 4 << 20
+
+
+class _Undelivered(Exception):
+    """A message of a restore's transfer failed (:func:`_exchange` reports why)."""
 
 
 class _Piece(NamedTuple):
@@ -787,6 +797,7 @@ class _Fetch:
         self.packed: Packed | None = None  # (the own shard's files, read by :meth:`finish`)
         self.sources: list[tuple[int, int, bool]] = []  # (theirs: each piece's file, offset, whether read)
         self.failure: RankFailure | None = None
+        self.checked = False  # every byte checked as it arrived (:meth:`check_arriving`)
         self.arrival: Arrival | None = None
         self.plan: Any = None
         self.temps: dict[str, torch.Tensor] = {}
@@ -834,7 +845,7 @@ class _Fetch:
         self = cls.__new__(cls)
         self.owner, self.state_dict, self.src = owner, state_dict, owner.rank
         self.where = owner.storage.step_dir(owner.rank, step)
-        self.failure, self.arrival, self.temps, self._index = None, None, {}, {}
+        self.failure, self.arrival, self.temps, self._index, self.checked = None, None, {}, {}, False
         header = _header(packed)
         self.entries, records = _checked_header(header, self.where)
         self.plan = plan_direct_load(state_dict, records) if records is not None else None
@@ -907,6 +918,42 @@ class _Fetch:
             raise CorruptCheckpointError(f"a record lies outside {name!r}", str(self.where / name))
         return parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
 
+    def check_arriving(self, arrived: Callable[[int], None]) -> None:
+        """Check every received byte against the manifest's CRC-32s as the messages
+        arrive (``arrived(k)`` waits for message ``k`` of :func:`_messages` of
+        :attr:`bufs`): each message is checked right after it landed, from the cache,
+        while gloo receives the next ones; :meth:`finish` then only places. A mismatch
+        becomes this rank's failure (the rest is drained by :func:`_exchange`); a
+        transfer that fails leaves the check to :meth:`finish` (which reports it)."""
+        if self.failure is not None or self.plan is None or self.arrival is not None:
+            return  # (nothing lands in the state: drained, or loaded from the arrival's files)
+        first, k = [], 0  # each piece's first message
+        for buf in self.bufs:
+            first.append(k)
+            k += -(-len(buf) // _MESSAGE_BYTES)
+        by_file: dict[str, list[int]] = {}
+        for p, piece in enumerate(self.pieces):
+            by_file.setdefault(piece.file, []).append(p)
+
+        def fill(idx: list[int], i: int, lo: int, hi: int) -> int:
+            p = idx[i]
+            last = (hi - 1) // _MESSAGE_BYTES
+            arrived(first[p] + last)
+            return self.pieces[p].offset + min(len(self.bufs[p]), (last + 1) * _MESSAGE_BYTES)
+
+        try:
+            for name, entry in self.entries.items():
+                if name not in _SMALL:
+                    idx = by_file.get(name, [])
+                    views = [self.bufs[p] for p in idx]
+                    check_segments(entry, views, self.where / name, functools.partial(fill, idx))
+        except CorruptCheckpointError as exc:
+            self.failure = RankFailure.from_exception(exc, f"the copy of {self.where.name} from rank {self.src}: ")
+        except _Undelivered:
+            return
+        else:
+            self.checked = True
+
     def finish(self, error: RankFailure | None) -> RankFailure | None:
         """After the transfer (``error``: it failed): check and place what arrived.
         Returns this rank's failure (its state may then hold some of the bytes)."""
@@ -943,7 +990,7 @@ class _Fetch:
             starts.append(piece.offset)
             pieces.append((piece.offset, buf))
         for name, entry in self.entries.items():
-            if name not in _SMALL:
+            if name not in _SMALL and not self.checked:
                 views = by_file.get(name, [])
                 fill = None
                 if self.packed is not None:
@@ -996,26 +1043,51 @@ def _read_into(
     return offset + hi
 
 
+def _messages(bufs: list[memoryview]) -> list[memoryview]:
+    """``bufs`` cut into the messages of a restore's transfer: consecutive views of at
+    most :data:`_MESSAGE_BYTES` (release them after use)."""
+    return [buf[o : o + _MESSAGE_BYTES] for buf in bufs for o in range(0, len(buf), _MESSAGE_BYTES)]
+
+
 def _exchange(
     sync: SyncGroup,
     sends: dict[int, list[memoryview]],
     receive: tuple[int, list[memoryview]] | None,
     meanwhile: Callable[[], None] = lambda: None,
+    check: Callable[[Callable[[int], None]], None] | None = None,
 ) -> RankFailure | None:
     """Point-to-point messages on ``sync``'s gloo group: each buffer of ``sends[dst]``
     to group rank ``dst``, the buffers of ``receive`` (``(src, buffers)``) from
-    ``src``, tagged by their position; all posted, then ``meanwhile()`` runs (gloo
-    moves the bytes on its own threads), then they are waited for. Returns this
-    rank's failure (``meanwhile`` runs even when posting failed; it must not raise)."""
+    ``src``, each cut into :func:`_messages` tagged by their position; all posted, then
+    ``meanwhile()`` runs (gloo moves the bytes on its own threads), then
+    ``check(arrived)`` (``arrived(k)`` waits for received message ``k`` and those
+    before it, raising :class:`_Undelivered` if one failed), then all are waited for.
+    Returns this rank's failure (``meanwhile`` runs even when posting failed; neither
+    it nor ``check`` may raise anything else)."""
     group = sync.gloo if sync.active else None
     works: list[Any] = []
     tensors: list[torch.Tensor] = []
     posts: list[tuple[int, memoryview, Callable[..., Any]]] = [
-        (dst, buf, dist.isend) for dst, bufs in sends.items() for buf in bufs
+        (dst, buf, dist.isend) for dst, bufs in sends.items() for buf in _messages(bufs)
     ]
+    first_receive = len(posts)
     if receive is not None:
-        posts += [(receive[0], buf, dist.irecv) for buf in receive[1]]
+        posts += [(receive[0], buf, dist.irecv) for buf in _messages(receive[1])]
     counts: dict[tuple[int, Any], int] = {}
+    # (a gloo work is waited for once: a second wait waits for another message)
+    waited, failed = [first_receive], []  # the received messages waited for end at waited[0]
+
+    def arrived(k: int) -> None:
+        while waited[0] <= first_receive + k:
+            work = works[waited[0]]
+            waited[0] += 1
+            try:
+                if work is not None:
+                    work.wait()
+            except Exception as exc:
+                failed.append(exc)
+                raise _Undelivered() from exc
+
     try:
         try:
             for peer, buf, op in posts:
@@ -1024,14 +1096,20 @@ def _exchange(
                 works.append(op(tensors[-1], sync.global_rank(peer), group=group, tag=tag))
         finally:
             meanwhile()
-        for work in works:
-            if work is not None:
+        if check is not None and len(works) == len(posts):
+            check(arrived)
+        for i, work in enumerate(works):
+            if work is not None and not first_receive <= i < waited[0]:
                 work.wait()
+        if failed:
+            raise failed[0]
     except Exception as exc:  # noqa: BLE001 - funnelled by the caller
         return RankFailure.from_exception(exc, "a transfer of the local tier failed: ")
     finally:
         works.clear()
         tensors.clear()  # they hold the buffers
+        for _, buf, _ in posts:
+            buf.release()
     return None
 
 

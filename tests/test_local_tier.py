@@ -463,3 +463,62 @@ def test_a_replica_target_killed_mid_replication(tmp_path: Path) -> None:
     ):
         assert (result.step, result.tier, result.peers) == (2, "local", {}), (rank, result)
         assert leftovers == [] and same, (rank, leftovers)
+
+
+def _messages_state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    # 9 MiB: a piece of 3 messages (4, 4, 1 MiB), each CRC-checked as it arrives; and a
+    # non-contiguous 2 MiB one (received through a temporary) and small ones between
+    return {
+        "big": torch.randn(9 << 18, generator=g),
+        "t": torch.randn(1024, 512, generator=g),
+        "b": torch.arange(5) * step,
+        "step": step,
+    }
+
+
+def _peer_messages(rank: int, world: int, base: str) -> Any:
+    tier = asyncckpt.LocalTier(dir=os.path.join(base, f"node{rank}"), every=1, replicas=1, node=rank)
+    with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=tier) as mgr:
+        assert mgr.local is not None
+        mgr.save(2, _messages_state(2))
+        mgr.local.save(3, _messages_state(3))
+        mgr.maybe_finalize(blocking=True)
+        assert mgr.local.maybe_finalize(blocking=True) == [3]
+    seen = []
+    for damaged in (False, True):
+        dist.barrier()
+        if rank == 1:  # node 1 replaced: rank 1's shard comes from node 0
+            shutil.rmtree(Path(base) / "node1", ignore_errors=True)
+        if rank == 0 and damaged:  # a byte in the third message of node 0's copy of "big"
+            (data,) = (Path(base) / "node0" / "rank_00001" / "step_00000003").glob("*.distcp")
+            flip_byte(data, (8 << 20) + (512 << 10))
+        dist.barrier()
+        got: dict[str, Any] = {
+            "big": torch.zeros(9 << 18),
+            "t": torch.zeros(512, 1024).t(),
+            "b": torch.zeros(5, dtype=torch.int64),
+            "step": -1,
+        }
+        with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=tier) as mgr:
+            result = mgr.restore(got)
+        want = _messages_state(result.step if result is not None else -1)
+        same = all(torch.equal(got[k], want[k]) for k in ("big", "t", "b")) and got["step"] == want["step"]
+        seen.append((result, same))
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_copy_is_checked_message_by_message(tmp_path: Path) -> None:
+    # rank 1's shard sent by rank 0 in messages of 4 MiB at most, each CRC-checked as it
+    # arrives: intact, it lands in the state bit for bit; with a byte flipped in the third
+    # message of a tensor, the copy fails (no other replica) and the root restores
+    preload_forkserver()
+    for rank, ((intact, same), (damaged, same_after)) in enumerate(
+        run_ranks(_peer_messages, 2, str(tmp_path), timeout=100, start_method="forkserver")
+    ):
+        assert (intact.step, intact.tier, intact.peers) == (3, "local", {1: 0}), (rank, intact)
+        assert same, rank
+        assert (damaged.step, damaged.tier) == (2, "persistent"), (rank, damaged)
+        assert "rank 1's copy from rank 0 failed" in str(damaged) and "checksum mismatch" in str(damaged), damaged
+        assert same_after, rank

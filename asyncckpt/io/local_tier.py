@@ -323,6 +323,7 @@ class Packed:
     maps: list[mmap.mmap | None]
     fds: list[int] = field(default_factory=list)
     directory: Path | None = None
+    _paths: dict[int, str] = field(default_factory=dict, repr=False)
 
     def readinto(self, index: int, offset: int, views: list[memoryview]) -> None:
         """Fill ``views`` (in order) with the bytes of file ``index`` from ``offset``
@@ -333,8 +334,11 @@ class Packed:
             CorruptCheckpointError: the file ends first.
             OSError: the read failed.
         """
-        name = self.files[index][0]
-        preadv_all(self.fds[index], views, offset, str(self.directory / name if self.directory else name))
+        path = self._paths.get(index)
+        if path is None:  # (once per file: it is read 2 MiB at a time)
+            name = self.files[index][0]
+            path = self._paths[index] = str(self.directory / name if self.directory else name)
+        preadv_all(self.fds[index], views, offset, path)
 
     def close(self) -> None:
         for m in self.maps:

@@ -12,7 +12,9 @@ bytes, right next to it (``--reps`` rounds; the median of the ratios):
 - local save stall (``manager.local.save``, steady state, median) / memcpy of the
   state into preallocated memory;
 - local restore (every shard on its node: read + CRC-32 of every byte + load into the
-  state) / memcpy of the same bytes into preallocated memory;
+  state) / the raw read of the same files (``os.preadv`` of this rank's files of the
+  restored step, 2 MiB per buffer, into preallocated memory), and / memcpy of the same
+  bytes into preallocated memory;
 - peer restore (node 1's tier wiped: ranks 2 and 3 receive their shards from node 0 over
   gloo straight into their state and check every byte; ranks 0 and 1 load theirs from
   their node meanwhile) / the raw gloo transfer (one isend/irecv of the same bytes
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import json
 import os
 import shutil
 import statistics
@@ -46,6 +49,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import asyncckpt
+from asyncckpt.format.naming import step_dir_name
+from asyncckpt.io.storage import preadv_all
 
 from .common import mutate, tensors_of
 
@@ -79,6 +84,38 @@ def _memcpy(src: list[torch.Tensor], dst: list[torch.Tensor]) -> float:
     _copy(src, dst)
     dist.barrier()
     return time.perf_counter() - t0
+
+
+def _own_files(base: Path, rank: int, per_node: int) -> list[Path]:
+    """This rank's files of its restorable step in its node's tier directory (the bytes
+    a local restore reads)."""
+    shard = base / f"node{rank // per_node}" / f"rank_{rank:05d}"
+    step = json.loads((shard / "restorable.json").read_bytes())["step"]
+    return sorted(p for p in (shard / step_dir_name(step)).iterdir() if p.is_file())
+
+
+def _raw_read(files: list[Path], buf: torch.Tensor) -> float:
+    """Seconds to read ``files`` with ``os.preadv`` (2 MiB per buffer, one call per
+    1024 of them) into ``buf`` (preallocated, faulted in), on every rank at once,
+    between two barriers (as the restores are timed)."""
+    mem = memoryview(buf.numpy()).cast("B")  # type: ignore[arg-type]
+    chunk = 2 << 20
+    dist.barrier()
+    t0 = time.perf_counter()
+    pos = 0
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            views = [mem[pos + o : pos + min(size, o + chunk)] for o in range(0, size, chunk)]
+            preadv_all(fd, views, 0, str(path))
+        finally:
+            os.close(fd)
+        pos += size
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    mem.release()
+    return elapsed
 
 
 def _raw_transfer(
@@ -172,12 +209,15 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
         if rank == args.ranks_per_node:  # node 1's first rank
             shutil.copytree(base / "node1", base / "node1.intact")
         buf = torch.zeros(nbytes, dtype=torch.uint8)
-        local_times, local_limits, peer_times, peer_limits, busy_limits = [], [], [], [], []
+        own = _own_files(base, rank, args.ranks_per_node)
+        readbuf = torch.ones(sum(p.stat().st_size for p in own), dtype=torch.uint8)  # faulted in
+        local_times, local_limits, read_limits, peer_times, peer_limits, busy_limits = [], [], [], [], [], []
         for _ in range(args.reps):
             if rank == args.ranks_per_node:  # node 1 as it was saved
                 shutil.rmtree(base / "node1", ignore_errors=True)
                 shutil.copytree(base / "node1.intact", base / "node1")
             local_limits.append(_memcpy(src, dst))
+            read_limits.append(_raw_read(own, readbuf))
             with asyncckpt.CheckpointManager(base / "root", local=tier) as mgr:
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -205,6 +245,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                     "tensors": len(src),
                     "stall": (statistics.median(stalls[1:]), statistics.median(memcpys[1:])),
                     "local": (local_times, local_limits),
+                    "local_read": (local_times, read_limits),
                     "peer": (peer_times, peer_limits),
                     "peer_busy": (peer_times, busy_limits),
                     "train": train,
@@ -264,7 +305,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         f"{stall / memcpy:.2f}x |"
     )
     rows = [
-        ("local restore (own node, CRC-checked)", r["local"], "memcpy"),
+        ("local restore (own node, CRC-checked)", r["local_read"], "raw read (preadv)"),
+        ("the same", r["local"], "memcpy"),
         ("peer restore (node 1 wiped, from node 0)", r["peer"], "raw gloo transfer"),
         ("the same", r["peer_busy"], "raw transfer + node 0's memcpy"),
     ]
