@@ -153,11 +153,14 @@ def test_one_stall_figure_per_checkpoint_with_its_path(straight: tuple[Path, str
 
 
 @pytest.mark.timeout(60)
-def test_progress_bar_on_a_terminal(tmp_path: Path) -> None:
-    """With stderr on a terminal: one tqdm bar there, the checkpoint lines and the summary on stdout."""
+def test_progress_bar_on_a_terminal_and_fresh_starts_over(straight: tuple[Path, str], tmp_path: Path) -> None:
+    """With stderr on a terminal: one tqdm bar there, the checkpoint lines and the summary
+    on stdout. The run starts with ``--fresh`` over a checkpoint root (a copy of the
+    straight run's): it removes the root and starts at step 0."""
+    shutil.copytree(straight[0].parent / "checkpoints", tmp_path / "checkpoints")
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # 24 rows, 120 columns
-    cmd = [sys.executable, str(SCRIPT), *TINY, "--steps", "6", "--ckpt-every", "3"]
+    cmd = [sys.executable, str(SCRIPT), *TINY, "--steps", "6", "--ckpt-every", "3", "--fresh"]
     terminal: list[bytes] = []
 
     def read_terminal() -> None:
@@ -188,6 +191,9 @@ def test_progress_bar_on_a_terminal(tmp_path: Path) -> None:
     assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [3, 6], out
     assert not re.search(r"^step ", out, re.M), out  # nothing per step on stdout
     assert re.search(r"^summary: 6 steps", out, re.M), out
+    # --fresh: the straight run's checkpoints (up to step 24) are gone; it started at step 0
+    assert "resumed" not in out and "kept [3, 6] in ./checkpoints" in out, out
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000003", "step_00000006"]
 
 
 @pytest.mark.timeout(90)
@@ -235,13 +241,10 @@ def test_resume_with_nothing_left_to_train(straight: tuple[Path, str]) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_fresh_starts_over(straight: tuple[Path, str], tmp_path: Path) -> None:
-    """--fresh removes a checkpoint root and starts at step 0; a directory that holds
-    anything else is left alone."""
+def test_fresh_leaves_a_directory_holding_anything_else_alone(straight: tuple[Path, str], tmp_path: Path) -> None:
+    """--fresh removes a checkpoint root (test_progress_bar_on_a_terminal_and_fresh_starts_over);
+    a directory that holds anything else is left alone."""
     shutil.copytree(straight[0].parent / "checkpoints", tmp_path / "checkpoints")
-    out = run([*TINY, "--steps", "6", "--ckpt-every", "3", "--fresh", "--quiet"], tmp_path)
-    assert "resumed" not in out and sorted(int(s) for s in COMMIT_RE.findall(out)) == [3, 6], out
-    assert "kept [3, 6] in ./checkpoints" in out, out
     (tmp_path / "notes.txt").write_text("mine")
     out = run([*TINY, "--steps", "6", "--fresh", "--ckpt-dir", "."], tmp_path, expect_rc=1)
     assert "--fresh: . holds more than checkpoints (checkpoints, notes.txt); not removing it" in out, out
