@@ -5,15 +5,13 @@ indices (issue 24 item 1), and the records file never overrides ``.metadata``
 Everything is real: real optimizers that have stepped, checkpoints written by
 ``asyncckpt`` (a forked child per call) and read back by ``asyncckpt.load``,
 ``CheckpointManager.load``, ``read_state_dict``, stock ``torch.distributed.checkpoint``
-and the ``asyncckpt`` command line (a subprocess).
+and the ``asyncckpt`` command line (``cli.main``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,14 +22,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncckpt
-from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointManager, CorruptCheckpointError
+from asyncckpt import AsyncCallsQueue, CheckpointError, CheckpointManager, CorruptCheckpointError, cli
 from asyncckpt.format import manifest as commit
 from asyncckpt.format.records import RECORDS_NAME
 from asyncckpt.loading.metadata import read_metadata
 
 from helpers import assert_same, clone_state, counting_plans, observing_loads, zeroed
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def trained(optimizer: str, seed: int = 0, steps: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -222,30 +218,20 @@ def test_keys_that_cannot_round_trip_are_refused(
 
 
 @pytest.mark.timeout(120)
-def test_cli_inspect_and_convert_give_the_int_keys(tmp_path: Path, temporal_queue: AsyncCallsQueue) -> None:
+def test_cli_inspect_and_convert_give_the_int_keys(
+    tmp_path: Path, temporal_queue: AsyncCallsQueue, capsys: pytest.CaptureFixture
+) -> None:
+    """The command line's ``inspect --json`` and ``convert`` (``cli.main``, in this process:
+    test_cli.py runs both in a subprocess, through ``python -m asyncckpt``)."""
     state = user_state("adamw")
     ckpt = ckpt_of(tmp_path / "ckpt", state, temporal_queue)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run(
-        [sys.executable, "-m", "asyncckpt", "inspect", "--json", str(ckpt)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    paths = {e["fqn"]: e["path"] for e in json.loads(out.stdout)["entries"]}
+    capsys.readouterr()
+    assert cli.main(["inspect", "--json", str(ckpt)]) == 0
+    paths = {e["fqn"]: e["path"] for e in json.loads(capsys.readouterr().out)["entries"]}
     assert paths["optim.state.0.exp_avg"] == ["optim", "state", 0, "exp_avg"]
     assert paths["optim.param_groups.0.lr"] == ["optim", "param_groups", 0, "lr"]  # a list index
     assert paths["extra.10.2"] == ["extra", 10, 2] and paths["0"] == [0]
-    out = subprocess.run(
-        [sys.executable, "-m", "asyncckpt", "convert", str(ckpt), str(tmp_path / "c.pt")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
+    assert cli.main(["convert", str(ckpt), str(tmp_path / "c.pt")]) == 0
     assert_same(state, torch.load(tmp_path / "c.pt", weights_only=True))
 
 

@@ -28,6 +28,8 @@ from typing import Any
 import pytest
 import torch
 
+import asyncckpt
+
 from dist_utils import free_port
 from helpers import kill_process_tree, process_group_gone, started_session
 
@@ -153,11 +155,14 @@ def test_one_stall_figure_per_checkpoint_with_its_path(straight: tuple[Path, str
 
 
 @pytest.mark.timeout(60)
-def test_progress_bar_on_a_terminal(tmp_path: Path) -> None:
-    """With stderr on a terminal: one tqdm bar there, the checkpoint lines and the summary on stdout."""
+def test_progress_bar_on_a_terminal_and_fresh_starts_over(straight: tuple[Path, str], tmp_path: Path) -> None:
+    """With stderr on a terminal: one tqdm bar there, the checkpoint lines and the summary
+    on stdout. The run starts with ``--fresh`` over a checkpoint root (a copy of the
+    straight run's): it removes the root and starts at step 0."""
+    shutil.copytree(straight[0].parent / "checkpoints", tmp_path / "checkpoints")
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # 24 rows, 120 columns
-    cmd = [sys.executable, str(SCRIPT), *TINY, "--steps", "6", "--ckpt-every", "3"]
+    cmd = [sys.executable, str(SCRIPT), *TINY, "--steps", "6", "--ckpt-every", "3", "--fresh"]
     terminal: list[bytes] = []
 
     def read_terminal() -> None:
@@ -188,6 +193,9 @@ def test_progress_bar_on_a_terminal(tmp_path: Path) -> None:
     assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [3, 6], out
     assert not re.search(r"^step ", out, re.M), out  # nothing per step on stdout
     assert re.search(r"^summary: 6 steps", out, re.M), out
+    # --fresh: the straight run's checkpoints (up to step 24) are gone; it started at step 0
+    assert "resumed" not in out and "kept [3, 6] in ./checkpoints" in out, out
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000003", "step_00000006"]
 
 
 @pytest.mark.timeout(90)
@@ -235,13 +243,10 @@ def test_resume_with_nothing_left_to_train(straight: tuple[Path, str]) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_fresh_starts_over(straight: tuple[Path, str], tmp_path: Path) -> None:
-    """--fresh removes a checkpoint root and starts at step 0; a directory that holds
-    anything else is left alone."""
+def test_fresh_leaves_a_directory_holding_anything_else_alone(straight: tuple[Path, str], tmp_path: Path) -> None:
+    """--fresh removes a checkpoint root (test_progress_bar_on_a_terminal_and_fresh_starts_over);
+    a directory that holds anything else is left alone."""
     shutil.copytree(straight[0].parent / "checkpoints", tmp_path / "checkpoints")
-    out = run([*TINY, "--steps", "6", "--ckpt-every", "3", "--fresh", "--quiet"], tmp_path)
-    assert "resumed" not in out and sorted(int(s) for s in COMMIT_RE.findall(out)) == [3, 6], out
-    assert "kept [3, 6] in ./checkpoints" in out, out
     (tmp_path / "notes.txt").write_text("mine")
     out = run([*TINY, "--steps", "6", "--fresh", "--ckpt-dir", "."], tmp_path, expect_rc=1)
     assert "--fresh: . holds more than checkpoints (checkpoints, notes.txt); not removing it" in out, out
@@ -428,7 +433,7 @@ def test_sigterm_to_one_of_two_ranks_is_a_preemption_save_of_an_agreed_step(tmp_
 # ----------------------------------------------------------------------------- FSDP2 (--fsdp)
 # No dropout: runs on different numbers of ranks then compute the same thing, up to the
 # order of floating-point reductions, when the global batch is the same (6 = 2 x 3 = 1 x 6 = 3 x 2).
-FSDP = [*TINY, "--fsdp", "--dropout", "0", "--steps", "12", "--ckpt-every", "4", "--log-every", "1"]
+FSDP = [*TINY, "--fsdp", "--dropout", "0", "--steps", "12", "--ckpt-every", "3", "--log-every", "1"]
 LOSS_RE = re.compile(r"^step\s+(\d+)/12 \| loss (\d+\.\d+) \|", re.M)
 
 
@@ -443,34 +448,23 @@ def losses(out: str) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """On 2 ranks with --fsdp: a straight run of 12 steps, and a run stopped at step 6."""
-    straight_dir, stopped_dir = tmp_path_factory.mktemp("fsdp_straight"), tmp_path_factory.mktemp("fsdp_stopped")
-    with ThreadPoolExecutor(2) as pool:  # independent runs: at once
-        straight = pool.submit(
-            run,
-            [*FSDP, "--batch-size", "3", "--temporal", "--save-final", "final.pt"],
-            straight_dir,
-            launcher=torchrun(2),
-        )
-        stopped = pool.submit(
-            run,
-            [*FSDP, "--batch-size", "3", "--stop-at", "6", "--save-final", "at6.pt"],
-            stopped_dir,
-            launcher=torchrun(2),
-        )
-        straight_out, stopped_out = straight.result(), stopped.result()
+    """On 2 ranks with --fsdp: a straight run of 12 steps (checkpoints 3, 6, 9, 12). The
+    resumed runs below start from its checkpoint of step 6, alone in a root of their own
+    (what a run stopped at step 6 leaves: test_resume_is_bitwise_identical checks that)."""
+    straight_dir = tmp_path_factory.mktemp("fsdp_straight")
+    straight_out = run(
+        [*FSDP, "--batch-size", "3", "--temporal", "--save-final", "final.pt"], straight_dir, launcher=torchrun(2)
+    )
     return {
         "final": straight_dir / "final.pt",
         "straight_out": straight_out,
         "straight_dir": straight_dir,
-        "at6": stopped_dir / "at6.pt",
-        "ckpts": stopped_dir / "checkpoints",
-        "stopped_out": stopped_out,
+        "step6": straight_dir / "checkpoints" / "step_00000006",
     }
 
 
 def _resume_dir(fsdp_runs: dict[str, Any], tmp_path: Path) -> Path:
-    shutil.copytree(fsdp_runs["ckpts"], tmp_path / "checkpoints")
+    shutil.copytree(fsdp_runs["step6"], tmp_path / "checkpoints" / "step_00000006")
     return tmp_path
 
 
@@ -492,7 +486,7 @@ def assert_close_continuation(fsdp_runs: dict[str, Any], out: str, final: Path) 
 def test_fsdp_torchrun_resume_is_bitwise_identical(fsdp_runs: dict[str, Any], tmp_path: Path) -> None:
     out = fsdp_runs["straight_out"]
     assert "world size 2 | FSDP" in out and "summary: 12 steps" in out, out
-    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [4, 8, 12], out
+    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [3, 6, 9, 12], out
     assert sorted(losses(out)) == list(range(1, 13)), out
     # Each rank wrote its own shards (DCP gives the small replicated entries, RNG states,
     # Adam's step counts, to the rank with fewer bytes so far): two data files of similar size.
@@ -503,22 +497,25 @@ def test_fsdp_torchrun_resume_is_bitwise_identical(fsdp_runs: dict[str, Any], tm
     d = _resume_dir(fsdp_runs, tmp_path)
     out = run([*FSDP, "--batch-size", "3", "--resume", "--save-final", "final.pt"], d, launcher=torchrun(2))
     assert "resumed from step 6 in ./checkpoints/step_00000006" in out and "resharded" not in out, out
-    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [8, 12], out
+    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [9, 12], out
     assert_same_params(fsdp_runs["final"], d / "final.pt")
 
 
 @pytest.mark.timeout(90)
 def test_fsdp_resume_two_ranks_on_one(fsdp_runs: dict[str, Any], tmp_path: Path) -> None:
     d = _resume_dir(fsdp_runs, tmp_path)
-    # Resumed and stopped at once: the parameters are exactly those saved at step 6.
+    # Resumed and stopped at once: the parameters are exactly those the 2 ranks saved at
+    # step 6 (the checkpoint's model entries, read whole).
     out = run([*FSDP, "--batch-size", "6", "--resume", "--stop-at", "6", "--save-final", "at6.pt"], d)
     assert "resumed from step 6 in ./checkpoints/step_00000006" in out, out
     assert "saved by 2 ranks, resharded to 1" in out, out
-    assert_same_params(fsdp_runs["at6"], d / "at6.pt")
+    saved, loaded = asyncckpt.read_state_dict(fsdp_runs["step6"])["model"], torch.load(d / "at6.pt")
+    assert saved.keys() == loaded.keys()
+    assert not [k for k in saved if not torch.equal(saved[k], loaded[k])], "parameters differ from step 6's"
     # Resumed to the end on one rank (a single-process group, no torchrun).
     out = run([*FSDP, "--batch-size", "6", "--resume", "--save-final", "final.pt"], d)
     assert "world size 1 | FSDP" in out and "resharded to 1" in out, out
-    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [8, 12], out
+    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [9, 12], out
     assert_close_continuation(fsdp_runs, out, d / "final.pt")
     assert sorted(p.name for p in (d / "checkpoints" / "step_00000012").glob("*.distcp")) == ["__0_0.distcp"]
 
@@ -528,6 +525,6 @@ def test_fsdp_resume_two_ranks_on_three(fsdp_runs: dict[str, Any], tmp_path: Pat
     d = _resume_dir(fsdp_runs, tmp_path)
     out = run([*FSDP, "--batch-size", "2", "--resume", "--save-final", "final.pt"], d, launcher=torchrun(3))
     assert "world size 3 | FSDP" in out and "saved by 2 ranks, resharded to 3" in out, out
-    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [8, 12], out
+    assert sorted(int(s) for s in COMMIT_RE.findall(out)) == [9, 12], out
     assert_close_continuation(fsdp_runs, out, d / "final.pt")
     assert len(list((d / "checkpoints" / "step_00000012").glob("*.distcp"))) == 3

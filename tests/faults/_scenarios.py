@@ -136,11 +136,18 @@ def process_gone(pid: int, timeout: float = WAIT_S) -> bool:
 
 
 def _is_mp_infrastructure(p: psutil.Process) -> bool:
+    """multiprocessing's resource tracker or forkserver. A process forked from a forkserver
+    (a rank of ``run_ranks(start_method="forkserver")``), and what it forks (a temporal
+    save's writer), show the forkserver's command line too: a forkserver is one whose
+    parent does not (as in tests/conftest.py)."""
     try:
         cmd = " ".join(p.cmdline())
+        if "multiprocessing.forkserver" in cmd:
+            parent = p.parent()
+            return parent is None or "multiprocessing.forkserver" not in " ".join(parent.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return True
-    return "multiprocessing.resource_tracker" in cmd or "multiprocessing.forkserver" in cmd
+    return "multiprocessing.resource_tracker" in cmd
 
 
 def forked_children() -> dict[int, float]:

@@ -66,7 +66,14 @@ def _run_group(group: str, caller: str, base: Path) -> dict[str, Any]:
                 )
         try:
             results = run_ranks(
-                S.run_group, WORLD, names, caller == "persistent", str(base), mechanisms, timeout=GROUP_TIMEOUT_S
+                S.run_group,
+                WORLD,
+                names,
+                caller == "persistent",
+                str(base),
+                mechanisms,
+                timeout=GROUP_TIMEOUT_S,
+                start_method="forkserver",  # forked from the preloaded forkserver: no torch import per rank
             )
         except AssertionError as exc:  # a rank failed or hung: every test of the group reports it
             return {"error": str(exc)}
