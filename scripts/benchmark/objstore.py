@@ -360,9 +360,15 @@ def _train(
     and the CPU seconds this process with its children (the upload process, the writer)
     and the server (0 when not started here) used meanwhile."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])  # 32 MiB of weights
+    extra: dict[str, Any] = {}
+    if TRAIN_MODEL[0] == "python":  # a loop bound by Python: 48 tiny layers, as a GPU loop launching kernels
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(48)])
+        extra = {f"w{i}": torch.randn(1 << 20) for i in range(24)}  # the save's 96 MiB
+        x = torch.randn(8, 64)
+    else:  # a loop bound by its kernels (GIL released in them)
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])  # 32 MiB of weights
+        x = torch.randn(64, 1024)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(64, 1024)
     with asyncckpt.CheckpointManager(
         root,
         keep_last=2,
@@ -383,7 +389,7 @@ def _train(
             opt.zero_grad()
             m.maybe_finalize()
             if step % every == 0:
-                m.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+                m.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), **extra})
         elapsed = time.perf_counter() - t
         own = _tree_cpu_s() - own0
         server = _cpu_s(SERVER_PID[0]) - server0 if SERVER_PID else 0.0
@@ -422,7 +428,10 @@ def bench_training(url_base: str, ks: list[int], steps: int, reps: int, work: Pa
         for mode in ("process", "thread"):
             rows.append(
                 (
-                    f"training, a save every K={k} of {steps} steps: {MODES[mode]} vs local only ({reps} reps)",
+                    (
+                        f"training ({TRAIN_MODEL[0]} loop), a save every K={k} of {steps} steps: {MODES[mode]} vs "
+                        f"local only ({reps} reps)"
+                    ),
                     (
                         f"median {med[mode]:.2f} s (min..max {min(times[mode]):.2f}..{max(times[mode]):.2f}) vs "
                         f"median {med['local']:.2f} s ({min(local):.2f}..{max(local):.2f}): "
@@ -449,6 +458,8 @@ def _placement() -> str:
     return f"{os.cpu_count()} cores shared by all"
 
 
+#: The training rows' model (``--train-model``).
+TRAIN_MODEL = ["mlp"]
 #: The CPUs the server was pinned to (``--pin``), else empty.
 SERVER_CPUS: list[int] = []
 
@@ -478,12 +489,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-steps", type=int, default=64, help="steps per training run (%(default)s)")
     p.add_argument("--no-train", action="store_true")
     p.add_argument(
+        "--train-model",
+        choices=("mlp", "python"),
+        default="mlp",
+        help="mlp: 8 Linear(1024) layers + AdamW, bound by its kernels (96 MiB a save); python: 48 "
+        "Linear(64) layers at batch 8, bound by Python as a GPU loop launching kernels is, saved with "
+        "96 MiB of other tensors (%(default)s)",
+    )
+    p.add_argument("--no-load", action="store_true", help="only the training rows")
+    p.add_argument(
         "--pin",
         action="store_true",
         help="pin the server started here to the last CPU and this process (its children, its torch "
         "threads) to the others: the server stands for a remote one, off the training cores",
     )
     args = p.parse_args(argv)
+    TRAIN_MODEL[0] = args.train_model
     with _server(args.endpoint) as env, tempfile.TemporaryDirectory(prefix="asyncckpt-bench-") as work:
         os.environ.update(env)
         cpus = sorted(os.sched_getaffinity(0))
@@ -500,7 +521,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"upload / load of {what}")
         rows: list[tuple[str, str]] = []
         try:  # what was measured is printed, also when a later stage fails
-            rows += bench_upload_load(base, args.mib, args.tensors, args.reps, Path(work), llm=args.workload == "llm")
+            if not args.no_load:
+                rows += bench_upload_load(
+                    base, args.mib, args.tensors, args.reps, Path(work), llm=args.workload == "llm"
+                )
             if not args.no_train:
                 ks = [int(k) for k in args.train_k.split(",") if k]
                 log(f"training loop, K = {ks}")
