@@ -166,12 +166,13 @@ def test_uploads_run_off_the_training_thread_at_a_lower_priority(remote, tmp_pat
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the training thread's is its own
 
 
-def _agents() -> list:
-    """This process's upload agents (children running ``asyncckpt.io.s3_agent``)."""
+def _agents(pid: int | None = None) -> list:
+    """The upload agents of process ``pid`` (default: this one): its children running
+    ``asyncckpt.io.s3_agent``."""
     import psutil
 
     found = []
-    for child in psutil.Process().children():
+    for child in psutil.Process(pid).children():
         try:
             if "asyncckpt.io.s3_agent" in " ".join(child.cmdline()):
                 found.append(child)
@@ -221,3 +222,45 @@ def test_upload_process_false_uploads_from_a_thread_of_the_training_process(remo
         assert manager.remote_steps() == [1]
         assert not _agents()
     assert_same(state(1, 0.25), asyncckpt.read_state_dict(f"{remote}/step_00000001"))
+
+
+def test_the_upload_process_ends_with_a_killed_training_process(remote, tmp_path):
+    """A training process SIGKILLed mid-upload: its upload process reads end of file on
+    its socket, cancels the upload (no marker) and exits instead of living on as an
+    orphan; the next start uploads the step."""
+    import psutil
+
+    root = tmp_path / "r"
+    code = textwrap.dedent(
+        f"""
+        import time, torch, asyncckpt
+        manager = asyncckpt.CheckpointManager({str(root)!r}, upload_to={remote!r})
+        manager.save(1, {{"w": torch.full((1 << 16,), 1.0)}})
+        manager.maybe_finalize(blocking=True)
+        print("saved", flush=True)
+        time.sleep(120)
+        """
+    )
+    env = {**os.environ, "ASYNCCKPT_FAULT": "upload:sleep=60", "PYTHONPATH": ROOT}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    agents: list = []
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "saved"
+        deadline = time.monotonic() + 60
+        while not agents:  # the upload process, held at the failpoint after the data objects
+            assert time.monotonic() < deadline, "no upload process"
+            agents = _agents(proc.pid)
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    _, alive = psutil.wait_procs(agents, timeout=20)
+    for agent in alive:
+        agent.kill()
+    assert not alive, "the upload process outlived its training process"
+    assert s3tier.S3Tier(remote).steps() == []  # no marker
+    with asyncckpt.CheckpointManager(root, upload_to=remote) as manager:
+        uploaded(manager)
+        assert manager.remote_steps() == [1]
