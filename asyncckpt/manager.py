@@ -97,8 +97,9 @@ class CheckpointManager:
             ``UploadError``) also goes to the completion callback, and training is
             never blocked.
         upload_timeout_s: seconds :meth:`close` waits for the uploads in flight (then
-            they are resumed at the next start), and the coordinator for the other
-            ranks' objects of a step.
+            they are resumed at the next start; stopping the upload process takes at
+            most about 1.5 s more), and the coordinator for the other ranks' objects of
+            a step.
         upload_process: upload the bytes from a process of its own (default; see
             :mod:`asyncckpt.io.s3_agent`: the requests' Python work then never takes
             the training process's GIL); ``False``: from a thread of this process
