@@ -220,36 +220,17 @@ def kill_tree(proc: subprocess.Popen) -> None:
             p.kill()
 
 
-def _group_has_live_process(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` still runs. One that has exited and waits to be
-    reaped (a zombie, its threads gone) does not: it holds no file, lock or memory any more.
-    The killed run's orphans (its worker, multiprocessing's resource tracker) are reaped by
-    the machine's init, and a container's init may take seconds per orphan."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    for pid in psutil.pids():
-        try:
-            if os.getpgid(pid) != pgid:
-                continue
-            proc = psutil.Process(pid)
-            if proc.status() != psutil.STATUS_ZOMBIE or proc.num_threads() > 1:  # threads still exiting
-                return True
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            pass
-    return False
-
-
 def group_gone(pgid: int, timeout: float) -> bool:
-    """Wait up to ``timeout`` s until no process of group ``pgid`` runs (zombies count as gone)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if not _group_has_live_process(pgid):
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
+    """Wait up to ``timeout`` s until no process of group ``pgid`` runs (zombies count as
+    gone: the killed run's orphans, its worker and multiprocessing's resource tracker, are
+    reaped by the machine's init, and a container's init may take seconds per orphan).
+    The tests' own rule (``tests/helpers.py``), so that both agree on when a run is gone."""
+    sys.path.insert(0, str(REPO / "tests"))
+    try:
+        from helpers import process_group_gone
+    finally:
+        sys.path.remove(str(REPO / "tests"))
+    return process_group_gone(pgid, timeout)
 
 
 # ----------------------------------------------------------------------------- disk checks
