@@ -46,6 +46,7 @@ that rank SIGKILL itself after that step, once its local saves are restorable.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import logging
 import math
@@ -492,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     # FSDP needs a process group even on one rank (without torchrun: an in-process store).
     use_pg = distributed or args.fsdp
     if use_pg:
+        # A fatal signal (a rare SIGABRT "terminate called without an active exception" of a
+        # rank at exit, seen in the suite's FSDP runs) then shows each thread's Python stack.
+        faulthandler.enable()
         backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend)
