@@ -253,11 +253,13 @@ class UploadProcess:
             return int(outcome["sent"])
 
     def _reap(self) -> None:
+        """Reap the previous agent before a new one starts (killed first if its socket
+        ended but it still runs: never two agents, never an orphan)."""
         if self._proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(0)
-            if self._proc.poll() is not None:
-                self._proc = None
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+            self._proc = None
 
     def stop(self, grace_s: float = QUIT_GRACE_S) -> None:
         """Ask the agent to quit (its job in flight is cancelled: its multipart uploads
