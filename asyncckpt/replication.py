@@ -19,7 +19,8 @@ plan       this rank's one-rank plan; then   training thread                    
                                                                                  all_gather)
 stage      copy into the local saver's       training thread                     each
            staging buffer
-write      this rank's files, fsynced        the manager's worker                each
+write      this rank's files (into its       the manager's worker                each
+           shard's spare), fsynced
 commit     this rank's ``.metadata``,        the queue's finalizer thread        each
            manifest, rename (local)
 replicate  the funnel of the local commits;  the finalizer thread, on its        all
@@ -32,9 +33,10 @@ replicate  the funnel of the local commits;  the finalizer thread, on its       
            funnel of the arrivals
 mark       ``restorable.json`` of every      the finalizer thread                each
            shard this node stored, older
-           steps removed (a replica's
-           newest older one kept as the
-           spare of the next)
+           steps removed (the newest
+           older one kept as the shard's
+           spare, written over by the
+           next)
 =========  ================================  ==================================  ==========
 
 A step is restorable once every rank's shard is stored on ``replicas + 1`` nodes: the
@@ -371,7 +373,7 @@ class LocalCheckpoints:
             raise CheckpointException(call, failures, step, record.final_dir)
         for shard in (self.rank, *received):  # decided: restorable on every rank's replicas + 1 nodes
             try:
-                self.storage.mark_restorable(shard, step, self.world_size, spare=shard != self.rank)
+                self.storage.mark_restorable(shard, step, self.world_size, spare=True)
             except OSError as exc:
                 _log.warning("asyncckpt: could not mark step %d of rank %d restorable: %s", step, shard, exc)
 

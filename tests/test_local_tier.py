@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from unittest import mock
 from typing import Any
 
 import psutil
@@ -127,8 +128,8 @@ def test_local_tier_replicates_and_restores(tmp_path: Path) -> None:
     assert seen[0]["files"] == seen[2]["files"]
     assert {f.split("/")[0] for f in seen[0]["files"]} == {f"rank_0000{r}" for r in range(WORLD)}
     assert {f.split("/")[1] for f in seen[0]["files"] if "/step_" in f} == {"step_00000010"}
-    # and one spare per replica it receives (an older step, written over by the next one)
-    assert seen[0]["spares"] == ["rank_00002", "rank_00003"] and seen[2]["spares"] == ["rank_00000", "rank_00001"]
+    # and one spare per shard, its own ranks' and its replicas' (an older step, written over by the next one)
+    assert seen[0]["spares"] == seen[2]["spares"] == [f"rank_0000{r}" for r in range(WORLD)]
     for rank, s in enumerate(seen):
         intact = s["intact"]["result"]
         assert (intact.step, intact.tier, intact.peers, intact.source) == (10, "local", {}, "local"), intact
@@ -284,6 +285,33 @@ def test_a_step_saved_again_replaces_an_earlier_runs_copy(tmp_path: Path) -> Non
         result = mgr.restore(got)
     assert result is not None and (result.step, result.tier) == (2, "local")
     assert got["rank"] == 2 and torch.equal(got["w"], _state(2, 2)["w"])
+
+
+def test_a_shards_next_step_is_written_into_its_spare(tmp_path: Path) -> None:
+    # the step before the restorable one stays, hidden, and the next save writes over its
+    # files (on a RAM tier their pages are reused, not freed and zeroed again), also when
+    # the new file is shorter
+    tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
+    shard = tmp_path / "node0" / "rank_00000"
+    inodes = {}
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        assert mgr.local is not None
+        for step, n in ((1, 1 << 16), (2, 1 << 16), (3, 1 << 10)):
+            mgr.local.save(step, {"w": torch.full((n,), float(step)), "step": step})
+            assert mgr.local.maybe_finalize(blocking=True) == [step]
+            inodes[step] = (shard / f"step_{step:08d}" / "__0_0.distcp").stat().st_ino
+            assert [p.name for p in shard.glob(".spare.tmp-*")] == ([] if step == 1 else [mock.ANY])
+    assert inodes[3] == inodes[1] != inodes[2]
+    assert sorted(p.name for p in shard.iterdir() if not p.name.startswith(".")) == [
+        "restorable.json",
+        "step_00000003",
+    ]
+    asyncckpt.verify(shard / "step_00000003")  # sizes (the file was cut) and CRC-32s
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        got = {"w": torch.zeros(1 << 10), "step": -1}
+        result = mgr.restore(got)
+    assert result is not None and (result.step, result.tier) == (3, "local")
+    assert got["step"] == 3 and torch.equal(got["w"], torch.full((1 << 10,), 3.0))
 
 
 def test_the_memory_guard_counts_the_tiers_bytes(tmp_path: Path) -> None:

@@ -17,8 +17,10 @@ A shard's step is written and committed as any checkpoint (a hidden temporary
 directory renamed at the commit), by its own rank, or, for a replica, by the rank that
 received it. ``restorable.json`` names the newest step that the job decided, together,
 is stored on ``replicas + 1`` nodes for every rank (``asyncckpt.replication``); older
-steps of the shard are removed then, so a shard holds the restorable step and the one
-in flight.
+steps of the shard are removed then but the newest of them, kept hidden as the shard's
+spare (``.spare.tmp-*``): the next step is written into its files, so that a RAM tier
+reuses its pages instead of freeing and zeroing them again. A shard thus holds the
+restorable step and the spare, or the restorable step and the one in flight.
 
 Torch-free.
 """
@@ -41,6 +43,7 @@ from asyncckpt.format import manifest as _manifest
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.naming import parse_step_dir, step_dir_name
 from asyncckpt.io.storage import LocalStorage, preadv_all
+from asyncckpt.io.writer import RankWriteResult, WriteTask
 
 __all__ = ["LocalTier", "NodeLocalStorage", "Packed", "Arrival", "RESTORABLE_NAME", "check_segments"]
 
@@ -141,10 +144,11 @@ class NodeLocalStorage(LocalStorage):
 
     def mark_restorable(self, rank: int, step: int, world_size: int, spare: bool = False) -> None:
         """Record ``step`` as rank ``rank``'s newest restorable step (atomic, durable),
-        then remove the shard's older steps (not a save in flight). With ``spare`` (a
-        replica this node receives), the newest older step is kept, hidden, as the spare
-        that the next step is received into (:meth:`arrival`: its memory is written over,
-        not allocated again), in place of one that is there.
+        then remove the shard's older steps (not a save in flight). With ``spare``, the
+        newest older step is kept, hidden, as the spare that the shard's next step is
+        written into (:meth:`write_rank` for a rank's own shard, :meth:`arrival` for a
+        replica: its memory is written over, not allocated again), in place of one that
+        is there.
 
         Raises:
             OSError: the marker could not be written.
@@ -261,21 +265,10 @@ class NodeLocalStorage(LocalStorage):
                 raise CorruptCheckpointError(f"a replica names a file {name!r}", str(final))
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.temporary_dir(final, secrets.token_hex(8))
-        spares = [e for e in _entries(final.parent) if e.name.startswith(_SPARE_PREFIX)]
-        for spare in spares:  # the shard's previous step, written over (its memory is there)
-            try:
-                os.rename(spare, tmp)
-                break
-            except OSError:
-                continue
-        else:
-            tmp.mkdir()
         arrival = Arrival(final, tmp, list(files), [], [])
         try:
-            wanted = {name for name, _ in files}
-            for entry in _entries(tmp):
-                if entry.name not in wanted:
-                    entry.unlink()
+            if not self._take_spare(tmp, {name for name, _ in files}):
+                tmp.mkdir()
             for name, size in files:
                 fd = os.open(tmp / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
                 arrival.fds.append(fd)
@@ -286,6 +279,44 @@ class NodeLocalStorage(LocalStorage):
             arrival.discard()
             raise
         return arrival
+
+    def _take_spare(self, tmp: Path, keep: set[str]) -> bool:
+        """Make the shard's spare (an older step of it, hidden by :meth:`mark_restorable`)
+        the new step's directory ``tmp``, its files named in ``keep`` left to be written
+        over (their memory is there), the others removed. False: no spare (nothing done).
+
+        Raises:
+            OSError: a file of the spare could not be removed (``tmp`` exists then).
+        """
+        for spare in _entries(tmp.parent):
+            if not spare.name.startswith(_SPARE_PREFIX):
+                continue
+            try:
+                os.rename(spare, tmp)  # atomic: a concurrent mark_restorable removes it whole or not at all
+            except OSError:
+                continue
+            for entry in _entries(tmp):
+                if entry.name not in keep or entry.is_symlink() or not entry.is_file():
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry)
+                    else:
+                        entry.unlink()
+            return True
+        return False
+
+    def write_rank(self, task: WriteTask) -> RankWriteResult:
+        """Write this rank's staged files of a local save (the background worker) into
+        ``task.directory``, which is the shard's spare when it has one (its files written
+        over: on a RAM tier, no page freed by the last mark is allocated and zeroed
+        again; :class:`~asyncckpt.io.writer.WriteTask` ``reuse``).
+
+        Raises:
+            OSError: any I/O failure.
+        """
+        tmp = Path(task.directory)
+        if not tmp.exists() and self._take_spare(tmp, {spec.name for spec in task.files}):
+            task = task._replace(reuse=True)
+        return super().write_rank(task)
 
     def receive(self, rank: int, step: int, files: list[tuple[str, int]], data: memoryview) -> Path:
         """Store rank ``rank``'s shard of ``step`` from ``data`` (the files in order, the

@@ -68,6 +68,11 @@ class WriteTask(NamedTuple):
         drop_cache: after a file's fsync, drop its pages from the page cache
             (:func:`drop_cached_pages`; ``SaveOptions.drop_page_cache``). Only with
             ``fsync``: the pages of a file not yet on disk are dirty and stay.
+        reuse: files of these names may exist in ``directory`` already (a tier's
+            spare, :meth:`asyncckpt.io.local_tier.NodeLocalStorage.write_rank`): they
+            are written over in place and cut to their size, so that their memory (a
+            RAM tier's pages) is reused, not freed and allocated again. Without it,
+            every file is created (``O_EXCL``).
     """
 
     directory: str
@@ -78,6 +83,7 @@ class WriteTask(NamedTuple):
     umask: int | None = None
     threads: int = 1
     drop_cache: bool = False
+    reuse: bool = False
 
 
 class FileResult(NamedTuple):
@@ -373,7 +379,8 @@ def write_rank_files(task: WriteTask) -> RankWriteResult:
     """Write one rank's staged data files into ``task.directory``.
 
     Files are created with ``O_EXCL`` (an existing file is never overwritten) and the
-    process umask. Raises ``OSError`` on any I/O failure (disk full, permission...).
+    process umask (with ``task.reuse``: a file there is written over and cut to its
+    size). Raises ``OSError`` on any I/O failure (disk full, permission...).
 
     Returns:
         The files' sizes and checksummed segments, for the manifest.
@@ -391,12 +398,15 @@ def write_rank_files(task: WriteTask) -> RankWriteResult:
             for spec in task.files:
                 image = slab_view[spec.slab_offset : spec.slab_offset + spec.nbytes]
                 path = os.path.join(task.directory, spec.name)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (0 if task.reuse else os.O_EXCL)
+                fd = os.open(path, flags, 0o666)
                 created.append(path)
                 try:
                     segments = _write_file(
                         fd, image, tuple(unpack_patches(spec.patches)), first=not results, threads=task.threads
                     )
+                    if task.reuse:
+                        os.ftruncate(fd, spec.nbytes)  # (a longer file written over: its tail goes)
                     if task.fsync:
                         os.fsync(fd)
                         if task.drop_cache:
