@@ -46,6 +46,7 @@ that rank SIGKILL itself after that step, once its local saves are restorable.
 from __future__ import annotations
 
 import argparse
+import atexit
 import faulthandler
 import functools
 import logging
@@ -493,9 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     # FSDP needs a process group even on one rank (without torchrun: an in-process store).
     use_pg = distributed or args.fsdp
     if use_pg:
-        # A fatal signal (a rare SIGABRT "terminate called without an active exception" of a
-        # rank at exit, seen in the suite's FSDP runs) then shows each thread's Python stack.
-        faulthandler.enable()
+        faulthandler.enable()  # a fatal signal shows each thread's Python stack
+        _USED_GLOO[0] = True  # (a CUDA run has a gloo backend for CPU tensors too)
         backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend)
@@ -820,7 +820,35 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
+#: Whether this run made a process group, which has a gloo backend (see :func:`exit_without_finalizing`).
+_USED_GLOO = [False]
+
+
+def exit_without_finalizing(code: int) -> None:
+    """End the process with ``code`` once the atexit functions ran (asyncckpt's exit
+    phases among them) and the output is flushed, without the interpreter's finalization.
+
+    Why, after a run on a gloo process group: a gloo worker thread may still hold the
+    last reference to a tensor of the run's last collective (its Python object dropped
+    first) when the interpreter finalizes. Releasing it takes the GIL, which a
+    finalizing interpreter refuses by ending the thread (``pthread_exit``), and that
+    ends the process: SIGABRT, "terminate called without an active exception" (the
+    stack: ``c10d::ProcessGroupGloo::runLoop`` -> ``c10::TensorImpl::decref_pyobject``
+    -> ``pthread_exit``), after a run that succeeded. Seen about once in 30 FSDP runs
+    with the machine loaded; torch's own attempt at a fix (an atexit
+    ``destroy_process_group``, pytorch#179291) was abandoned, and destroying the groups
+    does not help: their worker threads outlive it.
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 # The persistent checkpoint writer is started with "spawn", which re-imports this file in
 # a fresh interpreter: everything above only defines things; training starts here.
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    if _USED_GLOO[0]:
+        exit_without_finalizing(exit_code)
+    sys.exit(exit_code)
