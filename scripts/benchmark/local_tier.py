@@ -19,7 +19,8 @@ bytes, right next to it (``--reps`` rounds; the median of the ratios):
   gloo straight into their state and check every byte; ranks 0 and 1 load theirs from
   their node meanwhile) / the raw gloo transfer (one isend/irecv of the same bytes
   between the same ranks into preallocated memory), and / the same transfer while
-  ranks 0 and 1 copy their own state (memcpy: the least their own restore adds);
+  node 0's ranks read their own files raw (the least their own restore adds on their
+  cores);
 - training slowdown: ``--train-steps`` steps (fixed compute, a small all-reduce, a
   write to the state) with a local save every step, and with a persistent save every 4
   steps, each / the same loop without checkpoints.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -40,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -94,13 +97,15 @@ def _own_files(base: Path, rank: int, per_node: int) -> list[Path]:
     return sorted(p for p in (shard / step_dir_name(step)).iterdir() if p.is_file())
 
 
-def _raw_read(files: list[Path], buf: torch.Tensor) -> float:
+def _raw_read(files: list[Path], buf: torch.Tensor, barriers: bool = True) -> float:
     """Seconds to read ``files`` with ``os.preadv`` (2 MiB per buffer, one call per
     1024 of them) into ``buf`` (preallocated, faulted in), on every rank at once,
-    between two barriers (as the restores are timed)."""
+    between two barriers (as the restores are timed; ``barriers=False``: this rank
+    alone, no barrier)."""
     mem = memoryview(buf.numpy()).cast("B")  # type: ignore[arg-type]
     chunk = 2 << 20
-    dist.barrier()
+    if barriers:
+        dist.barrier()
     t0 = time.perf_counter()
     pos = 0
     for path in files:
@@ -112,25 +117,24 @@ def _raw_read(files: list[Path], buf: torch.Tensor) -> float:
         finally:
             os.close(fd)
         pos += size
-    dist.barrier()
+    if barriers:
+        dist.barrier()
     elapsed = time.perf_counter() - t0
     mem.release()
     return elapsed
 
 
-def _raw_transfer(
-    buf: torch.Tensor, rank: int, per_node: int, copy: tuple[list[torch.Tensor], list[torch.Tensor]] | None
-) -> float:
+def _raw_transfer(buf: torch.Tensor, rank: int, per_node: int, meanwhile: Callable[[], Any] | None) -> float:
     """Seconds to send ``buf``'s bytes from node 0's rank r to node 1's rank r + ``per_node``, all at once,
-    into preallocated memory (``buf``, faulted in), between two barriers; with ``copy``
-    (``(src, dst)``), the senders meanwhile copy their own state (the least a restore
-    of node 0's own shards adds while it serves node 1)."""
+    into preallocated memory (``buf``, faulted in), between two barriers; with
+    ``meanwhile``, the senders call it while they send (the raw read of their own
+    files: the least a restore of node 0's own shards adds while it serves node 1)."""
     dist.barrier()
     t0 = time.perf_counter()
     work = dist.isend(buf, rank + per_node) if rank < per_node else dist.irecv(buf, rank - per_node)
     assert work is not None
-    if copy is not None and rank < per_node:
-        _copy(*copy)
+    if meanwhile is not None and rank < per_node:
+        meanwhile()
     work.wait()
     dist.barrier()
     return time.perf_counter() - t0
@@ -228,7 +232,9 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
             if rank == args.ranks_per_node:  # node 1's first rank
                 shutil.rmtree(base / "node1")
             peer_limits.append(_raw_transfer(buf, rank, args.ranks_per_node, None))
-            busy_limits.append(_raw_transfer(buf, rank, args.ranks_per_node, (src, dst)))
+            busy_limits.append(
+                _raw_transfer(buf, rank, args.ranks_per_node, functools.partial(_raw_read, own, readbuf, False))
+            )
             with asyncckpt.CheckpointManager(base / "root", local=tier) as mgr:
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -308,7 +314,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         ("local restore (own node, CRC-checked)", r["local_read"], "raw read (preadv)"),
         ("the same", r["local"], "memcpy"),
         ("peer restore (node 1 wiped, from node 0)", r["peer"], "raw gloo transfer"),
-        ("the same", r["peer_busy"], "raw transfer + node 0's memcpy"),
+        ("the same", r["peer_busy"], "raw transfer + node 0's raw read meanwhile"),
     ]
     for name, (times, limits), limit in rows:
         ratio = statistics.median(t / lim for t, lim in zip(times, limits))
