@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from unittest import mock
 from typing import Any
+from unittest import mock
 
 import psutil
 import pytest
@@ -215,6 +215,12 @@ def _fsdp2(rank: int, world: int, base: str) -> list[str]:
         m, o = get_state_dict(model, opt)
         mgr.local.save(1, {"model": m, "optim": o})  # type: ignore[union-attr]
         assert mgr.local.maybe_finalize(blocking=True) == [1]  # type: ignore[union-attr]
+    # the tier holds this rank's shards as plain tensors (its bytes only; records for the direct paths)
+    own = Path(base) / f"node{rank // 2}" / f"rank_{rank:05d}" / "step_00000001"
+    saved = asyncckpt.read_state_dict(own)["model"]
+    as_shards = (own / ".records.json").is_file() and all(
+        type(saved[k]) is torch.Tensor and torch.equal(saved[k], v.to_local()) for k, v in m.items()
+    )
     ref = full()
     step()  # the state moves on; the restore must bring step 1 back
     if rank == 2:
@@ -224,9 +230,11 @@ def _fsdp2(rank: int, world: int, base: str) -> list[str]:
         m, o = get_state_dict(model, opt)
         state: dict[str, Any] = {"model": m, "optim": o}
         result = mgr.restore(state)
+        dtensors = all(type(v).__name__ == "DTensor" for v in state["model"].values())  # (restored in place)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     got = full()
     assert result is not None and result.peers == {2: 0, 3: 1}, result
+    assert as_shards and dtensors, (as_shards, dtensors)
     return [k for k in ref if not torch.equal(ref[k], got[k])]
 
 

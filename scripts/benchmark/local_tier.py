@@ -2,9 +2,11 @@
 
 2 x ``--ranks-per-node`` gloo ranks (default 4) on this machine standing for 2 nodes (``LocalTier(node=rank //
 --ranks-per-node)``, one tier directory per node, under ``/dev/shm`` by default), each with a state of
-about ``--mb`` MB: ``--workload uniform`` (``--tensors`` float32 tensors) or ``llm``
+about ``--mb`` MB: ``--workload uniform`` (``--tensors`` float32 tensors), ``llm``
 (scripts/train.py's GPT + AdamW state from ``get_state_dict``, :mod:`benchmark.llm`, 24
-layers, its width chosen for ``--mb``: about 1170 tensors in nested dicts). Ratios are
+layers, its width chosen for ``--mb``: about 1170 tensors in nested dicts) or ``fsdp2``
+(the same model under FSDP2 on all the ranks, each holding about ``--mb`` MB of
+DTensor shards; a rank's restore loads them through ``asyncckpt.load``). Ratios are
 taken within one run, each against its limit measured by the same ranks, at the same
 time (every rank at once, between two barriers, as the restores are timed), on the same
 bytes, right next to it (``--reps`` rounds; the median of the ratios):
@@ -59,17 +61,31 @@ from .common import mutate, tensors_of
 
 
 def _state(args: argparse.Namespace, rank: int) -> dict[str, Any]:
-    """This rank's state: ``--workload uniform`` or ``llm`` (about ``--mb`` MB)."""
-    if args.workload == "llm":
+    """This rank's state: ``--workload uniform``, ``llm`` or ``fsdp2`` (about ``--mb`` MB)."""
+    if args.workload in ("llm", "fsdp2"):
         from . import llm
 
-        # 3 float32 copies (weights, exp_avg, exp_avg_sq) of ~12 * n_layer * width^2 parameters
-        width = max(8, int((args.mb * (1 << 20) / (3 * 4 * 12 * 24)) ** 0.5) // 8 * 8)
-        _, _, sd = llm.build_llm({"n_layer": 24, "n_head": 8, "n_embd": width, "block_size": 32}, device="cpu")
+        # 3 float32 copies (weights, exp_avg, exp_avg_sq) of ~12 * n_layer * width^2 parameters;
+        # under FSDP2 each rank holds 1 / world_size of them
+        full = args.mb * (1 << 20) * (2 * args.ranks_per_node if args.workload == "fsdp2" else 1)
+        width = max(8, int((full / (3 * 4 * 12 * 24)) ** 0.5) // 8 * 8)
+        cfg = {"n_layer": 24, "n_head": 8, "n_embd": width, "block_size": 32}
+        model, opt, sd = llm.build_llm(cfg, fsdp=args.workload == "fsdp2", rank=rank, device="cpu")
+        if args.workload == "fsdp2":
+            _MODELS.append((model, opt))  # (the DTensors' module and optimizer live as long as the run)
         return {**sd, "step": 0}
     n = args.mb * (1 << 20) // 4 // args.tensors
     g = torch.Generator().manual_seed(rank)
     return {f"layer{i}.weight": torch.randn(n, generator=g) for i in range(args.tensors)} | {"step": 0}
+
+
+#: The fsdp2 workload's model and optimizer, kept while their DTensors are saved and restored.
+_MODELS: list[tuple[Any, Any]] = []
+
+
+def _local(sd: dict[str, Any]) -> list[torch.Tensor]:
+    """The rank's own bytes: DTensors' local shards, plain tensors as they are."""
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors_of(sd)]
 
 
 def _copy(src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
@@ -192,7 +208,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
         node = rank // args.ranks_per_node
         tier = asyncckpt.LocalTier(dir=str(base / f"node{node}"), every=1, replicas=1, node=node)
         sd = _state(args, rank)
-        src = list(tensors_of(sd))
+        src = _local(sd)
         assert all(t.is_contiguous() for t in src)
         nbytes = sum(t.numel() * t.element_size() for t in src)
         dst = [torch.empty_like(t) for t in src]
@@ -268,9 +284,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("--tensors", type=int, default=8, help="tensors per rank, uniform workload (%(default)s)")
     p.add_argument(
         "--workload",
-        choices=("uniform", "llm"),
+        choices=("uniform", "llm", "fsdp2"),
         default="uniform",
-        help="uniform: --tensors float32 tensors; llm: a GPT + AdamW state of about --mb MB (%(default)s)",
+        help="uniform: --tensors float32 tensors; llm: a GPT + AdamW state of about --mb MB; fsdp2: the "
+        "same model under FSDP2 on all the ranks, about --mb MB of DTensor shards a rank (%(default)s)",
     )
     p.add_argument(
         "--ranks-per-node",
@@ -298,7 +315,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if made:
             shutil.rmtree(args.dir, ignore_errors=True)
     mb = r["bytes"] / 1e6
-    what = "LLM-shaped (GPT + AdamW)" if args.workload == "llm" else "uniform"
+    what = {"llm": "LLM-shaped (GPT + AdamW)", "fsdp2": "FSDP2 shards of the LLM-shaped state"}.get(
+        args.workload, "uniform"
+    )
     print(
         f"| local tier, {2 * args.ranks_per_node} ranks on 2 nodes, {mb:.0f} MB per rank, {what}, "
         f"{r['tensors']} tensors "
