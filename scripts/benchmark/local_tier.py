@@ -23,6 +23,9 @@ bytes, right next to it (``--reps`` rounds; the median of the ratios):
   between the same ranks into preallocated memory), and / the same transfer while
   node 0's ranks read their own files raw (the least their own restore adds on their
   cores);
+- persistent tier restore (``asyncckpt.load`` of the root's copy of the same step,
+  every byte CRC-checked) / the raw read of what a rank reads of it (the whole state's
+  data files; ``fsdp2``: the rank's own file), every rank at once;
 - training slowdown: ``--train-steps`` steps (fixed compute, a small all-reduce, a
   write to the state) with a local save every step, and with a persistent save every 4
   steps, each / the same loop without checkpoints.
@@ -225,6 +228,8 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                 mgr.local.save(step, sd)
                 stalls.append(time.perf_counter() - t0)
                 mgr.local.maybe_finalize(blocking=True)  # the steady state: the previous save is done
+            mgr.save(args.saves, sd)  # the persistent tier's copy of the same step (a tie: the local tier restores)
+            mgr.maybe_finalize(blocking=True)
         train = _training(args, sd, base, rank, tier)
         if rank == args.ranks_per_node:  # node 1's first rank
             shutil.copytree(base / "node1", base / "node1.intact")
@@ -232,10 +237,24 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
         own = _own_files(base, rank, args.ranks_per_node)
         readbuf = torch.ones(sum(p.stat().st_size for p in own), dtype=torch.uint8)  # faulted in
         local_times, local_limits, read_limits, peer_times, peer_limits, busy_limits = [], [], [], [], [], []
+        step_dir = base / "root" / step_dir_name(args.saves)
+        # what a rank reads of the persistent step: its own shards (fsdp2), else the whole state
+        if args.workload == "fsdp2":
+            persisted = [step_dir / f"__{rank}_0.distcp"]
+        else:
+            persisted = sorted(step_dir.glob("*.distcp"))
+        persist_buf = torch.ones(sum(p.stat().st_size for p in persisted), dtype=torch.uint8)  # faulted in
+        persist_times, persist_limits = [], []
         for _ in range(args.reps):
             if rank == args.ranks_per_node:  # node 1 as it was saved
                 shutil.rmtree(base / "node1", ignore_errors=True)
                 shutil.copytree(base / "node1.intact", base / "node1")
+            persist_limits.append(_raw_read(persisted, persist_buf))
+            dist.barrier()
+            t0 = time.perf_counter()
+            asyncckpt.load(sd, step_dir)  # (every rank; CRC-checked as read)
+            dist.barrier()
+            persist_times.append(time.perf_counter() - t0)
             local_limits.append(_memcpy(src, dst))
             read_limits.append(_raw_read(own, readbuf))
             with asyncckpt.CheckpointManager(base / "root", local=tier) as mgr:
@@ -270,6 +289,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                     "local_read": (local_times, read_limits),
                     "peer": (peer_times, peer_limits),
                     "peer_busy": (peer_times, busy_limits),
+                    "persistent": (persist_times, persist_limits),
                     "train": train,
                 }
             )
@@ -334,6 +354,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         ("the same", r["local"], "memcpy"),
         ("peer restore (node 1 wiped, from node 0)", r["peer"], "raw gloo transfer"),
         ("the same", r["peer_busy"], "raw transfer + node 0's raw read meanwhile"),
+        ("persistent tier restore (asyncckpt.load of the root's step)", r["persistent"], "raw read of what it reads"),
     ]
     for name, (times, limits), limit in rows:
         ratio = statistics.median(t / lim for t, lim in zip(times, limits))
