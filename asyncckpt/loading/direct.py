@@ -113,8 +113,65 @@ def plan_direct_load(state_dict: dict[str, Any], metadata: Metadata | Mapping[st
     Costs one dict lookup and a few comparisons per entry (no collective, no I/O).
     """
     with gc_paused():
-        records = records_from_metadata(metadata) if isinstance(metadata, Metadata) else metadata
-        return None if records is None else _plan_direct(state_dict, records)
+        if not isinstance(metadata, Metadata):
+            return None if metadata is None else _plan_direct(state_dict, metadata)
+        records = records_from_metadata(metadata)
+        if records is not None:
+            return _plan_direct(state_dict, records)
+        return _plan_shards(state_dict, metadata)
+
+
+def _shard_of(obj: Any) -> Any:
+    """A DTensor's local shard as a plain tensor (its ``_local_tensor``: the DTensor's
+    own memory, no autograd node), else ``None``."""
+    shard = getattr(obj, "_local_tensor", None)
+    return shard if type(obj).__name__ == "DTensor" and isinstance(shard, torch.Tensor) else None
+
+
+def _plan_shards(state_dict: dict[str, Any], metadata: Metadata) -> DirectPlan | None:
+    """The direct plan of a sharded checkpoint loaded with the sharding it was saved
+    with (a resume on the same world size and mesh): every DTensor's local shard is one
+    saved chunk (the same global offsets and sizes), read into the shard itself; plain
+    tensors and values are one record each, as :func:`_plan_direct` wants. ``None``
+    for anything else (resharding, a shard that is several chunks or part of one):
+    DCP's planner handles it.
+    """
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    flat, _ = flatten_state_dict(state_dict)
+    if len(flat) != len(metadata.state_dict_metadata) or not any(_shard_of(v) is not None for v in flat.values()):
+        return None
+    records: dict[str, Record] = {}
+    for fqn, obj in flat.items():
+        md = metadata.state_dict_metadata.get(fqn)
+        shard = _shard_of(obj)
+        if type(md) is BytesStorageMetadata:
+            index = MetadataIndex(fqn)
+            shape: tuple[int, ...] | None = None
+            dtype = None
+        elif type(md) is TensorStorageMetadata and isinstance(obj, torch.Tensor):
+            if tuple(md.size) != tuple(obj.shape) or md.properties.dtype != obj.dtype:
+                return None
+            if shard is not None:
+                chunks = obj.__create_chunk_list__()  # type: ignore[attr-defined]
+                if len(chunks) != 1:
+                    return None
+                offsets, shape = tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+                if tuple(shard.shape) != shape:
+                    return None
+            else:
+                offsets, shape = (0,) * len(md.size), tuple(md.size)
+            if not any(tuple(c.offsets) == offsets and tuple(c.sizes) == shape for c in md.chunks):
+                return None
+            index, dtype = MetadataIndex(fqn, torch.Size(offsets)), md.properties.dtype
+        else:
+            return None
+        info = metadata.storage_data.get(index)
+        if info is None or info.transform_descriptors or type(info.offset) is not int or type(info.length) is not int:
+            return None
+        records[fqn] = (info.relative_path, info.offset, info.length, dtype, shape)
+    return _plan_direct(state_dict, records)
 
 
 def _plan_direct(state_dict: dict[str, Any], records: Mapping[str, Record]) -> DirectPlan | None:
@@ -134,6 +191,9 @@ def _plan_direct(state_dict: dict[str, Any], records: Mapping[str, Record]) -> D
         if record is None:
             return None
         name, offset, length, dtype, shape = record
+        shard = _shard_of(obj)
+        if shard is not None:  # (a DTensor: its record is its local shard's chunk, :func:`_plan_shards`)
+            obj = shard
         if dtype is None:  # a value
             if isinstance(obj, torch.Tensor):
                 return None
