@@ -177,6 +177,11 @@ def _rank_save_fsdp(rank: int, world_size: int, root: str) -> dict[str, Any]:
             got = _map_tensors(state, torch.zeros_like)
             dcp.load(got, checkpoint_id=str(path))
             out["diffs"][name] = _compare(snapshot, _map_tensors(got, _local))
+        # asyncckpt reads it back into the same sharding too (its direct path: each local
+        # shard, even uneven and empty ones, is one saved chunk)
+        got = _map_tensors(state, torch.zeros_like)
+        asyncckpt.load(got, manager.step_dir(3))
+        out["diffs"]["asyncckpt.load"] = _compare(snapshot, _map_tensors(got, _local))
         manager.close()
         queue.close()
         ok = True
