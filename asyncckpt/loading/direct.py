@@ -143,6 +143,9 @@ def _plan_shards(state_dict: dict[str, Any], metadata: Metadata) -> DirectPlan |
     if len(flat) != len(metadata.state_dict_metadata) or not any(_shard_of(v) is not None for v in flat.values()):
         return None
     records: dict[str, Record] = {}
+    # A shard's chunk depends on the global shape, the placements and the mesh only: an
+    # LLM's thousand DTensors have a few dozen of them (torch computes each in ~60 us).
+    chunk_of: dict[tuple[Any, ...], list[Any]] = {}
     for fqn, obj in flat.items():
         md = metadata.state_dict_metadata.get(fqn)
         shard = _shard_of(obj)
@@ -154,7 +157,10 @@ def _plan_shards(state_dict: dict[str, Any], metadata: Metadata) -> DirectPlan |
             if tuple(md.size) != tuple(obj.shape) or md.properties.dtype != obj.dtype:
                 return None
             if shard is not None:
-                chunks = obj.__create_chunk_list__()  # type: ignore[attr-defined]
+                key = (tuple(obj.shape), tuple(obj.placements), id(obj.device_mesh))  # type: ignore[attr-defined]
+                chunks = chunk_of.get(key)
+                if chunks is None:
+                    chunks = chunk_of[key] = obj.__create_chunk_list__()  # type: ignore[attr-defined]
                 if len(chunks) != 1:
                     return None
                 offsets, shape = tuple(chunks[0].offsets), tuple(chunks[0].sizes)
