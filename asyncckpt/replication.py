@@ -89,7 +89,7 @@ from asyncckpt.format.records import Record, parse_records
 from asyncckpt.io.local_tier import Arrival, LocalTier, NodeLocalStorage, Packed, check_segments
 from asyncckpt.loading.api import load
 from asyncckpt.loading.dcp import SafeLoadPlanner, set_value
-from asyncckpt.loading.direct import plan_direct_load
+from asyncckpt.loading.direct import local_shard, plan_direct_load
 from asyncckpt.loading.framing import suffix_matches, writer_framing
 from asyncckpt.options import SaveOptions
 from asyncckpt.saving.handle import SaveHandle
@@ -167,28 +167,20 @@ def replica_map(nodes: list[int], replicas: int) -> list[list[int]]:
     return targets
 
 
-def _shard_of(dtensor: Any) -> torch.Tensor:
-    """A DTensor's local shard: its ``_local_tensor`` (the same object every time, no
-    autograd node: ``to_local()`` costs an autograd ``Function`` call, about 20 us, per
-    tensor, milliseconds per save of an LLM state), else ``to_local().detach()``."""
-    shard = getattr(dtensor, "_local_tensor", None)
-    return shard if isinstance(shard, torch.Tensor) else dtensor.to_local().detach()
-
-
 def local_shards(obj: Any) -> Any:
     """``obj`` (a state_dict) with every DTensor replaced by its local shard
-    (:func:`_shard_of`: a plain tensor, the DTensor's own memory, so that a load into it
-    fills the DTensor), through nested dicts, lists and tuples; other values as they are.
+    (:func:`~asyncckpt.loading.direct.local_shard`: a plain tensor, the DTensor's own
+    memory, so that a load into it fills the DTensor), through nested dicts, lists and
+    tuples; other values as they are.
 
     The local tier stores and restores a rank's own bytes, for the same world size and
     sharding only (any other restores from the persistent tier): as plain tensors they
     take the direct paths, with no DCP planning over global chunk offsets, no
     ``.metadata``-only layout and no second pass over the bytes.
     """
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        return _shard_of(obj)
+    shard = local_shard(obj)
+    if shard is not None:
+        return shard
     if isinstance(obj, dict):
         return {k: local_shards(v) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -204,15 +196,13 @@ def _local_shards_in_place(state_dict: dict[str, Any]) -> Iterator[dict[str, Any
     shard (as :func:`local_shards`) while the block runs, then put back: a restore
     fills the shards (the DTensors' memory) and sets the other values in the
     caller's own dicts."""
-    from torch.distributed.tensor import DTensor
-
     swapped: list[tuple[Any, Any, Any, Any]] = []
 
     def swap(container: Any) -> None:
         items = container.items() if isinstance(container, dict) else enumerate(container)
         for key, value in list(items):
-            if isinstance(value, DTensor):
-                shard = _shard_of(value)
+            shard = local_shard(value)
+            if shard is not None:
                 container[key] = shard
                 swapped.append((container, key, value, shard))
             elif isinstance(value, (dict, list)):

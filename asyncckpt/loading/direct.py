@@ -17,6 +17,7 @@ import ctypes
 import io
 import itertools
 import os
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -39,7 +40,7 @@ from asyncckpt.loading.framing import (
 )
 from asyncckpt.loading.metadata import check_file_name, gc_paused
 
-__all__ = ["DirectPlan", "plan_direct_load", "direct_load"]
+__all__ = ["DirectPlan", "plan_direct_load", "direct_load", "local_shard"]
 
 #: Buffers per read call at most (``preadv``'s limit, Linux ``IOV_MAX``).
 _IOV_MAX = IOV_MAX
@@ -121,11 +122,19 @@ def plan_direct_load(state_dict: dict[str, Any], metadata: Metadata | Mapping[st
         return _plan_shards(state_dict, metadata)
 
 
-def _shard_of(obj: Any) -> Any:
-    """A DTensor's local shard as a plain tensor (its ``_local_tensor``: the DTensor's
-    own memory, no autograd node), else ``None``."""
+def local_shard(obj: Any) -> torch.Tensor | None:
+    """A DTensor's local shard as a plain tensor, the DTensor's own memory (a load into
+    it fills the DTensor); ``None`` for anything that is not a DTensor.
+
+    Its ``_local_tensor``, the same object every time and no autograd node
+    (``to_local()`` costs an autograd ``Function`` call, about 20 us, per tensor:
+    milliseconds for an LLM state); ``to_local().detach()`` where it has none.
+    """
+    module = sys.modules.get("torch.distributed.tensor")  # (not imported: no DTensor exists)
+    if module is None or not isinstance(obj, module.DTensor):
+        return None
     shard = getattr(obj, "_local_tensor", None)
-    return shard if type(obj).__name__ == "DTensor" and isinstance(shard, torch.Tensor) else None
+    return shard if isinstance(shard, torch.Tensor) else obj.to_local().detach()
 
 
 def _plan_shards(state_dict: dict[str, Any], metadata: Metadata) -> DirectPlan | None:
@@ -140,7 +149,7 @@ def _plan_shards(state_dict: dict[str, Any], metadata: Metadata) -> DirectPlan |
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
     flat, _ = flatten_state_dict(state_dict)
-    if len(flat) != len(metadata.state_dict_metadata) or not any(_shard_of(v) is not None for v in flat.values()):
+    if len(flat) != len(metadata.state_dict_metadata) or not any(local_shard(v) is not None for v in flat.values()):
         return None
     records: dict[str, Record] = {}
     # A shard's chunk depends on the global shape, the placements and the mesh only: an
@@ -148,7 +157,7 @@ def _plan_shards(state_dict: dict[str, Any], metadata: Metadata) -> DirectPlan |
     chunk_of: dict[tuple[Any, ...], list[Any]] = {}
     for fqn, obj in flat.items():
         md = metadata.state_dict_metadata.get(fqn)
-        shard = _shard_of(obj)
+        shard = local_shard(obj)
         if type(md) is BytesStorageMetadata:
             index = MetadataIndex(fqn)
             shape: tuple[int, ...] | None = None
@@ -197,7 +206,7 @@ def _plan_direct(state_dict: dict[str, Any], records: Mapping[str, Record]) -> D
         if record is None:
             return None
         name, offset, length, dtype, shape = record
-        shard = _shard_of(obj)
+        shard = local_shard(obj)
         if shard is not None:  # (a DTensor: its record is its local shard's chunk, :func:`_plan_shards`)
             obj = shard
         if dtype is None:  # a value
