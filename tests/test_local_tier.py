@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from unittest import mock
 
 import psutil
@@ -219,7 +219,7 @@ def _fsdp2(rank: int, world: int, base: str) -> list[str]:
     own = Path(base) / f"node{rank // 2}" / f"rank_{rank:05d}" / "step_00000001"
     saved = asyncckpt.read_state_dict(own)["model"]
     as_shards = (own / ".records.json").is_file() and all(
-        type(saved[k]) is torch.Tensor and torch.equal(saved[k], v.to_local()) for k, v in m.items()
+        type(saved[k]) is torch.Tensor and torch.equal(saved[k], cast(Any, v).to_local()) for k, v in m.items()
     )
     ref = full()
     step()  # the state moves on; the restore must bring step 1 back
@@ -316,7 +316,7 @@ def test_a_shards_next_step_is_written_into_its_spare(tmp_path: Path) -> None:
     ]
     asyncckpt.verify(shard / "step_00000003")  # sizes (the file was cut) and CRC-32s
     with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
-        got = {"w": torch.zeros(1 << 10), "step": -1}
+        got: dict[str, Any] = {"w": torch.zeros(1 << 10), "step": -1}
         result = mgr.restore(got)
     assert result is not None and (result.step, result.tier) == (3, "local")
     assert got["step"] == 3 and torch.equal(got["w"], torch.full((1 << 10,), 3.0))
