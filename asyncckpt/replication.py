@@ -960,7 +960,12 @@ class _Fetch:
             CorruptCheckpointError: they are not all there (a record past the file's end).
         """
         starts, pieces = self._index.get(name, ([], []))
-        i = max(0, bisect.bisect_right(starts, offset) - 1)
+        i = bisect.bisect_right(starts, offset) - 1
+        if i >= 0:  # (the usual case: one piece holds them all; a record's framing, a value)
+            start, buf = pieces[i]
+            if offset - start + length <= len(buf):
+                return buf[offset - start : offset - start + length]
+        i = max(0, i)
         parts: list[memoryview] = []
         got, pos, end = 0, offset, offset + length
         while i < len(pieces) and pos < end:
