@@ -238,7 +238,8 @@ class _LocalSaver(Saver):
     def _check_memory(self, layout: RankLayout) -> None:
         """The memory guard of a local save: the staging buffer (as any save), and the
         tier's bytes for the new step (this rank's shard and the replicas it receives,
-        about one shard each), against the free space of the tier's file system, and
+        about one shard each, less what each shard's spare holds: the new step is
+        written into it), against the free space of the tier's file system, and
         against the memory available too when the tier is RAM (``/dev/shm``).
 
         Raises:
@@ -248,8 +249,10 @@ class _LocalSaver(Saver):
         limit = self.options.staging_memory_limit
         if limit is None:
             return
-        tier_need = layout.slab_nbytes * (1 + len(self.owner.sources))
-        base = self.owner.storage.base
+        storage = self.owner.storage
+        shards = (self.owner.rank, *self.owner.sources)
+        tier_need = sum(max(0, layout.slab_nbytes - storage.spare_bytes(shard)) for shard in shards)
+        base = storage.base
         free = shutil.disk_usage(base).free
         if tier_need > limit * free:
             raise CheckpointError(

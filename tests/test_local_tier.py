@@ -340,6 +340,24 @@ def test_the_memory_guard_counts_the_tiers_bytes(tmp_path: Path) -> None:
         ]
 
 
+def test_the_memory_guard_counts_a_spare_as_room(tmp_path: Path) -> None:
+    # a tier with room for 2 copies of a shard and a half: the restorable step and the
+    # spare fill it, and every next save is written into the spare, so none is refused
+    with small_tmpfs(tmp_path / "tier", "3m") as mounted:
+        if not mounted:
+            pytest.skip("mounting a tmpfs needs root")
+        tier = asyncckpt.LocalTier(dir=tmp_path / "tier", every=1, replicas=0)
+        with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+            assert mgr.local is not None
+            for step in range(1, 6):
+                mgr.local.save(step, {"w": torch.full((300_000,), float(step))})  # 1.2 MB
+                assert mgr.local.maybe_finalize(blocking=True) == [step]
+        got: dict[str, Any] = {"w": torch.zeros(300_000)}
+        with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+            result = mgr.restore(got)
+        assert result is not None and result.step == 5 and torch.equal(got["w"], torch.full((300_000,), 5.0))
+
+
 def test_the_newest_tier_wins(tmp_path: Path) -> None:
     tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
     with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:

@@ -280,6 +280,20 @@ class NodeLocalStorage(LocalStorage):
             raise
         return arrival
 
+    def spare_bytes(self, rank: int) -> int:
+        """Bytes of rank ``rank``'s spare on this node (its files' sizes; 0: none): the
+        memory its next step is written into, not allocated again."""
+        total = 0
+        for spare in _entries(self.shard_dir(rank)):
+            if spare.name.startswith(_SPARE_PREFIX):
+                for entry in _entries(spare):
+                    try:
+                        total += entry.lstat().st_size
+                    except OSError:
+                        pass
+                break  # (one spare a shard)
+        return total
+
     def _take_spare(self, tmp: Path, keep: set[str]) -> bool:
         """Make the shard's spare (an older step of it, hidden by :meth:`mark_restorable`)
         the new step's directory ``tmp``, its files named in ``keep`` left to be written
