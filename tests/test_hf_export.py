@@ -40,8 +40,10 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
 
 
-def _run(cmd: list[str], cwd: Path, timeout: float = 120) -> str:
-    with started_session(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as p:
+def _run(cmd: list[str], cwd: Path, timeout: float = 120, env: dict[str, str] | None = None) -> str:
+    with started_session(
+        cmd, cwd=cwd, env={**_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    ) as p:
         out, _ = p.communicate(timeout=timeout)
         assert p.returncode == 0, f"exit code {p.returncode}: {' '.join(cmd)}\n{out}"
     return out
@@ -277,10 +279,16 @@ def _peak_of_export(tmp_path: Path, total: int, shard: int) -> None:
     state = {"model": {f"layer{i}.weight": torch.full((4 << 20,), float(i)) for i in range(n)}}
     asyncckpt.save(state, tmp_path / "ckpt").result(timeout=120)
     del state
+    # glibc's malloc serves the 16 MiB tensors from its heaps once its dynamic mmap
+    # threshold has grown, and a freed chunk there can stay in the process (the reader
+    # thread's arena, fragmentation): the high-water RSS then varied with the threads'
+    # timing (130 MiB here alone, 177 MiB once in the loaded suite). A fixed 1 MiB
+    # threshold maps each tensor and unmaps it when freed, so the peak is the live bytes.
     out = _run(
         [sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "hf"), str(shard)],
         tmp_path,
         timeout=240,
+        env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)},
     )
     found = json.loads(out.strip().splitlines()[-1])
     grown = found["peak"] - found["base"]
