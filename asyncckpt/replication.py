@@ -429,7 +429,7 @@ class LocalCheckpoints:
             raise CheckpointException(call, failures, step, record.final_dir)
         for shard in (self.rank, *received):  # decided: restorable on every rank's replicas + 1 nodes
             try:
-                self.storage.mark_restorable(shard, step, self.world_size, spare=True)
+                self.storage.mark_restorable(shard, step, self.world_size)
             except OSError as exc:
                 _log.warning("asyncckpt: could not mark step %d of rank %d restorable: %s", step, shard, exc)
 

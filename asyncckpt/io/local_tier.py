@@ -142,13 +142,12 @@ class NodeLocalStorage(LocalStorage):
             return None
         return marker if marker["rank"] == rank else None
 
-    def mark_restorable(self, rank: int, step: int, world_size: int, spare: bool = False) -> None:
+    def mark_restorable(self, rank: int, step: int, world_size: int) -> None:
         """Record ``step`` as rank ``rank``'s newest restorable step (atomic, durable),
-        then remove the shard's older steps (not a save in flight). With ``spare``, the
-        newest older step is kept, hidden, as the spare that the shard's next step is
-        written into (:meth:`write_rank` for a rank's own shard, :meth:`arrival` for a
-        replica: its memory is written over, not allocated again), in place of one that
-        is there.
+        then remove the shard's older steps (not a save in flight) but the newest of
+        them, kept hidden as the spare that the shard's next step is written into
+        (:meth:`write_rank` for a rank's own shard, :meth:`arrival` for a replica: its
+        memory is written over, not allocated again), in place of one that is there.
 
         Raises:
             OSError: the marker could not be written.
@@ -163,7 +162,7 @@ class NodeLocalStorage(LocalStorage):
             for entry in shard.iterdir()
             if (other := parse_step_dir(entry.name)) is not None and other != step
         )
-        if spare and older and older[-1][0] < step:
+        if older and older[-1][0] < step:
             _, newest = older.pop()
             for entry in list(shard.iterdir()):
                 if entry.name.startswith(_SPARE_PREFIX):
