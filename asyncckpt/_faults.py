@@ -15,6 +15,8 @@ inherits the training process's environment when it is started). Points:
   the removal of leftovers;
 - ``replicate``: in the training process's finalizer thread, when a replica of the
   local tier has arrived, before it is checked and written (``asyncckpt.replication``);
+- ``worker_start``: in the persistent worker, as it starts (its imports done), before
+  it sets up its signals and reads its first call;
 - ``stage``: in the training process, when a save starts its staging copy;
 - ``settle``: in the training process (the thread that settles the save: the
   finalizer thread in the background), when the saver starts settling a save, before

@@ -455,3 +455,36 @@ def test_an_aborted_manager_on_a_shared_queue_leaves_its_handles_settling(
         assert torch.equal(_loaded(tmp_path / "root" / "step_00000001", state)["w"], state["w"])
     finally:
         queue.close()
+
+
+# ------------------------------------------------------------------ a worker that was never used
+@pytest.mark.timeout(120)
+def test_closing_a_manager_that_saved_nothing_does_not_wait_for_its_worker_to_start(tmp_path: Path) -> None:
+    """A manager opened to restore (nothing saved) and closed: its persistent worker, still
+    starting up (here it never finishes: the ``worker_start`` failpoint sleeps), is
+    stopped at once; the close does not wait for the start-up."""
+    root = tmp_path / "ckpt"
+    proc = _start(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            state = {"w": torch.ones(4)}
+            manager = asyncckpt.CheckpointManager(root)
+            pid = manager.queue.caller.worker_pid
+            restored = manager.restore(state)
+            manager.close()
+            try:
+                os.kill(pid, 0)
+                alive = True
+            except ProcessLookupError:
+                alive = False
+            print(json.dumps({"pid": pid, "restored": restored is not None, "alive": alive}))
+        """,
+        root,
+        env={"ASYNCCKPT_FAULT": "worker_start:sleep=600"},
+    )
+    code, out, err = finish_session(proc, timeout=60)
+    assert code == 0, err
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen["pid"] is not None and not seen["restored"]
+    assert not seen["alive"], "the worker outlived close()"

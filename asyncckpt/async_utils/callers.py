@@ -332,6 +332,9 @@ class _Worker:
             result_w.close()
         _track(self.proc, self.send_abort)
         self.inflight: list[int] = []
+        #: Whether a call was ever sent to it: one that never got one is stopped at
+        #: once by :meth:`PersistentAsyncCaller.close`, however far its start-up got.
+        self.used = False
 
     def send_abort(self) -> None:
         """Ask the worker to exit at once (its task reader calls ``os._exit``)."""
@@ -438,6 +441,7 @@ class PersistentAsyncCaller(AsyncCaller):
                 )
                 return
             worker.inflight.append(call_idx)
+            worker.used = True
             try:
                 worker.task_w.send_bytes(_HEADER.pack(call_idx) + payload)
                 return
@@ -530,12 +534,15 @@ class PersistentAsyncCaller(AsyncCaller):
                 after :data:`TERMINATE_GRACE_S` seconds; in-flight calls are dropped.
                 Otherwise ask it to stop after the calls it has, and wait up to
                 ``timeout`` seconds (``None``: as long as they run) before
-                terminating it.
+                terminating it. A worker that was never sent a call has nothing to
+                finish: it is terminated at once, not waited for while it starts up
+                (re-importing the training script and torch takes seconds on a busy
+                node: a manager opened only to restore would pay them at close).
         """
         worker = self._worker
         if worker is None or self.foreign:
             return
-        if not abort:
+        if not abort and worker.used:
             try:
                 worker.task_w.send_bytes(_HEADER.pack(_STOP))
                 deadline = None if timeout is None else time.monotonic() + timeout

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from asyncckpt import _faults
 from asyncckpt.errors import RankFailure
 
 __all__ = ["CallOutcome"]
@@ -118,6 +119,7 @@ def _persistent_worker_main(task_conn: Any, result_conn: Any) -> None:
     at once on an ABORT message or when the training process is gone (end of file on
     the task pipe), or on SIGKILL.
     """
+    _faults.hit("worker_start")  # (where its imports end: a start-up still under way)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     tasks: queue.SimpleQueue = queue.SimpleQueue()
