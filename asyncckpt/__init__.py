@@ -43,6 +43,7 @@ _EXPORTS = {
     "InvalidStateError": "errors",
     "CheckpointTimeoutError": "errors",
     "RootInUseError": "errors",
+    "LocalTierInUseError": "errors",
     "SaveDeadlockError": "errors",
     "UnverifiableCheckpointError": "errors",
     "RemoteStorageError": "errors",
@@ -95,6 +96,7 @@ if TYPE_CHECKING:
     from asyncckpt.errors import CorruptCheckpointError as CorruptCheckpointError
     from asyncckpt.errors import InvalidArgumentError as InvalidArgumentError
     from asyncckpt.errors import InvalidStateError as InvalidStateError
+    from asyncckpt.errors import LocalTierInUseError as LocalTierInUseError
     from asyncckpt.errors import RankFailure as RankFailure
     from asyncckpt.errors import RemoteStorageError as RemoteStorageError
     from asyncckpt.errors import RootInUseError as RootInUseError

@@ -56,6 +56,7 @@ __all__ = [
     "InvalidStateError",
     "CheckpointTimeoutError",
     "RootInUseError",
+    "LocalTierInUseError",
     "UnverifiableCheckpointError",
     "SaveDeadlockError",
     "RemoteStorageError",
@@ -329,6 +330,25 @@ class RootInUseError(AsyncckptError, RuntimeError):
 
     def __reduce__(self) -> tuple:
         return (type(self), (str(self), self.path, self.pid, self.host))
+
+
+class LocalTierInUseError(RootInUseError):
+    """A node-local tier's directory (``LocalTier.dir``) belongs to another job that is
+    running (its ranks hold the tier's lock): two jobs in one tier would remove each
+    other's shards. Give each job its own directory. (A tier of a job that is not
+    running is taken over instead: its shards are removed.)
+
+    Attributes:
+        path: the tier's directory.
+        owner: the persistent root of the job that holds it, if recorded.
+    """
+
+    def __init__(self, message: str, path: str | None = None, owner: str | None = None) -> None:
+        super().__init__(message, path)
+        self.owner = owner
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.path, self.owner))
 
 
 class SaveDeadlockError(AsyncckptError, RuntimeError):

@@ -284,48 +284,98 @@ class LocalCheckpoints:
         queue: the manager's queue (its worker writes the local saves too).
         options: the manager's save options (overlapped staging is not used here).
         process_group: the ranks saving together.
+        owner: the job's persistent root (its absolute path): the tier directory is
+            this job's (:meth:`NodeLocalStorage.claim`: a tier of another job that is
+            not running is taken over, its shards removed; a running one's refused).
 
-    Collective contract: the constructor (one all_gather of the nodes; a one-rank
-    group per rank), :meth:`save` on the steps it is due (every rank, the same steps),
-    :meth:`restore` and :meth:`close`: all ranks. :meth:`maybe_finalize`: any rank.
+    Collective contract: the constructor (one all_gather of the nodes, then two
+    funnels: each node's first rank claims the tier, then the others hold it and every
+    rank makes its shard's directory; a one-rank group per rank), :meth:`save` on the
+    steps it is due (every rank, the same steps), :meth:`restore` and :meth:`close`:
+    all ranks. :meth:`maybe_finalize`: any rank.
 
     Raises:
         InvalidArgumentError: fewer nodes than ``replicas + 1``.
+        LocalTierInUseError: another job that is running holds the tier directory.
         CheckpointPathError: (an ``OSError``) the tier directory cannot be created.
     """
 
     def __init__(
-        self, tier: LocalTier, queue: AsyncCallsQueue, options: SaveOptions, process_group: Any = None
+        self,
+        tier: LocalTier,
+        queue: AsyncCallsQueue,
+        options: SaveOptions,
+        process_group: Any = None,
+        owner: str = "",
     ) -> None:
         self.tier = tier
         self.process_group = process_group
         self.sync = SyncGroup(process_group)
         self.rank, self.world_size = self.sync.rank, self.sync.world_size
         self.storage = NodeLocalStorage(Path(os.path.abspath(os.fspath(tier.dir))))
+        self.owner = owner
         self.nodes = [n[0] for n in self.sync.all_gather_ints([_node_of(tier, self.rank)])]
         self.targets = replica_map(self.nodes, tier.replicas)
         self.sources = [r for r, row in enumerate(self.targets) if self.rank in row]
         self._self_group = None
+        self._lock_fd: int | None = None
+        # The node's first rank makes the tier this job's before the node's other ranks use it.
+        first = self.nodes.index(self.nodes[self.rank]) == self.rank
+        storage = self.storage
+
+        def claim() -> None:
+            if first:
+                self._lock_fd = storage.claim(owner)
+
+        def hold() -> None:
+            if not first:
+                self._lock_fd = storage.hold(owner)
+            storage.shard_dir(self.rank).mkdir(parents=True, exist_ok=True)
+            for shard in (self.rank, *self.sources):
+                storage.remove_leftovers(shard)
+
+        try:
+            self._opening(claim)
+            self._opening(hold)
+        except BaseException:
+            self._release_lock()
+            raise
         if self.sync.distributed:  # this rank alone: its local saves and loads involve no other rank
             me = dist.get_rank()
             self._self_group = dist.new_group(ranks=[me], backend="gloo", use_local_synchronization=True)
+        self._on_ram = str(self.storage.base.resolve()).startswith("/dev/shm/")
+        self._saver = _LocalSaver(self, queue, dataclasses.replace(options, overlap_staging=False))
+        self.restored: RestoreResult | None = None
+
+    def _opening(self, step: Callable[[], None]) -> None:
+        """Run one step of opening the tier on every rank, then the job's funnel: every
+        rank raises the first failure, none goes on alone (collective).
+
+        Raises:
+            AsyncckptError: the first rank's, if it was one (``LocalTierInUseError``,
+                ``CheckpointPathError`` for a directory that cannot be used).
+            CheckpointError: another failure.
+        """
         failure: RankFailure | None = None
         try:
-            self.storage.shard_dir(self.rank).mkdir(parents=True, exist_ok=True)
-            for shard in (self.rank, *self.sources):
-                self.storage.remove_leftovers(shard)
+            step()
+        except AsyncckptError as exc:
+            failure = RankFailure.from_exception(exc)
         except OSError as exc:
             error = CheckpointPathError.of(exc.errno, f"the local tier {self.storage.base} cannot be used: {exc}")
             failure = RankFailure.from_exception(error)
-        failures = self.sync.gather_failures(failure)  # every rank raises, none goes on alone
+        failures = self.sync.gather_failures(failure)
         if failures:
             first = failures[min(failures)]
             if isinstance(first.exception, AsyncckptError):
                 raise first.exception
             raise CheckpointError(f"opening the local tier failed: {first}", failures)
-        self._on_ram = str(self.storage.base.resolve()).startswith("/dev/shm/")
-        self._saver = _LocalSaver(self, queue, dataclasses.replace(options, overlap_staging=False))
-        self.restored: RestoreResult | None = None
+
+    def _release_lock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                NodeLocalStorage.release(fd)
 
     # ------------------------------------------------------------------ save
     def due(self, step: int) -> bool:
@@ -493,6 +543,7 @@ class LocalCheckpoints:
             except Exception as exc:  # noqa: BLE001 - the persistent tier's close goes on
                 _log.warning("asyncckpt: closing the local tier: %s", exc)
         self._saver.release()
+        self._release_lock()
         group, self._self_group = self._self_group, None
         if group is not None and not abort:  # (aborted: a dropped save may still name it)
             with contextlib.suppress(Exception):

@@ -9,8 +9,13 @@ what each rank observed; the assertions run here. The torchrun version of the sa
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any, cast
 from unittest import mock
@@ -21,12 +26,18 @@ import torch
 import torch.distributed as dist
 
 import asyncckpt
-from asyncckpt.errors import CheckpointError, CheckpointPathError, CorruptCheckpointError, InvalidArgumentError
+from asyncckpt.errors import (
+    CheckpointError,
+    CheckpointPathError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    LocalTierInUseError,
+)
 from asyncckpt.io.local_tier import NodeLocalStorage
 from asyncckpt.replication import replica_map
 
 from dist_utils import preload_forkserver, run_ranks
-from helpers import flip_byte, small_tmpfs
+from helpers import finish_session, flip_byte, small_tmpfs, started_session
 
 WORLD = 4
 
@@ -103,8 +114,8 @@ def _scenario(rank: int, world: int, base: str) -> dict[str, Any]:
     dist.barrier()
     seen["replaced"] = _restore(base, rank)
     dist.barrier()
-    node1 = Path(base) / "node1"  # a fetched shard is loaded, not stored: node 1 holds no file
-    seen["node1_after"] = sorted(str(p.relative_to(node1)) for p in node1.rglob("*") if p.is_file())
+    node1 = Path(base) / "node1"  # a fetched shard is loaded, not stored: node 1 holds no shard's file
+    seen["node1_after"] = sorted(str(p.relative_to(node1)) for p in node1.rglob("rank_*/**/*") if p.is_file())
     dist.barrier()
     if rank == 0:  # node 0's copy of rank 3's shard is bad too (its last one), and the root is back
         flip_byte(Path(base) / "node0" / "rank_00003" / "step_00000010" / "__0_0.distcp", 100)
@@ -126,7 +137,8 @@ def test_local_tier_replicates_and_restores(tmp_path: Path) -> None:
         assert s["restorable"] == [2, 8, 10], (rank, s)
     # each node keeps the newest restorable step only, of its ranks' shards and its replicas
     assert seen[0]["files"] == seen[2]["files"]
-    assert {f.split("/")[0] for f in seen[0]["files"]} == {f"rank_0000{r}" for r in range(WORLD)}
+    tier_files = {".asyncckpt.owner.json", ".asyncckpt.tier.lock"}  # whose tier (the job's root), held while it runs
+    assert {f.split("/")[0] for f in seen[0]["files"]} == {f"rank_0000{r}" for r in range(WORLD)} | tier_files
     assert {f.split("/")[1] for f in seen[0]["files"] if "/step_" in f} == {"step_00000010"}
     # and one spare per shard, its own ranks' and its replicas' (an older step, written over by the next one)
     assert seen[0]["spares"] == seen[2]["spares"] == [f"rank_0000{r}" for r in range(WORLD)]
@@ -142,7 +154,7 @@ def test_local_tier_replicates_and_restores(tmp_path: Path) -> None:
         assert flipped.peers == {3: 1}, flipped
         assert "rank 3's copy from its own node failed" in str(flipped) and "checksum mismatch" in str(flipped)
         assert s["flipped"]["same"], rank
-        assert s["node1_after"] == [], (rank, s["node1_after"])
+        assert s["node1_after"] == [] and (Path(tmp_path) / "node1" / ".asyncckpt.owner.json").exists(), (rank, s)
         # rank 3's shard received from rank 1 fails its check: no copy left, every rank takes the root's step 4
         no_copy = s["no_copy"]
         assert (no_copy.step, no_copy.tier) == (4, "persistent"), no_copy
@@ -280,15 +292,15 @@ def test_a_tier_that_cannot_be_made_is_refused_at_construction(tmp_path: Path) -
 
 
 def test_a_step_saved_again_replaces_an_earlier_runs_copy(tmp_path: Path) -> None:
-    # a fresh run (or one restored from an older step) saves a step the tier holds from
-    # before, even the restorable one: the new copy replaces it, and is what restores
+    # a fresh run of the job (or one restored from an older step) saves a step the tier
+    # holds from before, even the restorable one: the new copy replaces it, and is what restores
     tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
     for run in (1, 2):
-        with asyncckpt.CheckpointManager(tmp_path / f"root{run}", local=tier) as mgr:
+        with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
             assert mgr.local is not None
             mgr.local.save(2, _state(run, 2))
             assert mgr.local.maybe_finalize(blocking=True) == [2]
-    with asyncckpt.CheckpointManager(tmp_path / "root2", local=tier) as mgr:
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
         got = _template()
         result = mgr.restore(got)
     assert result is not None and (result.step, result.tier) == (2, "local")
@@ -576,3 +588,67 @@ def test_a_peer_copy_is_checked_message_by_message(tmp_path: Path) -> None:
         assert (damaged.step, damaged.tier) == (2, "persistent"), (rank, damaged)
         assert "rank 1's copy from rank 0 failed" in str(damaged) and "checksum mismatch" in str(damaged), damaged
         assert same_after, rank
+
+
+def test_another_jobs_tier_is_taken_over_never_restored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # two jobs (two roots) of the same model, one after the other, in one tier directory
+    # (as LocalTier's default dir would have it): the second starts fresh, it never
+    # restores the first one's weights; the first one's shards are removed (a node keeps
+    # one job's tier), and its next run restores what its own root holds
+    tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
+    with asyncckpt.CheckpointManager(tmp_path / "rootA", local=tier) as mgr:
+        assert mgr.local is not None
+        mgr.local.save(5, _state(0, 5))
+        assert mgr.local.maybe_finalize(blocking=True) == [5]
+        mgr.save(3, _state(0, 3))
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        with asyncckpt.CheckpointManager(tmp_path / "rootB", local=tier) as mgr:
+            got = _template()
+            assert mgr.restore(got) is None and got["step"] == -1  # a fresh start, not job A's step 5
+            assert mgr.local is not None
+            mgr.local.save(1, _state(1, 1))
+            assert mgr.local.maybe_finalize(blocking=True) == [1]
+    taken = [r.getMessage() for r in caplog.records if "takes the tier over" in r.getMessage()]
+    assert len(taken) == 1 and str(tmp_path / "rootA") in taken[0], taken
+    assert NodeLocalStorage(tmp_path / "node0").held() == [(0, 1, 1)]  # job B's step only
+    with asyncckpt.CheckpointManager(tmp_path / "rootA", local=tier) as mgr:
+        got = _template()
+        result = mgr.restore(got)  # job A again: its root's step 3 (its tier is job B's now: taken back, emptied)
+        assert result is not None and (result.step, result.tier) == (3, "persistent") and got["step"] == 3
+    assert NodeLocalStorage(tmp_path / "node0").held() == []
+
+
+_HOLDER = """
+    import sys, time, torch, asyncckpt
+    tier = asyncckpt.LocalTier(dir=sys.argv[1], every=1, replicas=0)
+    with asyncckpt.CheckpointManager(sys.argv[2], local=tier) as mgr:
+        mgr.local.save(1, {"w": torch.ones(8)})
+        mgr.local.maybe_finalize(blocking=True)
+        print("holding", flush=True)
+        time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_tier_held_by_a_running_job_is_refused_then_taken_over_once_it_died(tmp_path: Path) -> None:
+    # another job, running (a process with its manager open), holds the tier: this job's
+    # manager is refused, naming the other job's root, and nothing of the other's is
+    # touched; once that job is gone (SIGKILL: the kernel drops its lock), the tier is taken over
+    script = tmp_path / "holder.py"
+    script.write_text(textwrap.dedent(_HOLDER))
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_FAULT"}
+    cmd = [sys.executable, str(script), str(tmp_path / "node0"), str(tmp_path / "other")]
+    tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
+    with started_session(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as proc:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "holding", proc.stderr
+        with pytest.raises(LocalTierInUseError, match="in use by the job of the checkpoint root") as info:
+            asyncckpt.CheckpointManager(tmp_path / "root", local=tier)
+        assert info.value.owner == str(tmp_path / "other") and info.value.path == str(tmp_path / "node0")
+        assert NodeLocalStorage(tmp_path / "node0").held() == [(0, 1, 1)]  # the other job's step, untouched
+        asyncckpt.CheckpointManager(tmp_path / "root").close()  # the root was released
+        proc.kill()
+        finish_session(proc, timeout=30)
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        assert mgr.restore(_template()) is None  # taken over: the other job's step is gone
+    owner = json.loads((tmp_path / "node0" / ".asyncckpt.owner.json").read_text())
+    assert owner == {"root": str(tmp_path / "root")}

@@ -7,7 +7,11 @@ in a node-local directory, replicated to a clique) and Orbax's emergency
 ``CheckpointManager`` (local every few steps, persistent rarely); the code is ours.
 
 A node's tier directory holds one directory per shard it stores, whether the shard is
-one of its own ranks' or a replica of a rank on another node::
+one of its own ranks' or a replica of a rank on another node, and the record of the
+job it belongs to (its root) with the lock its ranks hold while they run::
+
+    <dir>/.asyncckpt.owner.json      {"root": "/abs/path/of/the/job's/root"}
+    <dir>/.asyncckpt.tier.lock       a shared flock per rank of the job (claim: exclusive)
 
     <dir>/rank_00002/step_00000010/   a one-rank DCP checkpoint (.metadata, __0_0.distcp,
                                       .records.json, .manifest.json with CRC-32s)
@@ -27,18 +31,22 @@ Torch-free.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import logging
 import mmap
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from asyncckpt import _fs
-from asyncckpt.errors import CorruptCheckpointError, InvalidArgumentError
+from asyncckpt.errors import CorruptCheckpointError, InvalidArgumentError, LocalTierInUseError
 from asyncckpt.format import manifest as _manifest
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.naming import parse_step_dir, step_dir_name
@@ -55,9 +63,38 @@ RESTORABLE_NAME = "restorable.json"
 #: :meth:`NodeLocalStorage.remove_leftovers`).
 _SPARE_PREFIX = ".spare.tmp-"
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_log = logging.getLogger("asyncckpt")
 #: :func:`check_segments` with ``fill`` lands and checks this many bytes at a time, so
 #: that the CRC reads the bytes the copy has just written, from the cache.
 CHECK_CHUNK_BYTES = 2 << 20
+
+
+# ---------------------------------------------------------------------- the tier's owner
+#: The job whose checkpoints a tier directory holds: ``{"root": <its persistent root>}``.
+OWNER_NAME = ".asyncckpt.owner.json"
+#: Every rank of the job that uses a tier directory holds a shared ``flock`` on this
+#: file for its manager's lifetime; the tier changes hands only under an exclusive one.
+LOCK_NAME = ".asyncckpt.tier.lock"
+#: Seconds a node's first rank waits for the tier's lock (another job's first rank may
+#: hold it for the moment of its own claim).
+CLAIM_WAIT_S = 2.0
+
+#: The tier-lock descriptors this process holds (closed in a forked child).
+_held_fds: set[int] = set()
+
+
+def _close_held_in_child() -> None:
+    """In a forked child: close the inherited tier-lock descriptors, so that the child
+    (a forked writer, a DataLoader worker) never holds a tier its parent has left."""
+    for fd in _held_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held_fds.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 def _entries(directory: Path) -> list[Path]:
@@ -74,7 +111,10 @@ class LocalTier:
     Args:
         dir: the node-local directory (RAM-backed ``/dev/shm/...`` or a local NVMe
             path). Every rank of a node passes the same one; it outlives the job, so
-            that a restarted job restores from it.
+            that a restarted job restores from it. It belongs to one job (the one
+            whose root it records: :meth:`NodeLocalStorage.claim`): another job
+            running there is refused (``LocalTierInUseError``), a new one takes it
+            over once the earlier one is gone (its shards are removed).
         every: save to the tier every this many steps (``CheckpointManager.local.save``
             skips the other steps).
         replicas: each rank's shard is also stored on this many other nodes
@@ -209,6 +249,120 @@ class NodeLocalStorage(LocalStorage):
                     _fs.remove_checkpoint(entry, best_effort=True)
                 else:
                     entry.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ the tier's owner
+    def owner(self) -> str | None:
+        """The persistent root of the job whose checkpoints the tier holds (``None``:
+        none recorded, or unreadable)."""
+        try:
+            root = json.loads((self.base / OWNER_NAME).read_bytes())["root"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return root if isinstance(root, str) else None
+
+    def claim(self, root: str) -> int:
+        """Make the tier this job's (the job whose persistent root is ``root``), on a
+        node's first rank, before any other rank of the node uses it; returns the
+        descriptor of the tier's lock, held shared (:meth:`release` it at close).
+
+        With the lock held exclusively (no running job holds the tier): a tier of
+        another job, or of no recorded job (made by an asyncckpt before owners), has
+        its shards removed (they can never be this job's: restoring them would load
+        another model's weights), and this job is recorded as the owner. Without it
+        (the ranks of a job hold it): the tier must be this job's already (its own
+        earlier processes, still exiting).
+
+        Raises:
+            LocalTierInUseError: another job that is running holds the tier.
+            OSError: the directory, the lock or the owner record failed.
+        """
+        self.base.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.base / LOCK_NAME, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            if _flock(fd, fcntl.LOCK_EX, CLAIM_WAIT_S):
+                owner = self.owner()
+                if owner != root:
+                    self._take_over(owner, root)
+            # (from exclusive, a conversion that is not atomic: another job's first rank may
+            # take the tier between; the owner read under the shared lock, which no claim
+            # can change, says who has it)
+            if not _flock(fd, fcntl.LOCK_SH, CLAIM_WAIT_S):
+                raise self._in_use(None, root)
+            self._check_owner(root)
+        except BaseException:
+            os.close(fd)
+            raise
+        _held_fds.add(fd)
+        return fd
+
+    def hold(self, root: str) -> int:
+        """The tier's lock, held shared, on a rank of a node whose first rank has
+        :meth:`claim` ed it for the job of ``root``; :meth:`release` it at close.
+
+        Raises:
+            LocalTierInUseError: the tier is another job's (it was taken over meanwhile).
+            OSError: the lock could not be opened.
+        """
+        fd = os.open(self.base / LOCK_NAME, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            if not _flock(fd, fcntl.LOCK_SH, CLAIM_WAIT_S):
+                raise self._in_use(None, root)
+            self._check_owner(root)
+        except BaseException:
+            os.close(fd)
+            raise
+        _held_fds.add(fd)
+        return fd
+
+    @staticmethod
+    def release(fd: int) -> None:
+        """Let go of the tier's lock (:meth:`claim`, :meth:`hold`)."""
+        _held_fds.discard(fd)
+        os.close(fd)
+
+    def _check_owner(self, root: str) -> None:
+        """(the lock held: the owner cannot change) The tier is ``root`` 's job's.
+
+        Raises:
+            LocalTierInUseError: it is another's.
+        """
+        owner = self.owner()
+        if owner != root:
+            raise self._in_use(owner, root)
+
+    def _in_use(self, owner: str | None, root: str) -> LocalTierInUseError:
+        owner = owner or self.owner()
+        holder = f"the job of the checkpoint root {owner}" if owner else "another job"
+        return LocalTierInUseError(
+            f"the local tier {self.base} is in use by {holder}, which is running: two jobs in one tier would "
+            f"remove each other's shards. Give this job (root {root}) its own LocalTier(dir=...)",
+            str(self.base),
+            owner,
+        )
+
+    def _take_over(self, owner: str | None, root: str) -> None:
+        """(the lock held exclusively) Remove the shards of the tier's previous owner
+        (``None``: unrecorded) and record the job of ``root`` as its owner."""
+        gone = [e for e in _entries(self.base) if e.name.startswith("rank_") and e.name[5:].isdigit()]
+        for entry in gone:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        if gone:
+            whose = f"of the job of the checkpoint root {owner}" if owner else "of an unrecorded job"
+            _log.warning(
+                "asyncckpt: the local tier %s held the shards %s (%d shard directories): removed, "
+                "this job (root %s) takes the tier over",
+                self.base,
+                whose,
+                len(gone),
+                root,
+            )
+        tmp = self.base / f".{OWNER_NAME}.tmp-{secrets.token_hex(4)}"
+        _fs.write_new_file(tmp, json.dumps({"root": root}).encode())
+        os.replace(tmp, self.base / OWNER_NAME)
+        _fs.fsync_directory(self.base)
 
     # ------------------------------------------------------------------ replicas
     def pack(self, rank: int, step: int, read: bool = False) -> Packed:
@@ -528,3 +682,22 @@ def check_segments(
             )
     if fill is not None and covered != size:
         raise CorruptCheckpointError(f"{path}: manifest segments do not cover the file", str(path))
+
+
+def _flock(fd: int, kind: int, wait_s: float) -> bool:
+    """``flock(fd, kind)``, retried for up to ``wait_s`` seconds; False: not taken.
+
+    Raises:
+        OSError: other than the lock being held elsewhere.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
