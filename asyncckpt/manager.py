@@ -567,7 +567,9 @@ class CheckpointManager:
 
         Returns:
             The steps committed since the last call, in order (except those whose
-            ``handle.wait()`` returned already).
+            ``handle.wait()`` returned already; at most the newest 512 to 1024 of
+            them: a loop that never calls this keeps bounded memory, see
+            :data:`~asyncckpt.saving.saver.MAX_UNHARVESTED`).
 
         Raises:
             CheckpointException: a save failed on some rank (the same on every rank);

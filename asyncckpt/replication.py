@@ -518,8 +518,9 @@ class LocalCheckpoints:
 
     def maybe_finalize(self, blocking: bool = False) -> list[int]:
         """The local steps that became restorable since the last call (any rank, no
-        collective); a local save that failed is logged as a warning on logger
-        ``asyncckpt`` (the tier keeps its last restorable step), never raised."""
+        collective; at most the newest 512 to 1024, as ``CheckpointManager.maybe_finalize``);
+        a local save that failed is logged as a warning on logger ``asyncckpt`` (the
+        tier keeps its last restorable step), never raised."""
         steps: list[int] = []
         while True:
             try:

@@ -488,3 +488,31 @@ def test_closing_a_manager_that_saved_nothing_does_not_wait_for_its_worker_to_st
     seen = json.loads(out.strip().splitlines()[-1])
     assert seen["pid"] is not None and not seen["restored"]
     assert not seen["alive"], "the worker outlived close()"
+
+
+# ------------------------------------------------------------------ saves never harvested
+def test_saves_never_harvested_keep_bounded_records_and_their_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop that never calls ``maybe_finalize`` (here with a bound of 8 instead of
+    1024): the manager keeps only the newest committed saves to report, not one per
+    save; a failed save among them is kept, and raised by the first call."""
+    import asyncckpt.saving.saver as saver_module
+
+    monkeypatch.setattr(saver_module, "MAX_UNHARVESTED", 8)
+    state = {"w": torch.ones(16)}
+    with CheckpointManager(tmp_path / "ckpt", keep_last=2) as mgr:
+        for step in range(1, 41):
+            if step == 3:
+                monkeypatch.setenv("ASYNCCKPT_FAULT", "commit:raise")
+            handle = mgr.save(step, state)
+            # each save settled before the next (not counted as reported): only settled ones are forgotten
+            assert (handle.exception(timeout=60) is not None) == (step == 3)
+            if step == 3:
+                monkeypatch.delenv("ASYNCCKPT_FAULT")
+        with pytest.raises(CheckpointException) as info:
+            mgr.maybe_finalize(blocking=True)
+        assert info.value.step == 3
+        reported = mgr.maybe_finalize(blocking=True)
+        assert 4 <= len(reported) <= 8 and reported == list(range(41 - len(reported), 41)), reported
+    assert mgr.steps() == [39, 40]

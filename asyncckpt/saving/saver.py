@@ -66,6 +66,13 @@ from asyncckpt.saving.staging import StagingBuffer, StagingCopier, StagingPool
 
 _log = logging.getLogger("asyncckpt")
 
+#: A saver keeps at most this many committed saves that no harvest
+#: (``maybe_finalize``) has reported yet; beyond it the oldest are forgotten (down to
+#: half of it at once), so that a loop that never calls ``maybe_finalize`` (a local
+#: tier saved every step for days) does not keep one record per save forever (about
+#: 5 KB each, measured). Failed saves are kept until reported.
+MAX_UNHARVESTED = 1024
+
 #: Per thread: the saves it is settling now (:meth:`Saver._settle`: the completion
 #: callback runs there, before the handle is completed).
 _settling = threading.local()
@@ -204,6 +211,19 @@ class Saver:
     def pending_steps(self) -> list[int]:
         """Steps of this saver's saves scheduled and not settled yet."""
         return [s.step for s in self.pending_records() if s.step is not None]
+
+    def _forget_unharvested(self) -> None:
+        """(holding ``_state``) Forget the oldest committed saves that no harvest has
+        reported, down to half of :data:`MAX_UNHARVESTED` records; pending and failed
+        ones stay (a failure is still raised, in order)."""
+        excess = len(self._records) - MAX_UNHARVESTED // 2
+        kept: collections.deque[SaveInFlight] = collections.deque()
+        for record in self._records:
+            if excess > 0 and record.handle.done() and record.handle.exception(timeout=0) is None:
+                excess -= 1
+                continue
+            kept.append(record)
+        self._records = kept
 
     def _owns(self, call_idx: int) -> bool:
         """True if ``call_idx`` of the queue is a save of this saver not harvested yet."""
@@ -358,6 +378,8 @@ class Saver:
         record.call_idx = call_idx
         with self._state:
             self._records.append(record)
+            if len(self._records) > MAX_UNHARVESTED:
+                self._forget_unharvested()
         try:
             scheduled = queue.schedule_async_request(request, on_settled=functools.partial(self._on_settled, record))
         except BaseException as exc:
