@@ -913,6 +913,7 @@ class _Fetch:
         self.arrival: Arrival | None = None
         self.plan: Any = None
         self.temps: dict[str, torch.Tensor] = {}
+        self._scratch_memory: torch.Tensor | None = None
         self._index: dict[str, tuple[list[int], list[tuple[int, memoryview]]]] = {}
         try:
             self.entries, records = _checked_header(header, self.where)
@@ -920,9 +921,9 @@ class _Fetch:
             self.plan = plan_direct_load(state_dict, records) if records is not None else None
             if self.plan is not None:
                 targets = {e.fqn: e for es in self.plan.files.values() for e in es}
-                for piece in self.pieces:
-                    view = self._target(targets, piece)
-                    self.bufs.append(view if view is not None else memoryview(bytearray(piece.length)))
+                views = [self._target(targets, piece) for piece in self.pieces]
+                between = iter(self._scratch([p.length for p, v in zip(self.pieces, views) if v is None]))
+                self.bufs = [v if v is not None else next(between) for v in views]
             else:
                 self.arrival = owner.storage.arrival(owner.rank, step, header["files"])
                 maps = {name: m for (name, _), m in zip(header["files"], self.arrival.maps)}
@@ -936,7 +937,19 @@ class _Fetch:
             self.failure = RankFailure.from_exception(exc, f"the copy of step {step} from rank {src}: ")
             self.plan = None
             self.pieces = self.pieces or _pieces(header)  # (the header did not check: cut as the sender did)
-            self.bufs = [memoryview(bytearray(piece.length)) for piece in self.pieces]
+            self.bufs = self._scratch([piece.length for piece in self.pieces])
+
+    def _scratch(self, lengths: list[int]) -> list[memoryview]:
+        """Buffers of ``lengths`` bytes (uninitialized: each is received into whole), cut
+        from one allocation that this fetch keeps: a ``bytearray`` each would zero
+        every byte first, and the bytes between an LLM state's tensors are most of it."""
+        self._scratch_memory = torch.empty(sum(lengths), dtype=torch.uint8)
+        whole = _memory(self._scratch_memory)
+        views, offset = [], 0
+        for n in lengths:
+            views.append(whole[offset : offset + n])
+            offset += n
+        return views
 
     @classmethod
     def mapped(cls, owner: LocalCheckpoints, state_dict: dict[str, Any], step: int, packed: Packed) -> _Fetch | None:
@@ -1003,6 +1016,7 @@ class _Fetch:
         for view in self.bufs:
             view.release()
         self.bufs, self.sources = [], []
+        self._scratch_memory = None  # (after the views of it)
         if self.arrival is not None:
             self.arrival.discard()
             self.arrival = None
