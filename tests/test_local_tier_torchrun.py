@@ -109,18 +109,23 @@ def test_intact_nodes_restore_locally_and_a_flipped_byte_takes_the_replica(tmp_p
     job.mkdir()
     _ok(run_agents(_args(["--save-final", "final.pt"]), straight))
     run_agents(_args([]), job, env={"TRAIN_KILL": "2:11"})
-    copy = tmp_path / "copy"
-    shutil.copytree(job, copy)
+    # the killed job as it was, to resume it twice (put back where it was: a tier is the
+    # job's whose root's path it records; a copy elsewhere would be another job's)
+    backup = tmp_path / "backup"
+    shutil.copytree(job, backup)
     out = _ok(run_agents(_args(["--resume", "--save-final", "final.pt"]), job))
     assert "restored step 10 from the local tier (every shard on its own node)" in out, out
+    os.rename(job / "final.pt", tmp_path / "first.pt")
+    shutil.rmtree(job)
+    shutil.copytree(backup, job)
     # a flipped byte in node 0's copy of rank 1's shard: rank 1 takes its replica from rank 3
-    data = copy / "local0" / "rank_00001" / "step_00000010" / "__0_0.distcp"
+    data = job / "local0" / "rank_00001" / "step_00000010" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    out = _ok(run_agents(_args(["--resume", "--save-final", "final.pt"]), copy))
+    out = _ok(run_agents(_args(["--resume", "--save-final", "final.pt"]), job))
     assert "fetched from peers: rank 1 from rank 3" in out and "checksum mismatch" in out, out
     a = torch.load(straight / "final.pt")
-    for final in (job / "final.pt", copy / "final.pt"):
+    for final in (tmp_path / "first.pt", job / "final.pt"):
         b = torch.load(final)
         assert not [k for k in a if not torch.equal(a[k], b[k])], final
