@@ -197,3 +197,40 @@ def remove_checkpoint(path: Path, background: bool = False, *, best_effort: bool
     )
     thread.start()
     return thread
+
+
+# ---------------------------------------------------------------------- held flocks
+#: The descriptors of the ``flock`` s this process holds for as long as it runs (a
+#: root's, a local tier's): a forked child closes its copies at once.
+_held_lock_fds: set[int] = set()
+_held_lock_fds_lock = threading.Lock()
+
+
+def hold_lock_fd(fd: int) -> None:
+    """Remember ``fd`` (whose ``flock`` this process holds): a child of ``os.fork()``
+    closes its copy, so that it never keeps a lock its parent has let go (a ``flock``
+    lasts until every descriptor of it is closed; a forked writer or a DataLoader
+    worker would hold a dead trainer's root or tier)."""
+    with _held_lock_fds_lock:
+        _held_lock_fds.add(fd)
+
+
+def release_lock_fd(fd: int) -> None:
+    """Close ``fd`` (remembered by :func:`hold_lock_fd`), dropping its ``flock``."""
+    with _held_lock_fds_lock:
+        _held_lock_fds.discard(fd)
+    os.close(fd)
+
+
+def _close_held_lock_fds_in_child() -> None:
+    global _held_lock_fds_lock
+    _held_lock_fds_lock = threading.Lock()  # another thread may have held it at the fork
+    for fd in _held_lock_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held_lock_fds.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_lock_fds_in_child)

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from asyncckpt import _exit, _faults
+from asyncckpt import _exit, _faults, _fs
 from asyncckpt._check import check_path
 from asyncckpt._exit import EXIT_TIMEOUT_ENV, exit_timeout
 from asyncckpt._fs import remove_checkpoint
@@ -110,28 +110,6 @@ def _forget_deletions_in_child() -> None:
 
 
 _exit.register(_exit.FINISH_DELETIONS, _join_deletions_at_exit, forget=_forget_deletions_in_child)
-
-
-#: The descriptors of the root locks this process holds (acquire_ownership).
-_held_fds: set[int] = set()
-_held_lock = threading.Lock()
-
-
-def _close_held_in_child() -> None:
-    """In a forked child: close the inherited root-lock descriptors (the parent's flock
-    stays: it is dropped only when every descriptor of it is closed), so the child
-    never holds a root that its parent has left."""
-    global _held_lock
-    _held_lock = threading.Lock()
-    for fd in _held_fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _held_fds.clear()
-
-
-os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 def is_in_root(checkpoint_dir: str | os.PathLike) -> bool:
@@ -324,8 +302,7 @@ class CheckpointRoot:
                 ) from exc
             raise self._in_use_error() from None
         self._owner_fd, self._owner_pid = fd, os.getpid()
-        with _held_lock:
-            _held_fds.add(fd)
+        _fs.hold_lock_fd(fd)  # (a forked child closes its copy: it never holds a root its parent left)
         info = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -474,9 +451,7 @@ class CheckpointRoot:
         """Release the root's lock taken by :meth:`acquire_ownership` (idempotent)."""
         fd, self._owner_fd = self._owner_fd, None
         if fd is not None and self._owner_pid == os.getpid():  # a forked child closed its copy at fork
-            with _held_lock:
-                _held_fds.discard(fd)
-            os.close(fd)  # drops the flock
+            _fs.release_lock_fd(fd)  # drops the flock
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (partial or temporary directories are ignored)."""

@@ -79,23 +79,6 @@ LOCK_NAME = ".asyncckpt.tier.lock"
 #: hold it for the moment of its own claim).
 CLAIM_WAIT_S = 2.0
 
-#: The tier-lock descriptors this process holds (closed in a forked child).
-_held_fds: set[int] = set()
-
-
-def _close_held_in_child() -> None:
-    """In a forked child: close the inherited tier-lock descriptors, so that the child
-    (a forked writer, a DataLoader worker) never holds a tier its parent has left."""
-    for fd in _held_fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _held_fds.clear()
-
-
-os.register_at_fork(after_in_child=_close_held_in_child)
-
 
 def _entries(directory: Path) -> list[Path]:
     try:
@@ -277,9 +260,22 @@ class NodeLocalStorage(LocalStorage):
             OSError: the directory, the lock or the owner record failed.
         """
         self.base.mkdir(parents=True, exist_ok=True)
+        return self._lock(root, claim=True)
+
+    def hold(self, root: str) -> int:
+        """The tier's lock, held shared, on a rank of a node whose first rank has
+        :meth:`claim` ed it for the job of ``root``; :meth:`release` it at close.
+
+        Raises:
+            LocalTierInUseError: the tier is another job's (it was taken over meanwhile).
+            OSError: the lock could not be opened.
+        """
+        return self._lock(root, claim=False)
+
+    def _lock(self, root: str, claim: bool) -> int:
         fd = os.open(self.base / LOCK_NAME, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
-            if _flock(fd, fcntl.LOCK_EX, CLAIM_WAIT_S):
+            if claim and _flock(fd, fcntl.LOCK_EX, CLAIM_WAIT_S):
                 owner = self.owner()
                 if owner != root:
                     self._take_over(owner, root)
@@ -292,33 +288,13 @@ class NodeLocalStorage(LocalStorage):
         except BaseException:
             os.close(fd)
             raise
-        _held_fds.add(fd)
-        return fd
-
-    def hold(self, root: str) -> int:
-        """The tier's lock, held shared, on a rank of a node whose first rank has
-        :meth:`claim` ed it for the job of ``root``; :meth:`release` it at close.
-
-        Raises:
-            LocalTierInUseError: the tier is another job's (it was taken over meanwhile).
-            OSError: the lock could not be opened.
-        """
-        fd = os.open(self.base / LOCK_NAME, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            if not _flock(fd, fcntl.LOCK_SH, CLAIM_WAIT_S):
-                raise self._in_use(None, root)
-            self._check_owner(root)
-        except BaseException:
-            os.close(fd)
-            raise
-        _held_fds.add(fd)
+        _fs.hold_lock_fd(fd)  # (a forked child closes its copy)
         return fd
 
     @staticmethod
     def release(fd: int) -> None:
         """Let go of the tier's lock (:meth:`claim`, :meth:`hold`)."""
-        _held_fds.discard(fd)
-        os.close(fd)
+        _fs.release_lock_fd(fd)
 
     def _check_owner(self, root: str) -> None:
         """(the lock held: the owner cannot change) The tier is ``root`` 's job's.
