@@ -562,6 +562,11 @@ class CheckpointManager:
         so ranks may call this any number of times (with a ``calls_queue`` finalized
         in the training loop it drives that queue, collectively).
 
+        With ``overlap_staging=True``, a save whose copy is still running is left to
+        run (its thread and CUDA event polled, the device never synchronized): its write
+        starts at the first call that finds the copy over, or at
+        :meth:`synchronize_staging` (the optimizer's step waits for the copy anyway).
+
         Args:
             blocking: first wait until every pending save is committed or failed.
 
@@ -580,7 +585,8 @@ class CheckpointManager:
                 raised now, with a note naming those steps (``steps()`` lists them).
             CallbackError: a completion callback raised (its save is committed).
         """
-        self._saver.synchronize_staging()
+        if blocking or self._saver.staging_copied():
+            self._saver.synchronize_staging()
         steps = [record.step for record in self._saver.harvest(blocking) if record.step is not None]
         self._saver.raise_callback_errors()
         if self._upload is not None:

@@ -15,6 +15,7 @@ copy is still pending.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -227,4 +228,36 @@ def test_a_step_on_another_thread_waits_and_nothing_deadlocks(tmp_path: Path, sl
         assert not errors, errors
         assert mgr.maybe_finalize(blocking=True) == [1]
         got = _loaded(mgr, 1, expected)
+    assert_same(expected, got)
+
+
+def test_maybe_finalize_polls_an_overlapped_copy_and_never_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35, item 1 (the CPU side): ``maybe_finalize()`` in the loop polls an
+    overlapped copy (its thread; on a GPU its CUDA event) and returns while the copy is
+    held back (failpoint ``stage:wait``); the next call after the copy is over starts
+    the write, and the save commits the state as of ``save()``."""
+    release = tmp_path / "release"
+    monkeypatch.setenv(_faults.ENV, f"stage:wait={release}")
+    state = {"w": torch.arange(NUMEL, dtype=torch.float32), "step": 1}
+    expected = clone_state(state)
+    with asyncckpt.CheckpointManager(tmp_path / "root", options=asyncckpt.SaveOptions(overlap_staging=True)) as mgr:
+        handle = mgr.save(1, state)
+        returned: list[list[int]] = []
+        loop = threading.Thread(target=lambda: returned.append(mgr.maybe_finalize()), daemon=True)
+        loop.start()
+        loop.join(20)
+        assert not loop.is_alive(), "maybe_finalize() waited for the overlapped copy"
+        assert returned == [[]] and not handle.done()
+        release.touch()  # the copy goes on; the loop's next calls find it over, start the write, report the commit
+        deadline = time.monotonic() + 60
+        committed: list[int] = []
+        while not committed:
+            assert time.monotonic() < deadline, "the save was never committed by maybe_finalize() calls"
+            committed = mgr.maybe_finalize()
+            time.sleep(0.01)
+        assert committed == [1]
+    got = {"w": torch.zeros(NUMEL), "step": 0}
+    asyncckpt.load(got, tmp_path / "root" / "step_00000001")
     assert_same(expected, got)

@@ -58,6 +58,11 @@ class _Overlapped:
         except BaseException as exc:  # noqa: BLE001 - re-raised by the request's preload_fn
             self.error = exc
 
+    def copied(self) -> bool:
+        """Whether the copy is over (its thread done, the D2H copies' CUDA event
+        complete), polled: never waits, never synchronizes the device."""
+        return not self.thread.is_alive() and (self._event is None or bool(self._event.query()))
+
     def wait_copied(self) -> None:
         """Wait until the copy is over (the thread's CPU copies and the D2H copies), then
         compare the versions once and stop watching (any thread; idempotent).

@@ -491,6 +491,12 @@ class Saver:
                 buffer.pin()
             return buffer.nbytes
 
+    def staging_copied(self) -> bool:
+        """Whether an overlapped save's copy is over (True with none), polled: never
+        waits (:meth:`_Overlapped.copied`)."""
+        overlapped = self._overlapped
+        return overlapped is None or overlapped.copied()
+
     def synchronize_staging(self) -> None:
         """Finish an overlapped staging and schedule its write (see ``SaveHandle``)."""
         with self.lock:
