@@ -140,3 +140,73 @@ def test_cuda_load_in_place_matches_torch_load(tmp_path):
     assert {k: out[k].data_ptr() for k in ptrs} == ptrs  # in place
     assert out["w"].is_cuda and out["h"].is_cuda
     assert_same(_reference(ref), _reference(out))
+
+
+def test_cuda_overlapped_save_and_maybe_finalize_never_synchronize(tmp_path):
+    """Issue 35, item 1: in a loop whose device is busy, an overlapped save (steady
+    state: its buffer pinned by the first) and the loop's maybe_finalize() calls make no
+    synchronizing CUDA call (``torch.cuda.set_sync_debug_mode("error")`` raises at one,
+    naming where); the copy is waited for at synchronize_staging() only, and the save
+    holds the state as of save(). Not yet run on a GPU."""
+    sd = _cuda_state(3)
+    with asyncckpt.CheckpointManager(tmp_path, overlap_staging=True, keep_last=2) as mgr:
+        mgr.save(1, sd)  # the first save pins its buffer (cudaHostRegister may synchronize)
+        mgr.maybe_finalize(blocking=True)
+        a = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):
+            a = a @ a / 4096  # queued work: the device is busy when the save is issued
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            handle = mgr.save(2, sd)
+            for _ in range(5):
+                mgr.maybe_finalize()  # the loop's next steps: polled, never waited for
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        expected = _reference(sd)
+        mgr.synchronize_staging()
+        sd["w"].add_(1)  # optimizer.step()
+        handle.wait()
+    out = {
+        "w": torch.empty(4096, 1024),
+        "h": torch.empty(1000, dtype=torch.half),
+        "cpu": torch.empty(10, dtype=torch.long),
+        "step": 0,
+    }
+    asyncckpt.load(out, tmp_path / "step_00000002")
+    assert_same(expected, out)
+
+
+def test_cuda_state_too_large_for_the_memory_guard_pins_nothing(tmp_path):
+    """Issue 35, item 5: a state that the memory guard refuses (here a limit of a
+    millionth of the available memory) fails the save with a clear CheckpointError
+    before any staging buffer is allocated or pinned. Not yet run on a GPU."""
+    sd = _cuda_state(4)
+    options = asyncckpt.SaveOptions(staging_memory_limit=1e-6)
+    with asyncckpt.CheckpointManager(tmp_path, options=options) as mgr:
+        with pytest.raises(asyncckpt.CheckpointError, match="memory"):
+            mgr.save(1, sd)
+        assert staging_buffers(mgr) == ()
+    assert not (tmp_path / "step_00000001").exists()
+
+
+def test_cuda_forked_writer_children_never_touch_cuda(tmp_path):
+    """Issue 35, item 3: ``persistent=False`` forks a child per save from this process,
+    which has initialised CUDA; a child that touched CUDA would fail ("Cannot
+    re-initialize CUDA in forked subprocess"), so three saves that commit, bitwise,
+    show that it did not. A persistent worker started by fork is refused (it would
+    inherit the trainer's threads' locks). Not yet run on a GPU."""
+    assert torch.cuda.is_initialized() or torch.zeros(1, device="cuda").is_cuda
+    sd = _cuda_state(5)
+    with asyncckpt.CheckpointManager(tmp_path, persistent=False) as mgr:
+        for step in (1, 2, 3):
+            sd["w"].add_(1)
+            expected = _reference(sd)
+            mgr.save(step, sd).wait()
+            out = {
+                k: (torch.empty(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else 0)
+                for k, v in expected.items()
+            }
+            asyncckpt.load(out, tmp_path / f"step_{step:08d}")
+            assert_same(expected, out)
+    with pytest.raises(asyncckpt.InvalidArgumentError):
+        asyncckpt.CheckpointManager(tmp_path / "fork", start_method="fork")
