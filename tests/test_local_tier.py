@@ -652,3 +652,27 @@ def test_a_tier_held_by_a_running_job_is_refused_then_taken_over_once_it_died(tm
         assert mgr.restore(_template()) is None  # taken over: the other job's step is gone
     owner = json.loads((tmp_path / "node0" / ".asyncckpt.owner.json").read_text())
     assert owner == {"root": str(tmp_path / "root")}
+
+
+def _open_held_tier(rank: int, world: int, base: str) -> tuple[str, str | None]:
+    try:
+        asyncckpt.CheckpointManager(os.path.join(base, "root"), local=_tier(base, rank))
+    except LocalTierInUseError as exc:
+        return type(exc).__name__, exc.owner
+    return "opened", None
+
+
+@pytest.mark.timeout(120)
+def test_a_tier_held_on_one_node_is_refused_on_every_rank(tmp_path: Path) -> None:
+    # another job, running, holds node 1's tier: the claim fails on node 1's first rank,
+    # and every rank of the job (node 0's too) raises the same LocalTierInUseError
+    script = tmp_path / "holder.py"
+    script.write_text(textwrap.dedent(_HOLDER))
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_FAULT"}
+    cmd = [sys.executable, str(script), str(tmp_path / "node1"), str(tmp_path / "other")]
+    with started_session(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as proc:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "holding", proc.stderr
+        seen = run_ranks(_open_held_tier, WORLD, str(tmp_path), timeout=100, start_method="forkserver")
+        proc.kill()
+        finish_session(proc, timeout=30)
+    assert seen == [("LocalTierInUseError", str(tmp_path / "other"))] * WORLD, seen
