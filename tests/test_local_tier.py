@@ -676,3 +676,26 @@ def test_a_tier_held_on_one_node_is_refused_on_every_rank(tmp_path: Path) -> Non
         proc.kill()
         finish_session(proc, timeout=30)
     assert seen == [("LocalTierInUseError", str(tmp_path / "other"))] * WORLD, seen
+
+
+@pytest.mark.timeout(60)
+def test_fifos_in_the_tier_never_block(tmp_path: Path) -> None:
+    # FIFOs where the tier's records are (a hostile or broken node): nothing blocks. The
+    # lock refuses the tier at once, naming it; an owner record or a marker that is no
+    # regular file counts as none (the tier is claimed and its record written anew)
+    node = tmp_path / "node0"
+    node.mkdir()
+    os.mkfifo(node / ".asyncckpt.tier.lock")
+    tier = asyncckpt.LocalTier(dir=node, every=1, replicas=0)
+    with pytest.raises(CheckpointPathError, match="not a regular file"):
+        asyncckpt.CheckpointManager(tmp_path / "root", local=tier)
+    (node / ".asyncckpt.tier.lock").unlink()
+    os.mkfifo(node / ".asyncckpt.owner.json")
+    (node / "rank_00000").mkdir()
+    os.mkfifo(node / "rank_00000" / "restorable.json")
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        assert mgr.restore(_template()) is None
+        assert mgr.local is not None
+        mgr.local.save(1, _state(0, 1))
+        assert mgr.local.maybe_finalize(blocking=True) == [1]
+    assert json.loads((node / ".asyncckpt.owner.json").read_text()) == {"root": str(tmp_path / "root")}

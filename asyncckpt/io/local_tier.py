@@ -39,6 +39,7 @@ import mmap
 import os
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -159,7 +160,7 @@ class NodeLocalStorage(LocalStorage):
         """Rank ``rank``'s restorable marker (``step``, ``world_size``, ``rank``), or
         ``None`` (none, or unreadable)."""
         try:
-            data = json.loads((self.shard_dir(rank) / RESTORABLE_NAME).read_bytes())
+            data = json.loads(_read_small(self.shard_dir(rank) / RESTORABLE_NAME))
             marker = {k: int(data[k]) for k in ("step", "world_size", "rank")}
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -238,7 +239,7 @@ class NodeLocalStorage(LocalStorage):
         """The persistent root of the job whose checkpoints the tier holds (``None``:
         none recorded, or unreadable)."""
         try:
-            root = json.loads((self.base / OWNER_NAME).read_bytes())["root"]
+            root = json.loads(_read_small(self.base / OWNER_NAME))["root"]
         except (OSError, ValueError, KeyError, TypeError):
             return None
         return root if isinstance(root, str) else None
@@ -273,8 +274,12 @@ class NodeLocalStorage(LocalStorage):
         return self._lock(root, claim=False)
 
     def _lock(self, root: str, claim: bool) -> int:
-        fd = os.open(self.base / LOCK_NAME, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        # (never blocks, never follows a symlink: a FIFO there would block an ordinary open)
+        flags = os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(self.base / LOCK_NAME, flags, 0o644)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, f"{self.base / LOCK_NAME} is not a regular file")
             if claim and _flock(fd, fcntl.LOCK_EX, CLAIM_WAIT_S):
                 owner = self.owner()
                 if owner != root:
@@ -658,6 +663,22 @@ def check_segments(
             )
     if fill is not None and covered != size:
         raise CorruptCheckpointError(f"{path}: manifest segments do not cover the file", str(path))
+
+
+def _read_small(path: Path, limit: int = 1 << 16) -> bytes:
+    """The bytes of a small record file (at most ``limit``), never blocking on a FIFO
+    nor following a symlink there.
+
+    Raises:
+        OSError: it cannot be opened, or it is not a regular file.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
 
 
 def _flock(fd: int, kind: int, wait_s: float) -> bool:
