@@ -216,8 +216,12 @@ def hold_lock_fd(fd: int) -> None:
 
 
 def release_lock_fd(fd: int) -> None:
-    """Close ``fd`` (remembered by :func:`hold_lock_fd`), dropping its ``flock``."""
+    """Close ``fd`` (remembered by :func:`hold_lock_fd`), dropping its ``flock``; once
+    (idempotent), and never in a forked child, which closed its copies at the fork (the
+    number may name another file there now)."""
     with _held_lock_fds_lock:
+        if fd not in _held_lock_fds:
+            return
         _held_lock_fds.discard(fd)
     os.close(fd)
 

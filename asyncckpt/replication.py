@@ -62,6 +62,7 @@ import os
 import pickle
 import shutil
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -325,11 +326,11 @@ class LocalCheckpoints:
 
         def claim() -> None:
             if first:
-                self._lock_fd = storage.claim(owner)
+                self._hold_lock(storage.claim(owner))
 
         def hold() -> None:
             if not first:
-                self._lock_fd = storage.hold(owner)
+                self._hold_lock(storage.hold(owner))
             storage.shard_dir(self.rank).mkdir(parents=True, exist_ok=True)
             for shard in (self.rank, *self.sources):
                 storage.remove_leftovers(shard)
@@ -376,6 +377,15 @@ class LocalCheckpoints:
         if fd is not None:
             with contextlib.suppress(OSError):
                 NodeLocalStorage.release(fd)
+
+    def _hold_lock(self, fd: int) -> None:
+        """Keep ``fd`` (the tier's lock) until :meth:`close`, or until this object is
+        garbage-collected (a manager dropped without ``close()``: its local saves have
+        settled by then, since a pending one holds it), so that the tier does not stay
+        this job's until the process exits."""
+        self._lock_fd = fd
+        finalizer = weakref.finalize(self, NodeLocalStorage.release, fd)
+        finalizer.atexit = False  # (the process's exit closes it anyway)
 
     # ------------------------------------------------------------------ save
     def due(self, step: int) -> bool:

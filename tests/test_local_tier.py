@@ -699,3 +699,20 @@ def test_fifos_in_the_tier_never_block(tmp_path: Path) -> None:
         mgr.local.save(1, _state(0, 1))
         assert mgr.local.maybe_finalize(blocking=True) == [1]
     assert json.loads((node / ".asyncckpt.owner.json").read_text()) == {"root": str(tmp_path / "root")}
+
+
+def test_a_manager_dropped_without_close_lets_go_of_its_tier(tmp_path: Path) -> None:
+    # a manager garbage-collected without close() (a notebook cell run again): once its
+    # local saves settled, its tier's lock goes with it, not at the process's exit; a job
+    # of another root then takes the tier over
+    import gc
+
+    tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
+    mgr = asyncckpt.CheckpointManager(tmp_path / "rootA", local=tier)
+    assert mgr.local is not None
+    mgr.local.save(1, _state(0, 1))
+    assert mgr.local.maybe_finalize(blocking=True) == [1]
+    del mgr
+    gc.collect()
+    with asyncckpt.CheckpointManager(tmp_path / "rootB", local=tier) as other:
+        assert other.restore(_template()) is None  # taken over, not job A's step 1
