@@ -35,6 +35,18 @@ def _reference(sd: dict) -> dict:
     return {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
 
 
+def _loaded_on_cpu(path: Any) -> dict:
+    """The checkpoint of a :func:`_cuda_state` at ``path``, loaded into CPU tensors."""
+    out = {
+        "w": torch.empty(4096, 1024),
+        "h": torch.empty(1000, dtype=torch.half),
+        "cpu": torch.empty(10, dtype=torch.long),
+        "step": 0,
+    }
+    asyncckpt.load(out, path)
+    return out
+
+
 def test_cuda_save_copies_after_pending_compute(tmp_path):
     """The D2H copies wait for the compute stream: a tensor written by a kernel still
     running when save() is called is saved with the kernel's result."""
@@ -49,14 +61,7 @@ def test_cuda_save_copies_after_pending_compute(tmp_path):
         handle.wait()
         buffers = staging_buffers(mgr)
         assert buffers and all(b.pinned for b in buffers)  # D2H into page-locked memory
-    out = {
-        "w": torch.empty(4096, 1024),
-        "h": torch.empty(1000, dtype=torch.half),
-        "cpu": torch.empty(10, dtype=torch.long),
-        "step": 0,
-    }
-    asyncckpt.load(out, tmp_path / "step_00000001")
-    assert_same(expected, out)
+    assert_same(expected, _loaded_on_cpu(tmp_path / "step_00000001"))
 
 
 def test_cuda_overlapped_staging(tmp_path):
@@ -166,14 +171,7 @@ def test_cuda_overlapped_save_and_maybe_finalize_never_synchronize(tmp_path):
         mgr.synchronize_staging()
         sd["w"].add_(1)  # optimizer.step()
         handle.wait()
-    out = {
-        "w": torch.empty(4096, 1024),
-        "h": torch.empty(1000, dtype=torch.half),
-        "cpu": torch.empty(10, dtype=torch.long),
-        "step": 0,
-    }
-    asyncckpt.load(out, tmp_path / "step_00000002")
-    assert_same(expected, out)
+    assert_same(expected, _loaded_on_cpu(tmp_path / "step_00000002"))
 
 
 def test_cuda_state_too_large_for_the_memory_guard_pins_nothing(tmp_path):

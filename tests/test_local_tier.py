@@ -9,6 +9,7 @@ what each rank observed; the assertions run here. The torchrun version of the sa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 from unittest import mock
@@ -629,18 +631,26 @@ _HOLDER = """
 """
 
 
+@contextlib.contextmanager
+def _holding(tmp_path: Path, tier_dir: Path) -> Iterator[subprocess.Popen]:
+    """Another job (root ``tmp_path / "other"``), running in a process of its own, that
+    holds the tier ``tier_dir`` (its manager open, one local step saved)."""
+    script = tmp_path / "holder.py"
+    script.write_text(textwrap.dedent(_HOLDER))
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_FAULT"}
+    cmd = [sys.executable, str(script), str(tier_dir), str(tmp_path / "other")]
+    with started_session(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as proc:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "holding", proc.stderr
+        yield proc
+
+
 @pytest.mark.timeout(120)
 def test_a_tier_held_by_a_running_job_is_refused_then_taken_over_once_it_died(tmp_path: Path) -> None:
     # another job, running (a process with its manager open), holds the tier: this job's
     # manager is refused, naming the other job's root, and nothing of the other's is
     # touched; once that job is gone (SIGKILL: the kernel drops its lock), the tier is taken over
-    script = tmp_path / "holder.py"
-    script.write_text(textwrap.dedent(_HOLDER))
-    env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_FAULT"}
-    cmd = [sys.executable, str(script), str(tmp_path / "node0"), str(tmp_path / "other")]
     tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
-    with started_session(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as proc:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "holding", proc.stderr
+    with _holding(tmp_path, tmp_path / "node0") as proc:
         with pytest.raises(LocalTierInUseError, match="in use by the job of the checkpoint root") as info:
             asyncckpt.CheckpointManager(tmp_path / "root", local=tier)
         assert info.value.owner == str(tmp_path / "other") and info.value.path == str(tmp_path / "node0")
@@ -666,12 +676,7 @@ def _open_held_tier(rank: int, world: int, base: str) -> tuple[str, str | None]:
 def test_a_tier_held_on_one_node_is_refused_on_every_rank(tmp_path: Path) -> None:
     # another job, running, holds node 1's tier: the claim fails on node 1's first rank,
     # and every rank of the job (node 0's too) raises the same LocalTierInUseError
-    script = tmp_path / "holder.py"
-    script.write_text(textwrap.dedent(_HOLDER))
-    env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_FAULT"}
-    cmd = [sys.executable, str(script), str(tmp_path / "node1"), str(tmp_path / "other")]
-    with started_session(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as proc:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "holding", proc.stderr
+    with _holding(tmp_path, tmp_path / "node1") as proc:
         seen = run_ranks(_open_held_tier, WORLD, str(tmp_path), timeout=100, start_method="forkserver")
         proc.kill()
         finish_session(proc, timeout=30)
