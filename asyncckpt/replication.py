@@ -285,7 +285,7 @@ class LocalCheckpoints:
         queue: the manager's queue (its worker writes the local saves too).
         options: the manager's save options (overlapped staging is not used here).
         process_group: the ranks saving together.
-        owner: the job's persistent root (its absolute path): the tier directory is
+        root: the job's persistent root (its absolute path): the tier directory is
             this job's (:meth:`NodeLocalStorage.claim`: a tier of another job that is
             not running is taken over, its shards removed; a running one's refused).
 
@@ -307,30 +307,30 @@ class LocalCheckpoints:
         queue: AsyncCallsQueue,
         options: SaveOptions,
         process_group: Any = None,
-        owner: str = "",
+        *,
+        root: str,
     ) -> None:
         self.tier = tier
         self.process_group = process_group
         self.sync = SyncGroup(process_group)
         self.rank, self.world_size = self.sync.rank, self.sync.world_size
         self.storage = NodeLocalStorage(Path(os.path.abspath(os.fspath(tier.dir))))
-        self.owner = owner
         self.nodes = [n[0] for n in self.sync.all_gather_ints([_node_of(tier, self.rank)])]
         self.targets = replica_map(self.nodes, tier.replicas)
         self.sources = [r for r, row in enumerate(self.targets) if self.rank in row]
         self._self_group = None
-        self._lock_fd: int | None = None
+        self._lock: weakref.finalize | None = None  # (calling it lets go of the tier's lock, once)
         # The node's first rank makes the tier this job's before the node's other ranks use it.
         first = self.nodes.index(self.nodes[self.rank]) == self.rank
         storage = self.storage
 
         def claim() -> None:
             if first:
-                self._hold_lock(storage.claim(owner))
+                self._hold_lock(storage.claim(root))
 
         def hold() -> None:
             if not first:
-                self._hold_lock(storage.hold(owner))
+                self._hold_lock(storage.hold(root))
             storage.shard_dir(self.rank).mkdir(parents=True, exist_ok=True)
             for shard in (self.rank, *self.sources):
                 storage.remove_leftovers(shard)
@@ -373,19 +373,18 @@ class LocalCheckpoints:
             raise CheckpointError(f"opening the local tier failed: {first}", failures)
 
     def _release_lock(self) -> None:
-        fd, self._lock_fd = self._lock_fd, None
-        if fd is not None:
+        if self._lock is not None:
             with contextlib.suppress(OSError):
-                NodeLocalStorage.release(fd)
+                self._lock()  # (a finalizer runs once: never again when this is collected)
 
     def _hold_lock(self, fd: int) -> None:
         """Keep ``fd`` (the tier's lock) until :meth:`close`, or until this object is
         garbage-collected (a manager dropped without ``close()``: its local saves have
         settled by then, since a pending one holds it), so that the tier does not stay
-        this job's until the process exits."""
-        self._lock_fd = fd
-        finalizer = weakref.finalize(self, NodeLocalStorage.release, fd)
-        finalizer.atexit = False  # (the process's exit closes it anyway)
+        this job's until the process exits. One finalizer releases it either way: a
+        second release of the number could close another lock opened under it since."""
+        self._lock = weakref.finalize(self, NodeLocalStorage.release, fd)
+        self._lock.atexit = False  # (the process's exit closes it anyway)
 
     # ------------------------------------------------------------------ save
     def due(self, step: int) -> bool:

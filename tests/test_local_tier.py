@@ -721,3 +721,23 @@ def test_a_manager_dropped_without_close_lets_go_of_its_tier(tmp_path: Path) -> 
     gc.collect()
     with asyncckpt.CheckpointManager(tmp_path / "rootB", local=tier) as other:
         assert other.restore(_template()) is None  # taken over, not job A's step 1
+
+
+def test_a_closed_managers_collection_never_lets_go_of_a_newer_managers_tier(tmp_path: Path) -> None:
+    # manager A closed (its tier's lock let go), manager B of the same job opened (its lock
+    # may get the number A's had), then A collected: B still holds the tier, so a job of
+    # another root is refused while B runs
+    import gc
+
+    tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
+    first = asyncckpt.CheckpointManager(tmp_path / "root", local=tier)
+    first.close()
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        assert mgr.local is not None
+        mgr.local.save(1, _state(0, 1))
+        assert mgr.local.maybe_finalize(blocking=True) == [1]
+        del first
+        gc.collect()
+        with pytest.raises(LocalTierInUseError):
+            asyncckpt.CheckpointManager(tmp_path / "other", local=tier)
+        assert NodeLocalStorage(tmp_path / "node0").held() == [(0, 1, 1)]  # B's step, untouched
