@@ -201,28 +201,36 @@ def remove_checkpoint(path: Path, background: bool = False, *, best_effort: bool
 
 # ---------------------------------------------------------------------- held flocks
 #: The descriptors of the ``flock`` s this process holds for as long as it runs (a
-#: root's, a local tier's): a forked child closes its copies at once.
-_held_lock_fds: set[int] = set()
+#: root's, a local tier's), each with the token :func:`hold_lock_fd` gave for it: a
+#: forked child closes its copies at once.
+_held_lock_fds: dict[int, object] = {}
 _held_lock_fds_lock = threading.Lock()
 
 
-def hold_lock_fd(fd: int) -> None:
+def hold_lock_fd(fd: int) -> object:
     """Remember ``fd`` (whose ``flock`` this process holds): a child of ``os.fork()``
     closes its copy, so that it never keeps a lock its parent has let go (a ``flock``
     lasts until every descriptor of it is closed; a forked writer or a DataLoader
-    worker would hold a dead trainer's root or tier)."""
+    worker would hold a dead trainer's root or tier).
+
+    Returns:
+        The token to give :func:`release_lock_fd`.
+    """
+    token = object()
     with _held_lock_fds_lock:
-        _held_lock_fds.add(fd)
+        _held_lock_fds[fd] = token
+    return token
 
 
-def release_lock_fd(fd: int) -> None:
-    """Close ``fd`` (remembered by :func:`hold_lock_fd`), dropping its ``flock``; once
-    (idempotent), and never in a forked child, which closed its copies at the fork (the
-    number may name another file there now)."""
+def release_lock_fd(fd: int, token: object) -> None:
+    """Close ``fd``, dropping its ``flock``, if it is still the one :func:`hold_lock_fd`
+    gave ``token`` for: once, and never a later lock opened under the same number (in
+    this process after the release, or in a forked child, which closed its copies at
+    the fork)."""
     with _held_lock_fds_lock:
-        if fd not in _held_lock_fds:
+        if _held_lock_fds.get(fd) is not token:
             return
-        _held_lock_fds.discard(fd)
+        del _held_lock_fds[fd]
     os.close(fd)
 
 

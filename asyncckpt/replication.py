@@ -377,13 +377,12 @@ class LocalCheckpoints:
             with contextlib.suppress(OSError):
                 self._lock()  # (a finalizer runs once: never again when this is collected)
 
-    def _hold_lock(self, fd: int) -> None:
-        """Keep ``fd`` (the tier's lock) until :meth:`close`, or until this object is
+    def _hold_lock(self, lock: tuple[int, object]) -> None:
+        """Keep ``lock`` (the tier's: descriptor and token) until :meth:`close`, or until this object is
         garbage-collected (a manager dropped without ``close()``: its local saves have
         settled by then, since a pending one holds it), so that the tier does not stay
-        this job's until the process exits. One finalizer releases it either way: a
-        second release of the number could close another lock opened under it since."""
-        self._lock = weakref.finalize(self, NodeLocalStorage.release, fd)
+        this job's until the process exits. One finalizer releases it either way."""
+        self._lock = weakref.finalize(self, NodeLocalStorage.release, *lock)
         self._lock.atexit = False  # (the process's exit closes it anyway)
 
     # ------------------------------------------------------------------ save

@@ -251,6 +251,7 @@ class CheckpointRoot:
             raise CheckpointPathError.of(errno.ENOTDIR, "the checkpoint root is not a directory", self.path)
         self._owner_fd: int | None = None  # the descriptor whose flock acquire_ownership() holds
         self._owner_pid = 0  # ... in this process
+        self._owner_token: object = None
         self.keep_last = keep_last
         self._lock = threading.Lock()
         self._deletion: threading.Thread | None = None  # the retention removal in flight
@@ -302,7 +303,7 @@ class CheckpointRoot:
                 ) from exc
             raise self._in_use_error() from None
         self._owner_fd, self._owner_pid = fd, os.getpid()
-        _fs.hold_lock_fd(fd)  # (a forked child closes its copy: it never holds a root its parent left)
+        self._owner_token = _fs.hold_lock_fd(fd)  # (a forked child closes its copy)
         info = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -451,7 +452,7 @@ class CheckpointRoot:
         """Release the root's lock taken by :meth:`acquire_ownership` (idempotent)."""
         fd, self._owner_fd = self._owner_fd, None
         if fd is not None and self._owner_pid == os.getpid():  # a forked child closed its copy at fork
-            _fs.release_lock_fd(fd)  # drops the flock
+            _fs.release_lock_fd(fd, self._owner_token)  # drops the flock
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (partial or temporary directories are ignored)."""

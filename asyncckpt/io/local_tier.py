@@ -244,10 +244,11 @@ class NodeLocalStorage(LocalStorage):
             return None
         return root if isinstance(root, str) else None
 
-    def claim(self, root: str) -> int:
+    def claim(self, root: str) -> tuple[int, object]:
         """Make the tier this job's (the job whose persistent root is ``root``), on a
         node's first rank, before any other rank of the node uses it; returns the
-        descriptor of the tier's lock, held shared (:meth:`release` it at close).
+        descriptor of the tier's lock, held shared, and its token (:meth:`release`
+        them at close).
 
         With the lock held exclusively (no running job holds the tier): a tier of
         another job, or of no recorded job (made by an asyncckpt before owners), has
@@ -263,9 +264,10 @@ class NodeLocalStorage(LocalStorage):
         self.base.mkdir(parents=True, exist_ok=True)
         return self._lock(root, claim=True)
 
-    def hold(self, root: str) -> int:
+    def hold(self, root: str) -> tuple[int, object]:
         """The tier's lock, held shared, on a rank of a node whose first rank has
-        :meth:`claim` ed it for the job of ``root``; :meth:`release` it at close.
+        :meth:`claim` ed it for the job of ``root``, and its token; :meth:`release`
+        them at close.
 
         Raises:
             LocalTierInUseError: the tier is another job's (it was taken over meanwhile).
@@ -273,7 +275,7 @@ class NodeLocalStorage(LocalStorage):
         """
         return self._lock(root, claim=False)
 
-    def _lock(self, root: str, claim: bool) -> int:
+    def _lock(self, root: str, claim: bool) -> tuple[int, object]:
         # (never blocks, never follows a symlink: a FIFO there would block an ordinary open)
         flags = os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         fd = os.open(self.base / LOCK_NAME, flags, 0o644)
@@ -293,13 +295,13 @@ class NodeLocalStorage(LocalStorage):
         except BaseException:
             os.close(fd)
             raise
-        _fs.hold_lock_fd(fd)  # (a forked child closes its copy)
-        return fd
+        return fd, _fs.hold_lock_fd(fd)  # (a forked child closes its copy)
 
     @staticmethod
-    def release(fd: int) -> None:
-        """Let go of the tier's lock (:meth:`claim`, :meth:`hold`)."""
-        _fs.release_lock_fd(fd)
+    def release(fd: int, token: object) -> None:
+        """Let go of the tier's lock (:meth:`claim`, :meth:`hold`: their descriptor and
+        token); once, never a later lock opened under the same number."""
+        _fs.release_lock_fd(fd, token)
 
     def _check_owner(self, root: str) -> None:
         """(the lock held: the owner cannot change) The tier is ``root`` 's job's.
