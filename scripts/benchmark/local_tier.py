@@ -26,6 +26,11 @@ bytes, right next to it (``--reps`` rounds; the median of the ratios):
 - persistent tier restore (``asyncckpt.load`` of the root's copy of the same step,
   every byte CRC-checked) / the raw read of what a rank reads of it (the whole state's
   data files; ``fsdp2``: the rank's own file), every rank at once;
+- the local and peer restores are timed on a manager whose persistent worker has
+  started (:func:`_worker_started`): a manager starts its worker as it opens, and on 2
+  cores that start-up (a process importing torch, per rank) takes about half the CPU
+  from a restore timed right after. The rows "as the manager opens" time that first
+  restore (the same manager, the same bytes), what a restart on a small machine sees;
 - training slowdown: ``--train-steps`` steps (fixed compute, a small all-reduce, a
   write to the state) with a local save every step, and with a persistent save every 4
   steps, each / the same loop without checkpoints.
@@ -159,6 +164,27 @@ def _raw_transfer(buf: torch.Tensor, rank: int, per_node: int, meanwhile: Callab
     return time.perf_counter() - t0
 
 
+def _worker_started(mgr: Any, timeout: float = 120.0) -> None:
+    """Wait until ``mgr``'s persistent worker has finished starting (imported torch and
+    the training script, then idle: its CPU time still over 0.1 s): a manager starts it
+    when it opens, and on 2 cores its start-up would take half the CPU from a restore
+    timed right after (the ``cold`` rows show that)."""
+    import psutil
+
+    pid = getattr(mgr.queue.caller, "worker_pid", None)
+    if pid is None:
+        return
+    proc = psutil.Process(pid)
+    deadline = time.monotonic() + timeout
+    last = -1.0
+    while time.monotonic() < deadline:
+        cpu = sum(proc.cpu_times()[:2])
+        if cpu == last:
+            return
+        last = cpu
+        time.sleep(0.1)
+
+
 def _training(args: argparse.Namespace, sd: dict[str, Any], base: Path, rank: int, tier: Any) -> dict[str, float]:
     """Seconds of ``--train-steps`` training steps (a fixed compute, then an all-reduce
     of a small gradient, then a write to the state): without checkpoints, with a local
@@ -195,6 +221,15 @@ def _training(args: argparse.Namespace, sd: dict[str, Any], base: Path, rank: in
         return elapsed
 
     return {mode: run(mode) for mode in ("none", "local", "persistent")}
+
+
+def _restore(mgr: Any, sd: dict[str, Any]) -> float:
+    """Seconds of ``mgr.restore(sd)`` on every rank at once, between two barriers."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    assert mgr.restore(sd) is not None
+    dist.barrier()
+    return time.perf_counter() - t0
 
 
 def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
@@ -237,6 +272,8 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
         own = _own_files(base, rank, args.ranks_per_node)
         readbuf = torch.ones(sum(p.stat().st_size for p in own), dtype=torch.uint8)  # faulted in
         local_times, local_limits, read_limits, peer_times, peer_limits, busy_limits = [], [], [], [], [], []
+        local_cold: list[float] = []
+        peer_cold: list[float] = []
         step_dir = base / "root" / step_dir_name(args.saves)
         # what a rank reads of the persistent step: its own shards (fsdp2), else the whole state
         if args.workload == "fsdp2":
@@ -258,12 +295,11 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
             local_limits.append(_memcpy(src, dst))
             read_limits.append(_raw_read(own, readbuf))
             with asyncckpt.CheckpointManager(base / "root", local=tier) as mgr:
-                dist.barrier()
-                t0 = time.perf_counter()
-                result = mgr.restore(sd)
-                dist.barrier()
-                local_times.append(time.perf_counter() - t0)
-                assert result is not None and result.tier == "local" and not result.peers, result
+                local_cold.append(_restore(mgr, sd))  # (its worker starting beside it)
+                _worker_started(mgr)
+                local_times.append(_restore(mgr, sd))
+                assert mgr.local is not None and mgr.local.restored is not None
+                assert mgr.local.restored.tier == "local" and not mgr.local.restored.peers, mgr.local.restored
             if rank == args.ranks_per_node:  # node 1's first rank
                 shutil.rmtree(base / "node1")
             peer_limits.append(_raw_transfer(buf, rank, args.ranks_per_node, None))
@@ -271,11 +307,10 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                 _raw_transfer(buf, rank, args.ranks_per_node, functools.partial(_raw_read, own, readbuf, False))
             )
             with asyncckpt.CheckpointManager(base / "root", local=tier) as mgr:
-                dist.barrier()
-                t0 = time.perf_counter()
-                result = mgr.restore(sd)
-                dist.barrier()
-                peer_times.append(time.perf_counter() - t0)
+                peer_cold.append(_restore(mgr, sd))
+                _worker_started(mgr)
+                peer_times.append(_restore(mgr, sd))
+                result = mgr.local.restored if mgr.local is not None else None
                 assert result is not None and set(result.peers) == set(
                     range(args.ranks_per_node, 2 * args.ranks_per_node)
                 ), result
@@ -289,6 +324,8 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                     "local_read": (local_times, read_limits),
                     "peer": (peer_times, peer_limits),
                     "peer_busy": (peer_times, busy_limits),
+                    "local_cold": (local_cold, read_limits),
+                    "peer_cold": (peer_cold, peer_limits),
                     "persistent": (persist_times, persist_limits),
                     "train": train,
                 }
@@ -355,6 +392,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         ("peer restore (node 1 wiped, from node 0)", r["peer"], "raw gloo transfer"),
         ("the same", r["peer_busy"], "raw transfer + node 0's raw read meanwhile"),
         ("persistent tier restore (asyncckpt.load of the root's step)", r["persistent"], "raw read of what it reads"),
+        ("local restore as the manager opens (its worker starting beside it)", r["local_cold"], "raw read (preadv)"),
+        ("peer restore as the manager opens (its worker starting beside it)", r["peer_cold"], "raw gloo transfer"),
     ]
     for name, (times, limits), limit in rows:
         ratio = statistics.median(t / lim for t, lim in zip(times, limits))
