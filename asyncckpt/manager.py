@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from asyncckpt._check import check_callback, check_path, check_state_dict, check_step, check_step_info
 from asyncckpt._exit import EXIT_TIMEOUT_ENV, exit_timeout
+from asyncckpt._gc import gc_paused
 from asyncckpt.async_utils.callers import PersistentAsyncCaller
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 from asyncckpt.dist import SyncGroup
@@ -476,31 +477,32 @@ class CheckpointManager:
                 rank).
             InvalidStateError: (a ``RuntimeError``) the manager is closed.
         """
-        hint = "; the call is save(step, state_dict)"
-        step = check_step(step, hint=hint)
-        check_state_dict(state_dict, hint=hint)
-        check_callback(callback)
-        user_info = check_step_info(metrics, metadata)
-        if self._closed:
-            raise InvalidStateError("CheckpointManager is closed")
-        if self.read_only:
-            raise CheckpointError(f"this CheckpointManager of {self.root_dir} is read-only (read_only=True)")
-        if self.save_interval is not None and self.save_interval.seconds is not None:
-            self._agree_on_time(step)
-        callback = callback if callback is not None else self.callback
-        if self._upload is not None:
-            callback = self._upload.wrap(callback)
-        with self._saver.lock:
-            return self._saver.save(
-                state_dict,
-                self.step_dir(step),
-                async_op=async_op,
-                process_group=self.process_group,
-                coordinator_rank=self.coordinator_rank,
-                step=step,
-                callback=callback,
-                user_info=user_info,
-            )
+        with gc_paused():  # (from the first line: no collection inside the stall)
+            hint = "; the call is save(step, state_dict)"
+            step = check_step(step, hint=hint)
+            check_state_dict(state_dict, hint=hint)
+            check_callback(callback)
+            user_info = check_step_info(metrics, metadata)
+            if self._closed:
+                raise InvalidStateError("CheckpointManager is closed")
+            if self.read_only:
+                raise CheckpointError(f"this CheckpointManager of {self.root_dir} is read-only (read_only=True)")
+            if self.save_interval is not None and self.save_interval.seconds is not None:
+                self._agree_on_time(step)
+            callback = callback if callback is not None else self.callback
+            if self._upload is not None:
+                callback = self._upload.wrap(callback)
+            with self._saver.lock:
+                return self._saver.save(
+                    state_dict,
+                    self.step_dir(step),
+                    async_op=async_op,
+                    process_group=self.process_group,
+                    coordinator_rank=self.coordinator_rank,
+                    step=step,
+                    callback=callback,
+                    user_info=user_info,
+                )
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """What step ``step`` (default: the latest) was saved with, read from its
@@ -737,18 +739,19 @@ class CheckpointManager:
             The step, tier and peers restored from, or ``None`` when neither tier holds
             a checkpoint (start from step 0).
         """
-        self._saver.synchronize_staging()
-        choice = self._agreed_newest()  # the persistent tiers' newest, the same on every rank
-        if self.local is None:
-            if choice is None:
-                return None
-            return RestoreResult(self._load_from(state_dict, *choice), "persistent", {}, "persistent")
-        where = None if choice is None else choice[1]
-        return self.local.restore(
-            state_dict,
-            None if choice is None else choice[0],
-            lambda step: self._load_from(state_dict, step, where),
-        )
+        with gc_paused():  # (a restore's plans build thousands of objects)
+            self._saver.synchronize_staging()
+            choice = self._agreed_newest()  # the persistent tiers' newest, the same on every rank
+            if self.local is None:
+                if choice is None:
+                    return None
+                return RestoreResult(self._load_from(state_dict, *choice), "persistent", {}, "persistent")
+            where = None if choice is None else choice[1]
+            return self.local.restore(
+                state_dict,
+                None if choice is None else choice[0],
+                lambda step: self._load_from(state_dict, step, where),
+            )
 
     def close(self, abort: bool = False) -> None:
         """Commit pending saves and stop the worker; ``abort`` drops them instead.

@@ -72,6 +72,7 @@ import torch
 import torch.distributed as dist
 
 from asyncckpt import _faults, _fs
+from asyncckpt._gc import gc_paused
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 from asyncckpt.dist import SyncGroup
 from asyncckpt.errors import (
@@ -406,6 +407,10 @@ class LocalCheckpoints:
             CheckpointError: this save was refused on some rank (invalid state, the
                 memory guard), on every rank.
         """
+        with gc_paused():  # (no collection inside the stall)
+            return self._save(step, state_dict)
+
+    def _save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle | None:
         if not self.due(step):
             return None
         state_dict = local_shards(state_dict)  # (a DTensor: its shard, as a plain tensor)
@@ -604,6 +609,15 @@ class LocalCheckpoints:
             CheckpointError: a copy failed on some rank and the persistent tier holds
                 nothing to fall back to (the same on every rank).
         """
+        with gc_paused():  # (its plans and placements build thousands of objects)
+            return self._restore(state_dict, persistent_step, load_persistent)
+
+    def _restore(
+        self,
+        state_dict: dict[str, Any],
+        persistent_step: int | None,
+        load_persistent: Callable[[int], Any],
+    ) -> RestoreResult | None:
         sync = self.sync
         with sync.describing("the restore's census of the local tier"):
             census = sync.all_gather_object((self.storage.held(), persistent_step), fits=self._census_bytes())

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.api import (
 )
 
 from asyncckpt._check import check_path, check_state_dict
+from asyncckpt._gc import gc_paused
 from asyncckpt._hooks import call_timings_hooks
 from asyncckpt.dist import SyncGroup
 from asyncckpt.errors import (
@@ -48,7 +49,6 @@ from asyncckpt.io.storage import LOCAL, ReadableStorage
 from asyncckpt.loading.dcp import SafeFileSystemReader, SafeLoadPlanner
 from asyncckpt.loading.direct import direct_load, plan_direct_load
 from asyncckpt.loading.hf import is_hf_dir, load_hf
-from asyncckpt.loading.metadata import gc_paused
 from asyncckpt.root import is_stock_dcp
 
 __all__ = ["LoadTimings", "load", "verify", "read_metadata", "from_dcp_exception", "not_a_directory"]

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from asyncckpt._gc import gc_paused
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.crc import CrcChain
 from asyncckpt.format.manifest import METADATA_NAME, run_in_order
@@ -38,7 +39,7 @@ from asyncckpt.loading.framing import (
     torch_load_tensor,
     writer_framing,
 )
-from asyncckpt.loading.metadata import check_file_name, gc_paused
+from asyncckpt.loading.metadata import check_file_name
 
 __all__ = ["DirectPlan", "plan_direct_load", "direct_load", "local_shard"]
 

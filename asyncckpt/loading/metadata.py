@@ -19,13 +19,10 @@ The data files are read by :mod:`asyncckpt.loading.dcp` (DCP's load path) and
 from __future__ import annotations
 
 import collections
-import contextlib
-import gc
 import io
 import os
 import pathlib
 import pickle
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,11 +30,12 @@ from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
+from asyncckpt._gc import gc_paused
 from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.format.manifest import METADATA_NAME, is_plain_name
 from asyncckpt.io.storage import LOCAL, CheckpointReader, ReadableStorage
 
-__all__ = ["METADATA_NAME", "gc_paused", "check_file_name", "validate_metadata", "read_metadata"]
+__all__ = ["METADATA_NAME", "check_file_name", "validate_metadata", "read_metadata"]
 
 _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     **{
@@ -63,22 +61,6 @@ _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     ("pathlib", "PosixPath"): pathlib.PosixPath,
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
 }
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector off while building many small objects (a metadata
-    of thousands of entries otherwise triggers several full collections, a tenth of a
-    second each with a large heap). Only re-enabled if it was on; nested uses leave it
-    to the outermost. Objects freed before the end never count towards a collection
-    (CPython counts an allocation up and its deallocation down)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 class _MetadataUnpickler(pickle.Unpickler):

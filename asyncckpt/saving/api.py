@@ -12,6 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 from asyncckpt._check import check_callback, check_path, check_state_dict, check_step, check_step_info
+from asyncckpt._gc import gc_paused
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 from asyncckpt.errors import InvalidArgumentError
 from asyncckpt.options import SaveOptions
@@ -228,43 +229,44 @@ def save(
             (nothing is staged); ``overlap_staging`` without ``async_op``; both
             ``options`` and ``overlap_staging``; a bad ``SaveOptions`` value.
     """
-    hint = "; the call is save(state_dict, checkpoint_dir)"
-    check_state_dict(state_dict, hint=hint)
-    check_path(checkpoint_dir, hint=hint)
-    if step is not None:
-        step = check_step(step)
-    check_callback(callback)
-    user_info = check_step_info(metrics, metadata)
-    opts = SaveOptions.resolve(options, overlap_staging=overlap_staging)
-    if opts.overlap_staging and not async_op:
-        raise InvalidArgumentError("overlap_staging needs async_op=True")
-    queue = calls_queue if calls_queue is not None else default_calls_queue(process_group)
-    with _module_lock:
-        kept = _savers.get(queue, {})
-        # A synchronous save uses the saver its options keep for asynchronous saves (its
-        # buffer is there already), else a saver of its own, released when it returns.
-        saver = _saver_for_locked(queue, kept, opts) if async_op else kept.get(opts)
-        others = [other for other in kept.values() if other is not saver]
-    transient = saver is None
-    if saver is None:
-        saver = Saver(queue, opts)
-    for other in others:  # an earlier overlapped save on this queue is scheduled first, whatever its options
-        with other.lock:
-            other.synchronize_staging()
-            if async_op and not other.busy():
-                other.free_idle_buffers()  # one set of idle staging buffers per queue: the options used last
-    try:
-        with saver.lock:
-            return saver.save(
-                state_dict,
-                checkpoint_dir,
-                async_op=async_op,
-                process_group=process_group,
-                coordinator_rank=coordinator_rank,
-                callback=callback,
-                step=step,
-                user_info=user_info,
-            )
-    finally:
-        if transient:
-            saver.release()  # its staging buffer and copy threads go now, not with the queue
+    with gc_paused():  # (from the first line: no collection inside the stall)
+        hint = "; the call is save(state_dict, checkpoint_dir)"
+        check_state_dict(state_dict, hint=hint)
+        check_path(checkpoint_dir, hint=hint)
+        if step is not None:
+            step = check_step(step)
+        check_callback(callback)
+        user_info = check_step_info(metrics, metadata)
+        opts = SaveOptions.resolve(options, overlap_staging=overlap_staging)
+        if opts.overlap_staging and not async_op:
+            raise InvalidArgumentError("overlap_staging needs async_op=True")
+        queue = calls_queue if calls_queue is not None else default_calls_queue(process_group)
+        with _module_lock:
+            kept = _savers.get(queue, {})
+            # A synchronous save uses the saver its options keep for asynchronous saves (its
+            # buffer is there already), else a saver of its own, released when it returns.
+            saver = _saver_for_locked(queue, kept, opts) if async_op else kept.get(opts)
+            others = [other for other in kept.values() if other is not saver]
+        transient = saver is None
+        if saver is None:
+            saver = Saver(queue, opts)
+        for other in others:  # an earlier overlapped save on this queue is scheduled first, whatever its options
+            with other.lock:
+                other.synchronize_staging()
+                if async_op and not other.busy():
+                    other.free_idle_buffers()  # one set of idle staging buffers per queue: the options used last
+        try:
+            with saver.lock:
+                return saver.save(
+                    state_dict,
+                    checkpoint_dir,
+                    async_op=async_op,
+                    process_group=process_group,
+                    coordinator_rank=coordinator_rank,
+                    callback=callback,
+                    step=step,
+                    user_info=user_info,
+                )
+        finally:
+            if transient:
+                saver.release()  # its staging buffer and copy threads go now, not with the queue
