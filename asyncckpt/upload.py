@@ -179,6 +179,11 @@ class Uploader:
         self._closing = False
         self._failures: list[UploadError] = []
         self._current: _Job | None = None
+        #: This job's name in the prefix's lease (see "Whose prefix" in :mod:`asyncckpt.io.s3`).
+        self._lease_root = str(Path(root.path).absolute())
+        #: When the lease was last found this job's (or free), by ``time.monotonic()``;
+        #: re-read after a quarter of ``LEASE_TTL_S`` (the coordinator renews it then).
+        self._lease_checked: float | None = None
         self._thread: threading.Thread | None = None
         self._agent = _s3_agent.UploadProcess(self.tier) if process and not read_only else None
         if not read_only:
@@ -284,6 +289,62 @@ class Uploader:
         for step in order[last + 1 :]:
             self._enqueue(step, self.callback, True)
 
+    # ------------------------------------------------------------------ the lease
+    def _renewal_in(self) -> float | None:
+        """(holding the condition) Seconds until the coordinator renews the lease it
+        holds, or ``None`` (not the coordinator, or no lease taken yet)."""
+        if not self.coordinator or self._lease_checked is None:
+            return None
+        return max(0.0, self._lease_checked + _s3.LEASE_TTL_S / 4 - time.monotonic())
+
+    def _lease(self, renew: bool = False) -> _s3.Lease | None:
+        """(upload thread) Before an upload: the prefix is this job's or free, read at
+        most every ``LEASE_TTL_S / 4`` seconds (``renew``: now); the coordinator then
+        writes the lease (a takeover of a lease that no longer holds is logged).
+        Returns the lease of the other job that holds the prefix (the upload must not
+        start), or ``None``.
+
+        Raises:
+            RemoteStorageError: the lease cannot be read or written.
+        """
+        if not renew and self._lease_checked is not None:
+            if time.monotonic() - self._lease_checked < _s3.LEASE_TTL_S / 4:
+                return None
+        lease = self.tier.read_lease()
+        if lease is not None and lease.root != self._lease_root:
+            if lease.holds():
+                self._lease_checked = None
+                return lease
+            if self.coordinator:
+                _log.warning("asyncckpt: %s is taken over from %s: that lease no longer holds", self.url, lease)
+        if self.coordinator:
+            self.tier.write_lease(self._lease_root)
+        self._lease_checked = time.monotonic()
+        return None
+
+    def _release_lease(self, bound_s: float = 2.0) -> None:
+        """(coordinator, at the end) Delete the lease if it is still this job's, within
+        ``bound_s`` seconds (a server that does not answer: it lapses by itself, and
+        this root's next manager takes it over at once)."""
+        if not self.coordinator or self._lease_checked is None:
+            return
+
+        def release() -> None:
+            try:
+                lease = self.tier.read_lease()
+                if lease is not None and lease.root == self._lease_root:
+                    self.tier.remove_lease()
+            except Exception as exc:  # noqa: BLE001 - it lapses by itself
+                _log.info("asyncckpt: the lease of %s was not removed: %s", self.url, exc)
+
+        self._lease_checked = None
+        worker = threading.Thread(target=release, name="asyncckpt-lease", daemon=True)
+        try:
+            worker.start()
+        except RuntimeError:  # (no new thread this late in the interpreter's exit: it lapses)
+            return
+        worker.join(bound_s)
+
     def _run(self) -> None:
         _s3.lower_thread_priority()
         try:
@@ -296,12 +357,27 @@ class Uploader:
         while True:
             with self._cond:
                 while not self._jobs and not self._closing:
-                    self._cond.wait()
+                    wait = self._renewal_in()
+                    if wait == 0.0:
+                        break
+                    self._cond.wait(wait)
                 if not self._jobs:
-                    return
-                job = self._jobs.popleft()
-                self._busy = True
-                self._current = job
+                    if self._closing:
+                        return
+                    renew = True  # (between uploads: the coordinator's lease is renewed)
+                else:
+                    renew = False
+                    job = self._jobs.popleft()
+                    self._busy = True
+                    self._current = job
+            if renew:
+                try:
+                    self._lease(renew=True)
+                except Exception as exc:  # noqa: BLE001 - the next upload tries again, and fails if it must
+                    _log.warning("asyncckpt: the lease of %s was not renewed: %s", self.url, exc)
+                    with self._cond:
+                        self._lease_checked = time.monotonic()  # (tried again after a quarter of its life)
+                continue
             try:
                 outcome = self._upload(job)
                 with self._cond:
@@ -323,6 +399,16 @@ class Uploader:
         url = self.tier.step_url(job.step)
         start = time.monotonic()
         try:
+            other = self._lease()
+            if other is not None:
+                return UploadError(
+                    f"upload of step {job.step} to {url} refused: {self.url} is in use by {other}, whose steps this "
+                    f"job's uploads would overwrite and whose retention would remove this job's; give each job a "
+                    f"prefix of its own (the local checkpoint is intact and is uploaded when a manager of this root "
+                    f"opens with the prefix free)",
+                    job.step,
+                    url,
+                )
             upload: Callable[..., int]
             files: dict[str, Any]
             if self._agent is not None:  # the bytes go up from the upload process (its own GIL)
@@ -474,6 +560,7 @@ class Uploader:
             self._agent.stop()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(0.1)
+        self._release_lease()
         return ([] if current is None else [current.step]) + [job.step for job in left]
 
     # ------------------------------------------------------------------ restore

@@ -148,6 +148,72 @@ def test_restore_takes_the_save_committed_last_over_both_tiers(remote, tmp_path)
         behind.close()
 
 
+def test_a_prefix_in_use_by_another_job_is_refused_and_its_steps_kept(remote, tmp_path):
+    """Two jobs (two roots) given one prefix at once: the second's uploads are refused,
+    naming the first; the first's step stays bitwise its own (not overwritten by the
+    second's step of the same number), and the prefix is free once the first closes."""
+    mine, theirs = Outcomes(), Outcomes()
+    first = asyncckpt.CheckpointManager(tmp_path / "a", upload_to=remote, callback=mine)
+    try:
+        first.save(1, state(1, 0.1))
+        first.maybe_finalize(blocking=True)
+        uploaded(first)
+        lease = s3tier.S3Tier(remote).read_lease()
+        assert lease is not None and lease.root == str(tmp_path / "a") and lease.holds()
+        with asyncckpt.CheckpointManager(tmp_path / "b", upload_to=remote, callback=theirs) as second:
+            second.save(1, state(100, 0.1))  # the same step number, other values
+            second.save(2, state(2, 0.1))
+            second.maybe_finalize(blocking=True)
+            uploaded(second)
+            with pytest.warns(asyncckpt.UploadWarning, match=r"refused: .* is in use by the job of root .*[/]a "):
+                second.maybe_finalize()
+            assert second.steps() == [1, 2]  # its local tier is intact
+        refused = [o for o in theirs.items if isinstance(o, asyncckpt.UploadError)]
+        assert sorted(o.step for o in refused) == [1, 2]
+        assert s3tier.S3Tier(remote).steps() == [1]
+        target = zeroed(state(1, 0.1))
+        asyncckpt.load(target, f"{remote}/step_00000001")
+        assert_same(state(1, 0.1), target)  # the first job's step, bitwise
+        first.save(3, state(3, 0.1))  # the first job goes on uploading
+        first.maybe_finalize(blocking=True)
+        uploaded(first)
+        assert s3tier.S3Tier(remote).steps() == [1, 3]
+    finally:
+        first.close()
+    assert not [o for o in mine.items if isinstance(o, asyncckpt.UploadError)]
+    assert s3tier.S3Tier(remote).read_lease() is None  # released at close
+    with asyncckpt.CheckpointManager(tmp_path / "b", upload_to=remote) as second:  # free now: it uploads
+        uploaded(second)  # (the resume: its steps after the newest it finds remotely, step 1)
+        assert second.remote_steps() == [1, 2, 3]
+        assert s3tier.S3Tier(remote).read_lease().root == str(tmp_path / "b")
+
+
+def test_a_lease_that_lapsed_or_is_this_roots_own_is_taken_over(remote, tmp_path, monkeypatch, caplog):
+    """A lease not renewed for LEASE_TTL_S (a job that died) is taken over, with a
+    warning; one of this very root (the same job restarted after a crash) at once."""
+    tier = s3tier.S3Tier(remote)
+    tier.write_lease("/another/job")
+    monkeypatch.setattr(s3tier, "LEASE_TTL_S", 2.0)
+    time.sleep(3.0)  # (whole seconds: the server's clock)
+    assert not tier.read_lease().holds()
+    with caplog.at_level("WARNING", logger="asyncckpt"):
+        with asyncckpt.CheckpointManager(tmp_path / "r", upload_to=remote) as manager:
+            manager.save(1, state(1, 0.1))
+            manager.maybe_finalize(blocking=True)
+            uploaded(manager)
+            manager.maybe_finalize()  # (no UploadWarning: pytest's filterwarnings makes one an error)
+            assert manager.remote_steps() == [1]
+    assert "taken over from the job of root /another/job" in caplog.text
+    monkeypatch.setattr(s3tier, "LEASE_TTL_S", 300.0)
+    tier.write_lease(str(tmp_path / "r"))  # this root's, fresh: as a crash leaves it
+    with asyncckpt.CheckpointManager(tmp_path / "r", upload_to=remote) as manager:
+        manager.save(2, state(2, 0.1))
+        manager.maybe_finalize(blocking=True)
+        uploaded(manager)
+        manager.maybe_finalize()
+        assert manager.remote_steps() == [1, 2]
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
 def test_uploads_run_off_the_training_thread_at_a_lower_priority(remote, tmp_path):
     seen: list[tuple[str, int]] = []

@@ -8,6 +8,7 @@ Layout (the same names as a local root, :mod:`asyncckpt.format.naming`)::
     s3://bucket/prefix/step_00000007/.records.json
     s3://bucket/prefix/step_00000007/.manifest.json    the commit marker, written last
     s3://bucket/prefix/latest                          the newest step's name, after it
+    s3://bucket/prefix/.asyncckpt.lease.json           the job that uploads here (its root)
 
 **The remote commit.** Object storage has no rename, so a step *exists* remotely once
 its commit marker exists: the manifest (sizes and CRC-32 segments of every file),
@@ -18,6 +19,19 @@ before the marker leaves objects without a marker: absent, re-uploaded by the ne
 :meth:`S3Tier.upload_step` of that step, removed by retention (:meth:`S3Tier.remove_step`).
 A removal deletes the marker first, so a step is never half-present to a new reader,
 and a reader that already read the marker fails with ``CheckpointNotFoundError``.
+
+**Whose prefix.** A manager that uploads names its job in the prefix's lease
+(:data:`LEASE_NAME`: its local root's path, host and pid), written by its coordinator
+before the first upload and renewed every ``LEASE_TTL_S / 4`` seconds while the
+manager is open (:class:`Lease`). Before uploading, every rank reads it: a lease of
+another root, renewed less than :data:`LEASE_TTL_S` seconds ago by the server's clock
+(its ``Last-Modified`` against the ``Date`` of the reply: no host's clock is
+compared with another's), is another job uploading here, and the upload fails
+naming it; an older one, or one of this root (the same job, restarted), is taken
+over. Without it two jobs given one prefix overwrote each other's steps and
+``latest``, and each one's retention removed the other's steps. The read and the
+write are two requests (no conditional PUT): two jobs that start within the same
+second can both upload one step before the next check refuses one of them.
 
 **Integrity.** Uploads are our own multipart uploads (:meth:`S3Tier.upload_files`:
 parts of ``part_size`` bytes, ``max_concurrency`` in flight), each part with its
@@ -55,9 +69,12 @@ import bisect
 import collections
 import concurrent.futures
 import contextlib
+import email.utils
+import json
 import os
 import queue
 import re
+import socket
 import sys
 import tempfile
 import threading
@@ -88,6 +105,9 @@ __all__ = [
     "require_client",
     "TOKEN_META",
     "SEQ_META",
+    "Lease",
+    "LEASE_NAME",
+    "LEASE_TTL_S",
 ]
 
 SCHEME = "s3://"
@@ -199,6 +219,38 @@ def _remote_error(exc: BaseException, what: str, url: str) -> RemoteStorageError
     elif "Endpoint" in code or "Connect" in code or "Timeout" in code or "Connection" in str(exc):
         hint = " (the server cannot be reached: AWS_ENDPOINT_URL?)"
     return RemoteStorageError(f"{what} {url} failed: {code}: {exc}{hint}", url, code)
+
+
+#: The object of a prefix that names the job uploading into it (see "Whose prefix").
+LEASE_NAME = ".asyncckpt.lease.json"
+
+#: Seconds after its last renewal (by the server's clock) that a lease no longer holds;
+#: its coordinator renews it every quarter of that while its manager is open.
+LEASE_TTL_S = 300.0
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A prefix's lease (:data:`LEASE_NAME`), as read.
+
+    Attributes:
+        root: the absolute path of the local root of the job that holds it (``"?"``: an
+            object that cannot be read as a lease, another job's while it holds).
+        host, pid: where its coordinator ran.
+        age_s: seconds since it was last written, by the server's clock.
+    """
+
+    root: str
+    host: str
+    pid: int
+    age_s: float
+
+    def holds(self) -> bool:
+        """Whether it was renewed less than :data:`LEASE_TTL_S` seconds ago."""
+        return self.age_s < LEASE_TTL_S
+
+    def __str__(self) -> str:
+        return f"the job of root {self.root} (host {self.host}, pid {self.pid}; renewed {self.age_s:.0f} s ago)"
 
 
 def _is_missing(exc: BaseException) -> bool:
@@ -414,6 +466,63 @@ class S3Tier:
             Body=(step_dir_name(step) + "\n").encode(),
             ChecksumAlgorithm="CRC32",
         )
+
+    # ------------------------------------------------------------------ the lease
+    def _lease_key(self) -> str:
+        return self._where.key(LEASE_NAME)
+
+    def read_lease(self) -> Lease | None:
+        """The prefix's lease, or ``None`` when there is none.
+
+        Raises:
+            RemoteStorageError: it cannot be read (server, credentials, bucket).
+        """
+        key = self._lease_key()
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=key)
+            body = reply["Body"].read(1 << 16)
+        except Exception as exc:  # botocore's errors
+            if _is_missing(exc):
+                return None
+            raise _remote_error(exc, "GET", f"{SCHEME}{self.bucket}/{key}") from exc
+        age = 0.0  # (no Date from the server: taken as just renewed)
+        date = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        modified = reply.get("LastModified")
+        if date and modified is not None:
+            with contextlib.suppress(TypeError, ValueError):
+                age = max(0.0, (email.utils.parsedate_to_datetime(date) - modified).total_seconds())
+        try:
+            obj = json.loads(body)
+            return Lease(str(obj["root"]), str(obj.get("host", "?")), int(obj.get("pid", 0)), age)
+        except (ValueError, KeyError, TypeError):
+            return Lease("?", "?", 0, age)
+
+    def write_lease(self, root: str) -> None:
+        """Write (or renew) the prefix's lease for the job of local root ``root``.
+
+        Raises:
+            RemoteStorageError: it cannot be written.
+        """
+        key = self._lease_key()
+        body = json.dumps({"root": root, "host": socket.gethostname(), "pid": os.getpid()}).encode()
+        self._call(
+            "PUT",
+            f"{SCHEME}{self.bucket}/{key}",
+            self.client.put_object,
+            Bucket=self.bucket,
+            Key=key,
+            Body=body,
+            ChecksumAlgorithm="CRC32",
+        )
+
+    def remove_lease(self) -> None:
+        """Delete the prefix's lease (nothing if there is none).
+
+        Raises:
+            RemoteStorageError: it cannot be deleted.
+        """
+        key = self._lease_key()
+        self._call("DELETE", f"{SCHEME}{self.bucket}/{key}", self.client.delete_object, Bucket=self.bucket, Key=key)
 
     def remove_step(self, step: int) -> None:
         marker = self._key(step, _manifest.MANIFEST_NAME)
