@@ -355,6 +355,23 @@ class S3Tier:
         except Exception as exc:  # botocore's errors have no common base but Exception
             raise _remote_error(exc, what, url) from exc
 
+    def _put(self, key: str, body: bytes, **checks: Any) -> None:
+        """PUT a small object whole (``checks``: its checksum and metadata; default a
+        CRC-32 that botocore computes, which the server checks).
+
+        Raises:
+            RemoteStorageError: it cannot be written.
+        """
+        self._call(
+            "PUT",
+            f"{SCHEME}{self.bucket}/{key}",
+            self.client.put_object,
+            Bucket=self.bucket,
+            Key=key,
+            Body=body,
+            **(checks or {"ChecksumAlgorithm": "CRC32"}),
+        )
+
     @property
     def bucket(self) -> str:
         return self._where.bucket
@@ -456,16 +473,7 @@ class S3Tier:
         return parse_step_dir(body.decode("ascii", "replace").strip())
 
     def write_latest(self, step: int) -> None:
-        key = self._where.key(_manifest.LATEST_NAME)
-        self._call(
-            "PUT",
-            f"{SCHEME}{self.bucket}/{key}",
-            self.client.put_object,
-            Bucket=self.bucket,
-            Key=key,
-            Body=(step_dir_name(step) + "\n").encode(),
-            ChecksumAlgorithm="CRC32",
-        )
+        self._put(self._where.key(_manifest.LATEST_NAME), (step_dir_name(step) + "\n").encode())
 
     # ------------------------------------------------------------------ the lease
     def _lease_key(self) -> str:
@@ -503,16 +511,8 @@ class S3Tier:
         Raises:
             RemoteStorageError: it cannot be written.
         """
-        key = self._lease_key()
-        body = json.dumps({"root": root, "host": socket.gethostname(), "pid": os.getpid()}).encode()
-        self._call(
-            "PUT",
-            f"{SCHEME}{self.bucket}/{key}",
-            self.client.put_object,
-            Bucket=self.bucket,
-            Key=key,
-            Body=body,
-            ChecksumAlgorithm="CRC32",
+        self._put(
+            self._lease_key(), json.dumps({"root": root, "host": socket.gethostname(), "pid": os.getpid()}).encode()
         )
 
     def remove_lease(self) -> None:
@@ -689,16 +689,7 @@ class S3Tier:
         key = self._key(step, _manifest.MANIFEST_NAME)
         with open(manifest_path, "rb") as f:
             body = f.read()
-        self._call(
-            "PUT",
-            f"{SCHEME}{self.bucket}/{key}",
-            self.client.put_object,
-            Bucket=self.bucket,
-            Key=key,
-            Body=body,
-            ChecksumCRC32=_b64_crc(crc32(body)),
-            Metadata={TOKEN_META: token, SEQ_META: str(seq)},
-        )
+        self._put(key, body, ChecksumCRC32=_b64_crc(crc32(body)), Metadata={TOKEN_META: token, SEQ_META: str(seq)})
         self.write_latest(step)
 
     def next_seq(self) -> int:
