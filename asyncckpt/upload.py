@@ -325,9 +325,14 @@ class Uploader:
     def _release_lease(self, bound_s: float = 2.0) -> None:
         """(coordinator, at the end) Delete the lease if it is still this job's, within
         ``bound_s`` seconds (a server that does not answer: it lapses by itself, and
-        this root's next manager takes it over at once)."""
+        this root's next manager takes it over at once). The upload thread ends first
+        (within the same bound): a renewal it had under way would write the lease
+        again after the deletion."""
         if not self.coordinator or self._lease_checked is None:
             return
+        deadline = time.monotonic() + bound_s
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(bound_s)
 
         def release() -> None:
             try:
@@ -343,7 +348,7 @@ class Uploader:
             worker.start()
         except RuntimeError:  # (no new thread this late in the interpreter's exit: it lapses)
             return
-        worker.join(bound_s)
+        worker.join(max(0.1, deadline - time.monotonic()))
 
     def _run(self) -> None:
         _s3.lower_thread_priority()
