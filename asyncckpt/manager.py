@@ -530,14 +530,15 @@ class CheckpointManager:
         Plans the save (the plan is cached), then allocates, page-faults and formats
         the staging buffer, so that the first ``save`` stalls no longer than later
         ones: allocating fresh host memory costs several times a copy into memory
-        already mapped. Nothing is written. Optional; call it e.g. after building the
-        model and optimizer state.
+        already mapped. With a local tier, its own staging buffer too (the first
+        ``manager.local.save`` likewise). Nothing is written. Optional; call it e.g.
+        after building the model and optimizer state.
 
         Args:
             state_dict: a state of the structure (keys, dtypes, shapes) to be saved.
 
         Returns:
-            The bytes of host memory the staging buffer holds (this rank).
+            The bytes of host memory the staging buffers hold (this rank).
 
         Raises:
             CheckpointError: invalid input on any rank (raised on every rank).
@@ -546,7 +547,11 @@ class CheckpointManager:
             raise InvalidStateError("CheckpointManager is closed")
         if self.read_only:
             raise CheckpointError(f"this CheckpointManager of {self.root_dir} is read-only (read_only=True)")
-        return self._saver.prepare(state_dict, self.process_group, self.coordinator_rank)
+        with gc_paused():
+            nbytes = self._saver.prepare(state_dict, self.process_group, self.coordinator_rank)
+        if self.local is not None:
+            nbytes += self.local.prepare(state_dict)
+        return nbytes
 
     def synchronize_staging(self) -> None:
         """Wait until an overlapped save is staged and start its write.

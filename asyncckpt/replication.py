@@ -454,6 +454,32 @@ class LocalCheckpoints:
             record.stall_s += time.monotonic() - started
             return handle
 
+    def prepare(self, state_dict: dict[str, Any]) -> int:
+        """Plan this rank's shard of ``state_dict`` and allocate, page-fault and format
+        the local tier's staging buffer, writing nothing (collective, all ranks: one
+        funnel), so that the first local save stalls no longer than later ones
+        (:meth:`CheckpointManager.prepare` calls it).
+
+        Returns:
+            The bytes of host memory the buffer holds (this rank).
+
+        Raises:
+            CheckpointError: refused on some rank (invalid state, the memory guard), on
+                every rank.
+        """
+        nbytes, failure = 0, None
+        with gc_paused():
+            try:
+                nbytes = self._saver.prepare(local_shards(state_dict), self._self_group, 0)
+            except Exception as exc:  # noqa: BLE001 - funnelled to every rank
+                failure = RankFailure.from_exception(exc)
+            with self.sync.describing("the local tier's prepare"):
+                failures = self.sync.gather_failures(failure)
+        if failures:
+            causes = "; ".join(f"rank {r}: {str(f).splitlines()[0]}" for r, f in sorted(failures.items()))
+            raise CheckpointError(f"preparing the local tier was refused ({causes})", failures)
+        return nbytes
+
     def _drop_stale(self, step: int, final_dir: Path) -> None:
         """Remove this rank's copy of ``step`` left by an earlier run or timeline (training
         went back: a fresh start, or a restore of an older step): the step is saved

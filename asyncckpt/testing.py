@@ -31,8 +31,8 @@ def _savers(owner: Any) -> list[Saver]:
     from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
     from asyncckpt.manager import CheckpointManager
 
-    if isinstance(owner, CheckpointManager):
-        return [owner._saver]
+    if isinstance(owner, CheckpointManager):  # (and its local tier's, which stages into buffers of its own)
+        return [owner._saver] + ([owner.local._saver] if owner.local is not None else [])
     if isinstance(owner, AsyncCallsQueue):
         from asyncckpt.saving.api import _savers
 
@@ -44,9 +44,9 @@ def staging_buffers(owner: CheckpointManager | Any) -> tuple[StagingBuffer, ...]
     """The host staging buffers ``owner``'s saves hold now, oldest first.
 
     Args:
-        owner: a ``CheckpointManager``, or the ``AsyncCallsQueue`` given to
-            ``asyncckpt.save(..., calls_queue=)`` (the buffers of every ``SaveOptions``
-            used on it; no save on it yet: none).
+        owner: a ``CheckpointManager`` (its local tier's buffers after its own), or the
+            ``AsyncCallsQueue`` given to ``asyncckpt.save(..., calls_queue=)`` (the
+            buffers of every ``SaveOptions`` used on it; no save on it yet: none).
 
     Returns:
         The buffers (``StagingBuffer``: ``slab_id``, ``nbytes``, ``pinned``, ``ref``).

@@ -75,6 +75,7 @@ def _scenario(rank: int, world: int, base: str) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=_tier(base, rank)) as mgr:
         assert mgr.local is not None
+        assert mgr.prepare(_state(rank, 0)) > 0  # (both tiers' staging buffers, before the first save)
         restorable: list[int] = []
         for step in range(1, 12):
             if step in (4, 6):  # rank 3's local commit of step 4 fails, rank 2's receive of step 6:

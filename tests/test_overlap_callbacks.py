@@ -281,6 +281,33 @@ def test_staging_copier_splits_by_bytes():
         StagingCopier(0)
 
 
+def test_prepare_also_readies_the_local_tiers_buffer(tmp_path):
+    """With a local tier, prepare() plans and allocates its staging buffer too: the
+    first local save then reuses both (it stalled as a first save did before)."""
+    sd = _state(4)
+    tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
+    with asyncckpt.CheckpointManager(tmp_path / "root") as plain:
+        alone = plain.prepare(sd)
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        assert mgr.local is not None
+        nbytes = mgr.prepare(sd)
+        assert nbytes >= 2 * alone - 2 * (64 << 10)  # (each buffer rounds up to whole pages)
+        buffers = staging_buffers(mgr)
+        assert len(buffers) == 2
+        assert not (tmp_path / "node0" / "rank_00000").exists() or not any(
+            p.name.startswith("step_") for p in (tmp_path / "node0" / "rank_00000").iterdir()
+        )  # nothing written
+        with counting_plans() as plans:
+            mgr.local.save(1, sd)
+            assert mgr.local.maybe_finalize(blocking=True) == [1]
+        assert staging_buffers(mgr) == buffers  # the prepared buffer was used
+        assert plans.n == 0  # and the prepared plan
+        got = _state(0)
+        result = mgr.restore(got)
+    assert result is not None and (result.step, result.tier) == (1, "local")
+    assert_same(sd, got)
+
+
 def test_prepare_formats_the_buffer_without_writing(tmp_path):
     """prepare() plans and allocates; the first save then reuses both."""
     sd = _state(4)
