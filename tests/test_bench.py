@@ -468,3 +468,23 @@ def test_bench_a_failing_system_is_a_row_and_the_run_goes_on(tmp_path: Path) -> 
     rows = _table_rows(text, "## Training loop", "| system | time (s) |")
     assert rows == [*train["systems"], "asyncckpt persistent", "asyncckpt persistent overlapped"]
     assert "| asyncckpt persistent overlapped | failed: " in text
+
+
+@pytest.mark.timeout(120)
+def test_bench_stall_tail_reports_each_tier(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "stall-tail", "--saves", "4", "--mb", "4"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+    assert {"local", "persistent"} <= set(rows), proc.stdout
+    for tier in ("local", "persistent"):
+        cells = [c.strip() for c in rows[tier].split("|")[2:-1]]
+        assert len(cells) == 6 and all(c.endswith("ms") for c in cells[:4]), rows[tier]
+        inside = re.match(r"(\d+) \((\d+)\), ([0-9.]+) ms", cells[4])
+        assert inside is not None, cells[4]
+        assert int(inside.group(1)) <= 4, cells[4]  # (the collector is paused inside each save)

@@ -33,6 +33,10 @@ figure of issue 11's table as measured in this run, its goal and whether it is m
 instead (:mod:`benchmark.local_tier`: save stall, local and peer restore, training at
 K = 1, each against its limit), the same as ``scripts/bench_local_tier.py``.
 
+``bench.py stall-tail [--saves N] [--mb N]``: the stall's tail over many saves of the
+LLM-shaped state (median, p99, longest, memcpy) and the garbage collections inside the
+saves, per tier (:mod:`benchmark.stall_tail`).
+
     python scripts/bench.py                       # everything (about 25-30 min here)
     python scripts/bench.py --workloads llm,fsdp2 --no-train --techniques ""
     python scripts/bench.py --workloads 1G/16     # one workload

@@ -322,12 +322,17 @@ def run_workload(
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run the benchmark (see ``--help``); returns the exit status. ``local-tier ...``
-    runs the node-local tier's rows instead (:mod:`benchmark.local_tier`, its own options)."""
+    runs the node-local tier's rows instead (:mod:`benchmark.local_tier`, its own options),
+    ``stall-tail ...`` the stall's tail over many saves (:mod:`benchmark.stall_tail`)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["local-tier"]:
         from benchmark import local_tier
 
         return local_tier.main(argv[1:], prog=f"{prog or 'bench.py'} local-tier")
+    if argv[:1] == ["stall-tail"]:
+        from benchmark import stall_tail
+
+        return stall_tail.main(argv[1:], prog=f"{prog or 'bench.py'} stall-tail")
     args = parse_args(argv, prog)
     if args.render:  # a chart only where asked for
         earlier = json.loads(Path(args.render).read_text())
