@@ -17,6 +17,7 @@ import torch
 from test_s3 import Outcomes, state, uploaded
 
 import asyncckpt
+from asyncckpt.cli import main as cli_main
 from asyncckpt.io import s3 as s3tier
 
 from helpers import assert_same, zeroed
@@ -148,7 +149,7 @@ def test_restore_takes_the_save_committed_last_over_both_tiers(remote, tmp_path)
         behind.close()
 
 
-def test_a_prefix_in_use_by_another_job_is_refused_and_its_steps_kept(remote, tmp_path):
+def test_a_prefix_in_use_by_another_job_is_refused_and_its_steps_kept(remote, tmp_path, capsys):
     """Two jobs (two roots) given one prefix at once: the second's uploads are refused,
     naming the first; the first's step stays bitwise its own (not overwritten by the
     second's step of the same number), and the prefix is free once the first closes."""
@@ -160,6 +161,8 @@ def test_a_prefix_in_use_by_another_job_is_refused_and_its_steps_kept(remote, tm
         uploaded(first)
         lease = s3tier.S3Tier(remote).read_lease()
         assert lease is not None and lease.root == str(tmp_path / "a") and lease.holds()
+        assert cli_main(["ls", remote]) == 0  # who uploads here
+        assert f"lease: the job of root {tmp_path / 'a'} (host " in capsys.readouterr().out
         with asyncckpt.CheckpointManager(tmp_path / "b", upload_to=remote, callback=theirs) as second:
             second.save(1, state(100, 0.1))  # the same step number, other values
             second.save(2, state(2, 0.1))

@@ -3,7 +3,9 @@
 
 ``ls s3://bucket/prefix`` lists the remote tier (:class:`asyncckpt.io.s3.S3Tier`):
 the committed steps (those with a commit marker), their sizes, which one ``latest``
-names, and the steps with objects but no marker (uploads in flight or failed).
+names, the steps with objects but no marker (uploads in flight or failed), and the
+job whose lease holds the prefix (its root, host and pid; "Whose prefix" in
+:mod:`asyncckpt.io.s3`).
 ``verify``, ``inspect`` and ``convert`` take URLs and local paths alike
 (:mod:`asyncckpt.cli.commands` reads each through its tier's
 :class:`~asyncckpt.io.storage.ReadableStorage`: a remote checkpoint is read in place
@@ -14,6 +16,7 @@ a root URL into its committed steps for ``verify``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +30,8 @@ __all__ = ["run_remote", "list_remote", "root_steps"]
 
 def list_remote(url: str) -> dict[str, Any]:
     """The remote tier at ``url``: ``{"root", "latest", "checkpoints": [{"step",
-    "name", "bytes", "latest"}], "partial": [step, ...]}``, steps ascending.
+    "name", "bytes", "latest"}], "partial": [step, ...], "lease": {"root", "host",
+    "pid", "age_s", "holds"} or None}``, steps ascending.
 
     Raises:
         RemoteStorageError: the bucket cannot be listed.
@@ -43,7 +47,9 @@ def list_remote(url: str) -> dict[str, Any]:
         except (OSError, ValueError):  # removed meanwhile, or not readable: listed without a size
             size = None
         rows.append({"step": step, "name": Path(tier.step_url(step)).name, "bytes": size, "latest": step == latest})
-    return {"root": tier.url, "latest": latest, "checkpoints": rows, "partial": sorted(unmarked)}
+    lease = tier.read_lease()
+    held = None if lease is None else {**dataclasses.asdict(lease), "holds": lease.holds()}
+    return {"root": tier.url, "latest": latest, "checkpoints": rows, "partial": sorted(unmarked), "lease": held}
 
 
 def root_steps(url: str) -> list[str] | None:
@@ -73,6 +79,14 @@ def _ls(args: argparse.Namespace, out: TextIO) -> int:
         print("no committed checkpoints", file=out)
     for step in info["partial"]:
         print(f"  partial: step {step} (objects without a commit marker: an upload in flight or failed)", file=out)
+    lease = info["lease"]
+    if lease is not None:
+        state = "uploading here" if lease["holds"] else "lapsed: the next job to upload takes it over"
+        print(
+            f"lease: the job of root {lease['root']} (host {lease['host']}, pid {lease['pid']}; renewed "
+            f"{lease['age_s']:.0f} s ago, {state})",
+            file=out,
+        )
     return 0
 
 
