@@ -162,7 +162,7 @@ class NodeLocalStorage(LocalStorage):
         try:
             data = json.loads(_read_small(self.shard_dir(rank) / RESTORABLE_NAME))
             marker = {k: int(data[k]) for k in ("step", "world_size", "rank")}
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, CorruptCheckpointError, ValueError, KeyError, TypeError):
             return None
         return marker if marker["rank"] == rank else None
 
@@ -240,7 +240,7 @@ class NodeLocalStorage(LocalStorage):
         none recorded, or unreadable)."""
         try:
             root = json.loads(_read_small(self.base / OWNER_NAME))["root"]
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, CorruptCheckpointError, ValueError, KeyError, TypeError):
             return None
         return root if isinstance(root, str) else None
 
@@ -669,15 +669,14 @@ def check_segments(
 
 def _read_small(path: Path, limit: int = 1 << 16) -> bytes:
     """The bytes of a small record file (at most ``limit``), never blocking on a FIFO
-    nor following a symlink there.
+    nor following a symlink there (:func:`asyncckpt._fs.open_no_follow`).
 
     Raises:
-        OSError: it cannot be opened, or it is not a regular file.
+        OSError: it cannot be opened.
+        CorruptCheckpointError: it is a symlink or not a regular file.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = _fs.open_no_follow(path)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, f"{path} is not a regular file")
         return os.read(fd, limit)
     finally:
         os.close(fd)
