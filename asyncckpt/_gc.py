@@ -28,7 +28,9 @@ def gc_paused() -> Iterator[None]:
     after it (also when it raises) only if it was on: nested uses, or a caller that
     keeps it off (``gc.disable()`` of its own), leave it to the outermost. Not a lock:
     threads share the collector's switch, and a thread that ends its pause turns it
-    back on for all (a missed pause, never a collector left off)."""
+    back on for all (a missed pause, never a collector left off). As a decorator
+    (``@gc_paused()``, a fresh pause per call) it covers a public call from its first
+    line: the training thread's entry points wear it, not the layers below them."""
     was = gc.isenabled()
     gc.disable()
     try:

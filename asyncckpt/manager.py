@@ -437,6 +437,7 @@ class CheckpointManager:
         assert self.save_interval is not None
         self._timed_due = self.save_interval.next_timed_step(step, [r / 1e6 for r in rates])
 
+    @gc_paused()
     def save(
         self,
         step: int,
@@ -477,32 +478,31 @@ class CheckpointManager:
                 rank).
             InvalidStateError: (a ``RuntimeError``) the manager is closed.
         """
-        with gc_paused():  # (from the first line: no collection inside the stall)
-            hint = "; the call is save(step, state_dict)"
-            step = check_step(step, hint=hint)
-            check_state_dict(state_dict, hint=hint)
-            check_callback(callback)
-            user_info = check_step_info(metrics, metadata)
-            if self._closed:
-                raise InvalidStateError("CheckpointManager is closed")
-            if self.read_only:
-                raise CheckpointError(f"this CheckpointManager of {self.root_dir} is read-only (read_only=True)")
-            if self.save_interval is not None and self.save_interval.seconds is not None:
-                self._agree_on_time(step)
-            callback = callback if callback is not None else self.callback
-            if self._upload is not None:
-                callback = self._upload.wrap(callback)
-            with self._saver.lock:
-                return self._saver.save(
-                    state_dict,
-                    self.step_dir(step),
-                    async_op=async_op,
-                    process_group=self.process_group,
-                    coordinator_rank=self.coordinator_rank,
-                    step=step,
-                    callback=callback,
-                    user_info=user_info,
-                )
+        hint = "; the call is save(step, state_dict)"
+        step = check_step(step, hint=hint)
+        check_state_dict(state_dict, hint=hint)
+        check_callback(callback)
+        user_info = check_step_info(metrics, metadata)
+        if self._closed:
+            raise InvalidStateError("CheckpointManager is closed")
+        if self.read_only:
+            raise CheckpointError(f"this CheckpointManager of {self.root_dir} is read-only (read_only=True)")
+        if self.save_interval is not None and self.save_interval.seconds is not None:
+            self._agree_on_time(step)
+        callback = callback if callback is not None else self.callback
+        if self._upload is not None:
+            callback = self._upload.wrap(callback)
+        with self._saver.lock:
+            return self._saver.save(
+                state_dict,
+                self.step_dir(step),
+                async_op=async_op,
+                process_group=self.process_group,
+                coordinator_rank=self.coordinator_rank,
+                step=step,
+                callback=callback,
+                user_info=user_info,
+            )
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """What step ``step`` (default: the latest) was saved with, read from its
@@ -524,6 +524,7 @@ class CheckpointManager:
             raise CheckpointNotFoundError(f"step {step} has no committed checkpoint", str(path))
         return read_metadata(path)
 
+    @gc_paused()
     def prepare(self, state_dict: dict[str, Any]) -> int:
         """Get ready for saves of ``state_dict``'s structure before the first one (collective).
 
@@ -547,8 +548,7 @@ class CheckpointManager:
             raise InvalidStateError("CheckpointManager is closed")
         if self.read_only:
             raise CheckpointError(f"this CheckpointManager of {self.root_dir} is read-only (read_only=True)")
-        with gc_paused():
-            nbytes = self._saver.prepare(state_dict, self.process_group, self.coordinator_rank)
+        nbytes = self._saver.prepare(state_dict, self.process_group, self.coordinator_rank)
         if self.local is not None:
             nbytes += self.local.prepare(state_dict)
         return nbytes
@@ -729,6 +729,7 @@ class CheckpointManager:
             raise CheckpointError(f"rank {self.coordinator_rank} could not choose the step to load: {error}")
         return choice
 
+    @gc_paused()
     def restore(self, state_dict: dict[str, Any]) -> RestoreResult | None:
         """Restore the newest checkpoint of either tier into ``state_dict`` (collective).
 
@@ -744,19 +745,18 @@ class CheckpointManager:
             The step, tier and peers restored from, or ``None`` when neither tier holds
             a checkpoint (start from step 0).
         """
-        with gc_paused():  # (a restore's plans build thousands of objects)
-            self._saver.synchronize_staging()
-            choice = self._agreed_newest()  # the persistent tiers' newest, the same on every rank
-            if self.local is None:
-                if choice is None:
-                    return None
-                return RestoreResult(self._load_from(state_dict, *choice), "persistent", {}, "persistent")
-            where = None if choice is None else choice[1]
-            return self.local.restore(
-                state_dict,
-                None if choice is None else choice[0],
-                lambda step: self._load_from(state_dict, step, where),
-            )
+        self._saver.synchronize_staging()
+        choice = self._agreed_newest()  # the persistent tiers' newest, the same on every rank
+        if self.local is None:
+            if choice is None:
+                return None
+            return RestoreResult(self._load_from(state_dict, *choice), "persistent", {}, "persistent")
+        where = None if choice is None else choice[1]
+        return self.local.restore(
+            state_dict,
+            None if choice is None else choice[0],
+            lambda step: self._load_from(state_dict, step, where),
+        )
 
     def close(self, abort: bool = False) -> None:
         """Commit pending saves and stop the worker; ``abort`` drops them instead.

@@ -391,6 +391,7 @@ class LocalCheckpoints:
         """Whether ``step`` is saved to the tier (``step % every == 0``)."""
         return step % self.tier.every == 0
 
+    @gc_paused()
     def save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle | None:
         """Save this rank's ``state_dict`` as step ``step`` of the local tier, if due
         (all ranks, the same steps; asynchronous: returns once staged).
@@ -407,10 +408,6 @@ class LocalCheckpoints:
             CheckpointError: this save was refused on some rank (invalid state, the
                 memory guard), on every rank.
         """
-        with gc_paused():  # (no collection inside the stall)
-            return self._save(step, state_dict)
-
-    def _save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle | None:
         if not self.due(step):
             return None
         state_dict = local_shards(state_dict)  # (a DTensor: its shard, as a plain tensor)
@@ -454,6 +451,7 @@ class LocalCheckpoints:
             record.stall_s += time.monotonic() - started
             return handle
 
+    @gc_paused()
     def prepare(self, state_dict: dict[str, Any]) -> int:
         """Plan this rank's shard of ``state_dict`` and allocate, page-fault and format
         the local tier's staging buffer, writing nothing (collective, all ranks: one
@@ -468,13 +466,12 @@ class LocalCheckpoints:
                 every rank.
         """
         nbytes, failure = 0, None
-        with gc_paused():
-            try:
-                nbytes = self._saver.prepare(local_shards(state_dict), self._self_group, 0)
-            except Exception as exc:  # noqa: BLE001 - funnelled to every rank
-                failure = RankFailure.from_exception(exc)
-            with self.sync.describing("the local tier's prepare"):
-                failures = self.sync.gather_failures(failure)
+        try:
+            nbytes = self._saver.prepare(local_shards(state_dict), self._self_group, 0)
+        except Exception as exc:  # noqa: BLE001 - funnelled to every rank
+            failure = RankFailure.from_exception(exc)
+        with self.sync.describing("the local tier's prepare"):
+            failures = self.sync.gather_failures(failure)
         if failures:
             causes = "; ".join(f"rank {r}: {str(f).splitlines()[0]}" for r, f in sorted(failures.items()))
             raise CheckpointError(f"preparing the local tier was refused ({causes})", failures)
@@ -591,6 +588,7 @@ class LocalCheckpoints:
                     dist.destroy_process_group(group)
 
     # ------------------------------------------------------------------ restore
+    @gc_paused()
     def restore(
         self,
         state_dict: dict[str, Any],
@@ -635,15 +633,6 @@ class LocalCheckpoints:
             CheckpointError: a copy failed on some rank and the persistent tier holds
                 nothing to fall back to (the same on every rank).
         """
-        with gc_paused():  # (its plans and placements build thousands of objects)
-            return self._restore(state_dict, persistent_step, load_persistent)
-
-    def _restore(
-        self,
-        state_dict: dict[str, Any],
-        persistent_step: int | None,
-        load_persistent: Callable[[int], Any],
-    ) -> RestoreResult | None:
         sync = self.sync
         with sync.describing("the restore's census of the local tier"):
             census = sync.all_gather_object((self.storage.held(), persistent_step), fits=self._census_bytes())

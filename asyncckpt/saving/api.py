@@ -158,6 +158,7 @@ def default_calls_queue(process_group: Any = None) -> AsyncCallsQueue:
     return queue
 
 
+@gc_paused()
 def save(
     state_dict: dict[str, Any],
     checkpoint_dir: str | os.PathLike,
@@ -229,44 +230,43 @@ def save(
             (nothing is staged); ``overlap_staging`` without ``async_op``; both
             ``options`` and ``overlap_staging``; a bad ``SaveOptions`` value.
     """
-    with gc_paused():  # (from the first line: no collection inside the stall)
-        hint = "; the call is save(state_dict, checkpoint_dir)"
-        check_state_dict(state_dict, hint=hint)
-        check_path(checkpoint_dir, hint=hint)
-        if step is not None:
-            step = check_step(step)
-        check_callback(callback)
-        user_info = check_step_info(metrics, metadata)
-        opts = SaveOptions.resolve(options, overlap_staging=overlap_staging)
-        if opts.overlap_staging and not async_op:
-            raise InvalidArgumentError("overlap_staging needs async_op=True")
-        queue = calls_queue if calls_queue is not None else default_calls_queue(process_group)
-        with _module_lock:
-            kept = _savers.get(queue, {})
-            # A synchronous save uses the saver its options keep for asynchronous saves (its
-            # buffer is there already), else a saver of its own, released when it returns.
-            saver = _saver_for_locked(queue, kept, opts) if async_op else kept.get(opts)
-            others = [other for other in kept.values() if other is not saver]
-        transient = saver is None
-        if saver is None:
-            saver = Saver(queue, opts)
-        for other in others:  # an earlier overlapped save on this queue is scheduled first, whatever its options
-            with other.lock:
-                other.synchronize_staging()
-                if async_op and not other.busy():
-                    other.free_idle_buffers()  # one set of idle staging buffers per queue: the options used last
-        try:
-            with saver.lock:
-                return saver.save(
-                    state_dict,
-                    checkpoint_dir,
-                    async_op=async_op,
-                    process_group=process_group,
-                    coordinator_rank=coordinator_rank,
-                    callback=callback,
-                    step=step,
-                    user_info=user_info,
-                )
-        finally:
-            if transient:
-                saver.release()  # its staging buffer and copy threads go now, not with the queue
+    hint = "; the call is save(state_dict, checkpoint_dir)"
+    check_state_dict(state_dict, hint=hint)
+    check_path(checkpoint_dir, hint=hint)
+    if step is not None:
+        step = check_step(step)
+    check_callback(callback)
+    user_info = check_step_info(metrics, metadata)
+    opts = SaveOptions.resolve(options, overlap_staging=overlap_staging)
+    if opts.overlap_staging and not async_op:
+        raise InvalidArgumentError("overlap_staging needs async_op=True")
+    queue = calls_queue if calls_queue is not None else default_calls_queue(process_group)
+    with _module_lock:
+        kept = _savers.get(queue, {})
+        # A synchronous save uses the saver its options keep for asynchronous saves (its
+        # buffer is there already), else a saver of its own, released when it returns.
+        saver = _saver_for_locked(queue, kept, opts) if async_op else kept.get(opts)
+        others = [other for other in kept.values() if other is not saver]
+    transient = saver is None
+    if saver is None:
+        saver = Saver(queue, opts)
+    for other in others:  # an earlier overlapped save on this queue is scheduled first, whatever its options
+        with other.lock:
+            other.synchronize_staging()
+            if async_op and not other.busy():
+                other.free_idle_buffers()  # one set of idle staging buffers per queue: the options used last
+    try:
+        with saver.lock:
+            return saver.save(
+                state_dict,
+                checkpoint_dir,
+                async_op=async_op,
+                process_group=process_group,
+                coordinator_rank=coordinator_rank,
+                callback=callback,
+                step=step,
+                user_info=user_info,
+            )
+    finally:
+        if transient:
+            saver.release()  # its staging buffer and copy threads go now, not with the queue

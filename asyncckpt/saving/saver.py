@@ -31,7 +31,6 @@ import psutil
 import torch
 
 from asyncckpt import _exit, _faults
-from asyncckpt._gc import gc_paused
 from asyncckpt._hooks import call_timings_hooks
 from asyncckpt.async_utils.calls_queue import AsyncCallsQueue
 from asyncckpt.async_utils.request import AsyncRequest
@@ -281,17 +280,16 @@ class Saver:
         """
         at_exit = _exit.in_atexit_handler()
         try:
-            with gc_paused():  # (no collection inside the stall; the plan's temporaries never count)
-                return self._save(
-                    state_dict,
-                    checkpoint_dir,
-                    async_op and not at_exit,
-                    process_group,
-                    coordinator_rank,
-                    step,
-                    callback,
-                    user_info,
-                )
+            return self._save(
+                state_dict,
+                checkpoint_dir,
+                async_op and not at_exit,
+                process_group,
+                coordinator_rank,
+                step,
+                callback,
+                user_info,
+            )
         finally:
             if at_exit:
                 _exit.clean_up_again()
