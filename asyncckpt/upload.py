@@ -180,7 +180,7 @@ class Uploader:
         self._failures: list[UploadError] = []
         self._current: _Job | None = None
         #: This job's name in the prefix's lease (see "Whose prefix" in :mod:`asyncckpt.io.s3`).
-        self._lease_root = str(Path(root.path).absolute())
+        self._lease_root = str(root.path)  # (absolute: CheckpointRoot makes it so)
         #: When the lease was last found this job's (or free), by ``time.monotonic()``;
         #: re-read after a quarter of ``LEASE_TTL_S`` (the coordinator renews it then).
         self._lease_checked: float | None = None

@@ -46,6 +46,14 @@ LLM_FULL = {"n_layer": 24, "n_head": 8, "n_embd": 560, "block_size": 128}
 #: the same structure at a few MB (--quick).
 LLM_TINY = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 32}
 
+
+def llm_of_bytes(nbytes: float) -> dict[str, int]:
+    """The 24-block config whose float32 state (weights, exp_avg, exp_avg_sq of about
+    12 x 24 x width^2 parameters, 1172 tensors) is about ``nbytes`` bytes."""
+    width = max(8, int((nbytes / (3 * 4 * 12 * 24)) ** 0.5) // 8 * 8)
+    return {"n_layer": 24, "n_head": 8, "n_embd": width, "block_size": 32}
+
+
 #: What the fsdp2 ranks import, once, in the forkserver they fork from.
 RANK_PRELOAD = (
     "torch",

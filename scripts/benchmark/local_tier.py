@@ -73,11 +73,9 @@ def _state(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     if args.workload in ("llm", "fsdp2"):
         from . import llm
 
-        # 3 float32 copies (weights, exp_avg, exp_avg_sq) of ~12 * n_layer * width^2 parameters;
-        # under FSDP2 each rank holds 1 / world_size of them
+        # (under FSDP2 each rank holds 1 / world_size of the state)
         full = args.mb * (1 << 20) * (2 * args.ranks_per_node if args.workload == "fsdp2" else 1)
-        width = max(8, int((full / (3 * 4 * 12 * 24)) ** 0.5) // 8 * 8)
-        cfg = {"n_layer": 24, "n_head": 8, "n_embd": width, "block_size": 32}
+        cfg = llm.llm_of_bytes(full)
         model, opt, sd = llm.build_llm(cfg, fsdp=args.workload == "fsdp2", rank=rank, device="cpu")
         if args.workload == "fsdp2":
             _MODELS.append((model, opt))  # (the DTensors' module and optimizer live as long as the run)

@@ -109,10 +109,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from . import llm
 
-    width = max(8, int((args.mb * (1 << 20) / (3 * 4 * 12 * 24)) ** 0.5) // 8 * 8)
-    _, _, sd = llm.build_llm(
-        {"n_layer": 24, "n_head": 8, "n_embd": width, "block_size": 32}, fsdp=False, rank=0, device="cpu"
-    )
+    _, _, sd = llm.build_llm(llm.llm_of_bytes(args.mb * (1 << 20)), fsdp=False, rank=0, device="cpu")
     sd = {**sd, "step": 0}
     nbytes = sum(t.numel() * t.element_size() for t in tensors_of(sd))
     base = tempfile.mkdtemp(prefix="bench-stall-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
