@@ -28,6 +28,8 @@ inherits the training process's environment when it is started). Points:
   process's ``ASYNCCKPT_FAULT`` at the time of the job; in the upload thread with
   ``upload_process=False``), after this rank's files of a step are uploaded, before
   the coordinator's wait for the others and its commit marker (``asyncckpt.io.s3``);
+- ``lease``: in the coordinator's upload thread (``asyncckpt.upload``), after it read
+  the prefix's lease and found it free, lapsed or its own, before it writes it;
 - ``s3_read``: when a remote checkpoint is opened for reading (or fetched), after its
   commit marker was read;
 - ``s3_list``: before each listing of a remote tier's steps (``raise``: the bucket

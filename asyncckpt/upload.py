@@ -55,12 +55,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from asyncckpt import _exit
+from asyncckpt import _exit, _faults
 from asyncckpt.errors import (
     AsyncckptError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidArgumentError,
+    RemoteStorageError,
     UploadError,
 )
 from asyncckpt.format import manifest as _manifest
@@ -297,30 +298,59 @@ class Uploader:
             return None
         return max(0.0, self._lease_checked + _s3.LEASE_TTL_S / 4 - time.monotonic())
 
-    def _lease(self, renew: bool = False) -> _s3.Lease | None:
+    def _lease(self, renew: bool = False, cancel: threading.Event | None = None) -> _s3.Lease | None:
         """(upload thread) Before an upload: the prefix is this job's or free, read at
-        most every ``LEASE_TTL_S / 4`` seconds (``renew``: now); the coordinator then
-        writes the lease (a takeover of a lease that no longer holds is logged).
-        Returns the lease of the other job that holds the prefix (the upload must not
-        start), or ``None``.
+        most every ``LEASE_TTL_S / 4`` seconds (``renew``: now). The coordinator then
+        writes the lease, on the condition that it is still as read (a takeover of a
+        lease that no longer holds is logged); another writer first: read again. The
+        other ranks wait (``cancel``, at most ``timeout_s``) until the lease is their
+        coordinator's. Returns the lease of the other job that holds the prefix (the
+        upload must not start), or ``None``.
 
         Raises:
-            RemoteStorageError: the lease cannot be read or written.
+            RemoteStorageError: the lease cannot be read or written, or the
+                coordinator's lease did not come within ``timeout_s``.
         """
         if not renew and self._lease_checked is not None:
             if time.monotonic() - self._lease_checked < _s3.LEASE_TTL_S / 4:
                 return None
-        lease = self.tier.read_lease()
-        if lease is not None and lease.root != self._lease_root:
-            if lease.holds():
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.05
+        raced = 0
+        while True:
+            lease = self.tier.read_lease()
+            if lease is not None and lease.root != self._lease_root and lease.holds():
                 self._lease_checked = None
                 return lease
             if self.coordinator:
-                _log.warning("asyncckpt: %s is taken over from %s: that lease no longer holds", self.url, lease)
-        if self.coordinator:
-            self.tier.write_lease(self._lease_root)
-        self._lease_checked = time.monotonic()
-        return None
+                if lease is not None and lease.root != self._lease_root:
+                    _log.warning("asyncckpt: %s is taken over from %s: that lease no longer holds", self.url, lease)
+                _faults.hit("lease")
+                if not self.tier.write_lease(self._lease_root, replaces=lease):
+                    raced += 1  # (another job wrote it since: whose it is now decides)
+                    if raced >= 100:  # (bounded: a server that refuses every condition)
+                        raise RemoteStorageError(f"the lease of {self.url} changed at each of {raced} writes")
+                    continue
+            elif lease is None or lease.root != self._lease_root:
+                # Not yet taken by this job's coordinator: nothing goes up before it is.
+                if delay == 0.05:
+                    _log.info(
+                        "asyncckpt: rank %d waits for its coordinator's lease of %s (found: %s)",
+                        self.rank,
+                        self.url,
+                        lease or "none",
+                    )
+                if time.monotonic() > deadline:
+                    raise RemoteStorageError(
+                        f"the coordinator's lease of {self.url} did not come within {self.timeout_s:g} s "
+                        f"(found: {lease or 'none'})"
+                    )
+                if (cancel or threading.Event()).wait(delay):
+                    raise RemoteStorageError(f"cancelled while waiting for the coordinator's lease of {self.url}")
+                delay = min(1.0, delay * 2)
+                continue
+            self._lease_checked = time.monotonic()
+            return None
 
     def _release_lease(self, bound_s: float = 2.0) -> None:
         """(coordinator, at the end) Delete the lease if it is still this job's, within
@@ -338,7 +368,7 @@ class Uploader:
             try:
                 lease = self.tier.read_lease()
                 if lease is not None and lease.root == self._lease_root:
-                    self.tier.remove_lease()
+                    self.tier.remove_lease(lease)  # (if it is still the one read)
             except Exception as exc:  # noqa: BLE001 - it lapses by itself
                 _log.info("asyncckpt: the lease of %s was not removed: %s", self.url, exc)
 
@@ -404,7 +434,7 @@ class Uploader:
         url = self.tier.step_url(job.step)
         start = time.monotonic()
         try:
-            other = self._lease()
+            other = self._lease(cancel=job.cancel)
             if other is not None:
                 return UploadError(
                     f"upload of step {job.step} to {url} refused: {self.url} is in use by {other}, whose steps this "

@@ -8,6 +8,7 @@ object overwritten through the S3 API.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -497,17 +498,43 @@ def test_cli_reads_urls(remote, tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- two ranks
-def _two_ranks_upload(rank: int, world_size: int, root: str, url: str, env: dict[str, str]) -> list:
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _two_ranks_upload(rank: int, world_size: int, root: str, url: str, env: dict[str, str], go: str) -> list:
     # The forkserver may have been started by an earlier test, before this test's server
     # variables were set: the ranks take them from the test, as a job takes its own.
     os.environ.update(env)
+    if rank == 0:  # the coordinator is held before it writes the lease, until rank 1 says go
+        os.environ["ASYNCCKPT_FAULT"] = f"lease:wait={go}"
+    log, lines = logging.getLogger("asyncckpt"), _Lines()
+    log.addHandler(lines)
+    log.setLevel(logging.INFO)
     outcomes = Outcomes()
     g = torch.Generator().manual_seed(100 + rank)
     sd: dict[str, Any] = {f"own{rank}": torch.randn(1 << 18, generator=g), "step": 1}
     with asyncckpt.CheckpointManager(root, upload_to=url, callback=outcomes, upload_timeout_s=60) as manager:
         manager.save(1, sd)
         manager.maybe_finalize(blocking=True)
+        if rank == 1:  # nothing of this job goes up before its coordinator holds the prefix
+            deadline = time.monotonic() + 60
+            while not any("waits for its coordinator's lease" in line for line in lines.lines):
+                assert time.monotonic() < deadline, lines.lines
+                time.sleep(0.01)
+            tier = s3tier.S3Tier(url)
+            listed = tier.client.list_objects_v2(Bucket=tier.bucket, Prefix=s3tier.parse_url(url).prefix + "/")
+            assert listed.get("KeyCount", 0) == 0, listed.get("Contents")
+            assert not manager.wait_uploads(0)
+            Path(go).touch()
         assert manager.wait_uploads(60)
+    os.environ.pop("ASYNCCKPT_FAULT", None)
+    log.removeHandler(lines)
     # Both ranks on fresh machines: empty roots, restored from the bucket (collective load).
     # Rank 1 cannot list the bucket (an injected fault): the coordinator's choice holds
     # for every rank (before, rank 1 found nothing and raised while rank 0 loaded).
@@ -531,7 +558,14 @@ def test_two_ranks_upload_their_own_files_and_the_coordinator_commits(remote, tm
     preload_forkserver()
     env = {name: value for name, value in os.environ.items() if name.startswith("AWS_")}
     results = run_ranks(
-        _two_ranks_upload, 2, str(tmp_path / "root"), remote, env, timeout=120, start_method="forkserver"
+        _two_ranks_upload,
+        2,
+        str(tmp_path / "root"),
+        remote,
+        env,
+        str(tmp_path / "go"),
+        timeout=120,
+        start_method="forkserver",
     )
     size = {rank: (tmp_path / "root" / "step_00000001" / f"__{rank}_0.distcp").stat().st_size for rank in (0, 1)}
     assert results[1] == [(1, size[1])]  # rank 1: its data file alone

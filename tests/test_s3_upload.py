@@ -196,7 +196,7 @@ def test_a_lease_that_lapsed_or_is_this_roots_own_is_taken_over(remote, tmp_path
     """A lease not renewed for LEASE_TTL_S (a job that died) is taken over, with a
     warning; one of this very root (the same job restarted after a crash) at once."""
     tier = s3tier.S3Tier(remote)
-    tier.write_lease("/another/job")
+    assert tier.write_lease("/another/job", replaces=None)
     monkeypatch.setattr(s3tier, "LEASE_TTL_S", 2.0)
     time.sleep(3.0)  # (whole seconds: the server's clock)
     lapsed = tier.read_lease()
@@ -210,13 +210,57 @@ def test_a_lease_that_lapsed_or_is_this_roots_own_is_taken_over(remote, tmp_path
             assert manager.remote_steps() == [1]
     assert "taken over from the job of root /another/job" in caplog.text
     monkeypatch.setattr(s3tier, "LEASE_TTL_S", 300.0)
-    tier.write_lease(str(tmp_path / "r"))  # this root's, fresh: as a crash leaves it
+    assert tier.write_lease(str(tmp_path / "r"), replaces=tier.read_lease())  # this root's, fresh: as a crash leaves it
     with asyncckpt.CheckpointManager(tmp_path / "r", upload_to=remote) as manager:
         manager.save(2, state(2, 0.1))
         manager.maybe_finalize(blocking=True)
         uploaded(manager)
         manager.maybe_finalize()
         assert manager.remote_steps() == [1, 2]
+
+
+def _wait_for(path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
+def test_of_two_jobs_that_find_a_prefix_free_at_once_exactly_one_takes_it(remote, tmp_path, monkeypatch):
+    """Two jobs read the free prefix's lease at the same moment (the ``lease`` failpoint
+    holds each coordinator between its read and its write): the conditional write lets
+    one of them take the prefix; the other reads again and is refused, and the remote
+    step is bitwise the winner's. (With plain writes both took it: both uploaded step 1,
+    one over the other.)"""
+    reached, go = tmp_path / "reached", tmp_path / "go"
+    monkeypatch.setenv("ASYNCCKPT_FAULT", f"lease:touch={reached};lease:wait={go}")
+    outcomes = {"a": Outcomes(), "b": Outcomes()}
+    states = {"a": state(1, 0.1), "b": state(100, 0.1)}
+    managers = {}
+    try:
+        for job in ("a", "b"):
+            managers[job] = asyncckpt.CheckpointManager(tmp_path / job, upload_to=remote, callback=outcomes[job])
+            managers[job].save(1, states[job])
+            managers[job].maybe_finalize(blocking=True)
+            _wait_for(reached)  # this job's coordinator read the lease: none
+            reached.unlink()
+        go.touch()
+        for manager in managers.values():
+            uploaded(manager)
+        won = [job for job in managers if outcomes[job].of(asyncckpt.UploadResult)]
+        lost = [job for job in managers if outcomes[job].of(asyncckpt.UploadError)]
+        assert len(won) == 1 and len(lost) == 1, {job: outcomes[job].items for job in managers}
+        with pytest.warns(asyncckpt.UploadWarning, match=rf"refused: .* is in use by the job of root .*[/]{won[0]} "):
+            managers[lost[0]].maybe_finalize()
+        lease = s3tier.S3Tier(remote).read_lease()
+        assert lease is not None and lease.root == str(tmp_path / won[0])
+        target = zeroed(state(1, 0.1))
+        asyncckpt.load(target, f"{remote}/step_00000001")
+        assert_same(states[won[0]], target)
+    finally:
+        go.touch()
+        for manager in managers.values():
+            manager.close()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")

@@ -29,9 +29,14 @@ another root, renewed less than :data:`LEASE_TTL_S` seconds ago by the server's 
 compared with another's), is another job uploading here, and the upload fails
 naming it; an older one, or one of this root (the same job, restarted), is taken
 over. Without it two jobs given one prefix overwrote each other's steps and
-``latest``, and each one's retention removed the other's steps. The read and the
-write are two requests (no conditional PUT): two jobs that start within the same
-second can both upload one step before the next check refuses one of them.
+``latest``, and each one's retention removed the other's steps. The coordinator's
+write is conditional on the lease it read (``If-None-Match: *`` where there was
+none, ``If-Match`` its ETag otherwise: S3's conditional writes, which SeaweedFS and
+MinIO implement too), so of two jobs that read the same lease at once exactly one
+writes it; the other reads again and is refused. The other ranks upload nothing
+until their coordinator's lease is there. A server without conditional writes that
+says so (``NotImplemented``) gets plain writes: two jobs that start within the same
+second can then both upload one step before the next check refuses one of them.
 
 **Integrity.** Uploads are our own multipart uploads (:meth:`S3Tier.upload_files`:
 parts of ``part_size`` bytes, ``max_concurrency`` in flight), each part with its
@@ -71,6 +76,7 @@ import concurrent.futures
 import contextlib
 import email.utils
 import json
+import logging
 import os
 import queue
 import re
@@ -89,6 +95,8 @@ from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, Re
 from asyncckpt.format import manifest as _manifest
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.naming import parse_step_dir, step_dir_name
+
+_log = logging.getLogger("asyncckpt")
 
 __all__ = [
     "S3Url",
@@ -238,12 +246,15 @@ class Lease:
             object that cannot be read as a lease, another job's while it holds).
         host, pid: where its coordinator ran.
         age_s: seconds since it was last written, by the server's clock.
+        etag: the object's ETag as read (``""``: none given), the condition of a
+            write that replaces it (:meth:`S3Tier.write_lease`).
     """
 
     root: str
     host: str
     pid: int
     age_s: float
+    etag: str = ""
 
     def holds(self) -> bool:
         """Whether it was renewed less than :data:`LEASE_TTL_S` seconds ago."""
@@ -255,6 +266,11 @@ class Lease:
 
 def _is_missing(exc: BaseException) -> bool:
     return _error_code(exc) in _MISSING_CODES
+
+
+#: The codes of a conditional request whose condition did not hold: 412, and AWS's 409
+#: for a conditional write that raced another one.
+_CONDITION_FAILED_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
 
 
 @dataclass
@@ -290,6 +306,8 @@ class S3Tier:
     _client: Any = field(init=False, default=None, repr=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
     _seqs: dict[int, tuple[str, int]] = field(init=False, default_factory=dict, repr=False)
+    #: Whether the server takes conditional writes (``False`` once it said it does not).
+    _conditional_writes: bool = field(init=False, default=True, repr=False)
 
     def __post_init__(self) -> None:
         self._where = parse_url(self.url)
@@ -499,30 +517,75 @@ class S3Tier:
         if date and modified is not None:
             with contextlib.suppress(TypeError, ValueError):
                 age = max(0.0, (email.utils.parsedate_to_datetime(date) - modified).total_seconds())
+        etag = str(reply.get("ETag") or "")
         try:
             obj = json.loads(body)
-            return Lease(str(obj["root"]), str(obj.get("host", "?")), int(obj.get("pid", 0)), age)
+            return Lease(str(obj["root"]), str(obj.get("host", "?")), int(obj.get("pid", 0)), age, etag)
         except (ValueError, KeyError, TypeError):
-            return Lease("?", "?", 0, age)
+            return Lease("?", "?", 0, age, etag)
 
-    def write_lease(self, root: str) -> None:
-        """Write (or renew) the prefix's lease for the job of local root ``root``.
+    def _conditional(self, what: str, fn: Callable[..., Any], condition: dict[str, str], **kwargs: Any) -> bool:
+        """``fn(**kwargs, **condition)``: ``False`` when the condition did not hold; a
+        server that does not implement conditional requests (``NotImplemented``) gets
+        the request without it from then on (logged once).
+
+        Raises:
+            RemoteStorageError: the request failed otherwise.
+        """
+        url = f"{SCHEME}{self.bucket}/{kwargs['Key']}"
+        if condition and self._conditional_writes:
+            try:
+                fn(**kwargs, **condition)
+                return True
+            except Exception as exc:  # botocore's errors
+                code = _error_code(exc)
+                if code in _CONDITION_FAILED_CODES:
+                    return False
+                if code != "NotImplemented":
+                    raise _remote_error(exc, what, url) from exc
+                self._conditional_writes = False
+                _log.info("%s does not implement conditional %s requests: the lease is written without", url, what)
+        self._call(what, url, fn, **kwargs)
+        return True
+
+    def write_lease(self, root: str, *, replaces: Lease | None) -> bool:
+        """Write (or renew) the prefix's lease for the job of local root ``root``, if it
+        is still ``replaces`` as read (its ETag; ``None``: if there is no lease).
+
+        Returns:
+            ``False``: another writer changed the lease since it was read (read it again).
 
         Raises:
             RemoteStorageError: it cannot be written.
         """
-        self._put(
-            self._lease_key(), json.dumps({"root": root, "host": socket.gethostname(), "pid": os.getpid()}).encode()
+        if replaces is None:
+            condition = {"IfNoneMatch": "*"}
+        else:
+            condition = {"IfMatch": replaces.etag} if replaces.etag else {}
+        body = json.dumps({"root": root, "host": socket.gethostname(), "pid": os.getpid()}).encode()
+        return self._conditional(
+            "PUT",
+            self.client.put_object,
+            condition,
+            Bucket=self.bucket,
+            Key=self._lease_key(),
+            Body=body,
+            ChecksumAlgorithm="CRC32",
         )
 
-    def remove_lease(self) -> None:
-        """Delete the prefix's lease (nothing if there is none).
+    def remove_lease(self, lease: Lease) -> bool:
+        """Delete the prefix's lease if it is still ``lease`` as read (its ETag).
+
+        Returns:
+            ``False``: it changed since it was read (another job's now), and stays.
 
         Raises:
             RemoteStorageError: it cannot be deleted.
         """
-        key = self._lease_key()
-        self._call("DELETE", f"{SCHEME}{self.bucket}/{key}", self.client.delete_object, Bucket=self.bucket, Key=key)
+        condition = {"IfMatch": lease.etag} if lease.etag else {}
+        return self._conditional(
+            "DELETE", self.client.delete_object, condition, Bucket=self.bucket, Key=self._lease_key()
+        )
 
     def remove_step(self, step: int) -> None:
         marker = self._key(step, _manifest.MANIFEST_NAME)
