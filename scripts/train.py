@@ -40,7 +40,12 @@ steps also go to the node-local tier (:class:`asyncckpt.LocalTier`), replicated 
 --replicas peer nodes; --resume restores the newest step of either tier (a rank whose
 shard is not on its node fetches it from a peer) and prints where it came from. The
 environment variable ``TRAIN_KILL=RANK:STEP`` (a test's stand-in for a node loss) makes
-that rank SIGKILL itself after that step, once its local saves are restorable.
+that rank SIGKILL itself after that step, once its local saves are restorable (in the
+first attempt only, under torchrun's ``--max-restarts``).
+
+On one node, torchrun's in-place restart works with gloo too (``--max-restarts N``
+with ``--resume``: the restarted workers resume from the newest step of either tier):
+see :func:`init_process_group`.
 """
 
 from __future__ import annotations
@@ -485,6 +490,35 @@ class StopFlag:
         return int(t.item())
 
 
+def init_process_group(backend: str) -> None:
+    """``dist.init_process_group(backend)`` from torchrun's environment, with the group's
+    store keys under a prefix of their own per restart attempt when one torchrun agent
+    runs every worker.
+
+    Why: torchrun's workers of every attempt share the agent's store (torch 2.13), whose
+    keys outlive the attempt. A restarted gloo group can find a dead worker's address
+    there before the new worker has written its own, and fails in
+    ``init_process_group`` ("Gloo connectFullMesh failed ... Connection refused";
+    pytorch#147064 looks related). ``TORCHELASTIC_RESTART_COUNT`` names the attempt,
+    but only for one agent: with several, an agent whose own workers did not fail
+    restarts them without counting, so the count differs between nodes and cannot
+    name the attempt there (multi-node jobs restart the whole job instead, as a
+    scheduler's requeue does).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if (
+        attempt is None
+        or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        or os.environ.get("GROUP_WORLD_SIZE") != "1"
+    ):
+        dist.init_process_group(backend)
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
+    store = dist.PrefixStore(f"train/attempt_{attempt}", agent_store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train; return the process exit code (0, or 128+signum when stopped by a signal)."""
     args = parse_args(argv)
@@ -498,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         _USED_GLOO[0] = True  # (a CUDA run has a gloo backend for CPU tensors too)
         backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend)
+            init_process_group(backend)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank = dist.get_rank() if use_pg else 0
@@ -591,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     mgr = asyncckpt.CheckpointManager(
         args.ckpt_dir, keep_last=args.keep_last, persistent=not args.temporal, local=local, **upload
     )
-    kill = os.environ.get("TRAIN_KILL", "")
+    kill = os.environ.get("TRAIN_KILL", "") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else ""
     kill_rank, kill_step = (int(x) for x in kill.split(":")) if kill else (-1, -1)
 
     def ckpt_path(s: int) -> str:

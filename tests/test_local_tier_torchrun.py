@@ -9,10 +9,15 @@ started again with the same command lines and ``--resume``. It must restore loca
 10 (newer than the persistent step 8), ranks 2 and 3's shards sent by node 0, and its
 ``--save-final`` must be bitwise the parameters of an uninterrupted run.
 
-torchrun's in-place restart (``--max-restarts``) is not used: with torch 2.13 and gloo
-on CPU it fails in ``init_process_group`` ("Gloo connectFullMesh failed ... Connection
-refused") even for a 10-line script (pytorch#147064 is related); the whole job is
-restarted instead, as a scheduler's requeue does.
+Two agents restart the whole job, as a scheduler's requeue does: torchrun's in-place
+restart (``--max-restarts``) of a 2-agent job fails with torch 2.13 and gloo. The
+workers of every attempt share the agent's store, whose keys outlive the attempt, so a
+restarted gloo group reads a dead worker's address ("Gloo connectFullMesh failed ...
+Connection refused"; pytorch#147064 looks related). A per-attempt key prefix cannot
+help across agents: ``TORCHELASTIC_RESTART_COUNT`` differs between them (an agent whose
+workers did not fail restarts them without counting). With one agent it names the
+attempt, and ``scripts/train.py`` prefixes the group's keys with it: the last test
+restarts workers in place on one node.
 
 Every agent runs in a session of its own, killed when the test ends, also on failure.
 """
@@ -24,6 +29,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -129,3 +135,56 @@ def test_intact_nodes_restore_locally_and_a_flipped_byte_takes_the_replica(tmp_p
     for final in (tmp_path / "first.pt", job / "final.pt"):
         b = torch.load(final)
         assert not [k for k in a if not torch.equal(a[k], b[k])], final
+
+
+def run_one_agent(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 120) -> str:
+    """``scripts/train.py args`` on one torchrun agent (2 ranks, ``--max-restarts 1``) in
+    ``cwd``; checks that it exits with 0 and returns its output."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        str(SCRIPT),
+        *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    log = cwd / "agent.log"
+    with open(log, "w") as out, started_session(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT) as proc:
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+    text = log.read_text()
+    assert code == 0, f"exit {code}:\n{text}"
+    return text
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_restarts_workers_in_place_from_the_local_tier(tmp_path: Path) -> None:
+    """One node, ``--max-restarts 1``: rank 1 is killed after step 11; torchrun restarts
+    both workers in place, with the same command line (``--resume``), and they resume from
+    local step 10 on their node (newer than the persistent step 8), bitwise equal to an
+    uninterrupted run at the end."""
+    args = [*RUN, "--replicas", "0", "--local-dir", "local", "--resume", "--save-final", "final.pt"]
+    straight, job = tmp_path / "straight", tmp_path / "job"
+    straight.mkdir()
+    job.mkdir()
+    run_one_agent(args, straight)
+    out = run_one_agent(args, job, env={"TRAIN_KILL": "1:11"})
+    assert "TRAIN_KILL at step 11" in out and "nothing to restore" in out, out  # the first attempt
+    assert "restored step 10 from the local tier (every shard on its own node)" in out, out  # the second
+    a, b = torch.load(straight / "final.pt"), torch.load(job / "final.pt")
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert a.keys() == b.keys() and not different, f"parameters differ after the restart: {different}"
