@@ -61,6 +61,7 @@ import logging
 import os
 import pickle
 import shutil
+import sys
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -173,22 +174,46 @@ def local_shards(obj: Any) -> Any:
     """``obj`` (a state_dict) with every DTensor replaced by its local shard
     (:func:`~asyncckpt.loading.direct.local_shard`: a plain tensor, the DTensor's own
     memory, so that a load into it fills the DTensor), through nested dicts, lists and
-    tuples; other values as they are.
+    tuples; other values as they are. A container with no DTensor inside is returned
+    itself, not copied (a state without DTensors costs one walk of its containers, and
+    nothing when ``torch.distributed.tensor`` was never imported); one with a DTensor
+    inside is copied (a ``dict`` for any mapping), the caller's left as it is.
 
     The local tier stores and restores a rank's own bytes, for the same world size and
     sharding only (any other restores from the persistent tier): as plain tensors they
     take the direct paths, with no DCP planning over global chunk offsets, no
     ``.metadata``-only layout and no second pass over the bytes.
     """
-    shard = local_shard(obj)
-    if shard is not None:
-        return shard
+    module = sys.modules.get("torch.distributed.tensor")  # (not imported: no DTensor exists)
+    return obj if module is None else _shards(obj, module.DTensor)
+
+
+#: Types that are never a container nor a DTensor (checked first: most of a state's values).
+_LEAVES = frozenset((torch.Tensor, torch.nn.Parameter, str, int, float, bool, type(None)))
+
+
+def _shards(obj: Any, dtensor: type) -> Any:
+    """:func:`local_shards` below ``torch.distributed.tensor``'s ``dtensor`` class."""
+    if type(obj) in _LEAVES:
+        return obj
+    if isinstance(obj, dtensor):
+        return local_shard(obj)
     if isinstance(obj, dict):
-        return {k: local_shards(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [local_shards(v) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(local_shards(v) for v in obj)
+        out: Any = None
+        for k, v in obj.items():
+            if type(v) in _LEAVES:
+                continue
+            new = _shards(v, dtensor)
+            if new is not v:
+                if out is None:
+                    out = dict(obj)
+                out[k] = new
+        return obj if out is None else out
+    if isinstance(obj, list) or (isinstance(obj, tuple) and not hasattr(obj, "_fields")):
+        items = [_shards(v, dtensor) for v in obj]
+        if all(new is v for new, v in zip(items, obj)):
+            return obj
+        return items if isinstance(obj, list) else tuple(items)
     return obj
 
 
