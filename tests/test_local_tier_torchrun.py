@@ -139,36 +139,48 @@ def test_intact_nodes_restore_locally_and_a_flipped_byte_takes_the_replica(tmp_p
 
 def run_one_agent(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 120) -> str:
     """``scripts/train.py args`` on one torchrun agent (2 ranks, ``--max-restarts 1``) in
-    ``cwd``; checks that it exits with 0 and returns its output."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "1",
-        "--monitor-interval",
-        "0.2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
-        str(SCRIPT),
-        *args,
-    ]
+    the empty directory ``cwd``; checks that it exits with 0 and returns its output."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    log = cwd / "agent.log"
-    with open(log, "w") as out, started_session(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT) as proc:
-        try:
-            code = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-    text = log.read_text()
-    assert code == 0, f"exit {code}:\n{text}"
-    return text
+    for _attempt in range(3):  # the rendezvous port is chosen free, then bound: another process may take it first
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--monitor-interval",
+            "0.2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}",
+            str(SCRIPT),
+            *args,
+        ]
+        log = cwd.parent / f"{cwd.name}.log"
+        with (
+            open(log, "w") as out,
+            started_session(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT) as proc,
+        ):
+            try:
+                code = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+        text = log.read_text()
+        if code == 0:
+            return text
+        if "EADDRINUSE" not in text and "address already in use" not in text.lower():
+            break
+        for leftover in cwd.iterdir():  # (nothing ran: the agent could not start)
+            if leftover.is_dir():
+                shutil.rmtree(leftover)
+            else:
+                leftover.unlink()
+    pytest.fail(f"exit {code}:\n{text}")
 
 
 @pytest.mark.timeout(300)
