@@ -47,7 +47,7 @@ from asyncckpt.format.records import RECORDS_NAME
 from asyncckpt.io import s3 as _s3
 from asyncckpt.io.storage import LOCAL, ReadableStorage
 from asyncckpt.loading.dcp import SafeFileSystemReader, SafeLoadPlanner
-from asyncckpt.loading.direct import direct_load, plan_direct_load
+from asyncckpt.loading.direct import direct_load, local_shard, plan_direct_load
 from asyncckpt.loading.hf import is_hf_dir, load_hf
 from asyncckpt.root import is_stock_dcp
 
@@ -90,16 +90,18 @@ class _Clock:
 
 
 def _tensor_bytes(state_dict: dict[str, Any]) -> int:
-    """Bytes of the tensors in a nested state_dict (a DTensor's local shard). A loop
-    over one stack, no generator per entry: it allocates (and so collects) nothing
-    per entry."""
+    """Bytes of the tensors in a nested state_dict (a DTensor's local shard, as
+    :func:`~asyncckpt.loading.direct.local_shard` gives it: no autograd call, about
+    20 us, per DTensor). A loop over one stack, no generator per entry: it allocates
+    (and so collects) nothing per entry."""
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # none if never imported
     total = 0
     stack: list[Any] = [state_dict]
     while stack:
         obj = stack.pop()
         if isinstance(obj, torch.Tensor):
-            local = obj.to_local() if dtensor is not None and isinstance(obj, dtensor) else obj
+            local = local_shard(obj) if dtensor is not None and isinstance(obj, dtensor) else None
+            local = obj if local is None else local
             total += local.numel() * local.element_size()
         elif isinstance(obj, dict):
             stack.extend(obj.values())
