@@ -219,7 +219,8 @@ class LoadCounts:
     """What the ``asyncckpt.load`` calls inside :func:`observing_loads` did: how many took
     the direct path (``direct``) or DCP's (``dcp``, stock ``dcp.load`` with our reader and
     planner), and where the direct path's plans found the records: the records file
-    (``records``) or the unpickled ``.metadata`` (``metadata``)."""
+    (``records``), a sharded checkpoint's shard index (``shards``) or the unpickled
+    ``.metadata`` (``metadata``)."""
 
     def __init__(self, direct: CallCounter, dcp: CallCounter, plans: CallCounter) -> None:
         self.direct_calls, self.dcp_calls, self.plan_calls = direct, dcp, plans
@@ -240,6 +241,10 @@ class LoadCounts:
     def metadata(self) -> int:
         return self.plan_calls.calls.count("metadata")
 
+    @property
+    def shards(self) -> int:
+        return self.plan_calls.calls.count("shards")
+
     def paths(self) -> dict[str, int]:
         """``{"direct": ..., "dcp": ...}``."""
         return {"direct": self.direct, "dcp": self.dcp}
@@ -250,10 +255,11 @@ def observing_loads() -> Iterator[LoadCounts]:
     """Observe the loads of this process while the block runs (:class:`LoadCounts`): the
     calls of the direct path's reader (``asyncckpt.loading.api.direct_load``), of stock
     ``torch.distributed.checkpoint.load``, and of the direct path's planner with records
-    (a dict) or ``.metadata``; all run unchanged."""
+    (a dict), a rank's shard index or ``.metadata``; all run unchanged."""
     import torch.distributed.checkpoint as dcp
 
     from asyncckpt.loading import api
+    from asyncckpt.loading.direct import ShardCatalog
 
     counters = [
         count_calls(api, "direct_load"),
@@ -261,7 +267,9 @@ def observing_loads() -> Iterator[LoadCounts]:
         count_calls(
             api,
             "plan_direct_load",
-            keep=lambda _sd, source, *a, **k: "records" if isinstance(source, dict) else "metadata",
+            keep=lambda _sd, source, *a, **k: (
+                "records" if isinstance(source, dict) else "shards" if isinstance(source, ShardCatalog) else "metadata"
+            ),
         ),
     ]
     try:

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from dist_utils import preload_forkserver, run_ranks
-from helpers import count_plans
+from helpers import count_plans, counting_calls, observing_loads
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -138,6 +138,7 @@ def _rank_save_fsdp(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import asyncckpt
+    import asyncckpt.loading.dcp
     from asyncckpt import AsyncCallsQueue, CheckpointManager
     from asyncckpt.testing import staging_buffers
 
@@ -179,9 +180,12 @@ def _rank_save_fsdp(rank: int, world_size: int, root: str) -> dict[str, Any]:
             out["diffs"][name] = _compare(snapshot, _map_tensors(got, _local))
         # asyncckpt reads it back into the same sharding too (its direct path: each local
         # shard, even uneven and empty ones, is one saved chunk)
+        # (its shard index: this rank's own chunks, without unpickling .metadata)
         got = _map_tensors(state, torch.zeros_like)
-        asyncckpt.load(got, manager.step_dir(3))
+        with observing_loads() as loads, counting_calls(asyncckpt.loading.dcp, "read_metadata") as metadata_reads:
+            asyncckpt.load(got, manager.step_dir(3))
         out["diffs"]["asyncckpt.load"] = _compare(snapshot, _map_tensors(got, _local))
+        out["load_path"] = (loads.direct, loads.shards, loads.metadata, metadata_reads.n)
         manager.close()
         queue.close()
         ok = True
@@ -210,6 +214,8 @@ def test_fsdp_state_saves_async_each_rank_its_shards(fsdp_saved: tuple[Path, lis
         assert res["mutated"] == res["nonempty"] >= 24, res
         for name, cmp in res["diffs"].items():
             assert cmp["tensors"] == 32 and cmp["mismatch"] == [], (rank, name, cmp)  # + 8 Adam steps
+        # asyncckpt.load: the direct path, planned from the shard index, .metadata never read
+        assert res["load_path"] == (1, 1, 0, 0), res["load_path"]
         # Each rank holds and stages about half of the state, not all of it.
         assert 0.4 * full_bytes < res["local_bytes"] < 0.6 * full_bytes, res
         assert res["staged_bytes"] < 0.6 * full_bytes, res
@@ -236,6 +242,88 @@ def test_fsdp_state_saves_async_each_rank_its_shards(fsdp_saved: tuple[Path, lis
             f"({total / full_bytes:.3f}x), per rank {[sizes[f] for f in DATA_FILES]}, "
             f"local shards {[r['local_bytes'] for r in results]} B, staged {[r['staged_bytes'] for r in results]} B"
         )
+
+
+# ----------------------------------------------------------------------------- the shard index
+def _rank_load_damaged(rank: int, world_size: int, root: str, ckpts: list[str]) -> list[dict[str, Any]]:
+    """Load each of ``ckpts`` into a fresh FSDP2 model + Adam with ``verify=False``;
+    report the plan's source, ``.metadata`` reads, the warnings, and (rank 0) the full
+    state against ``ref_w2.pt``; then what a load with the default verification raised."""
+    import warnings
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import asyncckpt
+    import asyncckpt.loading.dcp
+
+    torch.set_num_threads(1)
+    out = []
+    for ckpt in ckpts:
+        model, optim = _fsdp(rank, train_steps=0)
+        msd, osd = get_state_dict(model, optim)
+        state: dict[str, Any] = {"model": msd, "optim": osd, "step": -1}
+        with (
+            warnings.catch_warnings(record=True) as seen,
+            observing_loads() as loads,
+            counting_calls(asyncckpt.loading.dcp, "read_metadata") as reads,
+        ):
+            warnings.simplefilter("always")
+            asyncckpt.load(state, Path(root) / ckpt, verify=False)
+        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        full = _full_state(model, optim)
+        try:
+            asyncckpt.load(state, Path(root) / ckpt)  # verify="inline": a damaged file is corruption
+            raised = ""
+        except asyncckpt.CorruptCheckpointError as exc:
+            raised = str(exc)
+        out.append(
+            {
+                "path": (loads.direct, loads.shards, loads.metadata, reads.n),
+                "warnings": [str(w.message) for w in seen if ".shards" in str(w.message)],
+                "cmp": _compare(torch.load(Path(root) / "ref_w2.pt"), full) if rank == 0 else None,
+                "raised": raised,
+            }
+        )
+    return out
+
+
+def _change_a_digit(path: Path, start: int = 0) -> None:
+    """Change the first decimal digit at or after byte ``start`` of ``path`` (its size kept)."""
+    data = bytearray(path.read_bytes())
+    pos = next(i for i in range(start, len(data)) if chr(data[i]).isdigit())
+    data[pos] = ord("7") if data[pos] != ord("7") else ord("3")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.timeout(90)
+def test_a_damaged_shard_index_or_chunk_line_falls_back_to_metadata(
+    fsdp_saved: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """The shard index is a cache of ``.metadata``: with ``verify=False`` a chunk line
+    that does not match the CRC-32 the index gives it (rank 1's), or an index that does
+    not match the manifest, is named in a warning and ``.metadata`` is read instead, by
+    the ranks it concerns, and the load is bitwise the same; with the default
+    verification either is corruption, raised on every rank, naming the file."""
+    import json
+    import shutil
+
+    root, _ = fsdp_saved
+    src = root / "mgr_w2" / "step_00000003"
+    for name in ("damaged_line", "damaged_index"):
+        shutil.copytree(src, root / name)
+    start, _length, _crc = json.loads((src / ".shards.json").read_bytes())["chunks"]["__1_0.distcp"]
+    _change_a_digit(root / "damaged_line" / ".shards.chunks.jsonl", start)
+    _change_a_digit(root / "damaged_index" / ".shards.json", 40)
+    results = _run(_rank_load_damaged, 2, str(root), ["damaged_line", "damaged_index"])
+    line, index = zip(*results)  # per rank -> per checkpoint
+    assert [r["path"] for r in line] == [(1, 1, 0, 0), (1, 0, 1, 1)], line
+    assert not line[0]["warnings"] and "the line of __1_0.distcp" in line[1]["warnings"][0], line
+    assert [r["path"] for r in index] == [(1, 0, 1, 1), (1, 0, 1, 1)], index
+    assert all("does not match the manifest" in r["warnings"][0] for r in index), index
+    for r in (line[0], index[0]):
+        assert r["cmp"]["mismatch"] == [] and r["cmp"]["tensors"] == 32, r["cmp"]
+    assert all(".shards.chunks.jsonl" in r["raised"] for r in line), line
+    assert all(".shards.json" in r["raised"] for r in index), index
 
 
 # ----------------------------------------------------------------------------- resharding on load

@@ -27,6 +27,8 @@ __all__ = [
     "METADATA_NAME",
     "MANIFEST_NAME",
     "RECORDS_NAME",
+    "SHARDS_NAME",
+    "CHUNKS_NAME",
     "LATEST_NAME",
     "LOCK_NAME",
     "is_plain_name",
@@ -43,6 +45,9 @@ METADATA_NAME = ".metadata"
 MANIFEST_NAME = ".manifest.json"
 #: An index of the records for ``load``'s direct path (:mod:`asyncckpt.format.records`).
 RECORDS_NAME = ".records.json"
+#: The shard index of a sharded checkpoint, and its chunk lines (:mod:`asyncckpt.format.shards`).
+SHARDS_NAME = ".shards.json"
+CHUNKS_NAME = ".shards.chunks.jsonl"
 LATEST_NAME = "latest"
 LOCK_NAME = ".asyncckpt.lock"
 MANIFEST_FORMAT = "asyncckpt.manifest"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import secrets
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,6 @@ from asyncckpt.format.manifest import (
     LOCK_NAME,
     MANIFEST_NAME,
     METADATA_NAME,
-    RECORDS_NAME,
     build_manifest,
     is_plain_name,
     manifest_bytes,
@@ -60,9 +59,10 @@ def commit_directory(
     metadata_bytes: bytes,
     files: Iterable[FileResult],
     info: dict[str, Any],
-    records: bytes | None = None,
+    small: Mapping[str, bytes] | None = None,
 ) -> dict[str, Any]:
-    """Write metadata, records and manifest into ``tmp_dir`` and rename it to ``final_dir``.
+    """Write metadata, the small files beside it and the manifest into ``tmp_dir`` and
+    rename it to ``final_dir``.
 
     Args:
         tmp_dir: the temporary directory holding every rank's data files (durable).
@@ -70,8 +70,10 @@ def commit_directory(
         metadata_bytes: the pickled ``torch.distributed.checkpoint.metadata.Metadata``.
         files: every rank's written files.
         info: extra fields for the manifest (world_size, step, ...).
-        records: the records file's bytes (:func:`asyncckpt.format.records.records_file`
-            of ``metadata_bytes``), written as ``.records.json``; ``None``: none.
+        small: the small files beside ``.metadata``, name -> bytes (the records file,
+            :func:`asyncckpt.format.records.records_file`, or the shard index and its
+            chunk lines, :mod:`asyncckpt.format.shards`, of ``metadata_bytes``);
+            ``None``: none.
 
     Returns:
         The manifest.
@@ -83,12 +85,10 @@ def commit_directory(
         OSError: any I/O failure; ``final_dir`` is then not created.
     """
     files = list(files)
-    small = {METADATA_NAME: metadata_bytes}
-    if records is not None:
-        small[RECORDS_NAME] = records
-    for name, data in small.items():
+    written = {METADATA_NAME: metadata_bytes, **(small or {})}
+    for name, data in written.items():
         write_new_file(tmp_dir / name, data)
-    manifest = build_manifest(files, small, info)
+    manifest = build_manifest(files, written, info)
     write_new_file(tmp_dir / MANIFEST_NAME, manifest_bytes(manifest))
     fsync_directory(tmp_dir)
     _faults.hit("commit")

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -221,7 +221,7 @@ class Storage(ReadableStorage, Protocol):
         metadata_bytes: bytes,
         files: Iterable[FileResult],
         info: dict[str, Any],
-        records: bytes | None = None,
+        small: Mapping[str, bytes] | None = None,
     ) -> dict[str, Any]:
         """(coordinator only) Commit the save whose files every rank wrote into
         ``tmp_dir``: it becomes visible as ``final_dir``, atomically.
@@ -232,7 +232,8 @@ class Storage(ReadableStorage, Protocol):
             metadata_bytes: the pickled DCP ``Metadata`` (``.metadata``).
             files: every rank's written files.
             info: extra manifest fields (``world_size``, ``step``, ``save_token``, ...).
-            records: the bytes of ``.records.json``, or ``None``.
+            small: the small files beside ``.metadata`` (name -> bytes: the records
+                file, or the shard index and its chunk lines), or ``None``: none.
 
         Returns:
             The manifest.
@@ -294,9 +295,9 @@ class LocalStorage:
         metadata_bytes: bytes,
         files: Iterable[FileResult],
         info: dict[str, Any],
-        records: bytes | None = None,
+        small: Mapping[str, bytes] | None = None,
     ) -> dict[str, Any]:
-        return _commit.commit_directory(tmp_dir, final_dir, metadata_bytes, files, info, records)
+        return _commit.commit_directory(tmp_dir, final_dir, metadata_bytes, files, info, small)
 
     def discard(self, tmp_dir: Path) -> None:
         _fs.remove_checkpoint(tmp_dir, best_effort=True)

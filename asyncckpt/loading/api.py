@@ -42,12 +42,11 @@ from asyncckpt.errors import (
     RemoteStorageError,
     UnverifiableCheckpointError,
 )
-from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, step_metadata
-from asyncckpt.format.records import RECORDS_NAME
+from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, RECORDS_NAME, SHARDS_NAME, step_metadata
 from asyncckpt.io import s3 as _s3
 from asyncckpt.io.storage import LOCAL, ReadableStorage
 from asyncckpt.loading.dcp import SafeFileSystemReader, SafeLoadPlanner
-from asyncckpt.loading.direct import direct_load, local_shard, plan_direct_load
+from asyncckpt.loading.direct import ShardCatalog, direct_load, local_shard, plan_direct_load
 from asyncckpt.loading.hf import is_hf_dir, load_hf
 from asyncckpt.root import is_stock_dcp
 
@@ -460,15 +459,27 @@ def _load_direct(
         verifying = time.monotonic()
         if verify is True:
             tier.verify(path, share)
-        elif verify == "inline":  # the data files as they are read
-            tier.verify(path, [n for n in (METADATA_NAME, RECORDS_NAME) if n in manifest["files"]])
+        elif verify == "inline":  # the data files as they are read; first the small files the plan reads
+            listed = manifest["files"]
+            small = (METADATA_NAME, RECORDS_NAME) if RECORDS_NAME in listed else (SHARDS_NAME,)
+            tier.verify(path, [n for n in small if n in listed])  # (.metadata below, where it is read)
         clock.verify_s += time.monotonic() - verifying
         # Where each entry lies: from the records file when it stands for this
         # .metadata (JSON, no unpickling), else from .metadata.
         records = reader.read_records(manifest["files"])
-        if records is None:
+        if records is None:  # a sharded checkpoint: this rank's own chunks, where its shard index says
+            shards = reader.read_shards(manifest["files"], sync.rank, strict=bool(verify))
+            if shards is not None:
+                plan = plan_direct_load(state_dict, ShardCatalog(*shards))
+        if records is None and plan is None:
+            if verify == "inline" and RECORDS_NAME not in manifest["files"]:
+                verifying = time.monotonic()
+                tier.verify(path, [METADATA_NAME])
+                clock.verify_s += time.monotonic() - verifying
             reader.check_manifest(manifest["files"])  # reads and checks .metadata
-        plan = plan_direct_load(state_dict, reader.read_metadata() if records is None else records)
+            plan = plan_direct_load(state_dict, reader.read_metadata())
+        elif records is not None:
+            plan = plan_direct_load(state_dict, records)
     except _Stock:
         pass
     except funnelled as exc:

@@ -42,8 +42,9 @@ from torch.futures import Future
 from asyncckpt._check import int_key
 from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.format.crc import crc32
-from asyncckpt.format.manifest import METADATA_NAME
+from asyncckpt.format.manifest import CHUNKS_NAME, METADATA_NAME, SHARDS_NAME
 from asyncckpt.format.records import RECORDS_NAME, Record, parse_records
+from asyncckpt.format.shards import Chunk, ShardIndex, parse_chunks, parse_shards
 from asyncckpt.io.storage import LOCAL, FileReader, ReadableStorage
 from asyncckpt.loading.framing import (
     RecordStream,
@@ -362,6 +363,80 @@ class SafeFileSystemReader(FileSystemReader):
             )
             return None
         return parse_records(data[RECORDS_NAME], metadata_crc, manifest_files)
+
+    def read_shards(
+        self, manifest_files: Mapping[str, Any], rank: int, strict: bool = False
+    ) -> tuple[ShardIndex, list[tuple[str, Chunk]]] | None:
+        """The shard index (:mod:`asyncckpt.format.shards`) and the chunks of ``rank``'s
+        own data files (``__<rank>_*.distcp``, one ranged read of the chunk file each),
+        when the manifest lists both files and the index stands for this directory's
+        ``.metadata``; else ``None``: read :meth:`read_metadata`. Never raises for a bad
+        or missing index (``.metadata`` decides).
+
+        It stands for it when it names the CRC-32 that the manifest lists for
+        ``.metadata`` (a single segment: the file whole; ``.metadata`` itself is not
+        read), it has the size and CRC-32 the manifest lists for it, and each line
+        read has the CRC-32 the index gives it. An index or a line that does not match
+        its checksum is named in a warning (``strict``: raised, as the corruption it is).
+
+        Raises:
+            CorruptCheckpointError: ``strict``, and the index or a line read does not
+                match its checksum.
+        """
+        names = (SHARDS_NAME, CHUNKS_NAME, METADATA_NAME)
+        if any(name not in manifest_files for name in names):
+            return None
+        try:
+            (seg,) = manifest_files[METADATA_NAME]["segments"]
+            if seg[0] != 0 or seg[1] != manifest_files[METADATA_NAME]["size"]:
+                return None
+            metadata_crc = int(seg[2])
+            checkpoint = self.storage.open_checkpoint(self.root)
+        except (CorruptCheckpointError, KeyError, TypeError, ValueError):
+            return None
+        try:
+            data = checkpoint.read_bytes(SHARDS_NAME)
+            if not _as_listed(data, manifest_files[SHARDS_NAME], None):
+                self._damaged(f"{SHARDS_NAME} does not match the manifest's checksum", SHARDS_NAME, strict)
+                return None
+            index = parse_shards(data, metadata_crc, manifest_files)
+            if index is None:
+                return None
+            chunks: list[tuple[str, Chunk]] = []
+            own = f"__{rank}_"
+            reader = checkpoint.open(CHUNKS_NAME)
+            try:
+                for name, (start, length, crc) in sorted(index.chunks.items()):
+                    if not name.startswith(own):
+                        continue
+                    if start + length > reader.size:
+                        return None
+                    line = bytearray(length)
+                    reader.readinto(start, [memoryview(line)])
+                    rows = parse_chunks(bytes(line), crc, index)
+                    if rows is None:
+                        self._damaged(
+                            f"the line of {name} in {CHUNKS_NAME} does not match its checksum", CHUNKS_NAME, strict
+                        )
+                        return None
+                    chunks += [(name, row) for row in rows]
+            finally:
+                reader.close()
+        except CorruptCheckpointError:
+            if strict:
+                raise
+            return None
+        except OSError:
+            return None
+        finally:
+            checkpoint.close()
+        return index, chunks
+
+    def _damaged(self, what: str, name: str, strict: bool) -> None:
+        """A shard index file that is not as committed: raised (``strict``), else a warning."""
+        if strict:
+            raise CorruptCheckpointError(f"{self.root}: {what}", os.path.join(self.root, name))
+        warnings.warn(f"{self.root}: {what}; {METADATA_NAME} read instead", UserWarning, stacklevel=3)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         validate_metadata(metadata, os.path.join(self.root, METADATA_NAME))

@@ -30,6 +30,7 @@ from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.crc import CrcChain
 from asyncckpt.format.manifest import METADATA_NAME, run_in_order
 from asyncckpt.format.records import Record, records_from_metadata
+from asyncckpt.format.shards import Chunk, ShardIndex
 from asyncckpt.format.torchsave import TensorFraming
 from asyncckpt.io.storage import IOV_MAX, LOCAL, FileReader, ReadableStorage
 from asyncckpt.loading.dcp import set_value
@@ -41,7 +42,7 @@ from asyncckpt.loading.framing import (
 )
 from asyncckpt.loading.metadata import check_file_name
 
-__all__ = ["DirectPlan", "plan_direct_load", "direct_load", "local_shard"]
+__all__ = ["DirectPlan", "ShardCatalog", "plan_direct_load", "direct_load", "local_shard"]
 
 #: Buffers per read call at most (``preadv``'s limit, Linux ``IOV_MAX``).
 _IOV_MAX = IOV_MAX
@@ -94,7 +95,9 @@ def _plain_tensor(obj: Any) -> bool:
     return type(obj) in (torch.Tensor, torch.nn.Parameter) and not obj.is_meta and obj.layout == torch.strided
 
 
-def plan_direct_load(state_dict: dict[str, Any], metadata: Metadata | Mapping[str, Record] | None) -> DirectPlan | None:
+def plan_direct_load(
+    state_dict: dict[str, Any], metadata: Metadata | Mapping[str, Record] | ShardCatalog | None
+) -> DirectPlan | None:
     """Map every entry of ``state_dict`` to its record, or ``None`` if the checkpoint or
     the state is not the common case that :func:`direct_load` handles.
 
@@ -110,17 +113,20 @@ def plan_direct_load(state_dict: dict[str, Any], metadata: Metadata | Mapping[st
     Args:
         state_dict: the state to fill.
         metadata: the checkpoint's ``Metadata``, or its records (fqn -> record, from
-            the records file: :mod:`asyncckpt.format.records`); ``None``: no records.
+            the records file: :mod:`asyncckpt.format.records`), or this rank's
+            :class:`ShardCatalog` (a sharded checkpoint); ``None``: no records.
 
     Costs one dict lookup and a few comparisons per entry (no collective, no I/O).
     """
     with gc_paused():
+        if isinstance(metadata, ShardCatalog):
+            return _plan_shards(state_dict, metadata, len(metadata.index.entries))
         if not isinstance(metadata, Metadata):
             return None if metadata is None else _plan_direct(state_dict, metadata)
         records = records_from_metadata(metadata)
         if records is not None:
             return _plan_direct(state_dict, records)
-        return _plan_shards(state_dict, metadata)
+        return _plan_shards(state_dict, _MetadataCatalog(metadata), len(metadata.state_dict_metadata))
 
 
 def local_shard(obj: Any) -> torch.Tensor | None:
@@ -138,33 +144,114 @@ def local_shard(obj: Any) -> torch.Tensor | None:
     return shard if isinstance(shard, torch.Tensor) else obj.to_local().detach()
 
 
-def _plan_shards(state_dict: dict[str, Any], metadata: Metadata) -> DirectPlan | None:
+class ShardCatalog:
+    """Where a rank's own chunks of a sharded checkpoint lie, from its shard index
+    (:mod:`asyncckpt.format.shards`) and the chunk lines of its own data files: what
+    :func:`plan_direct_load` needs of ``.metadata`` for a resume with the same sharding,
+    without it.
+
+    Args:
+        index: the parsed ``.shards.json``.
+        chunks: the chunks of the lines read (:func:`asyncckpt.format.shards.parse_chunks`),
+            with the data file each lies in.
+    """
+
+    def __init__(self, index: ShardIndex, chunks: list[tuple[str, Chunk]]) -> None:
+        self.index = index
+        self._chunks = {(c[0], c[1]): (name, c[2], c[3], c[4]) for name, c in chunks}
+
+    def entry(self, fqn: str) -> Any:
+        """``(dtype, global shape)``, :data:`_BYTES` for a value, ``None``: not listed."""
+        entry = self.index.entries.get(fqn, _MISSING)
+        return None if entry is _MISSING else _BYTES if entry is None else entry
+
+    def storage(
+        self, fqn: str, offsets: tuple[int, ...] | None, sizes: tuple[int, ...] | None
+    ) -> tuple[str, int, int] | None:
+        """The file, offset and length of the chunk of ``fqn`` at ``offsets`` of
+        ``sizes`` (``None``, ``None``: a value), or ``None`` if it is not known here."""
+        record = self.index.records.get(fqn)
+        if record is not None:
+            whole = offsets is None or (not any(offsets) and sizes == record[4])
+            return record[:3] if whole else None
+        if offsets is None:
+            return None
+        found = self._chunks.get((fqn, offsets))
+        if found is None or found[1] != sizes:
+            return None
+        return found[0], found[2], found[3]
+
+
+#: :meth:`ShardCatalog.entry` of a non-tensor value.
+_BYTES = object()
+_MISSING = object()
+
+
+class _MetadataCatalog:
+    """:class:`ShardCatalog`'s two lookups over DCP ``Metadata`` (every rank's chunks)."""
+
+    def __init__(self, metadata: Metadata) -> None:
+        self.metadata = metadata
+
+    def entry(self, fqn: str) -> Any:
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+        md = self.metadata.state_dict_metadata.get(fqn)
+        if type(md) is BytesStorageMetadata:
+            return _BYTES
+        if type(md) is TensorStorageMetadata:
+            return md.properties.dtype, tuple(md.size)
+        return None
+
+    def storage(
+        self, fqn: str, offsets: tuple[int, ...] | None, sizes: tuple[int, ...] | None
+    ) -> tuple[str, int, int] | None:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        if offsets is None:
+            index = MetadataIndex(fqn)
+        else:
+            md: Any = self.metadata.state_dict_metadata[fqn]
+            if not any(tuple(c.offsets) == offsets and tuple(c.sizes) == sizes for c in md.chunks):
+                return None
+            index = MetadataIndex(fqn, torch.Size(offsets))
+        info = self.metadata.storage_data.get(index)
+        if info is None or info.transform_descriptors or type(info.offset) is not int or type(info.length) is not int:
+            return None
+        return info.relative_path, info.offset, info.length
+
+
+def _plan_shards(
+    state_dict: dict[str, Any], catalog: ShardCatalog | _MetadataCatalog, entries: int
+) -> DirectPlan | None:
     """The direct plan of a sharded checkpoint loaded with the sharding it was saved
     with (a resume on the same world size and mesh): every DTensor's local shard is one
     saved chunk (the same global offsets and sizes), read into the shard itself; plain
     tensors and values are one record each, as :func:`_plan_direct` wants. ``None``
-    for anything else (resharding, a shard that is several chunks or part of one):
-    DCP's planner handles it.
+    for anything else (resharding, a shard that is several chunks or part of one, a
+    chunk the catalog does not hold): DCP's planner handles it. ``catalog``: where the
+    checkpoint's ``entries`` entries lie (``.metadata``, or this rank's shard index).
     """
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
     flat, _ = flatten_state_dict(state_dict)
-    if len(flat) != len(metadata.state_dict_metadata) or not any(local_shard(v) is not None for v in flat.values()):
+    if len(flat) != entries or not any(local_shard(v) is not None for v in flat.values()):
         return None
     records: dict[str, Record] = {}
     # A shard's chunk depends on the global shape, the placements and the mesh only: an
     # LLM's thousand DTensors have a few dozen of them (torch computes each in ~60 us).
     chunk_of: dict[tuple[Any, ...], list[Any]] = {}
     for fqn, obj in flat.items():
-        md = metadata.state_dict_metadata.get(fqn)
+        entry = catalog.entry(fqn)
         shard = local_shard(obj)
-        if type(md) is BytesStorageMetadata:
-            index = MetadataIndex(fqn)
-            shape: tuple[int, ...] | None = None
-            dtype = None
-        elif type(md) is TensorStorageMetadata and isinstance(obj, torch.Tensor):
-            if tuple(md.size) != tuple(obj.shape) or md.properties.dtype != obj.dtype:
+        offsets: tuple[int, ...] | None = None
+        shape: tuple[int, ...] | None = None
+        dtype = None
+        if entry is _BYTES:
+            pass
+        elif entry is not None and isinstance(obj, torch.Tensor):
+            dtype, size = entry
+            if size != tuple(obj.shape) or dtype != obj.dtype:
                 return None
             if shard is not None:
                 key = (tuple(obj.shape), tuple(obj.placements), id(obj.device_mesh))  # type: ignore[attr-defined]
@@ -177,16 +264,13 @@ def _plan_shards(state_dict: dict[str, Any], metadata: Metadata) -> DirectPlan |
                 if tuple(shard.shape) != shape:
                     return None
             else:
-                offsets, shape = (0,) * len(md.size), tuple(md.size)
-            if not any(tuple(c.offsets) == offsets and tuple(c.sizes) == shape for c in md.chunks):
-                return None
-            index, dtype = MetadataIndex(fqn, torch.Size(offsets)), md.properties.dtype
+                offsets, shape = (0,) * len(size), size
         else:
             return None
-        info = metadata.storage_data.get(index)
-        if info is None or info.transform_descriptors or type(info.offset) is not int or type(info.length) is not int:
+        where = catalog.storage(fqn, offsets, shape)
+        if where is None:
             return None
-        records[fqn] = (info.relative_path, info.offset, info.length, dtype, shape)
+        records[fqn] = (*where, dtype, shape)
     return _plan_direct(state_dict, records)
 
 

@@ -45,9 +45,10 @@ from asyncckpt._fs import current_umask
 from asyncckpt.dist import SyncGroup
 from asyncckpt.errors import CheckpointError, CheckpointException, InvalidArgumentError, RankFailure
 from asyncckpt.format import records as _records
+from asyncckpt.format import shards as _shards
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.layout import RankLayout
-from asyncckpt.format.manifest import METADATA_NAME, RECORDS_NAME
+from asyncckpt.format.manifest import CHUNKS_NAME, METADATA_NAME, RECORDS_NAME, SHARDS_NAME
 from asyncckpt.io.storage import LOCAL, Storage
 from asyncckpt.io.writer import RankWriteResult, WriteTask
 from asyncckpt.options import SaveOptions
@@ -301,9 +302,9 @@ def commit(
                 info["commit_seq"] = save.root.next_commit_seq()  # the rollback order (root.py)
             info["asyncckpt_version"] = __version__
             info.update(save.user_info)  # metrics, metadata (the coordinator's)
-            metadata_bytes, records = metadata_pickle.encode(metadata)
+            metadata_bytes, small = metadata_pickle.encode(metadata)
             committing = time.monotonic()
-            save.storage.commit(save.tmp_dir, save.final_dir, metadata_bytes, files, info, records)
+            save.storage.commit(save.tmp_dir, save.final_dir, metadata_bytes, files, info, small)
             save.commit_s = time.monotonic() - committing
         except Exception as exc:  # noqa: BLE001 - funnelled to every rank below
             if _renamed(save):  # it failed after the commit point: committed all the same
@@ -377,7 +378,7 @@ def _committed_on_disk(save: SaveInFlight, result: RankWriteResult, started: flo
         manifest = None
     if manifest is None or manifest.get("save_token") != save.planned.token:
         return None
-    small = (METADATA_NAME, RECORDS_NAME)
+    small = (METADATA_NAME, RECORDS_NAME, SHARDS_NAME, CHUNKS_NAME)
     nbytes = sum(e["size"] for n, e in manifest["files"].items() if n not in small)
     return save.finish_timings(result.write_s, time.monotonic() - started, nbytes)
 
@@ -439,12 +440,17 @@ class MetadataPickle:
         self._key: tuple | None = None
         self._data: bytes = b""
         self._at: tuple[int, int, int, int] = (0, 0, 0, 0)  # checkpoint_id, save_id: offset, length
-        self._records: str | None = None  # the cached metadata's records (records_json), None: none
+        #: What the cached metadata's small files but ``.metadata`` are made of: its
+        #: records (``records_json``), or its shard index and chunk lines
+        #: (:func:`asyncckpt.format.shards.shard_files`), or nothing.
+        self._cached: str | tuple[str, bytes] | None = None
 
-    def encode(self, metadata: Any) -> tuple[bytes, bytes | None]:
-        """``pickle.dumps(metadata)`` and the records file for it (``None`` when an entry
-        is not one record: :mod:`asyncckpt.format.records`), from the cache where
-        possible (the records then differ only in the CRC-32 of the new bytes)."""
+    def encode(self, metadata: Any) -> tuple[bytes, dict[str, bytes]]:
+        """``pickle.dumps(metadata)`` and the small files beside it: the records file
+        when every entry is one record (:mod:`asyncckpt.format.records`), else the
+        shard index and its chunk lines (:mod:`asyncckpt.format.shards`) when every
+        chunk can be described, else none; from the cache where possible (these files
+        then differ only in the CRC-32 of the new ``.metadata`` bytes)."""
         meta = metadata.storage_meta
         cid = str(meta.checkpoint_id).encode() if meta is not None and meta.checkpoint_id is not None else None
         sid = meta.save_id.encode() if meta is not None and isinstance(meta.save_id, str) else None
@@ -465,13 +471,13 @@ class MetadataPickle:
                 patched = bytearray(self._data)
                 patched[self._at[0] : self._at[0] + len(cid)] = cid
                 patched[self._at[2] : self._at[2] + len(sid)] = sid
-                return bytes(patched), self._records_file(self._records, patched)
+                return bytes(patched), self._small_files(self._cached, patched)
         data = pickle.dumps(metadata)
         found = _records.records_from_metadata(metadata)
-        records = None if found is None else _records.records_json(found)
+        cached = _records.records_json(found) if found is not None else _shards.shard_files(metadata)
         with self._lock:
             self._key = None
-            self._records = records
+            self._cached = cached
             if cid is not None and sid is not None and cid != sid and data.count(cid) == 1 and data.count(sid) == 1:
                 self._key = (
                     metadata.state_dict_metadata,
@@ -482,8 +488,13 @@ class MetadataPickle:
                 )
                 self._data = data
                 self._at = (data.find(cid), len(cid), data.find(sid), len(sid))
-        return data, self._records_file(records, data)
+        return data, self._small_files(cached, data)
 
     @staticmethod
-    def _records_file(records: str | None, data: bytes | bytearray) -> bytes | None:
-        return None if records is None else _records.records_file(records, crc32(data))
+    def _small_files(cached: str | tuple[str, bytes] | None, data: bytes | bytearray) -> dict[str, bytes]:
+        if cached is None:
+            return {}
+        if isinstance(cached, str):
+            return {RECORDS_NAME: _records.records_file(cached, crc32(data))}
+        header, chunks = cached
+        return {SHARDS_NAME: _shards.shards_file(header, crc32(data)), CHUNKS_NAME: chunks}
