@@ -465,7 +465,8 @@ def _load_direct(
             tier.verify(path, [n for n in small if n in listed])  # (.metadata below, where it is read)
         clock.verify_s += time.monotonic() - verifying
         # Where each entry lies: from the records file when it stands for this
-        # .metadata (JSON, no unpickling), else from .metadata.
+        # .metadata (JSON, no unpickling), or a sharded checkpoint's shard index (this
+        # rank's own chunks), else from .metadata.
         records = reader.read_records(manifest["files"])
         if records is None:  # a sharded checkpoint: this rank's own chunks, where its shard index says
             shards = reader.read_shards(manifest["files"], sync.rank, strict=bool(verify))
