@@ -43,6 +43,9 @@ __all__ = [
     "records_json",
     "records_file",
     "parse_records",
+    "json_bound_to",
+    "plain_storage",
+    "records_of",
 ]
 
 RECORDS_FORMAT = "asyncckpt.records"
@@ -54,6 +57,18 @@ Record = tuple[str, int, int, torch.dtype | None, tuple[int, ...] | None]
 
 #: ``str(dtype)`` -> dtype, for every dtype of this torch.
 _DTYPES: dict[str, torch.dtype] = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+
+
+def plain_storage(info: Any) -> bool:
+    """Whether a ``storage_data`` entry is a plain record: no stream transforms, a
+    non-negative int offset and length (what the files that cache ``.metadata`` hold)."""
+    return (
+        not info.transform_descriptors
+        and type(info.offset) is int
+        and type(info.length) is int
+        and info.offset >= 0
+        and info.length >= 0
+    )
 
 
 def records_from_metadata(metadata: Metadata) -> dict[str, Record] | None:
@@ -68,14 +83,7 @@ def records_from_metadata(metadata: Metadata) -> dict[str, Record] | None:
     out: dict[str, Record] = {}
     for index, info in metadata.storage_data.items():
         fqn, md = index.fqn, md_all.get(index.fqn)
-        if (
-            fqn in out
-            or info.transform_descriptors
-            or type(info.offset) is not int
-            or type(info.length) is not int
-            or info.offset < 0
-            or info.length < 0
-        ):
+        if fqn in out or not plain_storage(info):
             return None
         if type(md) is bytes_md:
             if index.offset is not None:
@@ -125,21 +133,38 @@ def parse_records(data: bytes, metadata_crc32: int, listed: Mapping[str, Any]) -
     other than ``metadata_crc32``, a file name that is not plain or not in ``listed``
     (the manifest's files), a malformed field, an fqn twice, an unknown dtype.
     Never raises on bad input (the caller then reads ``.metadata``)."""
+    obj = json_bound_to(data, RECORDS_FORMAT, RECORDS_VERSION, metadata_crc32, ("files",))
+    return None if obj is None else records_of(obj["files"], listed)
+
+
+def json_bound_to(
+    data: bytes, fmt: str, version: int, metadata_crc32: int, fields: tuple[str, ...]
+) -> dict[str, Any] | None:
+    """``data`` as a JSON object of format ``fmt`` and ``version`` that names
+    ``metadata_crc32`` and has a JSON object at each of ``fields``; else ``None`` (also
+    for bytes that are not JSON). Shared by the files that cache ``.metadata``."""
     try:
         obj = json.loads(data)
     except (ValueError, RecursionError):
         return None
     if (
         type(obj) is not dict
-        or obj.get("format") != RECORDS_FORMAT
-        or obj.get("version") != RECORDS_VERSION
+        or obj.get("format") != fmt
+        or obj.get("version") != version
         or type(obj.get("metadata_crc32")) is not int
         or obj["metadata_crc32"] != metadata_crc32
-        or type(obj.get("files")) is not dict
+        or any(type(obj.get(f)) is not dict for f in fields)
     ):
         return None
+    return obj
+
+
+def records_of(files: Mapping[str, Any], listed: Mapping[str, Any]) -> dict[str, Record] | None:
+    """The records of a records file's ``"files"`` value (file name -> rows ``[fqn,
+    offset, length, dtype, shape]``), or ``None`` on a file name that is not plain or
+    not in ``listed``, a malformed field, an fqn twice, an unknown dtype."""
     out: dict[str, Record] = {}
-    for name, rows in obj["files"].items():
+    for name, rows in files.items():
         if not is_plain_name(name) or name not in listed or type(rows) is not list:
             return None
         for row in rows:

@@ -47,12 +47,13 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from asyncckpt.format.crc import crc32
 from asyncckpt.format.manifest import CHUNKS_NAME, SHARDS_NAME, is_plain_name
-from asyncckpt.format.records import _DTYPES, Record
+from asyncckpt.format.records import _DTYPES, Record, json_bound_to, plain_storage, records_of
 
 __all__ = ["SHARDS_NAME", "CHUNKS_NAME", "ShardIndex", "shard_files", "shards_file", "parse_shards", "parse_chunks"]
 
 SHARDS_FORMAT = "asyncckpt.shards"
 SHARDS_VERSION = 1
+_MISSING = object()
 
 #: One chunk of a data file: (fqn, global offsets, sizes, offset in the file, length).
 Chunk = tuple[str, tuple[int, ...], tuple[int, ...], int, int]
@@ -86,16 +87,7 @@ def shard_files(metadata: Metadata) -> tuple[str, bytes] | None:
     stored: set[str] = set()
     for index, info in metadata.storage_data.items():
         fqn, name = index.fqn, info.relative_path
-        if (
-            fqn not in entries
-            or type(name) is not str
-            or not is_plain_name(name)
-            or info.transform_descriptors
-            or type(info.offset) is not int
-            or type(info.length) is not int
-            or info.offset < 0
-            or info.length < 0
-        ):
+        if fqn not in entries or type(name) is not str or not is_plain_name(name) or not plain_storage(info):
             return None
         stored.add(fqn)
         entry = entries[fqn]
@@ -169,19 +161,8 @@ def parse_shards(data: bytes, metadata_crc32: int, listed: Mapping[str, Any]) ->
     than ``metadata_crc32``, a file name that is not plain or not in ``listed`` (the
     manifest's files), a malformed field, an fqn twice, an unknown dtype, a record of an
     entry not listed or of another dtype or shape. Never raises on bad input."""
-    try:
-        obj = json.loads(data)
-    except (ValueError, RecursionError):
-        return None
-    if (
-        type(obj) is not dict
-        or obj.get("format") != SHARDS_FORMAT
-        or obj.get("version") != SHARDS_VERSION
-        or obj.get("metadata_crc32") != metadata_crc32
-        or type(obj.get("entries")) is not dict
-        or type(obj.get("records")) is not dict
-        or type(obj.get("chunks")) is not dict
-    ):
+    obj = json_bound_to(data, SHARDS_FORMAT, SHARDS_VERSION, metadata_crc32, ("entries", "records", "chunks"))
+    if obj is None:
         return None
     entries: dict[str, tuple[torch.dtype, tuple[int, ...]] | None] = {}
     for fqn, entry in obj["entries"].items():
@@ -194,25 +175,13 @@ def parse_shards(data: bytes, metadata_crc32: int, listed: Mapping[str, Any]) ->
         if dtype is None or shape is None:
             return None
         entries[fqn] = (dtype, shape)
-    records: dict[str, Record] = {}
-    for name, rows in obj["records"].items():
-        if not is_plain_name(name) or name not in listed or type(rows) is not list:
+    records = records_of(obj["records"], listed)
+    if records is None:
+        return None
+    for fqn, (_, _, _, dtype, shape) in records.items():  # (each of an entry, with its dtype and shape)
+        entry = entries.get(fqn, _MISSING)
+        if entry is _MISSING or entry != (None if dtype is None else (dtype, shape)):
             return None
-        for row in rows:
-            if type(row) is not list or len(row) != 5:
-                return None
-            fqn, offset, length, dtype, shape = row
-            if type(fqn) is not str or fqn in records or fqn not in entries or not (_uint(offset) and _uint(length)):
-                return None
-            entry = entries[fqn]
-            if entry is None:
-                if dtype is not None or shape is not None:
-                    return None
-                records[fqn] = (name, offset, length, None, None)
-            else:
-                if type(dtype) is not str or _DTYPES.get(dtype) is not entry[0] or _shape(shape) != entry[1]:
-                    return None
-                records[fqn] = (name, offset, length, entry[0], entry[1])
     chunks: dict[str, tuple[int, int, int]] = {}
     for name, where in obj["chunks"].items():
         if not is_plain_name(name) or name not in listed or type(where) is not list or len(where) != 3:
