@@ -586,6 +586,55 @@ def test_two_ranks_upload_their_own_files_and_the_coordinator_commits(remote, tm
         asyncckpt.verify(f"{remote}/step_00000001")
 
 
+def _fsdp_upload_and_load(rank: int, world_size: int, root: str, url: str, env: dict[str, str]) -> dict[str, Any]:
+    """An FSDP2 state saved, uploaded, and loaded back from its URL into fresh shards."""
+    from test_sharded import _compare, _fsdp, _local, _map_tensors
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import asyncckpt.loading.dcp
+
+    from helpers import counting_calls, observing_loads
+
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    model, optim = _fsdp(rank, train_steps=2)
+    msd, osd = get_state_dict(model, optim)
+    state: dict[str, Any] = {"model": msd, "optim": osd, "step": 2}
+    snapshot = _map_tensors(state, lambda t: _local(t).detach().clone())
+    with asyncckpt.CheckpointManager(root, upload_to=url, upload_timeout_s=60) as manager:
+        manager.save(2, state)
+        manager.maybe_finalize(blocking=True)
+        assert manager.wait_uploads(60)
+    got = _map_tensors(state, torch.zeros_like)
+    with observing_loads() as loads, counting_calls(asyncckpt.loading.dcp, "read_metadata") as reads:
+        asyncckpt.load(got, f"{url}/step_00000002")
+    return {
+        "cmp": _compare(snapshot, _map_tensors(got, _local)),
+        "path": (loads.direct, loads.shards, loads.metadata, reads.n),
+    }
+
+
+def test_a_sharded_checkpoint_loads_from_the_bucket_through_its_shard_index(remote, tmp_path):
+    """FSDP2 shards uploaded by two ranks load back from the ``s3://`` URL into the same
+    sharding, bitwise, each rank planning from the shard index and its own chunk line
+    (ranged GETs), never reading ``.metadata``."""
+    from dist_utils import preload_forkserver, run_ranks
+
+    preload_forkserver()
+    env = {name: value for name, value in os.environ.items() if name.startswith("AWS_")}
+    results = run_ranks(
+        _fsdp_upload_and_load, 2, str(tmp_path / "root"), remote, env, timeout=120, start_method="forkserver"
+    )
+    listed = s3tier.S3Tier(remote).client.list_objects_v2(
+        Bucket=s3tier.parse_url(remote).bucket, Prefix=s3tier.parse_url(remote).prefix + "/step_00000002/"
+    )
+    names = {obj["Key"].rsplit("/", 1)[1] for obj in listed.get("Contents", [])}
+    assert {".shards.json", ".shards.chunks.jsonl", ".metadata"} <= names, names
+    for r in results:
+        assert r["cmp"]["mismatch"] == [] and r["cmp"]["tensors"] > 0, r["cmp"]
+        assert r["path"] == (1, 1, 0, 0), r["path"]
+
+
 # ----------------------------------------------------------------------------- README
 def test_readme_object_storage_snippet(s3_server, tmp_path):
     """README's "Object storage" snippet, as written, against this server; with
