@@ -192,12 +192,11 @@ def parse_shards(data: bytes, metadata_crc32: int, listed: Mapping[str, Any]) ->
     return ShardIndex(entries, records, chunks)
 
 
-def parse_chunks(line: bytes, crc: int, index: ShardIndex) -> list[Chunk] | None:
-    """The chunks of one line of the chunk file, or ``None`` when its CRC-32 is not
-    ``crc`` or a row is malformed, names an entry that is not a tensor of the index, or
-    does not fit inside that tensor's global shape. Never raises on bad input."""
-    if crc32(line) != crc:
-        return None
+def parse_chunks(line: bytes, index: ShardIndex) -> list[Chunk] | None:
+    """The chunks of one line of the chunk file (its CRC-32 checked by the caller, against
+    ``index.chunks``), or ``None`` when a row is malformed, names an entry that is not a
+    tensor of the index, or does not fit inside that tensor's global shape. Never
+    raises on bad input."""
     try:
         rows = json.loads(line)
     except (ValueError, RecursionError):

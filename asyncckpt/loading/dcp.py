@@ -370,14 +370,15 @@ class SafeFileSystemReader(FileSystemReader):
         """The shard index (:mod:`asyncckpt.format.shards`) and the chunks of ``rank``'s
         own data files (``__<rank>_*.distcp``, one ranged read of the chunk file each),
         when the manifest lists both files and the index stands for this directory's
-        ``.metadata``; else ``None``: read :meth:`read_metadata`. Never raises for a bad
-        or missing index (``.metadata`` decides).
+        ``.metadata``; else ``None``: read :meth:`read_metadata`.
 
         It stands for it when it names the CRC-32 that the manifest lists for
         ``.metadata`` (a single segment: the file whole; ``.metadata`` itself is not
         read), it has the size and CRC-32 the manifest lists for it, and each line
         read has the CRC-32 the index gives it. An index or a line that does not match
-        its checksum is named in a warning (``strict``: raised, as the corruption it is).
+        its checksum (or lies past the end of its file) is named in a warning, and
+        ``None`` returned; ``strict``: raised, as the corruption it is. Anything else
+        (an index of another format, a malformed field) returns ``None``.
 
         Raises:
             CorruptCheckpointError: ``strict``, and the index or a line read does not
@@ -409,15 +410,15 @@ class SafeFileSystemReader(FileSystemReader):
                 for name, (start, length, crc) in sorted(index.chunks.items()):
                     if not name.startswith(own):
                         continue
-                    if start + length > reader.size:
-                        return None
                     line = bytearray(length)
-                    reader.readinto(start, [memoryview(line)])
-                    rows = parse_chunks(bytes(line), crc, index)
+                    if start + length <= reader.size:
+                        reader.readinto(start, [memoryview(line)])
+                    if start + length > reader.size or crc32(line) != crc:
+                        what = f"the line of {name} in {CHUNKS_NAME} does not match its checksum"
+                        self._damaged(what, CHUNKS_NAME, strict)
+                        return None
+                    rows = parse_chunks(bytes(line), index)
                     if rows is None:
-                        self._damaged(
-                            f"the line of {name} in {CHUNKS_NAME} does not match its checksum", CHUNKS_NAME, strict
-                        )
                         return None
                     chunks += [(name, row) for row in rows]
             finally:
