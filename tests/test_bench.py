@@ -488,3 +488,25 @@ def test_bench_stall_tail_reports_each_tier(tmp_path: Path) -> None:
         inside = re.match(r"(\d+) \((\d+)\), ([0-9.]+) ms", cells[4])
         assert inside is not None, cells[4]
         assert int(inside.group(1)) <= 4, cells[4]  # (the collector is paused inside each save)
+
+
+def test_bench_shard_index_reports_each_world_size(tmp_path: Path) -> None:
+    """``bench.py shard-index``: a row per world size, through the loader's own reader
+    (both ways find every chunk, or the run fails); ``.metadata`` grows with the world
+    size, the index and one rank's line do not (sizes, not timings, are checked here)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "shard-index", "--ranks", "2,8", "--tensors", "40"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+    assert {"2", "8"} <= set(rows), proc.stdout
+    cells = {w: [c.strip() for c in rows[w].split("|")[2:-1]] for w in ("2", "8")}
+    metadata_mb = {w: float(cells[w][0].split()[0]) for w in cells}
+    assert metadata_mb["8"] > 3 * metadata_mb["2"], cells
+    line = {w: int(cells[w][2].split("+")[1].split()[0]) for w in cells}
+    assert line["8"] == line["2"], cells  # one rank's line: its own chunks only
+    assert all(c.endswith("ms") for w in cells for c in (cells[w][1], cells[w][3])), cells

@@ -37,6 +37,10 @@ K = 1, each against its limit), the same as ``scripts/bench_local_tier.py``.
 LLM-shaped state (median, p99, longest, memcpy) and the garbage collections inside the
 saves, per tier (:mod:`benchmark.stall_tail`).
 
+``bench.py shard-index [--ranks 4,32,128]``: what a rank of a sharded load reads and
+parses to find its chunks, ``.metadata`` against the shard index, by world size
+(:mod:`benchmark.shard_index`).
+
     python scripts/bench.py                       # everything (about 25-30 min here)
     python scripts/bench.py --workloads llm,fsdp2 --no-train --techniques ""
     python scripts/bench.py --workloads 1G/16     # one workload

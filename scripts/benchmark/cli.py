@@ -323,7 +323,8 @@ def run_workload(
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run the benchmark (see ``--help``); returns the exit status. ``local-tier ...``
     runs the node-local tier's rows instead (:mod:`benchmark.local_tier`, its own options),
-    ``stall-tail ...`` the stall's tail over many saves (:mod:`benchmark.stall_tail`)."""
+    ``stall-tail ...`` the stall's tail over many saves (:mod:`benchmark.stall_tail`),
+    ``shard-index ...`` a sharded load's planning input by world size (:mod:`benchmark.shard_index`)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["local-tier"]:
         from benchmark import local_tier
@@ -333,6 +334,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         from benchmark import stall_tail
 
         return stall_tail.main(argv[1:], prog=f"{prog or 'bench.py'} stall-tail")
+    if argv[:1] == ["shard-index"]:
+        from benchmark import shard_index
+
+        return shard_index.main(argv[1:], prog=f"{prog or 'bench.py'} shard-index")
     args = parse_args(argv, prog)
     if args.render:  # a chart only where asked for
         earlier = json.loads(Path(args.render).read_text())
