@@ -85,10 +85,15 @@ def shard_files(metadata: Metadata) -> tuple[str, bytes] | None:
     records: dict[str, list[list[Any]]] = {}
     chunks: dict[str, list[list[Any]]] = {}
     stored: set[str] = set()
+    names: set[str] = set()  # checked once each (a file per rank, thousands of chunks each)
     for index, info in metadata.storage_data.items():
         fqn, name = index.fqn, info.relative_path
-        if fqn not in entries or type(name) is not str or not is_plain_name(name) or not plain_storage(info):
+        if fqn not in entries or not plain_storage(info):
             return None
+        if name not in names:
+            if type(name) is not str or not is_plain_name(name):
+                return None
+            names.add(name)
         stored.add(fqn)
         entry = entries[fqn]
         if entry is None:

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
 from asyncckpt import __version__, _faults
 from asyncckpt._fs import current_umask
+from asyncckpt._gc import gc_paused
 from asyncckpt.dist import SyncGroup
 from asyncckpt.errors import CheckpointError, CheckpointException, InvalidArgumentError, RankFailure
 from asyncckpt.format import records as _records
@@ -472,9 +473,11 @@ class MetadataPickle:
                 patched[self._at[0] : self._at[0] + len(cid)] = cid
                 patched[self._at[2] : self._at[2] + len(sid)] = sid
                 return bytes(patched), self._small_files(self._cached, patched)
-        data = pickle.dumps(metadata)
-        found = _records.records_from_metadata(metadata)
-        cached = _records.records_json(found) if found is not None else _shards.shard_files(metadata)
+        with gc_paused():  # (tens of objects per chunk made and freed: no collection of the heap between)
+            data = pickle.dumps(metadata)
+            found = _records.records_from_metadata(metadata)
+            cached = _records.records_json(found) if found is not None else _shards.shard_files(metadata)
+            del found
         with self._lock:
             self._key = None
             self._cached = cached
