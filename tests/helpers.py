@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -394,3 +395,14 @@ def resign(ckpt: Path, extra: dict[str, Path] | None = None) -> None:
         files[name] = {"size": len(data), "segments": [[0, len(data), zlib.crc32(data)]]}
     manifest["files"] = files
     manifest_path.write_text(json.dumps(manifest))
+
+
+class LogLines(logging.Handler):
+    """A logging handler that keeps each record's message (``lines``), from ``level`` on."""
+
+    def __init__(self, level: int = logging.WARNING) -> None:
+        super().__init__(level)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())

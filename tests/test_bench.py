@@ -470,18 +470,24 @@ def test_bench_a_failing_system_is_a_row_and_the_run_goes_on(tmp_path: Path) -> 
     assert "| asyncckpt persistent overlapped | failed: " in text
 
 
-@pytest.mark.timeout(120)
-def test_bench_stall_tail_reports_each_tier(tmp_path: Path) -> None:
+def _bench_rows(cwd: Path, *args: str) -> dict[str, str]:
+    """``bench.py args`` run in ``cwd`` (it must exit with 0): its markdown table's rows,
+    by their first cell."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "stall-tail", "--saves", "4", "--mb", "4"],
-        cwd=tmp_path,
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=100,
     )
     assert proc.returncode == 0, proc.stderr
-    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
-    assert {"local", "persistent"} <= set(rows), proc.stdout
+    return {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+
+
+@pytest.mark.timeout(120)
+def test_bench_stall_tail_reports_each_tier(tmp_path: Path) -> None:
+    rows = _bench_rows(tmp_path, "stall-tail", "--saves", "4", "--mb", "4")
+    assert {"local", "persistent"} <= set(rows), rows
     for tier in ("local", "persistent"):
         cells = [c.strip() for c in rows[tier].split("|")[2:-1]]
         assert len(cells) == 6 and all(c.endswith("ms") for c in cells[:4]), rows[tier]
@@ -494,16 +500,8 @@ def test_bench_shard_index_reports_each_world_size(tmp_path: Path) -> None:
     """``bench.py shard-index``: a row per world size, through the loader's own reader
     (both ways find every chunk, or the run fails); ``.metadata`` grows with the world
     size, the index and one rank's line do not (sizes, not timings, are checked here)."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "shard-index", "--ranks", "2,8", "--tensors", "40"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert proc.returncode == 0, proc.stderr
-    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
-    assert {"2", "8"} <= set(rows), proc.stdout
+    rows = _bench_rows(tmp_path, "shard-index", "--ranks", "2,8", "--tensors", "40")
+    assert {"2", "8"} <= set(rows), rows
     cells = {w: [c.strip() for c in rows[w].split("|")[2:-1]] for w in ("2", "8")}
     metadata_mb = {w: float(cells[w][0].split()[0]) for w in cells}
     assert metadata_mb["8"] > 3 * metadata_mb["2"], cells

@@ -45,6 +45,7 @@ from asyncckpt.async_utils.request import AsyncRequest
 from asyncckpt.testing import held_staging_bytes, staging_buffers
 
 from dist_utils import run_ranks
+from helpers import LogLines
 
 STATE = {"w": torch.arange(1000, dtype=torch.float32), "step": 3}
 
@@ -291,19 +292,10 @@ def test_a_failure_after_the_commit_point_is_a_warning_two_ranks(tmp_path: Path)
 
 
 # ====================================================================== item 8 + issue 30 item 9: the default queue
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _restart_and_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    records = _Records()
+    records = LogLines()
     logging.getLogger("asyncckpt").addHandler(records)
     queues = []
     with warnings.catch_warnings(record=True) as caught:

@@ -22,7 +22,7 @@ import torch
 import asyncckpt
 from asyncckpt.io import s3 as s3tier
 
-from helpers import assert_same, zeroed
+from helpers import LogLines, assert_same, zeroed
 
 
 def test_server_refuses_wrong_credentials(s3_server):
@@ -498,22 +498,13 @@ def test_cli_reads_urls(remote, tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- two ranks
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _two_ranks_upload(rank: int, world_size: int, root: str, url: str, env: dict[str, str], go: str) -> list:
     # The forkserver may have been started by an earlier test, before this test's server
     # variables were set: the ranks take them from the test, as a job takes its own.
     os.environ.update(env)
     if rank == 0:  # the coordinator is held before it writes the lease, until rank 1 says go
         os.environ["ASYNCCKPT_FAULT"] = f"lease:wait={go}"
-    log, lines = logging.getLogger("asyncckpt"), _Lines()
+    log, lines = logging.getLogger("asyncckpt"), LogLines(logging.INFO)
     log.addHandler(lines)
     log.setLevel(logging.INFO)
     outcomes = Outcomes()
