@@ -244,6 +244,13 @@ def _local_shards_in_place(state_dict: dict[str, Any]) -> Iterator[dict[str, Any
                 container[key] = dtensor
 
 
+def _refused(what: str, failures: dict[int, RankFailure]) -> CheckpointError:
+    """The error every rank raises when ``what`` failed on some rank: each failing
+    rank's first line of cause, in rank order."""
+    causes = "; ".join(f"rank {r}: {str(f).splitlines()[0]}" for r, f in sorted(failures.items()))
+    return CheckpointError(f"{what} was refused ({causes})", failures)
+
+
 def _node_of(tier: LocalTier, rank: int) -> int:
     if tier.node is not None:
         return tier.node
@@ -467,8 +474,7 @@ class LocalCheckpoints:
             with self.sync.describing(f"the plan of the local save of step {step}"):
                 failures = self.sync.gather_failures(failure)
             if failures:
-                causes = "; ".join(f"rank {r}: {str(f).splitlines()[0]}" for r, f in sorted(failures.items()))
-                raise CheckpointError(f"the local save of step {step} was refused ({causes})", failures)
+                raise _refused(f"the local save of step {step}", failures)
             assert record is not None
             record.started = started
             link.record = record
@@ -498,8 +504,7 @@ class LocalCheckpoints:
         with self.sync.describing("the local tier's prepare"):
             failures = self.sync.gather_failures(failure)
         if failures:
-            causes = "; ".join(f"rank {r}: {str(f).splitlines()[0]}" for r, f in sorted(failures.items()))
-            raise CheckpointError(f"preparing the local tier was refused ({causes})", failures)
+            raise _refused("preparing the local tier", failures)
         return nbytes
 
     def _drop_stale(self, step: int, final_dir: Path) -> None:
