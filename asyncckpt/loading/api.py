@@ -42,7 +42,7 @@ from asyncckpt.errors import (
     RemoteStorageError,
     UnverifiableCheckpointError,
 )
-from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, RECORDS_NAME, SHARDS_NAME, step_metadata
+from asyncckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, step_metadata
 from asyncckpt.io import s3 as _s3
 from asyncckpt.io.storage import LOCAL, ReadableStorage
 from asyncckpt.loading.dcp import SafeFileSystemReader, SafeLoadPlanner
@@ -459,21 +459,20 @@ def _load_direct(
         verifying = time.monotonic()
         if verify is True:
             tier.verify(path, share)
-        elif verify == "inline":  # the data files as they are read; first the small files the plan reads
-            listed = manifest["files"]
-            small = (METADATA_NAME, RECORDS_NAME) if RECORDS_NAME in listed else (SHARDS_NAME,)
-            tier.verify(path, [n for n in small if n in listed])  # (.metadata below, where it is read)
+        # verify == "inline": the data files as they are read; the small files where
+        # they are read (the records file and the shard index check theirs, strictly,
+        # when the load verifies; .metadata below).
         clock.verify_s += time.monotonic() - verifying
         # Where each entry lies: from the records file when it stands for this
         # .metadata (JSON, no unpickling), or a sharded checkpoint's shard index (this
         # rank's own chunks), else from .metadata.
-        records = reader.read_records(manifest["files"])
+        records = reader.read_records(manifest["files"], strict=bool(verify))
         if records is None:  # a sharded checkpoint: this rank's own chunks, where its shard index says
             shards = reader.read_shards(manifest["files"], sync.rank, strict=bool(verify))
             if shards is not None:
                 plan = plan_direct_load(state_dict, ShardCatalog(*shards))
         if records is None and plan is None:
-            if verify == "inline" and RECORDS_NAME not in manifest["files"]:
+            if verify == "inline":
                 verifying = time.monotonic()
                 tier.verify(path, [METADATA_NAME])
                 clock.verify_s += time.monotonic() - verifying

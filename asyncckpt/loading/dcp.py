@@ -321,11 +321,10 @@ class SafeFileSystemReader(FileSystemReader):
                 path = os.path.join(self.root, name)
                 raise CorruptCheckpointError(f"{METADATA_NAME} names {name!r}, a file the manifest does not list", path)
 
-    def read_records(self, manifest_files: Mapping[str, Any]) -> dict[str, Record] | None:
+    def read_records(self, manifest_files: Mapping[str, Any], strict: bool = False) -> dict[str, Record] | None:
         """The records of the records file (:mod:`asyncckpt.format.records`), when the
         manifest lists one and it stands for this directory's ``.metadata``; else
-        ``None``: read :meth:`read_metadata`. Never raises for a bad or missing records
-        file (``.metadata`` decides).
+        ``None``: read :meth:`read_metadata`.
 
         It stands for it when it names the CRC-32 of the ``.metadata`` bytes (read
         here), and both files' bytes have the sizes and CRC-32s the manifest lists for
@@ -337,24 +336,40 @@ class SafeFileSystemReader(FileSystemReader):
         unpickling ``.metadata`` to compare would cost. A records file rewritten
         together with the manifest's checksum of it is not detected (as a data file
         rewritten with its manifest entry is not): the manifest is the root of the
-        checksums."""
+        checksums. A file that does not match its checksum is named in a warning, and
+        ``None`` returned; ``strict`` (a verifying load, which then needs no check of
+        its own of these files): raised, as is a file that cannot be read.
+
+        Raises:
+            CorruptCheckpointError: ``strict``, and a file is missing, unreadable or
+                does not match the manifest.
+        """
         if RECORDS_NAME not in manifest_files or METADATA_NAME not in manifest_files:
             return None
         try:
             checkpoint = self.storage.open_checkpoint(self.root)
-        except CorruptCheckpointError:
+            try:
+                data = {name: checkpoint.read_bytes(name) for name in (RECORDS_NAME, METADATA_NAME)}
+            finally:
+                checkpoint.close()
+        except (CorruptCheckpointError, OSError) as exc:
+            if strict:
+                raise CorruptCheckpointError(
+                    f"{self.root}: {type(exc).__name__}: {exc}", getattr(exc, "path", None) or self.root
+                ) from exc
             return None
-        try:
-            data = {name: checkpoint.read_bytes(name) for name in (RECORDS_NAME, METADATA_NAME)}
-        except (CorruptCheckpointError, OSError):
-            return None
-        finally:
-            checkpoint.close()
         metadata_crc = crc32(data[METADATA_NAME])
-        if not (
-            _as_listed(data[RECORDS_NAME], manifest_files[RECORDS_NAME], None)
-            and _as_listed(data[METADATA_NAME], manifest_files[METADATA_NAME], metadata_crc)
-        ):
+        bad = [
+            name
+            for name, whole in ((RECORDS_NAME, None), (METADATA_NAME, metadata_crc))
+            if not _as_listed(data[name], manifest_files[name], whole)
+        ]
+        if bad:
+            if strict:
+                raise CorruptCheckpointError(
+                    f"{self.root}: {' and '.join(bad)} not as the manifest lists (size or checksum)",
+                    os.path.join(self.root, bad[0]),
+                )
             warnings.warn(
                 f"{self.root}: {RECORDS_NAME} or {METADATA_NAME} does not match the manifest's "
                 f"checksum; {RECORDS_NAME} ignored, {METADATA_NAME} read instead",
