@@ -315,8 +315,7 @@ class Uploader:
             if time.monotonic() - self._lease_checked < _s3.LEASE_TTL_S / 4:
                 return None
         deadline = time.monotonic() + self.timeout_s
-        delay = 0.05
-        raced = 0
+        delay, raced, waiting = 0.05, 0, False
         while True:
             lease = self.tier.read_lease()
             if lease is not None and lease.root != self._lease_root and lease.holds():
@@ -333,7 +332,8 @@ class Uploader:
                     continue
             elif lease is None or lease.root != self._lease_root:
                 # Not yet taken by this job's coordinator: nothing goes up before it is.
-                if delay == 0.05:
+                if not waiting:
+                    waiting = True
                     _log.info(
                         "asyncckpt: rank %d waits for its coordinator's lease of %s (found: %s)",
                         self.rank,
