@@ -182,6 +182,45 @@ def test_callback_error_during_a_failed_save_is_attached_to_the_exception(tmp_pa
 
 
 # ------------------------------------------------------------------ copy and write threads
+@pytest.mark.parametrize("copy_threads", [1, 2])
+def test_a_source_that_changes_its_layout_between_saves_is_staged_as_it_is_now(tmp_path, copy_threads):
+    """The copier keeps how a layout's tensors are copied (``memmove`` or torch, which
+    thread) from save to save; a source that becomes a strided, conjugate or negative
+    view of the same shape and dtype (the plan stays) must still be copied as it is now."""
+    g = torch.Generator().manual_seed(3)
+    sd: dict[str, Any] = {
+        "small": {f"b{i}": torch.randn(100, generator=g) for i in range(40)},
+        "square": torch.randn(256, 256, generator=g),  # >= MEMMOVE_MIN_NUMEL elements
+        "z": torch.randn(40_000, dtype=torch.complex64, generator=g),
+        "neg": torch.randn(40_000, generator=g),
+        "big": torch.randn(70_000, generator=g),
+    }
+    with asyncckpt.CheckpointManager(tmp_path, copy_threads=copy_threads) as mgr:
+        for step, change in enumerate(
+            (
+                lambda: None,
+                lambda: setattr(sd["square"], "data", sd["square"].data.t()),  # strided
+                lambda: setattr(sd["z"], "data", sd["z"].data.conj()),  # conjugate view
+                lambda: setattr(sd["neg"], "data", torch._neg_view(sd["neg"].data)),  # negative view
+                lambda: setattr(sd["square"], "data", sd["square"].data.t()),  # contiguous again
+            ),
+            start=1,
+        ):
+            change()
+            for t in sd["small"].values():
+                t.add_(step)
+            mgr.save(step, sd)
+            expected = clone_state(sd)
+            mgr.maybe_finalize(blocking=True)
+            got = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+            got["small"] = {k: torch.zeros_like(v) for k, v in sd["small"].items()}
+            dcp.load(got, checkpoint_id=str(tmp_path / f"step_{step:08d}"))
+            assert_same(
+                {k: v.resolve_conj().resolve_neg() if isinstance(v, torch.Tensor) else v for k, v in expected.items()},
+                got,
+            )
+
+
 @pytest.mark.parametrize("copy_threads,write_threads", [(2, 1), (1, 3), (3, 2)])
 def test_threads_write_the_same_bytes(tmp_path, monkeypatch, copy_threads, write_threads):
     """Copies spread across threads and files written by several threads give the
@@ -198,11 +237,11 @@ def test_threads_write_the_same_bytes(tmp_path, monkeypatch, copy_threads, write
         ("many", dict(copy_threads=copy_threads, write_threads=write_threads)),
     ):
         # Observed: the writer's threads write with pwrite (one thread: write), and the
-        # copy threads' work is split by split_copies.
+        # copy threads' work is shared out by _share_out.
         with (
             asyncckpt.CheckpointManager(tmp_path / name, **kw) as mgr,
             counting_calls(os, "pwrite") as pwrite,
-            counting_calls(staging, "split_copies") as split,
+            counting_calls(staging, "_share_out") as split,
         ):
             mgr.save(1, sd, async_op=False)
         used[name] = (pwrite.n > 0, split.n > 0)

@@ -205,13 +205,23 @@ def stage(
     if cpu and blobs:
         _faults.hit("stage")
     data = save.planned.data
-    if not buffer.pinned and cuda and any(isinstance(d, torch.Tensor) and d.is_cuda for d in data):
+    # (A process that has not initialised CUDA holds no CUDA tensor: no walk over the data then.)
+    if (
+        not buffer.pinned
+        and cuda
+        and torch.cuda.is_initialized()
+        and any(isinstance(d, torch.Tensor) and d.is_cuda for d in data)
+    ):
         buffer.populate(copier)  # on every copy thread: cudaHostRegister would fault them in on one
         buffer.pin()
     buffer.format(save.layout)
-    pairs = [(dst, data[item]) for item, dst in buffer.views if select is None or select(data[item])]
+    if select is None:  # every tensor: the buffer's own list of views, whose copy program the copier keeps
+        dsts, srcs = buffer.dsts, [data[item] for item in buffer.items]
+    else:
+        pairs = [(dst, data[item]) for item, dst in buffer.views if select(data[item])]
+        dsts, srcs = [dst for dst, _ in pairs], [src for _, src in pairs]
     # A new buffer's pages are allocated by the copy threads, each just before its piece.
-    copier.copy([dst for dst, _ in pairs], [src for _, src in pairs], cpu=cpu, cuda=cuda, populate=not buffer.populated)
+    copier.copy(dsts, srcs, cpu=cpu, cuda=cuda, populate=not buffer.populated)
     if cpu:
         buffer.populated = True
     if cpu and blobs:

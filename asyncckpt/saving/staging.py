@@ -25,6 +25,7 @@ buffers here are staging buffers, the pool that reuses them a buffer pool.)
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import functools
 import mmap
@@ -144,6 +145,11 @@ class StagingBuffer:
         self.layout_key: Any = None
         #: ``(item index, tensor view)`` per staged tensor of ``layout_key``.
         self.views: list[tuple[int, torch.Tensor]] = []
+        #: The same, as two lists built once per layout: the items, and the views (the
+        #: same list object on every save, which :class:`StagingCopier` keys its copy
+        #: program on).
+        self.items: list[int] = []
+        self.dsts: list[torch.Tensor] = []
         self.ref = SlabRef(self.slab_id, f"/proc/{os.getpid()}/fd/{self._fd}", nbytes)
         self.pinned = False
         #: Whether the pages are allocated (by :meth:`populate` or a first copy).
@@ -170,6 +176,8 @@ class StagingBuffer:
             for slot in layout.tensors
             if slot.nbytes
         ]
+        self.items = [item for item, _ in self.views]
+        self.dsts = [view for _, view in self.views]
         self.layout_key = layout.key
 
     def populate(self, copier: StagingCopier) -> None:
@@ -231,7 +239,7 @@ class StagingBuffer:
             torch.cuda.cudart().cudaHostUnregister(self.u8.data_ptr())
             self.pinned = False
         self.u8 = None  # type: ignore[assignment]
-        self.views = []
+        self.views, self.items, self.dsts = [], [], []
         writer_map = _writer._mapped.pop(self.slab_id, None)  # mapped here by a sync save
         if writer_map is not None:
             writer_map.close()
@@ -394,6 +402,8 @@ class StagingCopier:
         self._pool: ThreadPoolExecutor | None = None
         self._stream: Any = None
         self._event: Any = None
+        # The copy program of the last destination list (see _program_for).
+        self._program: tuple[Sequence[torch.Tensor], _CopyProgram] | None = None
 
     def copy(
         self,
@@ -416,14 +426,18 @@ class StagingCopier:
             RuntimeError: a copy failed (shape/dtype mismatch, CUDA error).
             OSError: ``populate`` and the staging memory cannot be allocated.
         """
-        cpu_d, cpu_s, cuda_d, cuda_s = [], [], [], []
-        for d, s in zip(dsts, srcs):
-            if s.is_cuda:
-                cuda_d.append(d)
-                cuda_s.append(s)
-            else:
-                cpu_d.append(d)
-                cpu_s.append(s)
+        on_cuda = [i for i, s in enumerate(srcs) if s.is_cuda]
+        cpu_d: Sequence[torch.Tensor] = dsts  # the same list object: its copy program is cached
+        cpu_s: Sequence[torch.Tensor] = srcs
+        cuda_d: list[torch.Tensor] = []
+        cuda_s: list[torch.Tensor] = []
+        if on_cuda:
+            cuda_d, cuda_s = [dsts[i] for i in on_cuda], [srcs[i] for i in on_cuda]
+            cpu = cpu and len(on_cuda) < len(srcs)
+            if cpu:
+                host = set(on_cuda)
+                cpu_d = [d for i, d in enumerate(dsts) if i not in host]
+                cpu_s = [s for i, s in enumerate(srcs) if i not in host]
         # Sources may require grad (parameters, not detached): the copy is no autograd op.
         with torch.no_grad():
             if cuda_s and cuda:
@@ -509,33 +523,50 @@ class StagingCopier:
         if error is not None:
             raise error
 
-    def _copy_cpu(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], populate: bool = False) -> None:
+    def _program_for(self, dsts: Sequence[torch.Tensor]) -> _CopyProgram:
+        """The copy program of ``dsts``, made on its first copy and kept for as long as the
+        same list object comes (a staging buffer's views, :attr:`StagingBuffer.dsts`:
+        every save of a layout): which destinations may take a ``memmove``, and how the
+        others are shared out among the copy threads. What depends on the sources is
+        still checked at each copy (:meth:`_copy_cpu`)."""
+        if self._program is not None and self._program[0] is dsts:
+            return self._program[1]
+        large, small = [], []
+        for i, d in enumerate(dsts):
+            (large if d.numel() >= MEMMOVE_MIN_NUMEL and d.is_contiguous() else small).append(i)
+        groups = [small] if self.threads == 1 else _share_out(small, [dsts[i].nbytes for i in small], self.threads)
+        program = _CopyProgram(large, groups)
+        self._program = (dsts, program)
+        return program
+
+    def _copy_cpu(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], populate: bool = False) -> None:
+        program = self._program_for(dsts)
         moves: list[tuple[int, int, int]] = []  # (dst address, src address, bytes)
-        small_d: list[torch.Tensor] = []
-        small_s: list[torch.Tensor] = []
-        for d, s in zip(dsts, srcs):
-            if (
-                s.numel() >= MEMMOVE_MIN_NUMEL
-                and s.dtype == d.dtype
-                and s.shape == d.shape
-                and s.is_contiguous()
-                and d.is_contiguous()
-                and not s.is_conj()
-                and not s.is_neg()
-            ):
-                moves.append((d.data_ptr(), s.data_ptr(), s.numel() * s.element_size()))
+        other_d: list[torch.Tensor] = []  # large destinations whose source memmove cannot copy
+        other_s: list[torch.Tensor] = []
+        for i in program.large:
+            d, s = dsts[i], srcs[i]
+            if s.dtype == d.dtype and s.shape == d.shape and s.is_contiguous() and not s.is_conj() and not s.is_neg():
+                moves.append((d.data_ptr(), s.data_ptr(), d.nbytes))
             else:
-                small_d.append(d)
-                small_s.append(s)
+                other_d.append(d)
+                other_s.append(s)
         # libc memmove through ctypes: a foreign call that releases the GIL.
         move: Callable[[int, int, int], Any] = _memmove_populating if populate else ctypes.memmove
         if self.threads == 1 or len(srcs) == 0:
+            small = program.groups[0]
+            small_d = [dsts[i] for i in small] + other_d
+            small_s = [srcs[i] for i in small] + other_s
             if small_s:
                 torch._foreach_copy_(small_d, small_s)
             for piece in _pieces(moves, self.PIECE_BYTES) if populate else moves:
                 move(*piece)
             return
-        groups = split_copies(small_d, small_s, self.threads, self.CHUNK_BYTES)
+        groups = [([dsts[i] for i in g], [srcs[i] for i in g]) for g in program.groups]
+        if other_s:  # rare: strided, conjugate or negative views, or other dtypes: cut and shared out afresh
+            for (gd, gs), (od, os_) in zip(groups, split_copies(other_d, other_s, self.threads, self.CHUNK_BYTES)):
+                gd += od
+                gs += os_
         copies = [functools.partial(_copy_no_grad, d, s) if s else None for d, s in groups]
         self.run(_pieces(moves, self.PIECE_BYTES), move, copies[0], copies[1:])
 
@@ -568,6 +599,28 @@ def _copy_no_grad(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         torch._foreach_copy_(dsts, srcs)
 
 
+@dataclasses.dataclass(frozen=True)
+class _CopyProgram:
+    """How a list of staging destinations is copied (:meth:`StagingCopier._program_for`):
+    the indices of those a ``memmove`` may fill (contiguous, at least
+    :data:`MEMMOVE_MIN_NUMEL` elements), and the others' indices in one group per copy
+    thread, of about equal bytes, in order."""
+
+    large: list[int]
+    groups: list[list[int]]
+
+
+def _share_out(indices: list[int], nbytes: list[int], n: int) -> list[list[int]]:
+    """``indices`` in ``n`` groups of about equal bytes (``nbytes[j]`` for ``indices[j]``), in order."""
+    total = sum(nbytes) or 1
+    groups: list[list[int]] = [[] for _ in range(n)]
+    acc = 0
+    for i, b in zip(indices, nbytes):
+        groups[min(n - 1, acc * n // total)].append(i)
+        acc += b
+    return groups
+
+
 def split_copies(
     dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], n: int, chunk: int
 ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
@@ -584,15 +637,8 @@ def split_copies(
                 pieces.append((fd[i : i + step], fs[i : i + step], min(step, fs.numel() - i) * s.element_size()))
         else:
             pieces.append((d, s, nbytes))
-    total = sum(p[2] for p in pieces) or 1
-    groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(n)]
-    acc = 0
-    for d, s, nbytes in pieces:
-        g = min(n - 1, acc * n // total)
-        groups[g][0].append(d)
-        groups[g][1].append(s)
-        acc += nbytes
-    return groups
+    shares = _share_out(list(range(len(pieces))), [p[2] for p in pieces], n)
+    return [([pieces[j][0] for j in g], [pieces[j][1] for j in g]) for g in shares]
 
 
 # ====================================================================== the optimizer guard
