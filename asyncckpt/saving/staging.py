@@ -531,7 +531,8 @@ class StagingCopier:
         still checked at each copy (:meth:`_copy_cpu`)."""
         if self._program is not None and self._program[0] is dsts:
             return self._program[1]
-        large, small = [], []
+        large: list[int] = []
+        small: list[int] = []
         for i, d in enumerate(dsts):
             (large if d.numel() >= MEMMOVE_MIN_NUMEL and d.is_contiguous() else small).append(i)
         groups = [small] if self.threads == 1 else _share_out(small, [dsts[i].nbytes for i in small], self.threads)
