@@ -323,9 +323,11 @@ def _staging_bytes_held(pid: int, slab_ids: tuple[str, ...]) -> int:
 
 
 @pytest.mark.timeout(60)
-def test_fork_started_dataloader_workers_do_not_keep_staging_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("freed_by", ["close", "a-larger-state"])
+def test_fork_started_dataloader_workers_do_not_keep_staging_memory(tmp_path: Path, freed_by: str) -> None:
     """Row 5: DataLoader(num_workers=2, persistent_workers=True) forked after the first
-    save inherits the staging buffer; manager.close() still frees its memory."""
+    save inherits the staging buffer; manager.close() still frees its memory, and so
+    does a save of a larger state, which needs a larger buffer in its place."""
     import psutil
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -348,7 +350,11 @@ def test_fork_started_dataloader_workers_do_not_keep_staging_memory(tmp_path: Pa
         ids = tuple(b.slab_id for b in staging_buffers(mgr))
         assert len(pids) == 2 and len(ids) == 1
         assert all(_staging_bytes_held(pid, ids) >= 16 << 20 for pid in pids)  # they did inherit it
-        mgr.close()
+        if freed_by == "close":
+            mgr.close()
+        else:
+            mgr.save(2, {"w": torch.ones(8 << 20)}).wait(timeout=30)
+            assert ids not in {b.slab_id for b in staging_buffers(mgr)}
         assert [_staging_bytes_held(pid, ids) for pid in pids] == [0, 0]
         assert _staging_bytes_held(os.getpid(), ids) == 0
         assert len(list(batches)) == 7  # the loader itself is unaffected

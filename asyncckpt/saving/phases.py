@@ -215,13 +215,17 @@ def stage(
         buffer.populate(copier)  # on every copy thread: cudaHostRegister would fault them in on one
         buffer.pin()
     buffer.format(save.layout)
-    if select is None:  # every tensor: the buffer's own list of views, whose copy program the copier keeps
+    program = None
+    if select is None:  # every tensor: the buffer's views, and how they are copied (kept per layout)
         dsts, srcs = buffer.dsts, [data[item] for item in buffer.items]
+        if buffer.program is None or buffer.program.threads != copier.threads:
+            buffer.program = copier.program(dsts)
+        program = buffer.program
     else:
         pairs = [(dst, data[item]) for item, dst in buffer.views if select(data[item])]
         dsts, srcs = [dst for dst, _ in pairs], [src for _, src in pairs]
     # A new buffer's pages are allocated by the copy threads, each just before its piece.
-    copier.copy(dsts, srcs, cpu=cpu, cuda=cuda, populate=not buffer.populated)
+    copier.copy(dsts, srcs, cpu=cpu, cuda=cuda, populate=not buffer.populated, program=program)
     if cpu:
         buffer.populated = True
     if cpu and blobs:

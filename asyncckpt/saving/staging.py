@@ -145,11 +145,12 @@ class StagingBuffer:
         self.layout_key: Any = None
         #: ``(item index, tensor view)`` per staged tensor of ``layout_key``.
         self.views: list[tuple[int, torch.Tensor]] = []
-        #: The same, as two lists built once per layout: the items, and the views (the
-        #: same list object on every save, which :class:`StagingCopier` keys its copy
-        #: program on).
+        #: The same, as two lists built once per layout: the items, and the views.
         self.items: list[int] = []
         self.dsts: list[torch.Tensor] = []
+        #: How :attr:`dsts` are copied (:meth:`StagingCopier.program`), made by the first
+        #: save of the layout; indices only, so it holds no view of the buffer.
+        self.program: CopyProgram | None = None
         self.ref = SlabRef(self.slab_id, f"/proc/{os.getpid()}/fd/{self._fd}", nbytes)
         self.pinned = False
         #: Whether the pages are allocated (by :meth:`populate` or a first copy).
@@ -178,6 +179,7 @@ class StagingBuffer:
         ]
         self.items = [item for item, _ in self.views]
         self.dsts = [view for _, view in self.views]
+        self.program = None
         self.layout_key = layout.key
 
     def populate(self, copier: StagingCopier) -> None:
@@ -239,7 +241,7 @@ class StagingBuffer:
             torch.cuda.cudart().cudaHostUnregister(self.u8.data_ptr())
             self.pinned = False
         self.u8 = None  # type: ignore[assignment]
-        self.views, self.items, self.dsts = [], [], []
+        self.views, self.items, self.dsts, self.program = [], [], [], None
         writer_map = _writer._mapped.pop(self.slab_id, None)  # mapped here by a sync save
         if writer_map is not None:
             writer_map.close()
@@ -402,8 +404,6 @@ class StagingCopier:
         self._pool: ThreadPoolExecutor | None = None
         self._stream: Any = None
         self._event: Any = None
-        # The copy program of the last destination list (see _program_for).
-        self._program: tuple[Sequence[torch.Tensor], _CopyProgram] | None = None
 
     def copy(
         self,
@@ -413,6 +413,7 @@ class StagingCopier:
         cpu: bool = True,
         cuda: bool = True,
         populate: bool = False,
+        program: CopyProgram | None = None,
     ) -> None:
         """Start copying ``srcs[i]`` into ``dsts[i]`` (equal shapes and dtypes).
 
@@ -421,19 +422,22 @@ class StagingCopier:
         D2H copies must be issued from the training thread, whose current stream
         they are ordered after). ``populate``: the destination is a new staging
         buffer; each ``memmove`` piece allocates its pages first (:func:`prefault`).
+        ``program``: :meth:`program` of ``dsts`` with this copier's threads, kept by the
+        caller from copy to copy of the same destinations (made here without it).
 
         Raises:
             RuntimeError: a copy failed (shape/dtype mismatch, CUDA error).
             OSError: ``populate`` and the staging memory cannot be allocated.
         """
         on_cuda = [i for i, s in enumerate(srcs) if s.is_cuda]
-        cpu_d: Sequence[torch.Tensor] = dsts  # the same list object: its copy program is cached
+        cpu_d: Sequence[torch.Tensor] = dsts
         cpu_s: Sequence[torch.Tensor] = srcs
         cuda_d: list[torch.Tensor] = []
         cuda_s: list[torch.Tensor] = []
         if on_cuda:
             cuda_d, cuda_s = [dsts[i] for i in on_cuda], [srcs[i] for i in on_cuda]
             cpu = cpu and len(on_cuda) < len(srcs)
+            program = None  # (it is the program of all of dsts)
             if cpu:
                 host = set(on_cuda)
                 cpu_d = [d for i, d in enumerate(dsts) if i not in host]
@@ -443,7 +447,7 @@ class StagingCopier:
             if cuda_s and cuda:
                 self._copy_d2h(cuda_d, cuda_s)
             if cpu_s and cpu:
-                self._copy_cpu(cpu_d, cpu_s, populate)
+                self._copy_cpu(cpu_d, cpu_s, populate, program)
 
     @property
     def event(self) -> Any:
@@ -523,25 +527,28 @@ class StagingCopier:
         if error is not None:
             raise error
 
-    def _program_for(self, dsts: Sequence[torch.Tensor]) -> _CopyProgram:
-        """The copy program of ``dsts``, made on its first copy and kept for as long as the
-        same list object comes (a staging buffer's views, :attr:`StagingBuffer.dsts`:
-        every save of a layout): which destinations may take a ``memmove``, and how the
-        others are shared out among the copy threads. What depends on the sources is
-        still checked at each copy (:meth:`_copy_cpu`)."""
-        if self._program is not None and self._program[0] is dsts:
-            return self._program[1]
+    def program(self, dsts: Sequence[torch.Tensor]) -> CopyProgram:
+        """How ``dsts`` are copied by this copier: which destinations may take a
+        ``memmove``, and how the others are shared out among the copy threads. A
+        staging buffer keeps it for its layout (:attr:`StagingBuffer.program`), so
+        that a save does not derive it again tensor by tensor; what depends on the
+        sources is still checked at each copy (:meth:`_copy_cpu`)."""
         large: list[int] = []
         small: list[int] = []
         for i, d in enumerate(dsts):
             (large if d.numel() >= MEMMOVE_MIN_NUMEL and d.is_contiguous() else small).append(i)
         groups = [small] if self.threads == 1 else _share_out(small, [dsts[i].nbytes for i in small], self.threads)
-        program = _CopyProgram(large, groups)
-        self._program = (dsts, program)
-        return program
+        return CopyProgram(self.threads, large, groups)
 
-    def _copy_cpu(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], populate: bool = False) -> None:
-        program = self._program_for(dsts)
+    def _copy_cpu(
+        self,
+        dsts: Sequence[torch.Tensor],
+        srcs: Sequence[torch.Tensor],
+        populate: bool = False,
+        program: CopyProgram | None = None,
+    ) -> None:
+        if program is None or program.threads != self.threads:
+            program = self.program(dsts)
         moves: list[tuple[int, int, int]] = []  # (dst address, src address, bytes)
         other_d: list[torch.Tensor] = []  # large destinations whose source memmove cannot copy
         other_s: list[torch.Tensor] = []
@@ -601,12 +608,13 @@ def _copy_no_grad(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _CopyProgram:
-    """How a list of staging destinations is copied (:meth:`StagingCopier._program_for`):
-    the indices of those a ``memmove`` may fill (contiguous, at least
-    :data:`MEMMOVE_MIN_NUMEL` elements), and the others' indices in one group per copy
-    thread, of about equal bytes, in order."""
+class CopyProgram:
+    """How a list of staging destinations is copied (:meth:`StagingCopier.program`) by
+    ``threads`` copy threads: the indices of those a ``memmove`` may fill (contiguous,
+    at least :data:`MEMMOVE_MIN_NUMEL` elements), and the others' indices in one group
+    per copy thread, of about equal bytes, in order."""
 
+    threads: int
     large: list[int]
     groups: list[list[int]]
 
