@@ -417,6 +417,61 @@ def test_resharding_fsdp_model_and_adam_state(fsdp_saved: tuple[Path, list[dict[
     print("\n".join("  " + line for line in report))
 
 
+# ----------------------------------------------------------------------------- HSDP: shards replicated
+def _rank_hsdp(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """FSDP2 over a 2 x 2 mesh (replicate x shard): each shard is held by two ranks, and
+    DCP's dedup writes it once, into one of their files. Saved, then loaded back into
+    the same sharding with ``asyncckpt.load``."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import asyncckpt
+    import asyncckpt.loading.dcp
+    from asyncckpt import CheckpointManager
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _model()
+    for layer in model.children():
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train(model, optim, 2, rank % 2)  # the same batches on the two replicas of a shard
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd, "step": 2}
+    snapshot = _map_tensors(state, lambda t: _local(t).detach().clone())
+    out: dict[str, Any] = {
+        "placements": sorted({str(v.placements) for v in _leaves(state).values() if hasattr(v, "placements")})
+    }
+    with CheckpointManager(Path(root) / "hsdp", persistent=False) as manager:
+        for step in (1, 2):  # planned, then from the plan cache
+            manager.save(step, state)
+            manager.maybe_finalize(blocking=True)
+        got = _map_tensors(state, torch.zeros_like)
+        with observing_loads() as loads, counting_calls(asyncckpt.loading.dcp, "read_metadata") as metadata_reads:
+            asyncckpt.load(got, manager.step_dir(2))
+        out["diff"] = _compare(snapshot, _map_tensors(got, _local))
+        out["load_path"] = (loads.direct, loads.shards, loads.metadata, metadata_reads.n)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_hsdp_state_loads_each_rank_its_shards_from_the_index_also_where_a_replica_wrote_them(tmp_path: Path) -> None:
+    """A shard index of an HSDP checkpoint names, for a rank whose shards its replica
+    wrote, the files to read besides its own: every rank loads through the index,
+    bitwise, and never reads ``.metadata`` (a save from the plan cache, the second)."""
+    results = _run(_rank_hsdp, 4, str(tmp_path), timeout=100)
+    # DCP's dedup shares each shard's writing between its two replicas: every rank's
+    # file holds some of its own chunks and some of its replica's.
+    assert len(_sizes(tmp_path / "hsdp" / "step_00000002")) == 4
+    for rank, res in enumerate(results):
+        assert res["placements"] == ["(Replicate(), Shard(dim=0))"], res
+        assert res["diff"]["tensors"] >= 24 and res["diff"]["mismatch"] == [], (rank, res["diff"])
+        assert res["load_path"] == (1, 1, 0, 0), (rank, res["load_path"])
+
+
 # ----------------------------------------------------------------------------- DDP: replicated, written once
 def _rank_save_ddp(rank: int, world_size: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist

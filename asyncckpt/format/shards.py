@@ -14,16 +14,21 @@ same facts beside it at commit, cut so that a rank reads what it needs:
     {"format": "asyncckpt.shards", "version": 1, "metadata_crc32": <crc32 of .metadata>,
      "entries": {fqn: ["torch.float32", [4096, 64]] | null, ...},
      "records": {"__0_0.distcp": [[fqn, offset, length, dtype | null, shape | null], ...]},
-     "chunks": {"__0_0.distcp": [start, length, crc32], ...}}
+     "chunks": {"__0_0.distcp": [start, length, crc32], ...},
+     "peers": {"1": [0], ...}}
 
   ``entries``: every entry of the checkpoint, a tensor's dtype and global shape
   (``null``: a non-tensor value); ``records``: the entries stored as one record (values,
   and tensors saved whole, as in the records file); ``chunks``: per data file, the byte
-  range and CRC-32 of its line in the chunk file.
+  range and CRC-32 of its line in the chunk file; ``peers`` (optional, only ranks that
+  have some): rank -> the other ranks whose files hold some of its chunks, where DCP
+  wrote a chunk that several ranks hold once, in one of their files (HSDP: each shard
+  on each of its replicas; :func:`asyncckpt.saving.planning.chunk_peers`).
 - ``.shards.chunks.jsonl`` (:data:`CHUNKS_NAME`), one line per data file, each a JSON
   array of that file's chunks ``[fqn, offsets, sizes, offset, length]`` (the chunk's
   global offsets and sizes, the record's bytes in the file). A rank reads only the
-  lines of its own data files (``__<rank>_*.distcp``), O(N), with a ranged read each.
+  lines of its own data files (``__<rank>_*.distcp``) and of its ``peers``' files, O(N),
+  with a ranged read each.
 
 Like the records file it is a cache of ``.metadata``, never an authority: used only
 when ``.shards.json`` has the size and CRC-32 the manifest lists, names the CRC-32 the
@@ -36,6 +41,7 @@ both are in the manifest.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -59,10 +65,10 @@ _MISSING = object()
 Chunk = tuple[str, tuple[int, ...], tuple[int, ...], int, int]
 
 
-def shard_files(metadata: Metadata) -> tuple[str, bytes] | None:
+def shard_files(metadata: Metadata, peers: Mapping[int, tuple[int, ...]] | None = None) -> tuple[str, bytes] | None:
     """The shard index of ``metadata`` without its binding to the ``.metadata`` bytes
-    (``entries``, ``records`` and ``chunks`` as JSON, for :func:`shards_file`) and the
-    chunk file's bytes; ``None`` when an entry cannot be described: stream transforms,
+    (``entries``, ``records``, ``chunks`` and ``peers`` as JSON, for :func:`shards_file`)
+    and the chunk file's bytes; ``None`` when an entry cannot be described: stream transforms,
     an offset or length that is not a non-negative int, a chunk ``storage_data`` names
     that ``state_dict_metadata`` does not list, an entry without storage, an unknown kind.
 
@@ -122,9 +128,10 @@ def shard_files(metadata: Metadata) -> tuple[str, bytes] | None:
         pos += len(line)
     for rows in records.values():
         rows.sort(key=lambda row: row[1])
-    header = json.dumps(
-        {"entries": entries, "records": dict(sorted(records.items())), "chunks": ranges}, separators=(",", ":")
-    )
+    fields: dict[str, Any] = {"entries": entries, "records": dict(sorted(records.items())), "chunks": ranges}
+    if peers:
+        fields["peers"] = {str(rank): list(others) for rank, others in sorted(peers.items())}
+    header = json.dumps(fields, separators=(",", ":"))
     return header[1:-1], b"".join(lines)
 
 
@@ -145,11 +152,20 @@ class ShardIndex:
         records: fqn -> :data:`~asyncckpt.format.records.Record`, the entries stored
             as one record (a tensor's shape is then its global shape).
         chunks: data file name -> ``(start, length, crc32)`` of its line in the chunk file.
+        peers: rank -> the other ranks whose files hold some of its chunks (only ranks
+            that have some).
     """
 
     entries: dict[str, tuple[torch.dtype, tuple[int, ...]] | None]
     records: dict[str, Record]
     chunks: dict[str, tuple[int, int, int]]
+    peers: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+    def files_of(self, rank: int) -> list[str]:
+        """The data files whose lines hold ``rank``'s chunks: its own
+        (``__<rank>_*.distcp``) and its peers', in name order."""
+        prefixes = tuple(f"__{r}_" for r in (rank, *self.peers.get(rank, ())))
+        return sorted(name for name in self.chunks if name.startswith(prefixes))
 
 
 def _uint(v: Any) -> bool:
@@ -194,7 +210,15 @@ def parse_shards(data: bytes, metadata_crc32: int, listed: Mapping[str, Any]) ->
         if not all(_uint(v) for v in where):
             return None
         chunks[name] = (where[0], where[1], where[2])
-    return ShardIndex(entries, records, chunks)
+    peers: dict[int, tuple[int, ...]] = {}
+    given = obj.get("peers", {})
+    if type(given) is not dict:
+        return None
+    for rank, others in given.items():
+        if type(rank) is not str or not rank.isdigit() or type(others) is not list or not all(_uint(r) for r in others):
+            return None
+        peers[int(rank)] = tuple(others)
+    return ShardIndex(entries, records, chunks, peers)
 
 
 def parse_chunks(line: bytes, index: ShardIndex) -> list[Chunk] | None:

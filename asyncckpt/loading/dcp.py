@@ -383,9 +383,10 @@ class SafeFileSystemReader(FileSystemReader):
         self, manifest_files: Mapping[str, Any], rank: int, strict: bool = False
     ) -> tuple[ShardIndex, list[tuple[str, Chunk]]] | None:
         """The shard index (:mod:`asyncckpt.format.shards`) and the chunks of ``rank``'s
-        own data files (``__<rank>_*.distcp``, one ranged read of the chunk file each),
-        when the manifest lists both files and the index stands for this directory's
-        ``.metadata``; else ``None``: read :meth:`read_metadata`.
+        own data files (``__<rank>_*.distcp``) and of the files the index names for it
+        (:meth:`~asyncckpt.format.shards.ShardIndex.files_of`; one ranged read of the
+        chunk file each), when the manifest lists both files and the index stands for
+        this directory's ``.metadata``; else ``None``: read :meth:`read_metadata`.
 
         It stands for it when it names the CRC-32 that the manifest lists for
         ``.metadata`` (a single segment: the file whole; ``.metadata`` itself is not
@@ -419,12 +420,10 @@ class SafeFileSystemReader(FileSystemReader):
             if index is None:
                 return None
             chunks: list[tuple[str, Chunk]] = []
-            own = f"__{rank}_"
             reader = checkpoint.open(CHUNKS_NAME)
             try:
-                for name, (start, length, crc) in sorted(index.chunks.items()):
-                    if not name.startswith(own):
-                        continue
+                for name in index.files_of(rank):
+                    start, length, crc = index.chunks[name]
                     line = bytearray(length)
                     if start + length <= reader.size:
                         reader.readinto(start, [memoryview(line)])

@@ -33,7 +33,7 @@ import pickle
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -317,7 +317,7 @@ def commit(
                 info["commit_seq"] = save.root.next_commit_seq()  # the rollback order (root.py)
             info["asyncckpt_version"] = __version__
             info.update(save.user_info)  # metrics, metadata (the coordinator's)
-            metadata_bytes, small = metadata_pickle.encode(metadata)
+            metadata_bytes, small = metadata_pickle.encode(metadata, save.planned.peers)
             committing = time.monotonic()
             save.storage.commit(save.tmp_dir, save.final_dir, metadata_bytes, files, info, small)
             save.commit_s = time.monotonic() - committing
@@ -460,12 +460,16 @@ class MetadataPickle:
         #: (:func:`asyncckpt.format.shards.shard_files`), or nothing.
         self._cached: str | tuple[str, bytes] | None = None
 
-    def encode(self, metadata: Any) -> tuple[bytes, dict[str, bytes]]:
+    def encode(
+        self, metadata: Any, peers: Mapping[int, tuple[int, ...]] | None = None
+    ) -> tuple[bytes, dict[str, bytes]]:
         """``pickle.dumps(metadata)`` and the small files beside it: the records file
         when every entry is one record (:mod:`asyncckpt.format.records`), else the
         shard index and its chunk lines (:mod:`asyncckpt.format.shards`) when every
         chunk can be described, else none; from the cache where possible (these files
-        then differ only in the CRC-32 of the new ``.metadata`` bytes)."""
+        then differ only in the CRC-32 of the new ``.metadata`` bytes). ``peers``: the
+        plan's :attr:`~asyncckpt.saving.planning.SavePlanResult.peers`, for the index."""
+        peers = dict(peers or {})
         meta = metadata.storage_meta
         cid = str(meta.checkpoint_id).encode() if meta is not None and meta.checkpoint_id is not None else None
         sid = meta.save_id.encode() if meta is not None and isinstance(meta.save_id, str) else None
@@ -480,6 +484,7 @@ class MetadataPickle:
                 and key[2] == metadata.storage_data
                 and key[3] == metadata.version
                 and key[4] == (meta.load_id, list(meta.modules))
+                and key[5] == peers
                 and len(cid) == self._at[1]
                 and len(sid) == self._at[3]
             ):
@@ -490,7 +495,7 @@ class MetadataPickle:
         with gc_paused():  # (tens of objects per chunk made and freed: no collection of the heap between)
             data = pickle.dumps(metadata)
             found = _records.records_from_metadata(metadata)
-            cached = _records.records_json(found) if found is not None else _shards.shard_files(metadata)
+            cached = _records.records_json(found) if found is not None else _shards.shard_files(metadata, peers)
             del found
         with self._lock:
             self._key = None
@@ -502,6 +507,7 @@ class MetadataPickle:
                     dict(metadata.storage_data),
                     metadata.version,
                     (meta.load_id, list(meta.modules)),
+                    peers,
                 )
                 self._data = data
                 self._at = (data.find(cid), len(cid), data.find(sid), len(sid))

@@ -245,6 +245,8 @@ class SavePlanResult(NamedTuple):
             key -> the positions in its ``metadata.planner_data`` path that are ``int``
             keys (DCP records ``str(key)``); recorded in the manifest so that
             ``read_state_dict`` gives the keys back as they were.
+        peers: (the coordinator's, else empty) rank -> the other ranks whose files hold
+            some of that rank's chunks (:func:`chunk_peers`), for the shard index.
     """
 
     plan: SavePlan
@@ -252,6 +254,7 @@ class SavePlanResult(NamedTuple):
     metadata: Metadata
     token: str
     int_keys: Mapping[str, tuple[int, ...]] = {}
+    peers: Mapping[int, tuple[int, ...]] = {}
 
 
 class PlanCache:
@@ -283,6 +286,7 @@ class PlanCache:
             in the (``Stateful``-resolved) state_dict, as DCP's ``flatten_state_dict``
             maps it but with each dict key of its own type (:func:`typed_path`).
         int_keys: the plan's ``SavePlanResult.int_keys``.
+        peers: the plan's ``SavePlanResult.peers``.
         pickled: for the plan's non-tensor items made of plain Python values
             (:func:`plain_key`), by the item's position in ``plan.items``: the value's
             ``pickle.dumps`` as of the last save, and the bytes ``torch.save`` made of
@@ -299,6 +303,7 @@ class PlanCache:
         self.paths: list[tuple] | None = None
         self.pickled: dict[int, tuple[bytes, bytes]] = {}
         self.int_keys: Mapping[str, tuple[int, ...]] = {}
+        self.peers: Mapping[int, tuple[int, ...]] = {}
 
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -640,8 +645,13 @@ def plan_save(
         try:
             data = _resolve_cached(cache, state_dict)
             result = SavePlanResult(
-                cache.plan, data, dataclasses.replace(cache.metadata, storage_meta=storage_meta), "", cache.int_keys
-            )  # the token comes with the all_gather
+                cache.plan,
+                data,
+                dataclasses.replace(cache.metadata, storage_meta=storage_meta),
+                "",  # the token comes with the all_gather
+                cache.int_keys,
+                cache.peers,
+            )
             hit = (result, finish(result) if finish is not None else None)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             failure = _describe(exc)
@@ -692,6 +702,7 @@ def plan_save(
     if metadata.storage_meta is None:  # as a cached plan's (and dcp.save's) metadata has it
         metadata = dataclasses.replace(metadata, storage_meta=storage_meta)
     plan = planner.finish_plan(global_plans[sync.rank])
+    peers = chunk_peers(local_plans, global_plans) if is_coordinator else {}
     try:
         data = _resolve(plan, planner.resolve_data)
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
@@ -699,7 +710,7 @@ def plan_save(
     if cache is not None:
         # A state that cannot be cached (or failed) leaves no plan to reuse.
         cache.signature = cache.plan = cache.metadata = cache.paths = None
-        cache.int_keys = {}
+        cache.int_keys, cache.peers = {}, {}
         cache.pickled.clear()
         if signature is not None and failure is None:
             try:
@@ -707,9 +718,9 @@ def plan_save(
             except KeyError:
                 pass  # not found as DCP flattened it: plan afresh next time
             else:
-                cache.signature, cache.plan, cache.int_keys = signature, plan, int_keys
+                cache.signature, cache.plan, cache.int_keys, cache.peers = signature, plan, int_keys, peers
                 cache.metadata = dataclasses.replace(metadata, storage_data=None, storage_meta=None)
-    result = SavePlanResult(plan, data, metadata, token, int_keys)
+    result = SavePlanResult(plan, data, metadata, token, int_keys, peers)
     finished = None
     if failure is None and finish is not None:
         try:
@@ -721,6 +732,43 @@ def plan_save(
     if failures:
         _raise_errors(sync, [failures.get(r) for r in range(sync.world_size)])
     return result, finished
+
+
+def chunk_peers(local_plans: list[SavePlan], global_plans: list[SavePlan]) -> dict[int, tuple[int, ...]]:
+    """For each rank, the other ranks whose files hold some of the chunks it planned to
+    write: DCP's planner writes a chunk that several ranks hold (an HSDP shard, on each
+    replica of it) once, in one of their files (``dedup_save_plans``, which shares such
+    chunks out between them). A load with the save's sharding then finds a rank's chunks
+    in its own file and in these ranks' files. Only chunks of part of a tensor count
+    (``WriteItemType.SHARD`` items smaller than their tensor): entries saved whole are
+    found in the shard index itself. Ranks with no such chunk elsewhere are left out.
+
+    Args:
+        local_plans: each rank's local plan, before the dedup (index: rank).
+        global_plans: each rank's plan after it (index: rank).
+    """
+    shard = WriteItemType.SHARD
+
+    def part_of_a_tensor(item: Any) -> bool:
+        td = item.tensor_data
+        return item.type is shard and td is not None and tuple(td.chunk.sizes) != tuple(td.size)
+
+    writer: dict[tuple[str, tuple[int, ...]], int] = {}
+    for rank, plan in enumerate(global_plans):
+        for item in plan.items:
+            if part_of_a_tensor(item):
+                writer[(item.index.fqn, tuple(item.index.offset or ()))] = rank
+    peers: dict[int, tuple[int, ...]] = {}
+    for rank, plan in enumerate(local_plans):
+        others = {
+            writer.get((item.index.fqn, tuple(item.index.offset or ())), rank)
+            for item in plan.items
+            if part_of_a_tensor(item)
+        }
+        others.discard(rank)
+        if others:
+            peers[rank] = tuple(sorted(others))
+    return peers
 
 
 def stateful_to_state_dict(state_dict: Any) -> Any:
