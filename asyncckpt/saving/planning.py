@@ -747,6 +747,8 @@ def chunk_peers(local_plans: list[SavePlan], global_plans: list[SavePlan]) -> di
         local_plans: each rank's local plan, before the dedup (index: rank).
         global_plans: each rank's plan after it (index: rank).
     """
+    if all(len(g.items) == len(lp.items) for g, lp in zip(global_plans, local_plans)):
+        return {}  # the dedup moved nothing (FSDP, tensor parallel): no pass over the items
     shard = WriteItemType.SHARD
 
     def part_of_a_tensor(item: Any) -> bool:
