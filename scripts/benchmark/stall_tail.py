@@ -6,7 +6,10 @@ state, ``save``, then ``maybe_finalize(blocking=True)``: the steady state), for 
 tier given: ``local`` (``manager.local.save``, a ``LocalTier`` under ``/dev/shm`` without
 replicas) and ``persistent`` (``manager.save``). Per tier: the median, 99th percentile
 and longest stall against memcpy of the same tensors (libc's ``memmove``, median of the
-loop's), and CPython's cyclic garbage collections (``gc.callbacks``): those that started
+loop's), where the stall went (the medians of the save's ``SaveTimings.plan_s``, the
+plan phase: validation, the structure's comparison with the cached plan, the
+collective; and ``stage_s``, the staging copy), and CPython's cyclic garbage
+collections (``gc.callbacks``): those that started
 inside a ``save`` call, and all of the loop's (full ones counted apart; a full one walks
 every object of the process).
 
@@ -64,7 +67,7 @@ def _run(tier: str, sd: dict[str, Any], saves: int, base: str) -> dict[str, Any]
     if tier == "local":
         local = asyncckpt.LocalTier(dir=os.path.join(base, f"{tier}-tier"), every=1, replicas=0)
     seen = _Collections()
-    stalls, memcpys = [], []
+    stalls, memcpys, plans, copies = [], [], [], []
     with asyncckpt.CheckpointManager(os.path.join(base, f"{tier}-root"), local=local, keep_last=2) as mgr:
         gc.collect()
         gc.callbacks.append(seen)
@@ -78,15 +81,19 @@ def _run(tier: str, sd: dict[str, Any], saves: int, base: str) -> dict[str, Any]
                 seen.inside = True
                 t0 = time.perf_counter()
                 if mgr.local is not None:
-                    mgr.local.save(step, sd)
+                    handle = mgr.local.save(step, sd)
                 else:
-                    mgr.save(step, sd)
+                    handle = mgr.save(step, sd)
                 stalls.append(time.perf_counter() - t0)
                 seen.inside = False
                 if mgr.local is not None:
                     mgr.local.maybe_finalize(blocking=True)
                 else:
                     mgr.maybe_finalize(blocking=True)
+                if handle is not None:  # where the stall went: the plan phase, the staging copy
+                    timings = handle.wait(timeout=60)
+                    plans.append(timings.plan_s)
+                    copies.append(timings.stage_s)
         finally:
             gc.callbacks.remove(seen)
     steady = sorted(stalls[1:])
@@ -95,6 +102,8 @@ def _run(tier: str, sd: dict[str, Any], saves: int, base: str) -> dict[str, Any]
         "p99": steady[min(len(steady) - 1, int(0.99 * len(steady)))],
         "max": steady[-1],
         "memcpy": statistics.median(memcpys[1:]),
+        "plan": statistics.median(plans[1:] or plans or [float("nan")]),
+        "copy": statistics.median(copies[1:] or copies or [float("nan")]),
         "gc": seen,
     }
 
@@ -119,15 +128,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         shutil.rmtree(base, ignore_errors=True)
     print(
         f"| {args.saves} saves, LLM-shaped, {nbytes / 1e6:.0f} MB in {len(list(tensors_of(sd)))} tensors, "
-        f"{len(gc.get_objects()):,} objects | median stall | p99 | longest | memcpy | collections inside saves "
-        "(full) | collections in the loop (full) |"
+        f"{len(gc.get_objects()):,} objects | median stall | p99 | longest | memcpy | of the stall: plan, copy "
+        "(medians) | collections inside saves (full) | collections in the loop (full) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for tier, r in rows.items():
         seen = r["gc"]
         print(
             f"| {tier} | {r['median'] * 1e3:.1f} ms | {r['p99'] * 1e3:.1f} ms | {r['max'] * 1e3:.1f} ms | "
-            f"{r['memcpy'] * 1e3:.1f} ms | {seen.count['save']} ({seen.full['save']}), "
+            f"{r['memcpy'] * 1e3:.1f} ms | {r['plan'] * 1e3:.1f} ms, {r['copy'] * 1e3:.1f} ms | "
+            f"{seen.count['save']} ({seen.full['save']}), "
             f"{seen.seconds['save'] * 1e3:.1f} ms | {seen.count['loop']} ({seen.full['loop']}), "
             f"{seen.seconds['loop'] * 1e3:.1f} ms |"
         )
