@@ -472,6 +472,41 @@ def test_hsdp_state_loads_each_rank_its_shards_from_the_index_also_where_a_repli
         assert res["load_path"] == (1, 1, 0, 0), (rank, res["load_path"])
 
 
+@pytest.mark.parametrize(
+    "peers,expected",
+    [
+        ({"1": [0], "3": [2, 0]}, {1: (0,), 3: (2, 0)}),
+        ({}, {}),
+        (None, {}),  # an index without the field (written before it existed)
+        ({"²": [0]}, None),  # a digit that int() refuses: not a rank
+        ({"1": [-1]}, None),
+        ({"1": "0"}, None),
+        ({"x": [0]}, None),
+        ([1], None),
+    ],
+)
+def test_the_shard_index_peers_field_is_read_or_the_index_refused_never_raised(peers: Any, expected: Any) -> None:
+    """``parse_shards`` reads ``peers`` as written by the coordinator, reads an index
+    without it as having none, and refuses (``None``: ``.metadata`` is read instead)
+    a malformed one without raising."""
+    import json
+
+    from asyncckpt.format.shards import parse_shards
+
+    index: dict[str, Any] = {
+        "format": "asyncckpt.shards",
+        "version": 1,
+        "metadata_crc32": 7,
+        "entries": {},
+        "records": {},
+        "chunks": {},
+    }
+    if peers is not None:
+        index["peers"] = peers
+    parsed = parse_shards(json.dumps(index).encode(), 7, {})
+    assert (None if parsed is None else parsed.peers) == expected
+
+
 # ----------------------------------------------------------------------------- DDP: replicated, written once
 def _rank_save_ddp(rank: int, world_size: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist

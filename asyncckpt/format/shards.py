@@ -215,7 +215,12 @@ def parse_shards(data: bytes, metadata_crc32: int, listed: Mapping[str, Any]) ->
     if type(given) is not dict:
         return None
     for rank, others in given.items():
-        if type(rank) is not str or not rank.isdigit() or type(others) is not list or not all(_uint(r) for r in others):
+        if (
+            type(rank) is not str
+            or not (rank.isascii() and rank.isdigit())
+            or type(others) is not list
+            or not all(_uint(r) for r in others)
+        ):
             return None
         peers[int(rank)] = tuple(others)
     return ShardIndex(entries, records, chunks, peers)
