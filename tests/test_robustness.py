@@ -354,7 +354,7 @@ def test_fork_started_dataloader_workers_do_not_keep_staging_memory(tmp_path: Pa
             mgr.close()
         else:
             mgr.save(2, {"w": torch.ones(8 << 20)}).wait(timeout=30)
-            assert ids not in {b.slab_id for b in staging_buffers(mgr)}
+            assert not set(ids) & {b.slab_id for b in staging_buffers(mgr)}  # the pool replaced it
         assert [_staging_bytes_held(pid, ids) for pid in pids] == [0, 0]
         assert _staging_bytes_held(os.getpid(), ids) == 0
         assert len(list(batches)) == 7  # the loader itself is unaffected
