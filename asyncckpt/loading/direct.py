@@ -29,7 +29,7 @@ from asyncckpt._gc import gc_paused
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.crc import CrcChain
 from asyncckpt.format.manifest import METADATA_NAME, run_in_order
-from asyncckpt.format.records import Record, records_from_metadata
+from asyncckpt.format.records import Record, plain_storage, records_from_metadata
 from asyncckpt.format.shards import Chunk, ShardIndex
 from asyncckpt.format.torchsave import TensorFraming
 from asyncckpt.io.storage import IOV_MAX, LOCAL, FileReader, ReadableStorage
@@ -216,7 +216,7 @@ class _MetadataCatalog:
                 return None
             index = MetadataIndex(fqn, torch.Size(offsets))
         info = self.metadata.storage_data.get(index)
-        if info is None or info.transform_descriptors or type(info.offset) is not int or type(info.length) is not int:
+        if info is None or not plain_storage(info):
             return None
         return info.relative_path, info.offset, info.length
 

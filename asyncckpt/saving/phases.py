@@ -217,10 +217,7 @@ def stage(
     buffer.format(save.layout)
     program = None
     if select is None:  # every tensor: the buffer's views, and how they are copied (kept per layout)
-        dsts, srcs = buffer.dsts, [data[item] for item in buffer.items]
-        if buffer.program is None or buffer.program.threads != copier.threads:
-            buffer.program = copier.program(dsts)
-        program = buffer.program
+        dsts, srcs, program = buffer.dsts, [data[item] for item in buffer.items], buffer.copy_program(copier)
     else:
         pairs = [(dst, data[item]) for item, dst in buffer.views if select(data[item])]
         dsts, srcs = [dst for dst, _ in pairs], [src for _, src in pairs]

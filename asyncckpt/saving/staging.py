@@ -148,8 +148,7 @@ class StagingBuffer:
         #: The same, as two lists built once per layout: the items, and the views.
         self.items: list[int] = []
         self.dsts: list[torch.Tensor] = []
-        #: How :attr:`dsts` are copied (:meth:`StagingCopier.program`), made by the first
-        #: save of the layout; indices only, so it holds no view of the buffer.
+        #: How :attr:`dsts` are copied (:meth:`copy_program`); indices only, no views.
         self.program: CopyProgram | None = None
         self.ref = SlabRef(self.slab_id, f"/proc/{os.getpid()}/fd/{self._fd}", nbytes)
         self.pinned = False
@@ -181,6 +180,14 @@ class StagingBuffer:
         self.dsts = [view for _, view in self.views]
         self.program = None
         self.layout_key = layout.key
+
+    def copy_program(self, copier: StagingCopier) -> CopyProgram:
+        """How ``copier`` copies into :attr:`dsts`: made by the first save of the layout
+        (:meth:`StagingCopier.program`), kept for the next ones (again if the copier's
+        threads changed)."""
+        if self.program is None or self.program.threads != copier.threads:
+            self.program = copier.program(self.dsts)
+        return self.program
 
     def populate(self, copier: StagingCopier) -> None:
         """Allocate every page of the buffer now, on ``copier``'s threads (once; keeps the
@@ -423,7 +430,8 @@ class StagingCopier:
         they are ordered after). ``populate``: the destination is a new staging
         buffer; each ``memmove`` piece allocates its pages first (:func:`prefault`).
         ``program``: :meth:`program` of ``dsts`` with this copier's threads, kept by the
-        caller from copy to copy of the same destinations (made here without it).
+        caller from copy to copy of the same destinations (:meth:`StagingBuffer.copy_program`;
+        made here without it).
 
         Raises:
             RuntimeError: a copy failed (shape/dtype mismatch, CUDA error).
@@ -530,7 +538,7 @@ class StagingCopier:
     def program(self, dsts: Sequence[torch.Tensor]) -> CopyProgram:
         """How ``dsts`` are copied by this copier: which destinations may take a
         ``memmove``, and how the others are shared out among the copy threads. A
-        staging buffer keeps it for its layout (:attr:`StagingBuffer.program`), so
+        staging buffer keeps it for its layout (:meth:`StagingBuffer.copy_program`), so
         that a save does not derive it again tensor by tensor; what depends on the
         sources is still checked at each copy (:meth:`_copy_cpu`)."""
         large: list[int] = []
@@ -547,7 +555,7 @@ class StagingCopier:
         populate: bool = False,
         program: CopyProgram | None = None,
     ) -> None:
-        if program is None or program.threads != self.threads:
+        if program is None:
             program = self.program(dsts)
         moves: list[tuple[int, int, int]] = []  # (dst address, src address, bytes)
         other_d: list[torch.Tensor] = []  # large destinations whose source memmove cannot copy
