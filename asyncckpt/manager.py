@@ -671,7 +671,8 @@ class CheckpointManager:
             if choice is None:
                 raise CheckpointNotFoundError("no committed checkpoint", str(self.root_dir))
             step, where = choice
-        return self._load_from(state_dict, step, where, verify, allow_pickle)
+        self._load_from(state_dict, step, where, verify, allow_pickle)
+        return int(step)
 
     def _load_from(
         self,
@@ -680,19 +681,29 @@ class CheckpointManager:
         where: str | None,
         verify: bool | Literal["inline"] = "inline",
         allow_pickle: bool = False,
-    ) -> int:
+    ) -> str:
         """Load ``step`` from ``where`` (a URL), or from the root (``None``; from the
-        remote tier when the root does not hold it); returns ``step``."""
+        remote tier when the root does not hold it); returns what it read (the step's
+        directory or URL)."""
+        source = self._source(step, where)
+        self.last_load_timings = load(
+            state_dict, source, process_group=self.process_group, verify=verify, allow_pickle=allow_pickle
+        )
+        return source
+
+    def _source(self, step: int, where: str | None) -> str:
+        """Where :meth:`_load_from` reads ``step``: ``where`` (a URL), else its
+        directory in the root, else its URL in the remote tier.
+
+        Raises:
+            CheckpointNotFoundError: neither tier holds ``step``.
+        """
         path = self.step_dir(step)
         if where is None and not _manifest.is_committed(path) and self._upload is not None:
             where = self._upload.remote_url(step)  # only in the remote tier
         if where is None and not _manifest.is_committed(path):
             raise CheckpointNotFoundError(f"step {step} has no committed checkpoint", str(path))
-        source = path if where is None else where
-        self.last_load_timings = load(
-            state_dict, source, process_group=self.process_group, verify=verify, allow_pickle=allow_pickle
-        )
-        return int(step)
+        return str(path) if where is None else where
 
     def _newest(self) -> tuple[int, str | None] | None:
         """The newest save over both tiers, as this rank sees them: ``(step, None)`` in
@@ -738,19 +749,22 @@ class CheckpointManager:
         Without a local tier, that is restored. With one: see
         :meth:`asyncckpt.replication.LocalCheckpoints.restore` (one collective census,
         peers send missing shards, every byte CRC-checked, a bad copy falls back to a
-        replica, then to the root). The result is also logged (rank 0) and kept as
-        ``manager.local.restored``.
+        replica, then to the persistent tiers' newest). The result is also logged
+        (rank 0) and kept as ``manager.local.restored``.
 
         Returns:
-            The step, tier and peers restored from, or ``None`` when neither tier holds
-            a checkpoint (start from step 0).
+            The step, tier and peers restored from (for the persistent tier, its
+            ``location``: the step's directory or ``s3://`` URL), or ``None`` when no
+            tier holds a checkpoint (start from step 0).
         """
         self._saver.synchronize_staging()
         choice = self._agreed_newest()  # the persistent tiers' newest, the same on every rank
         if self.local is None:
             if choice is None:
                 return None
-            return RestoreResult(self._load_from(state_dict, *choice), "persistent", {}, "persistent")
+            step, where = choice
+            location = self._load_from(state_dict, step, where)
+            return RestoreResult(int(step), "persistent", {}, "persistent", location=location)
         where = None if choice is None else choice[1]
         return self.local.restore(
             state_dict,

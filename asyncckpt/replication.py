@@ -112,12 +112,15 @@ class RestoreResult:
     Attributes:
         step: the step restored.
         tier: ``"local"`` (the node-local tier, shards from this node or from peers)
-            or ``"persistent"`` (the manager's root).
+            or ``"persistent"`` (the manager's root, or the bucket of its ``upload_to``).
         peers: for the local tier, ``rank -> the rank that sent it its shard``, for
             every rank whose shard was not on its own node (empty: no transfer).
         source: this rank's source: ``"local"``, ``"peer <rank>"`` or ``"persistent"``.
         notes: the fallbacks taken on the way (a bad or missing copy, another world
             size), one line each.
+        location: for the persistent tier, where the step was read: its directory in
+            the root, or its ``s3://`` URL (the bucket of ``upload_to``); ``""`` when
+            not known (or for the local tier: see ``peers`` and ``source``).
     """
 
     step: int
@@ -125,9 +128,12 @@ class RestoreResult:
     peers: dict[int, int]
     source: str
     notes: tuple[str, ...] = ()
+    location: str = ""
 
     def __str__(self) -> str:
         where = "the persistent tier" if self.tier == "persistent" else "the local tier"
+        if self.location:
+            where += f" ({self.location})"
         if self.peers:
             fetched = ", ".join(f"rank {r} from rank {p}" for r, p in sorted(self.peers.items()))
             where += f" (fetched from peers: {fetched})"
@@ -653,7 +659,8 @@ class LocalCheckpoints:
         Args:
             state_dict: the template to load into (the structure saved).
             persistent_step: the persistent tier's newest step (rank 0's counts), or ``None``.
-            load_persistent: loads a persistent step into ``state_dict`` (collective).
+            load_persistent: loads a persistent step into ``state_dict`` (collective);
+                it may return where it read it (a path or URL: ``location``).
 
         Returns:
             What was restored (also :attr:`restored`), or ``None`` if neither tier
@@ -697,8 +704,9 @@ class LocalCheckpoints:
             if notes and self.rank == 0:
                 _log.warning("asyncckpt: %s", notes[0])
             return None
-        load_persistent(persistent)
-        return self._done(RestoreResult(int(persistent), "persistent", {}, "persistent", tuple(notes)))
+        read = load_persistent(persistent)
+        location = str(read) if isinstance(read, (str, os.PathLike)) else ""
+        return self._done(RestoreResult(int(persistent), "persistent", {}, "persistent", tuple(notes), location))
 
     def _census_bytes(self) -> int:
         """Bytes that a rank's census fits when its node holds what this job's saves leave

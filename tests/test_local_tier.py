@@ -386,6 +386,7 @@ def test_the_newest_tier_wins(tmp_path: Path) -> None:
     with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
         result = mgr.restore(got)
         assert result is not None and (result.step, result.tier, result.source) == (4, "persistent", "persistent")
+        assert result.location == str(tmp_path / "root" / "step_00000004") and result.location in str(result)
         assert got["step"] == 4
         assert mgr.local is not None
         mgr.local.save(4, _state(1, 4))  # a tie: the local tier (no shared storage read)

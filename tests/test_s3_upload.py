@@ -6,6 +6,7 @@ uploads in flight, and the choice of the step to restore over both tiers.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,7 @@ import asyncckpt
 from asyncckpt.cli import main as cli_main
 from asyncckpt.io import s3 as s3tier
 
-from helpers import assert_same, zeroed
+from helpers import assert_same, flip_byte, zeroed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -147,6 +148,47 @@ def test_restore_takes_the_save_committed_last_over_both_tiers(remote, tmp_path)
         assert_same(state(20, 0.1), target)
     finally:
         behind.close()
+
+
+def test_restore_over_three_tiers_local_root_and_bucket(remote, tmp_path):
+    """A local tier, the root and the bucket together (issues 31 and 32): the newest step
+    restores from wherever it is; a local copy that fails its CRC-32s falls back to the
+    bucket when the root is gone; a fresh machine restores from the bucket. The
+    persistent tier's result names the URL it read."""
+    root, node = tmp_path / "root", tmp_path / "node0"
+    tier = asyncckpt.LocalTier(dir=node, every=1, replicas=0)
+    with asyncckpt.CheckpointManager(root, local=tier, upload_to=remote) as manager:
+        assert manager.local is not None
+        manager.save(4, state(4, 0.5))
+        manager.maybe_finalize(blocking=True)
+        for step in (5, 6):
+            manager.local.save(step, state(step, 0.5))
+            assert manager.local.maybe_finalize(blocking=True) == [step]
+        uploaded(manager)
+    assert s3tier.S3Tier(remote).steps() == [4]
+    url = f"{remote}/step_00000004"
+
+    def restore(step: int) -> asyncckpt.RestoreResult:
+        with asyncckpt.CheckpointManager(root, local=tier, upload_to=remote) as manager:
+            target = zeroed(state(step, 0.5))
+            result = manager.restore(target)
+        assert result is not None and result.step == step, result
+        assert_same(state(step, 0.5), target)
+        return result
+
+    shutil.rmtree(root)  # the shared root lost: the local tier is newer than the bucket
+    result = restore(6)
+    assert (result.tier, result.source, result.peers) == ("local", "local", {}), result
+    (data,) = (node / "rank_00000" / "step_00000006").glob("*.distcp")
+    flip_byte(data, data.stat().st_size // 2)
+    shutil.rmtree(root)  # (the restore's manager made it again, empty)
+    result = restore(4)  # no replica: the bucket, not the root (empty)
+    assert (result.tier, result.location) == ("persistent", url), result
+    assert "checksum mismatch" in str(result) and url in str(result), result
+    shutil.rmtree(root)
+    shutil.rmtree(node)  # a fresh machine: nothing local at all
+    result = restore(4)
+    assert (result.tier, result.location, result.notes) == ("persistent", url, ()), result
 
 
 def test_a_prefix_in_use_by_another_job_is_refused_and_its_steps_kept(remote, tmp_path, capsys):
