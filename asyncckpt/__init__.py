@@ -72,6 +72,7 @@ _EXPORTS = {
     "RestoreResult": "replication",
     "PreemptionSave": "preemption",
     "UploadResult": "upload",
+    "UploadSkipped": "upload",
     "UploadWarning": "upload",
 }
 
@@ -126,6 +127,7 @@ if TYPE_CHECKING:
     from asyncckpt.saving.handle import SaveResult as SaveResult
     from asyncckpt.saving.handle import SaveTimings as SaveTimings
     from asyncckpt.upload import UploadResult as UploadResult
+    from asyncckpt.upload import UploadSkipped as UploadSkipped
     from asyncckpt.upload import UploadWarning as UploadWarning
 
 

@@ -96,7 +96,10 @@ class CheckpointManager:
             :meth:`maybe_finalize` / :meth:`close`) or ``"raise"`` (``UploadError``).
             Either way the outcome of each step's upload (``UploadResult`` or
             ``UploadError``) also goes to the completion callback, and training is
-            never blocked.
+            never blocked. Uploads slower than the saves: when more than
+            ``MAX_WAITING_UPLOADS`` (3) steps wait for their upload, the waiting ones
+            are dropped for the newest (``UploadSkipped`` to the callback, a warning
+            logged once), so the backlog and the files it holds stay bounded.
         upload_timeout_s: seconds :meth:`close` waits for the uploads in flight (then
             they are resumed at the next start; stopping the upload process takes at
             most about 1.5 s more), and the coordinator for the other ranks' objects of
@@ -490,8 +493,10 @@ class CheckpointManager:
         if self.save_interval is not None and self.save_interval.seconds is not None:
             self._agree_on_time(step)
         callback = callback if callback is not None else self.callback
-        if self._upload is not None:
-            callback = self._upload.wrap(callback)
+        ticket = None
+        if self._upload is not None:  # (whether the uploads fell behind: decided in the plan's collective)
+            ticket = self._upload.ticket()
+            callback = self._upload.wrap(callback, ticket)
         with self._saver.lock:
             return self._saver.save(
                 state_dict,
@@ -502,6 +507,8 @@ class CheckpointManager:
                 step=step,
                 callback=callback,
                 user_info=user_info,
+                share=() if ticket is None else ticket.share,
+                on_shared=None if ticket is None else ticket.decide,
             )
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:

@@ -17,7 +17,10 @@ The life of a step's upload (each rank; no collective):
    commit and its retention) :meth:`Uploader.after_commit` opens this rank's files of
    the step (its data files; on the coordinator also the metadata files and the
    manifest) and queues the job. The open descriptors keep the bytes readable even if
-   local retention (``keep_last``) removes the directory before the upload ends.
+   local retention (``keep_last``) removes the directory before the upload ends. If
+   the uploads fell behind the saves (decided by all ranks in the save's plan,
+   :meth:`Uploader.ticket`), the steps waiting are dropped for this one first
+   (:class:`UploadSkipped`): the backlog, and the bytes it holds, stay bounded.
 2. (the upload agent, for the upload thread) each rank uploads its files (multipart,
    CRC32 per part); the coordinator waits until every rank's objects carry the save's
    token, writes the commit marker, then ``latest``; then (the coordinator's upload
@@ -70,7 +73,7 @@ from asyncckpt.io import s3_agent as _s3_agent
 from asyncckpt.root import CheckpointRoot
 from asyncckpt.saving.handle import SaveResult
 
-__all__ = ["Uploader", "UploadResult", "UploadWarning", "UploadOutcome"]
+__all__ = ["Uploader", "UploadResult", "UploadSkipped", "UploadTicket", "UploadWarning", "UploadOutcome"]
 
 _log = logging.getLogger("asyncckpt")
 
@@ -100,8 +103,59 @@ class UploadResult:
     resumed: bool = False
 
 
+@dataclass(frozen=True)
+class UploadSkipped:
+    """A committed step whose upload this rank dropped because the uploads fell behind
+    the saves (see :meth:`Uploader.ticket`): a newer step superseded it. Not a
+    failure: the local step is intact (until local retention), the remote tier gets
+    the newer step instead, and the step is not uploaded later (a newer one is).
+
+    Attributes:
+        step: the step not uploaded.
+        url: where it would have gone.
+        superseded_by: the step whose save found the uploads behind; it is uploaded.
+    """
+
+    step: int
+    url: str
+    superseded_by: int
+
+
 #: What an upload's completion callback receives.
-UploadOutcome = UploadResult | UploadError
+UploadOutcome = UploadResult | UploadSkipped | UploadError
+
+#: How many committed steps may wait, on any rank, behind the upload in flight before
+#: the uploads count as behind the saves. Each waiting step holds its files open (their
+#: bytes stay on disk after local retention removed them), so a backlog that grew with
+#: every save would fill the disk and the process's descriptors (found with an upload
+#: slower than the saves: 4 descriptors and one step's bytes more per save).
+MAX_WAITING_UPLOADS = 3
+
+
+class UploadTicket:
+    """A save's part in the decision whether the uploads are behind the saves, taken by
+    every rank together in the save's first collective (the plan's, no collective of
+    its own; :meth:`Uploader.ticket`).
+
+    Attributes:
+        share: this rank's ``(steps waiting, the step the coordinator is uploading or -1)``.
+        behind: (after :meth:`decide`) some rank has :data:`MAX_WAITING_UPLOADS` steps
+            waiting: when this save commits, the waiting steps are dropped for it.
+        keep: the step the coordinator is uploading (``-1``: none), which every rank
+            keeps: the coordinator waits for every rank's objects of it.
+    """
+
+    __slots__ = ("share", "behind", "keep")
+
+    def __init__(self, share: tuple[int, int]) -> None:
+        self.share = share
+        self.behind = False
+        self.keep = -1
+
+    def decide(self, shares: list[list[int]]) -> None:
+        """Every rank's :attr:`share` (by rank, the same list on every rank)."""
+        self.behind = max(s[0] for s in shares) >= MAX_WAITING_UPLOADS
+        self.keep = max(s[1] for s in shares)
 
 
 @dataclass
@@ -179,6 +233,7 @@ class Uploader:
         self._busy = not read_only  # until the resume at start has queued its steps
         self._closing = False
         self._failures: list[UploadError] = []
+        self._skipped = 0  # steps dropped because the uploads fell behind (UploadSkipped)
         self._current: _Job | None = None
         #: This job's name in the prefix's lease (see "Whose prefix" in :mod:`asyncckpt.io.s3`).
         self._lease_root = str(root.path)  # (absolute: CheckpointRoot makes it so)
@@ -262,22 +317,65 @@ class Uploader:
                 callback,
             )
 
-    def after_commit(self, outcome: Any, callback: Callable[[Any], None] | None) -> None:
+    def after_commit(
+        self, outcome: Any, callback: Callable[[Any], None] | None, ticket: UploadTicket | None = None
+    ) -> None:
         """(the thread that settled a save) Queue the upload of a committed save
-        (``outcome`` a :class:`SaveResult` with a step); failures are not uploaded."""
+        (``outcome`` a :class:`SaveResult` with a step); failures are not uploaded.
+        With a ``ticket`` that found the uploads behind, the steps waiting are dropped
+        first (:meth:`_supersede`)."""
         if self.read_only or self._closing or not isinstance(outcome, SaveResult) or outcome.step is None:
             return
-        self._enqueue(outcome.step, callback if callback is not None else self.callback, False)
+        callback = callback if callback is not None else self.callback
+        if ticket is not None and ticket.behind:
+            self._supersede(outcome.step, ticket.keep)
+        self._enqueue(outcome.step, callback, False)
 
-    def wrap(self, callback: Callable[[Any], None] | None) -> Callable[[Any], None]:
+    def ticket(self) -> UploadTicket:
+        """(the training thread, in ``save``) This rank's share of the decision whether
+        the uploads fell behind the saves: the steps waiting here, and on the
+        coordinator the step it is uploading. The save's plan gathers every rank's
+        (:func:`~asyncckpt.saving.planning.plan_save`'s ``share``), so that every rank
+        decides the same: when some rank has :data:`MAX_WAITING_UPLOADS` steps
+        waiting, every rank drops its waiting steps once this save commits, but the one
+        the coordinator is uploading, and uploads this save's step next. So the backlog
+        (and the files it holds open) stays bounded, the newest step always goes up,
+        and no rank drops a step the coordinator waits for (it would wait until
+        ``timeout_s``), nor uploads one in vain but where it was ahead."""
+        with self._cond:
+            current = self._current.step if self.coordinator and self._current is not None else -1
+            return UploadTicket((len(self._jobs), current))
+
+    def wrap(self, callback: Callable[[Any], None] | None, ticket: UploadTicket | None = None) -> Callable[[Any], None]:
         """A save's completion callback that queues its upload, then calls ``callback``."""
 
         def on_saved(outcome: Any) -> None:
-            self.after_commit(outcome, callback)
+            self.after_commit(outcome, callback, ticket)
             if callback is not None:
                 callback(outcome)
 
         return on_saved
+
+    def _supersede(self, by: int, keep: int) -> None:
+        """(the thread that settled step ``by``) The uploads are behind the saves: drop
+        every step waiting but ``keep`` (the one the coordinator is uploading); on the
+        coordinator, cancel the upload in flight unless it is ``keep`` (it started
+        after the decision, and the other ranks drop it). Each is reported as
+        :class:`UploadSkipped`."""
+        with self._cond:
+            if self._closing:
+                return
+            dropped = [job for job in self._jobs if job.step != keep]
+            self._jobs = collections.deque(job for job in self._jobs if job.step == keep)
+            current = self._current
+            if self.coordinator and current is not None and current.step != keep and not current.settled:
+                current.settled = True
+                current.cancel.set()  # its descriptors are closed by the upload thread, once it stops
+                dropped.append(current)
+        for job in dropped:
+            if job is not current:
+                job.close()
+            self._settle(UploadSkipped(job.step, self.tier.step_url(job.step), by), job.callback)
 
     # ------------------------------------------------------------------ the thread
     def _resume(self) -> None:
@@ -496,8 +594,22 @@ class Uploader:
                 if step != just_uploaded:
                     self.tier.remove_step(step)
 
-    def _settle(self, outcome: UploadResult | UploadError, callback: Callable[[Any], None] | None) -> None:
-        if isinstance(outcome, UploadError):
+    def _settle(self, outcome: UploadOutcome, callback: Callable[[Any], None] | None) -> None:
+        if isinstance(outcome, UploadSkipped):
+            first, self._skipped = self._skipped == 0, self._skipped + 1
+            _log.log(
+                logging.WARNING if first else logging.INFO,
+                "the uploads to %s are behind the saves: step %s is not uploaded, step %s (saved since) is "
+                "uploaded instead%s",
+                self.url,
+                outcome.step,
+                outcome.superseded_by,
+                f" (this happens whenever {MAX_WAITING_UPLOADS} steps wait for their upload; save less often, or "
+                "give the uploads more bandwidth; later steps skipped so are logged at INFO)"
+                if first
+                else "",
+            )
+        elif isinstance(outcome, UploadError):
             _log.warning("%s", outcome)
             with self._cond:
                 self._failures.append(outcome)

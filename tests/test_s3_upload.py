@@ -6,12 +6,14 @@ uploads in flight, and the choice of the step to restore over both tiers.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -421,3 +423,107 @@ def test_the_upload_process_ends_with_a_killed_training_process(remote, tmp_path
     with asyncckpt.CheckpointManager(root, upload_to=remote) as manager:
         uploaded(manager)
         assert manager.remote_steps() == [1]
+
+
+# ----------------------------------------------------------------------------- uploads behind the saves
+def _held_steps(root) -> set[int]:
+    """The steps of ``root`` whose files this process holds open, also those local
+    retention removed (``.step_N.deleting-*/... (deleted)``: their bytes stay on disk
+    while a descriptor is open)."""
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        found = re.match(rf"{re.escape(str(root))}/\.?step_(\d+)", target)
+        if found:
+            held.add(int(found.group(1)))
+    return held
+
+
+def test_uploads_behind_the_saves_drop_the_waiting_steps_for_the_newest(remote, tmp_path, monkeypatch, caplog):
+    """An upload slower than the saves (1 s each, saves every few ms): the steps waiting
+    for their upload never exceed MAX_WAITING_UPLOADS (before, every save added one, each
+    holding its files open after local retention removed them: disk and descriptors
+    without bound); the waiting steps are dropped for the newest, which goes up; each
+    step has one outcome (uploaded or skipped), a skip is no failure."""
+    from asyncckpt.upload import MAX_WAITING_UPLOADS
+
+    monkeypatch.setenv("ASYNCCKPT_FAULT", "upload:sleep=1")
+    root = tmp_path / "r"
+    outcomes = Outcomes()
+    most_held = 0
+    with caplog.at_level("INFO", logger="asyncckpt"):
+        with asyncckpt.CheckpointManager(root, upload_to=remote, keep_last=2, callback=outcomes) as manager:
+            for step in range(1, 13):
+                manager.save(step, state(step, 0.25))
+                manager.maybe_finalize(blocking=True)
+                most_held = max(most_held, len(_held_steps(root)))
+                time.sleep(0.02)
+            uploaded(manager)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", asyncckpt.UploadWarning)
+                manager.maybe_finalize()  # a skip is no failure: no UploadWarning
+            remote_steps = manager.remote_steps()
+    assert most_held <= MAX_WAITING_UPLOADS + 1, most_held  # the waiting ones and the one in flight
+    done = {o.step: o for o in outcomes.items if not isinstance(o, asyncckpt.SaveResult)}
+    assert len(done) == len([o for o in outcomes.items if not isinstance(o, asyncckpt.SaveResult)]) == 12
+    ups = sorted(s for s, o in done.items() if isinstance(o, asyncckpt.UploadResult))
+    skips = sorted(s for s, o in done.items() if isinstance(o, asyncckpt.UploadSkipped))
+    assert sorted(ups + skips) == list(range(1, 13)) and skips, done  # no UploadError
+    assert 12 in ups and remote_steps == ups  # the newest went up; a skipped step is absent remotely
+    assert all(done[s].superseded_by > s and done[s].url == f"{remote}/step_{s:08d}" for s in skips)
+    warned = [r for r in caplog.records if "are behind the saves" in r.getMessage()]
+    assert [r.levelname for r in warned] == ["WARNING"] + ["INFO"] * (len(skips) - 1)
+    assert_same(state(12, 0.25), asyncckpt.read_state_dict(f"{remote}/step_00000012"))
+
+
+def _two_ranks_behind(rank: int, world_size: int, root: str, url: str, env: dict[str, str]) -> dict:
+    os.environ.update(env)
+    if rank == 1:  # the slow rank: the coordinator waits for its objects of each step
+        os.environ["ASYNCCKPT_FAULT"] = "upload:sleep=1"
+    outcomes = Outcomes()
+    most_held = 0
+    started = time.monotonic()
+    with asyncckpt.CheckpointManager(root, upload_to=url, keep_last=2, callback=outcomes, upload_timeout_s=60) as m:
+        for step in range(1, 11):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            m.save(step, {f"own{rank}": torch.randn(1 << 16, generator=g), "step": step})
+            m.maybe_finalize(blocking=True)
+            most_held = max(most_held, len(_held_steps(root)))
+        assert m.wait_uploads(60)
+        took = time.monotonic() - started
+    kinds = {o.step: type(o).__name__ for o in outcomes.items if not isinstance(o, asyncckpt.SaveResult)}
+    errors = [str(o) for o in outcomes.items if isinstance(o, asyncckpt.UploadError)]
+    return {"kinds": kinds, "errors": errors, "held": most_held, "took": took}
+
+
+def test_two_ranks_behind_the_saves_drop_the_same_steps(remote, tmp_path):
+    """Rank 1 uploads slower than the saves; the coordinator waits for its objects of
+    each step. Every rank drops the same waiting steps (decided together in the save's
+    plan), so the coordinator never waits for a step rank 1 dropped (it would wait
+    until upload_timeout_s and fail it), and the newest step goes up from both."""
+    from asyncckpt.upload import MAX_WAITING_UPLOADS
+
+    from dist_utils import preload_forkserver, run_ranks
+
+    preload_forkserver()
+    env = {name: value for name, value in os.environ.items() if name.startswith("AWS_")}
+    results = run_ranks(
+        _two_ranks_behind, 2, str(tmp_path / "root"), remote, env, timeout=150, start_method="forkserver"
+    )
+    for r in results:
+        assert not r["errors"], r["errors"]
+        assert r["held"] <= MAX_WAITING_UPLOADS + 1, r
+        assert sorted(r["kinds"]) == list(range(1, 11)), r
+        assert r["took"] < 50, r  # never a wait for upload_timeout_s (60 s)
+    coordinator, slow = (r["kinds"] for r in results)
+    skipped = {s for s, kind in coordinator.items() if kind == "UploadSkipped"}
+    # (rank 1 may finish, in vain, a step it started before the decision reached it)
+    assert skipped and {s for s, kind in slow.items() if kind == "UploadSkipped"} <= skipped
+    remote_steps = s3tier.S3Tier(remote).steps()
+    assert remote_steps == sorted(set(range(1, 11)) - skipped) and remote_steps[-1] == 10
+    got = asyncckpt.read_state_dict(f"{remote}/step_00000010")
+    for rank in (0, 1):
+        assert torch.equal(got[f"own{rank}"], torch.randn(1 << 16, generator=torch.Generator().manual_seed(100 + rank)))

@@ -79,6 +79,8 @@ def plan(
     check_layout: Callable[[RankLayout], None] | None = None,
     in_flight: Callable[[Path], bool] | None = None,
     storage: Storage = LOCAL,
+    share: tuple[int, ...] = (),
+    on_shared: Callable[[list[list[int]]], None] | None = None,
 ) -> SaveInFlight:
     """Phase 1, plan: validate, plan and lay out one save (all ranks, collective).
 
@@ -102,7 +104,8 @@ def plan(
     ``check_target=False`` skips the target check (``prepare`` writes nothing).
     ``in_flight(final_dir)``: True while an earlier save into ``final_dir`` is
     pending (its commit would remove this one's temporary directory, or this one
-    would fail at commit).
+    would fail at commit). ``share`` / ``on_shared``: ints every rank receives from
+    every rank, through the plan's first collective (see :func:`plan_save`).
 
     Raises:
         CheckpointError: invalid input or target on any rank, raised on every rank,
@@ -154,6 +157,8 @@ def plan(
             finish=finish,
             agree=_target_ints(step, final_dir) if check_target else (),
             on_disagree=disagree,
+            share=share,
+            on_shared=on_shared,
         )
     return SaveInFlight(
         final_dir=final_dir,

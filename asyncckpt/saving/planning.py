@@ -574,6 +574,8 @@ def plan_save(
     finish: Callable[[SavePlanResult], Any] | None = None,
     agree: tuple[int, ...] = (),
     on_disagree: Callable[[list[list[int]]], None] | None = None,
+    share: tuple[int, ...] = (),
+    on_shared: Callable[[list[list[int]]], None] | None = None,
 ) -> tuple[SavePlanResult, Any]:
     """Validate, plan collectively (or reuse the cached plan), and resolve this rank's data.
 
@@ -586,8 +588,9 @@ def plan_save(
        write item's value looked up, no flattening) and run ``finish`` (e.g. the file
        layout) on the cached plan, ahead of knowing whether every rank hit.
     2. one int64 all_gather: failed?, cache hit?, the coordinator's random token, and
-       ``agree``. A failure anywhere raises here, on every rank; so does a rank whose
-       ``agree`` differs from another's (``on_disagree``). Every rank hit: done, with the
+       ``agree`` and ``share``. A failure anywhere raises here, on every rank; so does a
+       rank whose ``agree`` differs from another's (``on_disagree``); then every rank
+       calls ``on_shared`` with every rank's ``share``. Every rank hit: done, with the
        plan and data of 1: the steady state costs this one collective.
     3. else DCP's ``DefaultSavePlanner`` (one all_gather of the local plans, then the
        same global plan on every rank); what 1 resolved is dropped.
@@ -608,6 +611,10 @@ def plan_save(
             target), carried by the first all_gather (no collective of their own).
         on_disagree: called on every rank with every rank's ``agree`` when they
             differ; it raises (default: a :class:`CheckpointError` listing them).
+        share: ints of this rank's that every rank receives, carried by the same
+            all_gather (e.g. how far a manager's uploads are behind).
+        on_shared: called on every rank with every rank's ``share`` (a list by rank),
+            once the first all_gather found no failure: every rank gets the same.
 
     Returns:
         This rank's plan, and what ``finish`` returned (``None`` without it).
@@ -656,14 +663,17 @@ def plan_save(
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             failure = _describe(exc)
     token_parts = [secrets.randbits(63), secrets.randbits(63)] if is_coordinator else [0, 0]
-    gathered = sync.all_gather_ints([failure is not None, cached, *token_parts, *agree])
+    gathered = sync.all_gather_ints([failure is not None, cached, *token_parts, *agree, *share])
     if any(g[0] for g in gathered):
         _raise_errors(sync, sync.all_gather_object(failure))
-    if any(g[4:] != gathered[0][4:] for g in gathered):
-        agreed = [g[4:] for g in gathered]
+    n = 4 + len(agree)
+    if any(g[4:n] != gathered[0][4:n] for g in gathered):
+        agreed = [g[4:n] for g in gathered]
         if on_disagree is not None:
             on_disagree(agreed)
         raise CheckpointError("the ranks disagree: " + "; ".join(f"rank {r}: {v}" for r, v in enumerate(agreed)))
+    if on_shared is not None:
+        on_shared([g[n:] for g in gathered])
     token = "".join(f"{v:016x}" for v in gathered[coordinator_rank][2:4])
     if all(g[1] for g in gathered):
         assert cache is not None and hit is not None

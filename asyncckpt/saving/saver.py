@@ -24,6 +24,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -269,9 +270,13 @@ class Saver:
         step: int | None = None,
         callback: SaveCallback | None = None,
         user_info: dict[str, Any] | None = None,
+        share: tuple[int, ...] = (),
+        on_shared: Callable[[list[list[int]]], None] | None = None,
     ) -> SaveHandle:
         """Save ``state_dict`` (see :func:`asyncckpt.save`); the caller holds :attr:`lock`.
         ``user_info``: extra manifest fields (``metrics``, ``metadata``), already checked.
+        ``share`` / ``on_shared``: ints every rank receives from every rank, through the
+        plan's first collective (:func:`~asyncckpt.saving.planning.plan_save`).
 
         In an atexit handler (:func:`asyncckpt._exit.in_atexit_handler`) every save is
         synchronous, as a ``torch.save`` there: the exit would not wait for it past
@@ -289,6 +294,8 @@ class Saver:
                 step,
                 callback,
                 user_info,
+                share,
+                on_shared,
             )
         finally:
             if at_exit:
@@ -304,6 +311,8 @@ class Saver:
         step: int | None,
         callback: SaveCallback | None,
         user_info: dict[str, Any] | None = None,
+        share: tuple[int, ...] = (),
+        on_shared: Callable[[list[list[int]]], None] | None = None,
     ) -> SaveHandle:
         started = time.monotonic()
         self.synchronize_staging()  # an earlier overlapped save is scheduled first
@@ -327,6 +336,8 @@ class Saver:
             check_layout=self._check_memory,
             in_flight=self._in_flight,
             storage=self.storage,
+            share=share,
+            on_shared=on_shared,
         )
         record.started, record.callback = started, callback
         record.user_info = dict(user_info or {})
