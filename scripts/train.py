@@ -613,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"checkpoint step {outcome.step} uploaded | {outcome.url} | "
                 f"{outcome.bytes / 1e6:.1f} MB in {outcome.seconds:.2f} s"
             )
+        elif isinstance(outcome, asyncckpt.UploadSkipped):  # the uploads fell behind the saves
+            log(f"checkpoint step {outcome.step} not uploaded: superseded by step {outcome.superseded_by}")
 
     upload: dict[str, Any] = {}
     if args.upload_to:
