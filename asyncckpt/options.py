@@ -48,7 +48,9 @@ class SaveOptions:
             of this rank's state (bytes of host memory = this many x the state). 1
             bounds the extra memory to one copy: a save then waits until the previous
             write no longer reads the buffer; 2 lets a save stage while the previous
-            one still writes.
+            one still writes. It also bounds the saves written and not yet committed:
+            a save waits while ``staging_buffers + 1`` earlier ones are (their files
+            are on disk meanwhile; see :meth:`asyncckpt.saving.saver.Saver.wait_for_room`).
         copy_threads: threads for the staging copy of CPU tensors, which take 8 MiB
             pieces of ``memmove`` work from a shared list (default:
             :func:`default_copy_threads`, this rank's share of the node's CPUs, at

@@ -454,6 +454,7 @@ class LocalCheckpoints:
             started = time.monotonic()
             queue = saver.queue
             queue.start()  # collective the first time (the finalizer's group)
+            saver.wait_for_room()  # no more local steps on the node than a commit keeps up with
             final_dir = self.storage.step_dir(self.rank, step)
             if final_dir.exists() and not saver._in_flight(final_dir):
                 self._drop_stale(step, final_dir)

@@ -259,6 +259,44 @@ def test_save_returns_before_the_commit_and_the_training_thread_does_no_commit_i
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("tier", ["persistent", "local"])
+def test_a_commit_slower_than_the_saves_holds_the_next_saves_back(tmp_path: Path, tier: str) -> None:
+    """A commit of 0.3 s, saves every few milliseconds: at most staging_buffers + 1
+    saves are written and not committed, so a tier holds a bounded number of steps
+    (before, one more step's files per save, also on the local tier's RAM disk); every
+    save commits, in order. The save waits instead (backpressure)."""
+    local = asyncckpt.LocalTier(dir=tmp_path / "node", every=1, replicas=0) if tier == "local" else None
+    base = tmp_path / ("node" if local is not None else "root")
+
+    def steps_on_disk() -> int:  # step directories, committed or not (temporary, being removed)
+        return sum(sum(1 for d in dirs if "step_" in d) for _, dirs, _ in os.walk(base))  # (walk: removals race)
+
+    most = 0
+    done: list[int] = []
+    os.environ["ASYNCCKPT_FAULT"] = "commit:sleep=0.3"  # (read by the commit, in the finalizer thread)
+    try:
+        with CheckpointManager(tmp_path / "root", keep_last=2, local=local) as mgr:
+            for step in range(1, 9):
+                state = {"w": torch.full((1 << 18,), float(step))}
+                if mgr.local is not None:
+                    mgr.local.save(step, state)
+                    done += mgr.local.maybe_finalize()
+                else:
+                    mgr.save(step, state)
+                    done += mgr.maybe_finalize()
+                most = max(most, steps_on_disk())
+            done += mgr.local.maybe_finalize(blocking=True) if mgr.local is not None else mgr.maybe_finalize(True)
+            kept = mgr.steps()
+    finally:
+        os.environ.pop("ASYNCCKPT_FAULT", None)
+    room = asyncckpt.SaveOptions().staging_buffers + 1
+    assert most <= 2 + room, most  # the kept steps, and those written and not committed
+    assert done == list(range(1, 9))  # every save committed, in order
+    if local is None:
+        assert kept == [7, 8]
+
+
+@pytest.mark.timeout(60)
 def test_dropped_queue_and_caller_stop_their_worker() -> None:
     queue = AsyncCallsQueue(persistent=True, import_main=False, background_finalize=True)
     queue.start()

@@ -320,6 +320,7 @@ class Saver:
         queue = self.queue
         if async_op:
             queue.start()  # collective the first time: the finalizer's group
+            self.wait_for_room()
         sync = SyncGroup(process_group)
         link = _SaveLink(self)
         handle = SaveHandle(final_dir, step, link)
@@ -630,6 +631,32 @@ class Saver:
             except CheckpointException as exc:
                 if not self._owns(exc.call_idx):
                     raise
+
+    def wait_for_room(self) -> None:
+        """Backpressure: wait while ``staging_buffers + 1`` saves of this saver are
+        scheduled and not settled (written or being written, not committed yet), until
+        the oldest settles (its outcome is its handle's, as ever).
+
+        The staging buffers bound the saves being *written* (a save waits for a buffer
+        no write reads); this bounds those written and waiting for their commit, whose
+        files are on disk (on a RAM disk for the local tier) meanwhile: a commit slower
+        than the saves (a slow rename or fsync on a shared file system, the local
+        tier's replication over a slow network) would otherwise add one step's bytes
+        per save, without bound. As Orbax's ``save`` waits for the previous one, and a
+        user of DCP's ``async_save`` for its future. Only with a background finalizer
+        (the manager's and :func:`asyncckpt.save`'s queue), and never from its thread
+        (a completion callback that saves): there the wait would be for itself, and
+        a queue finalized in the training loop commits only when the loop asks.
+        """
+        queue = self._queue_ref()
+        if queue is None or not queue.background_finalize or queue.in_finalizer_thread():
+            return
+        room = self.options.staging_buffers + 1
+        while True:
+            pending = self.pending_records()
+            if len(pending) < room:
+                return
+            concurrent.futures.wait([pending[0].handle])
 
     def wait_all(self) -> None:
         """Wait until every save of this saver is settled (no error of a save raised here)."""
