@@ -450,7 +450,7 @@ def test_uploads_behind_the_saves_drop_the_waiting_steps_for_the_newest(remote, 
     step has one outcome (uploaded or skipped), a skip is no failure."""
     from asyncckpt.upload import MAX_WAITING_UPLOADS
 
-    monkeypatch.setenv("ASYNCCKPT_FAULT", "upload:sleep=1")
+    monkeypatch.setenv("ASYNCCKPT_FAULT", "upload:sleep=0.5")
     root = tmp_path / "r"
     outcomes = Outcomes()
     most_held = 0
@@ -482,7 +482,7 @@ def test_uploads_behind_the_saves_drop_the_waiting_steps_for_the_newest(remote, 
 def _two_ranks_behind(rank: int, world_size: int, root: str, url: str, env: dict[str, str]) -> dict:
     os.environ.update(env)
     if rank == 1:  # the slow rank: the coordinator waits for its objects of each step
-        os.environ["ASYNCCKPT_FAULT"] = "upload:sleep=1"
+        os.environ["ASYNCCKPT_FAULT"] = "upload:sleep=0.5"
     outcomes = Outcomes()
     most_held = 0
     started = time.monotonic()
