@@ -7,6 +7,7 @@ import contextlib
 import copy
 import json
 import logging
+import os
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -352,6 +353,18 @@ def process_group_gone(pgid: int, timeout: float) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
+
+
+def open_fd_targets() -> list[str]:
+    """What this process's open descriptors point to (``/proc/self/fd``: a path, with
+    `` (deleted)`` for a removed file, or ``/memfd:NAME``), skipping one closed meanwhile."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return targets
 
 
 def flip_byte(path: Any, offset: int) -> None:

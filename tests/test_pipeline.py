@@ -38,6 +38,7 @@ from asyncckpt.format.layout import RankLayout
 from asyncckpt.testing import pending_steps, staging_buffers
 
 from dist_utils import run_ranks
+from helpers import open_fd_targets
 
 
 def _leftovers(root: Path) -> list[str]:
@@ -46,15 +47,7 @@ def _leftovers(root: Path) -> list[str]:
 
 def _memfds() -> int:
     """Staging buffers this process holds open (distinct memfds; mmap keeps a dup of each)."""
-    names = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("/memfd:asyncckpt"):
-            names.add(target)
-    return len(names)
+    return len({target for target in open_fd_targets() if target.startswith("/memfd:asyncckpt")})
 
 
 # --------------------------------------------------------------------------- two ranks

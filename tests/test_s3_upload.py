@@ -23,7 +23,7 @@ import asyncckpt
 from asyncckpt.cli import main as cli_main
 from asyncckpt.io import s3 as s3tier
 
-from helpers import assert_same, flip_byte, zeroed
+from helpers import assert_same, flip_byte, open_fd_targets, zeroed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -430,16 +430,8 @@ def _held_steps(root) -> set[int]:
     """The steps of ``root`` whose files this process holds open, also those local
     retention removed (``.step_N.deleting-*/... (deleted)``: their bytes stay on disk
     while a descriptor is open)."""
-    held = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        found = re.match(rf"{re.escape(str(root))}/\.?step_(\d+)", target)
-        if found:
-            held.add(int(found.group(1)))
-    return held
+    pattern = re.compile(rf"{re.escape(str(root))}/\.?step_(\d+)")
+    return {int(found.group(1)) for found in map(pattern.match, open_fd_targets()) if found}
 
 
 def test_uploads_behind_the_saves_drop_the_waiting_steps_for_the_newest(remote, tmp_path, monkeypatch, caplog):
