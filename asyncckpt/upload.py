@@ -341,7 +341,8 @@ class Uploader:
         the coordinator is uploading, and uploads this save's step next. So the backlog
         (and the files it holds open) stays bounded, the newest step always goes up,
         and no rank drops a step the coordinator waits for (it would wait until
-        ``timeout_s``), nor uploads one in vain but where it was ahead."""
+        ``timeout_s``); a rank uploads a dropped step in vain only where it had started
+        it before the decision reached it (its objects are never marked)."""
         with self._cond:
             current = self._current.step if self.coordinator and self._current is not None else -1
             return UploadTicket((len(self._jobs), current))
