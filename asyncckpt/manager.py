@@ -98,8 +98,9 @@ class CheckpointManager:
             ``UploadError``) also goes to the completion callback, and training is
             never blocked. Uploads slower than the saves: once
             ``MAX_WAITING_UPLOADS`` (3) steps wait for their upload on some rank, the
-            waiting ones are dropped on every rank for the newest (``UploadSkipped`` to the callback, a warning
-            logged once), so the backlog and the files it holds stay bounded.
+            waiting ones are dropped on every rank for the newest (``UploadSkipped``
+            to the callback, a warning logged once), so the backlog and the files it
+            holds stay bounded.
         upload_timeout_s: seconds :meth:`close` waits for the uploads in flight (then
             they are resumed at the next start; stopping the upload process takes at
             most about 1.5 s more), and the coordinator for the other ranks' objects of
