@@ -43,9 +43,9 @@ environment variable ``TRAIN_KILL=RANK:STEP`` (a test's stand-in for a node loss
 that rank SIGKILL itself after that step, once its local saves are restorable (in the
 first attempt only, under torchrun's ``--max-restarts``).
 
-On one node, torchrun's in-place restart works with gloo too (``--max-restarts N``
-with ``--resume``: the restarted workers resume from the newest step of either tier):
-see :func:`init_process_group`.
+torchrun's in-place restart works with gloo too, on one node or several
+(``--max-restarts N`` with ``--resume``: the restarted workers resume from the newest
+step of either tier): see :func:`init_process_group`.
 """
 
 from __future__ import annotations
@@ -490,33 +490,33 @@ class StopFlag:
         return int(t.item())
 
 
-def init_process_group(backend: str) -> None:
+def init_process_group(backend: str) -> int:
     """``dist.init_process_group(backend)`` from torchrun's environment, with the group's
-    store keys under a prefix of their own per restart attempt when one torchrun agent
-    runs every worker.
+    store keys under a prefix of their own per attempt; returns the attempt (0 first).
 
     Why: torchrun's workers of every attempt share the agent's store (torch 2.13), whose
-    keys outlive the attempt. A restarted gloo group can find a dead worker's address
-    there before the new worker has written its own, and fails in
-    ``init_process_group`` ("Gloo connectFullMesh failed ... Connection refused";
-    pytorch#147064 looks related). ``TORCHELASTIC_RESTART_COUNT`` names the attempt,
-    but only for one agent: with several, an agent whose own workers did not fail
-    restarts them without counting, so the count differs between nodes and cannot
-    name the attempt there (multi-node jobs restart the whole job instead, as a
-    scheduler's requeue does).
+    keys outlive the attempt. torch prefixes them with ``TORCHELASTIC_RESTART_COUNT``,
+    but with several agents ("nodes") that count differs between them: an agent whose
+    own workers did not fail restarts them without counting. So after an in-place
+    restart (``--max-restarts``) the ranks of different nodes meet under different
+    prefixes, and a restarted gloo group reads a dead worker's address ("Gloo
+    connectFullMesh failed ... Connection refused"; pytorch#147064 looks related).
+
+    Here each worker counts its own starts in the agent's store, by world size and
+    rank: every attempt starts every rank once, so each rank's count names the
+    attempt, on every node alike. (A worker killed before it counted, within its first
+    seconds, would leave its rank one behind: later in-place restarts then fail at
+    once, and a requeue of the whole job, with a new store, starts afresh.)
     """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if (
-        attempt is None
-        or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        or os.environ.get("GROUP_WORLD_SIZE") != "1"
-    ):
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend)
-        return
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
-    store = dist.PrefixStore(f"train/attempt_{attempt}", agent_store)
+    attempt = agent_store.add(f"train/starts/{world_size}/{rank}", 1) - 1
+    store = dist.PrefixStore(f"train/attempt_{world_size}_{attempt}", agent_store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    return attempt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -527,12 +527,13 @@ def main(argv: list[str] | None = None) -> int:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     # FSDP needs a process group even on one rank (without torchrun: an in-process store).
     use_pg = distributed or args.fsdp
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's attempt (0: the first)
     if use_pg:
         faulthandler.enable()  # a fatal signal shows each thread's Python stack
         _USED_GLOO[0] = True  # (a CUDA run has a gloo backend for CPU tensors too)
         backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
         if "MASTER_ADDR" in os.environ:
-            init_process_group(backend)
+            attempt = init_process_group(backend)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank = dist.get_rank() if use_pg else 0
@@ -627,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     mgr = asyncckpt.CheckpointManager(
         args.ckpt_dir, keep_last=args.keep_last, persistent=not args.temporal, local=local, **upload
     )
-    kill = os.environ.get("TRAIN_KILL", "") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else ""
+    kill = os.environ.get("TRAIN_KILL", "") if attempt == 0 else ""
     kill_rank, kill_step = (int(x) for x in kill.split(":")) if kill else (-1, -1)
 
     def ckpt_path(s: int) -> str:

@@ -9,15 +9,12 @@ started again with the same command lines and ``--resume``. It must restore loca
 10 (newer than the persistent step 8), ranks 2 and 3's shards sent by node 0, and its
 ``--save-final`` must be bitwise the parameters of an uninterrupted run.
 
-Two agents restart the whole job, as a scheduler's requeue does: torchrun's in-place
-restart (``--max-restarts``) of a 2-agent job fails with torch 2.13 and gloo. The
-workers of every attempt share the agent's store, whose keys outlive the attempt, so a
-restarted gloo group reads a dead worker's address ("Gloo connectFullMesh failed ...
-Connection refused"; pytorch#147064 looks related). A per-attempt key prefix cannot
-help across agents: ``TORCHELASTIC_RESTART_COUNT`` differs between them (an agent whose
-workers did not fail restarts them without counting). With one agent it names the
-attempt, and ``scripts/train.py`` prefixes the group's keys with it: the last test
-restarts workers in place on one node.
+The same job restarted in place: both agents with ``--max-restarts 1``, rank 2 killed
+after step 11; torchrun restarts the workers of both nodes, with the same command lines
+(``--resume``), and they resume from local step 10, each shard on its own node.
+``scripts/train.py`` names each attempt's store keys by a count of the worker's starts
+(torch's own prefix, ``TORCHELASTIC_RESTART_COUNT``, differs between agents: see its
+``init_process_group``).
 
 Every agent runs in a session of its own, killed when the test ends, also on failure.
 """
@@ -29,7 +26,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -43,8 +39,11 @@ from helpers import started_session
 RUN = [*TINY, "--temporal", "--steps", "16", "--ckpt-every", "4", "--local-every", "2", "--replicas", "1"]
 
 
-def run_agents(args: list[list[str]], cwd: Path, env: dict[str, str] | None = None, timeout: float = 150) -> list:
-    """Run ``scripts/train.py args[i]`` on agent ``i`` (two agents, 2 ranks each) in ``cwd``.
+def run_agents(
+    args: list[list[str]], cwd: Path, env: dict[str, str] | None = None, timeout: float = 150, max_restarts: int = 0
+) -> list:
+    """Run ``scripts/train.py args[i]`` on agent ``i`` (two agents, 2 ranks each, each
+    restarting its workers in place up to ``max_restarts`` times) in ``cwd``.
 
     Returns:
         ``[(exit code, output)]`` per agent. An agent still running ``timeout`` seconds
@@ -58,7 +57,7 @@ def run_agents(args: list[list[str]], cwd: Path, env: dict[str, str] | None = No
         procs = []
         for log, a in zip(logs, args):
             out = stack.enter_context(open(log, "w"))
-            cmd = [*agent_cmd(port), str(SCRIPT), *a]
+            cmd = [*agent_cmd(port, max_restarts), str(SCRIPT), *a]
             procs.append(
                 stack.enter_context(started_session(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT))
             )
@@ -81,13 +80,27 @@ def _args(extra: list[str]) -> list[list[str]]:
     return [[*RUN, "--local-dir", f"local{i}", *extra] for i in range(2)]
 
 
+def _same_as(straight: Path, final: Path) -> None:
+    a, b = torch.load(straight), torch.load(final)
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert a.keys() == b.keys() and not different, f"{final}: parameters differ from the uninterrupted run: {different}"
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run's ``--save-final``, with ``--resume`` (nothing to restore:
+    it starts at step 0, as the in-place job's first attempt); the node-replaced job's
+    first run has no ``--resume``, so its test also checks that both starts train alike."""
+    d = tmp_path_factory.mktemp("straight")
+    out = _ok(run_agents(_args(["--resume", "--save-final", "final.pt"]), d))
+    assert "nothing to restore" in out and "local checkpoint step 16 restorable" in out, out
+    return d / "final.pt"
+
+
 @pytest.mark.timeout(600)
-def test_node_replaced_restores_from_peers_bitwise(tmp_path: Path) -> None:
-    straight, job = tmp_path / "straight", tmp_path / "job"
-    straight.mkdir()
+def test_node_replaced_restores_from_peers_bitwise(straight: Path, tmp_path: Path) -> None:
+    job = tmp_path / "job"
     job.mkdir()
-    out = _ok(run_agents(_args(["--save-final", "final.pt"]), straight))
-    assert "local checkpoint step 16 restorable" in out, out
     # the job: rank 2 (node 1) is killed after step 11; the job fails
     failed = run_agents(_args([]), job, env={"TRAIN_KILL": "2:11"})
     text = "\n".join(out for _, out in failed)
@@ -101,19 +114,15 @@ def test_node_replaced_restores_from_peers_bitwise(tmp_path: Path) -> None:
     assert "restored step 10 from the local tier (fetched from peers: rank 2 from rank 0, rank 3 from rank 1)" in out, (
         out
     )
-    a, b = torch.load(straight / "final.pt"), torch.load(job / "final.pt")
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert a.keys() == b.keys() and not different, f"parameters differ after the restore: {different}"
+    _same_as(straight, job / "final.pt")
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("ASYNCCKPT_LONG") != "1", reason="4 two-agent runs (~100 s): ASYNCCKPT_LONG=1")
 @pytest.mark.timeout(600)
-def test_intact_nodes_restore_locally_and_a_flipped_byte_takes_the_replica(tmp_path: Path) -> None:
-    straight, job = tmp_path / "straight", tmp_path / "job"
-    straight.mkdir()
+def test_intact_nodes_restore_locally_and_a_flipped_byte_takes_the_replica(straight: Path, tmp_path: Path) -> None:
+    job = tmp_path / "job"
     job.mkdir()
-    _ok(run_agents(_args(["--save-final", "final.pt"]), straight))
     run_agents(_args([]), job, env={"TRAIN_KILL": "2:11"})
     # the killed job as it was, to resume it twice (put back where it was: a tier is the
     # job's whose root's path it records; a copy elsewhere would be another job's)
@@ -131,72 +140,22 @@ def test_intact_nodes_restore_locally_and_a_flipped_byte_takes_the_replica(tmp_p
     data.write_bytes(bytes(raw))
     out = _ok(run_agents(_args(["--resume", "--save-final", "final.pt"]), job))
     assert "fetched from peers: rank 1 from rank 3" in out and "checksum mismatch" in out, out
-    a = torch.load(straight / "final.pt")
     for final in (tmp_path / "first.pt", job / "final.pt"):
-        b = torch.load(final)
-        assert not [k for k in a if not torch.equal(a[k], b[k])], final
+        _same_as(straight, final)
 
 
-def run_one_agent(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 120) -> str:
-    """``scripts/train.py args`` on one torchrun agent (2 ranks, ``--max-restarts 1``) in
-    the empty directory ``cwd``; checks that it exits with 0 and returns its output."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    for _attempt in range(3):  # the rendezvous port is chosen free, then bound: another process may take it first
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            "2",
-            "--max-restarts",
-            "1",
-            "--monitor-interval",
-            "0.2",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{free_port()}",
-            str(SCRIPT),
-            *args,
-        ]
-        log = cwd.parent / f"{cwd.name}.log"
-        with (
-            open(log, "w") as out,
-            started_session(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT) as proc,
-        ):
-            try:
-                code = proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                code = None
-        text = log.read_text()
-        if code == 0:
-            return text
-        if "EADDRINUSE" not in text and "address already in use" not in text.lower():
-            break
-        for leftover in cwd.iterdir():  # (nothing ran: the agent could not start)
-            if leftover.is_dir():
-                shutil.rmtree(leftover)
-            else:
-                leftover.unlink()
-    pytest.fail(f"exit {code}:\n{text}")
-
-
-@pytest.mark.timeout(300)
-def test_torchrun_restarts_workers_in_place_from_the_local_tier(tmp_path: Path) -> None:
-    """One node, ``--max-restarts 1``: rank 1 is killed after step 11; torchrun restarts
-    both workers in place, with the same command line (``--resume``), and they resume from
-    local step 10 on their node (newer than the persistent step 8), bitwise equal to an
-    uninterrupted run at the end."""
-    args = [*RUN, "--replicas", "0", "--local-dir", "local", "--resume", "--save-final", "final.pt"]
-    straight, job = tmp_path / "straight", tmp_path / "job"
-    straight.mkdir()
+@pytest.mark.timeout(600)
+def test_torchrun_restarts_the_workers_of_both_nodes_in_place_from_the_local_tier(
+    straight: Path, tmp_path: Path
+) -> None:
+    """Two agents, ``--max-restarts 1``: rank 2 (node 1) is killed after step 11; both
+    agents restart their workers in place, with the same command lines (``--resume``),
+    and they resume from local step 10 (newer than the persistent step 8), every shard
+    on its own node, bitwise equal to an uninterrupted run at the end."""
+    job = tmp_path / "job"
     job.mkdir()
-    run_one_agent(args, straight)
-    out = run_one_agent(args, job, env={"TRAIN_KILL": "1:11"})
+    args = _args(["--resume", "--save-final", "final.pt"])
+    out = _ok(run_agents(args, job, env={"TRAIN_KILL": "2:11"}, max_restarts=1))
     assert "TRAIN_KILL at step 11" in out and "nothing to restore" in out, out  # the first attempt
     assert "restored step 10 from the local tier (every shard on its own node)" in out, out  # the second
-    a, b = torch.load(straight / "final.pt"), torch.load(job / "final.pt")
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert a.keys() == b.keys() and not different, f"parameters differ after the restart: {different}"
+    _same_as(straight, job / "final.pt")

@@ -55,8 +55,9 @@ TINY = [
 RUN = [*TINY, "--temporal", "--steps", "40", "--ckpt-every", "20"]
 
 
-def agent_cmd(port: int) -> list[str]:
-    """One of the two torchrun agents ("nodes") of 2 ranks each, meeting at 127.0.0.1:``port``."""
+def agent_cmd(port: int, max_restarts: int = 0) -> list[str]:
+    """One of the two torchrun agents ("nodes") of 2 ranks each, meeting at 127.0.0.1:``port``,
+    restarting its workers in place up to ``max_restarts`` times."""
     return [
         sys.executable,
         "-m",
@@ -74,7 +75,9 @@ def agent_cmd(port: int) -> list[str]:
         "--rdzv-conf",
         "join_timeout=60",
         "--max-restarts",
-        "0",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.2",
     ]
 
 
