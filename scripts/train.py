@@ -662,6 +662,9 @@ def main(argv: list[str] | None = None) -> int:
 
             restored = mgr.local.restore(sd, latest, load_persistent)
             if restored is None:
+                # the template's get_state_dict initialised AdamW's state (a step with zero
+                # grads: step count 1); a fresh start has none, as without --resume
+                optimizer.state.clear()
                 log(f"nothing to restore in {args.ckpt_dir} or {args.local_dir}: starting from step 0")
             else:
                 step = restored.step
