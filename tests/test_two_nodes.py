@@ -76,8 +76,6 @@ def agent_cmd(port: int, max_restarts: int = 0) -> list[str]:
         "join_timeout=60",
         "--max-restarts",
         str(max_restarts),
-        "--monitor-interval",
-        "0.2",
     ]
 
 
