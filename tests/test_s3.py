@@ -717,3 +717,4 @@ def test_bench_s3_runs_every_row(s3_server, tmp_path, capsys):
     assert "failed" not in out, out
     assert "x raw; goal >= 0.9x" in out and "CPU seconds per GiB" in out
     assert "upload_to (upload process) vs local only" in out and "upload_to (in a thread) vs local only" in out
+    assert "steps uploaded / skipped (behind the saves) per run: 0 / 0" in out, out  # (no save in 1 step)

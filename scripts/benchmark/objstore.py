@@ -354,11 +354,21 @@ def bench_load(
 
 def _train(
     root: Path, every: int, steps: int, upload_to: str | None, process: bool = True
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, int, int]:
     """Seconds of ``steps`` training steps with a save every ``every`` (``upload_to``:
     uploaded too, from the upload process or, ``process=False``, a thread of this one),
-    and the CPU seconds this process with its children (the upload process, the writer)
-    and the server (0 when not started here) used meanwhile."""
+    the CPU seconds this process with its children (the upload process, the writer)
+    and the server (0 when not started here) used meanwhile, and how many of the loop's
+    steps were uploaded and how many skipped (:class:`asyncckpt.UploadSkipped`: the
+    uploads fell behind the saves)."""
+    outcomes = {"uploaded": 0, "skipped": 0}
+
+    def count(outcome: Any) -> None:  # the manager's callback: saves and uploads
+        if isinstance(outcome, asyncckpt.UploadResult) and outcome.step > 0:
+            outcomes["uploaded"] += 1
+        elif isinstance(outcome, asyncckpt.UploadSkipped):
+            outcomes["skipped"] += 1
+
     torch.manual_seed(0)
     extra: dict[str, Any] = {}
     if TRAIN_MODEL[0] == "python":  # a loop bound by Python: 48 tiny layers, as a GPU loop launching kernels
@@ -375,6 +385,7 @@ def _train(
         upload_to=upload_to,
         keep_remote=2 if upload_to else None,
         upload_process=process,
+        callback=count,
     ) as m:
         if upload_to:  # the upload process is up before the loop, as after a run's first upload
             m.save(0, {"w": torch.zeros(1)})
@@ -394,7 +405,7 @@ def _train(
         own = _tree_cpu_s() - own0
         server = _cpu_s(SERVER_PID[0]) - server0 if SERVER_PID else 0.0
         m.wait_uploads(600)
-    return elapsed, own, server
+    return elapsed, own, server, outcomes["uploaded"], outcomes["skipped"]
 
 
 def _tree_cpu_s() -> float:
@@ -416,7 +427,7 @@ MODES = {"local": "local only", "process": "upload_to (upload process)", "thread
 def bench_training(url_base: str, ks: list[int], steps: int, reps: int, work: Path) -> list[tuple[str, str]]:
     rows = []
     for k in ks:
-        runs: dict[str, list[tuple[float, float, float]]] = {mode: [] for mode in MODES}
+        runs: dict[str, list[tuple[float, float, float, int, int]]] = {mode: [] for mode in MODES}
         for r in range(reps):  # interleaved
             for mode in MODES:
                 url = None if mode == "local" else f"{url_base}/train-{mode}-{k}-{r}"
@@ -436,7 +447,8 @@ def bench_training(url_base: str, ks: list[int], steps: int, reps: int, work: Pa
                         f"median {med[mode]:.2f} s (min..max {min(times[mode]):.2f}..{max(times[mode]):.2f}) vs "
                         f"median {med['local']:.2f} s ({min(local):.2f}..{max(local):.2f}): "
                         f"{med[mode] / med['local'] - 1:+.1%}; local run-to-run spread (max-min)/median "
-                        f"{spread:.1%}; goal: within the spread"
+                        f"{spread:.1%}; goal: within the spread; steps uploaded / skipped (behind the saves) "
+                        f"per run: {', '.join(f'{x[3]} / {x[4]}' for x in runs[mode])}"
                     ),
                 )
             )
