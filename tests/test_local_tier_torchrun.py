@@ -50,24 +50,29 @@ def run_agents(
         after the start, or 30 s after the other one failed, is killed (exit code None).
     """
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    port = free_port()
     logs = [cwd / f"agent{i}.log" for i in range(len(args))]
-    codes: list[int | None] = [None] * len(args)
-    with contextlib.ExitStack() as stack:
-        procs = []
-        for log, a in zip(logs, args):
-            out = stack.enter_context(open(log, "w"))
-            cmd = [*agent_cmd(port, max_restarts), str(SCRIPT), *a]
-            procs.append(
-                stack.enter_context(started_session(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT))
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs):  # the job failed: the rest follow soon
-                deadline = min(deadline, time.monotonic() + 30)
-            time.sleep(0.2)
-        codes = [p.poll() for p in procs]
-    return [(code, log.read_text()) for code, log in zip(codes, logs)]
+    for _attempt in range(3):  # the rendezvous port is chosen free, then bound: another process may take it first
+        port = free_port()
+        codes: list[int | None] = [None] * len(args)
+        with contextlib.ExitStack() as stack:
+            procs = []
+            for log, a in zip(logs, args):
+                out = stack.enter_context(open(log, "w"))
+                cmd = [*agent_cmd(port, max_restarts), str(SCRIPT), *a]
+                procs.append(
+                    stack.enter_context(started_session(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT))
+                )
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                if any(p.poll() not in (None, 0) for p in procs):  # the job failed: the rest follow soon
+                    deadline = min(deadline, time.monotonic() + 30)
+                time.sleep(0.2)
+            codes = [p.poll() for p in procs]
+        results = [(code, log.read_text()) for code, log in zip(codes, logs)]
+        taken = ("EADDRINUSE" in text or "address already in use" in text.lower() for c, text in results if c != 0)
+        if not any(taken):
+            break
+    return results
 
 
 def _ok(results: list) -> str:
