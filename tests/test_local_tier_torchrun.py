@@ -38,7 +38,7 @@ import pytest
 import torch
 from test_two_nodes import SCRIPT, TINY, agent_cmd
 
-from dist_utils import free_port
+from dist_utils import _py_spy_dump, free_port
 from helpers import started_session
 
 RUN = [*TINY, "--temporal", "--steps", "16", "--ckpt-every", "4", "--local-every", "2", "--replicas", "1"]
@@ -73,11 +73,25 @@ def run_agents(
                     deadline = min(deadline, time.monotonic() + 30)
                 time.sleep(0.2)
             codes = [p.poll() for p in procs]
-        results = [(code, log.read_text()) for code, log in zip(codes, logs)]
+            stacks = [_stacks(p) if code is None else "" for p, code in zip(procs, codes)]
+        results = [(code, log.read_text() + stack) for code, log, stack in zip(codes, logs, stacks)]
         taken = ("EADDRINUSE" in text or "address already in use" in text.lower() for c, text in results if c != 0)
         if not any(taken):
             break
     return results
+
+
+def _stacks(agent: subprocess.Popen) -> str:
+    """Every thread's Python stack of the training processes under a still running
+    ``agent`` (py-spy, where installed), for the failure message of a run that hung."""
+    import psutil
+
+    out = []
+    for child in psutil.Process(agent.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "train.py" in " ".join(child.cmdline()):
+                out.append(f"\n--- stacks of {child.pid} ({child.status()}):{_py_spy_dump(child.pid)}")
+    return "".join(out)
 
 
 def _ok(results: list) -> str:
