@@ -17,7 +17,7 @@ after step 11; torchrun restarts the workers of both nodes, with the same comman
 ``init_process_group``). That test runs behind ``ASYNCCKPT_LONG=1``: in about 15 runs
 of this module here, twice a two-agent run hung at its end until the runner's timeout
 (the one kept: the uninterrupted run with ``--resume``, local step 14 and persistent
-step 16 written on every rank, neither committed); not reproduced outside pytest (9
+step 16 written on every rank, neither committed); not reproduced outside pytest (20
 runs), cause not found yet. The last test restarts the workers of one agent in place.
 
 Every agent runs in a session of its own, killed when the test ends, also on failure.
@@ -58,7 +58,6 @@ def run_agents(
     logs = [cwd / f"agent{i}.log" for i in range(len(args))]
     for _attempt in range(3):  # the rendezvous port is chosen free, then bound: another process may take it first
         port = free_port()
-        codes: list[int | None] = [None] * len(args)
         with contextlib.ExitStack() as stack:
             procs = []
             for log, a in zip(logs, args):
