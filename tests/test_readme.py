@@ -1,11 +1,14 @@
-"""README.md runs as written: every command and snippet, in the order written, twice.
+"""README.md runs as written: every command and snippet, in the order written, and
+(with ``ASYNCCKPT_LONG=1``) all of them again.
 
 A new user follows the README from top to bottom in the repository root, with the
 programs of the ``.venv`` that command 1 creates, and may run it all again. This test
-does the same, in two passes: the blocks that share files (:data:`GROUPS`) are one job,
-every other block a job of its own; each job runs in a temporary directory of its own,
-pass 1 then pass 2 there, two jobs at a time (the CI machine's 2 cores), and no two jobs
-may leave files of the same name (in the user's one directory they would meet):
+does the same, in two passes (the second, a run of it all again in the same
+directories, behind ``ASYNCCKPT_LONG=1`` for the suite's time): the blocks that share
+files (:data:`GROUPS`) are one job, every other block a job of its own; each job runs
+in a temporary directory of its own, pass 1 then pass 2 there, two jobs at a time (the
+CI machine's 2 cores), and no two jobs may leave files of the same name (in the user's
+one directory they would meet):
 
 - ``.venv/bin/python``, ``.venv/bin/torchrun`` and ``.venv/bin/asyncckpt`` there are
   small scripts that run this interpreter (the one the tests run in, with the package
@@ -404,7 +407,7 @@ def test_bash_blocks_use_the_venv() -> None:
 
 
 #: Blocks that work on the same files, each group run as one job, in README order, pass 1
-#: then pass 2 (see :func:`test_readme_runs_in_order_twice`): the command-line tool reads
+#: then pass 2 (see :func:`test_readme_runs_in_order`): the command-line tool reads
 #: the set-up run's ``checkpoints``; the export reads the FSDP example's ``ckpt_sharded``.
 GROUPS: list[tuple[tuple[str, str], ...]] = [
     (("Set up and run", "bash"), ("The `asyncckpt` command", "bash")),
@@ -460,10 +463,14 @@ def run_block(d: Path, block: Block, pass_no: int) -> None:
     print(f"pass {pass_no}: {block.lang} block under {block.heading!r} in {time.monotonic() - t0:.1f} s")
 
 
+#: The passes run: the second (all of it again, in the same directories) with ASYNCCKPT_LONG=1.
+PASSES = (1, 2) if os.environ.get("ASYNCCKPT_LONG") == "1" else (1,)
+
+
 def run_job(d: Path, blocks: list[Block]) -> None:
-    """A group's blocks in ``d``: all of them in order, then all of them again."""
+    """A group's blocks in ``d``: all of them in order, then (:data:`PASSES`) all of them again."""
     make_workdir(d)
-    for pass_no in (1, 2):
+    for pass_no in PASSES:
         for block in blocks:
             run_block(d, block, pass_no)
 
@@ -474,13 +481,14 @@ def user_files(d: Path) -> set[str]:
 
 
 @pytest.mark.timeout(1200)
-def test_readme_runs_in_order_twice(tmp_path: Path) -> None:
-    """Every command and snippet of README.md, in order, then all of them again.
+def test_readme_runs_in_order(tmp_path: Path) -> None:
+    """Every command and snippet of README.md, in order, then (:data:`PASSES`, with
+    ``ASYNCCKPT_LONG=1``) all of them again.
 
     The blocks that share files (:data:`GROUPS`) run as one job; every other block is a
     job of its own. Each job runs in a user's directory of its own, its blocks in README
-    order, then again there, :data:`CONCURRENT_JOBS` jobs at a time. No two jobs may leave
-    a file or directory of the same name: in the one directory of a user who runs the
+    order (then again there), :data:`CONCURRENT_JOBS` jobs at a time. No two jobs may
+    leave a file or directory of the same name: in the one directory of a user who runs the
     README from top to bottom, they would meet (and a block that needs another's files,
     undeclared in GROUPS, fails every time: the files are not in its directory)."""
     work = jobs()
