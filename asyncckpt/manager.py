@@ -278,7 +278,14 @@ class CheckpointManager:
             self._saver = Saver(self.queue, self.options, root)
             self._upload = self._open_upload(upload_to, keep_remote, upload_failure, upload_timeout_s, upload_process)
             if local is not None:
-                self.local = LocalCheckpoints(local, self.queue, self.options, process_group, root=str(root.path))
+                self.local = LocalCheckpoints(
+                    local,
+                    self.queue,
+                    self.options,
+                    process_group,
+                    root=str(root.path),
+                    before_save=self._saver.synchronize_staging,
+                )
         except BaseException:
             # Nothing of this manager outlives the raise: the lock is released now (not
             # when the traceback, which holds this object, is collected), the queue closed.

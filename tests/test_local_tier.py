@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -335,6 +336,35 @@ def test_a_shards_next_step_is_written_into_its_spare(tmp_path: Path) -> None:
         result = mgr.restore(got)
     assert result is not None and (result.step, result.tier) == (3, "local")
     assert got["step"] == 3 and torch.equal(got["w"], torch.full((1 << 10,), 3.0))
+
+
+def _overlapped_then_local(rank: int, world: int, base: str) -> Any:
+    """An overlapped save whose copy ends at different times on the two ranks (rank 1's
+    copy thread sleeps at the ``stage`` failpoint), a ``maybe_finalize()`` between (it
+    hands a copy that is over to the writer: rank 0's), then a local save of the same
+    step: both are committed, in the same order on both ranks."""
+    if rank == 1:
+        os.environ["ASYNCCKPT_FAULT"] = "stage:sleep=1.5"  # read by the copy thread (and the local save's stage)
+    tier = asyncckpt.LocalTier(dir=os.path.join(base, f"node{rank}"), every=2, replicas=1, node=rank)
+    with asyncckpt.CheckpointManager(os.path.join(base, "root"), local=tier, overlap_staging=True) as mgr:
+        assert mgr.local is not None
+        state = _state(rank, 2)
+        mgr.save(2, state)
+        time.sleep(0.5)  # rank 0's copy is over, rank 1's is not
+        mgr.maybe_finalize()
+        mgr.local.save(2, state)
+        committed = mgr.maybe_finalize(blocking=True)
+        restorable = mgr.local.maybe_finalize(blocking=True)
+    return committed, restorable
+
+
+def test_an_overlapped_save_is_scheduled_before_a_later_local_save_on_every_rank(tmp_path: Path) -> None:
+    # The manager's saves and the local tier's share one queue, whose calls every rank
+    # must schedule in the same order: the local save hands the overlapped save still
+    # copying to the writer first. Before, rank 0 scheduled the persistent save first and
+    # rank 1 the local one, and their commits met each other's collectives.
+    seen = run_ranks(_overlapped_then_local, 2, str(tmp_path), timeout=120)
+    assert seen == [([2], [2]), ([2], [2])]
 
 
 def test_the_memory_guard_counts_the_tiers_bytes(tmp_path: Path) -> None:
