@@ -569,13 +569,21 @@ class CheckpointManager:
         return nbytes
 
     def synchronize_staging(self) -> None:
-        """Wait until an overlapped save is staged and start its write.
+        """Make the state of an overlapped save free to change, and start its write once
+        its copy is over.
 
         With ``overlap_staging=True``, call it after the next forward/backward and
         before ``optimizer.step()``: the state must not change while it is copied.
-        The wait counts as the save's stall. No-op when nothing is being staged.
+        The host waits for the copies of CPU tensors (the save's copy thread); the
+        device-to-host copies of CUDA tensors are not waited for on the host: the
+        current CUDA stream waits for them on the device (``cudaStreamWaitEvent``), so
+        whatever this thread queues on it afterwards (the optimizer's step) runs after
+        the copy, while the host goes on queuing work. The write starts here if the
+        copy is over, else at the first :meth:`maybe_finalize` that finds it over (or
+        the next save, ``wait`` or :meth:`close`). The wait counts as the save's stall.
+        No-op when nothing is being staged.
         """
-        self._saver.synchronize_staging()
+        self._saver.release_staging()
 
     def maybe_finalize(self, blocking: bool = False) -> list[int]:
         """Report the saves committed since the last call, and raise failures.
@@ -586,8 +594,8 @@ class CheckpointManager:
 
         With ``overlap_staging=True``, a save whose copy is still running is left to
         run (its thread and CUDA event polled, the device never synchronized): its write
-        starts at the first call that finds the copy over, or at
-        :meth:`synchronize_staging` (the optimizer's step waits for the copy anyway).
+        starts at the first call that finds the copy over (the optimizer's step is
+        ordered after the copy anyway, see :meth:`synchronize_staging`).
 
         Args:
             blocking: first wait until every pending save is committed or failed.

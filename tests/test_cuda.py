@@ -208,3 +208,63 @@ def test_cuda_forked_writer_children_never_touch_cuda(tmp_path):
             assert_same(expected, out)
     with pytest.raises(asyncckpt.InvalidArgumentError):
         asyncckpt.CheckpointManager(tmp_path / "fork", start_method="fork")
+
+
+def test_cuda_synchronize_staging_and_the_optimizer_step_never_wait_on_the_host(tmp_path):
+    """Issue 35, item 1: with the device busy (the host ahead of it, as in any training
+    loop), ``synchronize_staging()`` and the optimizer's step pre-hook do not wait on the
+    host for an overlapped save's D2H copy: they order the current stream after it
+    (``cudaStreamWaitEvent``), and ``maybe_finalize()`` hands the save to the writer
+    once it finds the copy over. From ``save()`` through ``synchronize_staging()``,
+    ``optimizer.step()`` and ``maybe_finalize()`` the host synchronizes no device,
+    stream or event (torch's GPU trace, which ``set_sync_debug_mode`` does not cover for
+    events) and makes no synchronizing call (``set_sync_debug_mode("error")``); the
+    checkpoint holds the parameters as of ``save()``, which the step changed right
+    after. (Last in this file: the GPU trace stays active in the process.)"""
+    import traceback
+
+    from torch.cuda import _gpu_trace
+
+    waits: list[str] = []
+    recording = [False]
+
+    def note(kind: str) -> Any:
+        def callback(*_: Any) -> None:
+            if recording[0]:
+                waits.append(f"{kind} synchronization at\n" + "".join(traceback.format_stack(limit=10)))
+
+        return callback
+
+    torch._C._activate_gpu_trace()
+    _gpu_trace.register_callback_for_device_synchronization(note("device"))
+    _gpu_trace.register_callback_for_stream_synchronization(note("stream"))
+    _gpu_trace.register_callback_for_event_synchronization(note("event"))
+    model = torch.nn.Linear(2048, 2048, device="cuda")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(256, 2048, device="cuda")
+    with asyncckpt.CheckpointManager(tmp_path, overlap_staging=True, keep_last=2) as mgr:
+        mgr.save(1, {"model": model.state_dict()})  # the first save pins its buffer
+        mgr.maybe_finalize(blocking=True)
+        model(x).square().mean().backward()
+        a = torch.randn(4096, 4096, device="cuda")
+        for _ in range(30):
+            a = a @ a / 4096  # queued work: the host is ahead of the device
+        expected = {k: v.detach().clone() for k, v in model.state_dict().items()}  # in stream order
+        recording[0] = True
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            handle = mgr.save(2, {"model": model.state_dict()})
+            mgr.synchronize_staging()
+            optimizer.step()  # the pre-hook orders it after the copy, on the device
+            for _ in range(3):
+                mgr.maybe_finalize()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            recording[0] = False
+        assert not waits, waits[0]
+        handle.wait()
+    assert not torch.equal(expected["weight"], model.weight.detach())  # the step changed it
+    out = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in expected.items()}}
+    asyncckpt.load(out, tmp_path / "step_00000002")
+    for k, v in expected.items():
+        assert torch.equal(out["model"][k], v.cpu()), k

@@ -30,10 +30,11 @@ class _Overlapped:
     a DTensor, its local tensor's): one modified in place before the copy was
     synchronized fails the save, naming its keys, instead of committing torn data.
 
-    And every optimizer waits for the copy before its step changes a parameter (a
-    global step pre-hook, :func:`asyncckpt.saving.staging.watch_copy`): fused kernels and
-    updates through ``.data`` bump no version counter. The versions are compared once,
-    when the copy is over (:meth:`wait_copied`); later changes cannot tear it.
+    And every optimizer's step is ordered after the copy before it changes a parameter
+    (a global step pre-hook, :func:`asyncckpt.saving.staging.watch_copy`): fused kernels
+    and updates through ``.data`` bump no version counter. The versions are compared
+    once, when the copy is over or ordered before the state changes
+    (:meth:`wait_copied`, :meth:`order_before_update`); later changes cannot tear it.
     """
 
     def __init__(self, save: SaveInFlight, run: Any, event: Any = None) -> None:
@@ -65,14 +66,41 @@ class _Overlapped:
 
     def wait_copied(self) -> None:
         """Wait until the copy is over (the thread's CPU copies and the D2H copies), then
-        compare the versions once and stop watching (any thread; idempotent).
+        compare the versions once and stop watching (any thread; idempotent): before the
+        writer reads the staging buffer.
 
         A change seen then is kept in :attr:`error` (raised by the save's preload)."""
         if threading.current_thread() is self.thread:
             return
         self.thread.join()
-        if self._event is not None:
+        if self._event is not None and not self._event.query():
             self._event.synchronize()
+        self._compare_once()
+
+    def order_before_update(self) -> None:
+        """Make the state free to change, without waiting for the device: join the
+        thread's CPU copies (the host writes those), and order the calling thread's
+        current CUDA stream after the D2H copies still running (``cudaStreamWaitEvent``:
+        the device waits, the host does not), then compare the versions once and stop
+        watching (any thread; idempotent). The optimizer's step pre-hook and the
+        training loop's ``synchronize_staging()`` call it.
+
+        In a loop whose host runs ahead of the device (the usual case), the copy is
+        queued behind steps the device has not run yet: a host wait here would idle the
+        host until the device caught up, for nothing. The device runs the copy before
+        the kernels queued after this call (the optimizer's update), as it would after
+        a host wait. Work queued on another stream after this call is not ordered
+        (write the saved tensors through the current stream until the save is written).
+        """
+        if threading.current_thread() is self.thread:
+            return
+        self.thread.join()
+        event = self._event
+        if event is not None and not event.query():
+            torch.cuda.current_stream().wait_event(event)
+        self._compare_once()
+
+    def _compare_once(self) -> None:
         with self._lock:
             if self._copied:
                 return

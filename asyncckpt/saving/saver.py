@@ -509,6 +509,25 @@ class Saver:
         overlapped = self._overlapped
         return overlapped is None or overlapped.copied()
 
+    def release_staging(self) -> None:
+        """The training loop's ``synchronize_staging()``: once it returns, the saved state
+        may change. An overlapped save's CPU copies are joined; its D2H copies, if still
+        running, are ordered before the current CUDA stream's later work on the device
+        (:meth:`_Overlapped.order_before_update`: the host does not wait for the
+        device), and its write starts at the first :meth:`staging_copied` poll that finds
+        them over (``maybe_finalize``), or at the next save, wait or close. A copy that is
+        over is handed to the writer now (:meth:`synchronize_staging`)."""
+        with self.lock:
+            pending = self._overlapped
+            if pending is None:
+                return
+            started = time.monotonic()
+            pending.order_before_update()
+            if not pending.copied():
+                pending.save.stall_s += time.monotonic() - started
+                return
+            self.synchronize_staging()
+
     def synchronize_staging(self) -> None:
         """Finish an overlapped staging and schedule its write (see ``SaveHandle``)."""
         with self.lock:

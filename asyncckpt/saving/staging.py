@@ -42,7 +42,7 @@ import torch
 from asyncckpt.io import writer as _writer
 from asyncckpt.io.writer import SlabRef
 
-__all__ = ["StagingBuffer", "StagingPool", "StagingCopier", "watch_copy", "unwatch_copy", "wait_pending_copies"]
+__all__ = ["StagingBuffer", "StagingPool", "StagingCopier", "watch_copy", "unwatch_copy", "order_pending_copies"]
 
 _PAGE = mmap.PAGESIZE
 
@@ -464,9 +464,11 @@ class StagingCopier:
         return self._event
 
     def synchronize(self) -> None:
-        """Wait for the device-to-host copies started by :meth:`copy` (no-op for CPU)."""
+        """Wait for the device-to-host copies started by :meth:`copy` (no-op for CPU, and
+        for copies polled over: no host synchronization then)."""
         if self._event is not None:
-            self._event.synchronize()
+            if not self._event.query():
+                self._event.synchronize()
             self._event = None
 
     def _copy_d2h(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
@@ -662,38 +664,41 @@ def split_copies(
 # An overlapped staging copies the state while training goes on. Fused optimizer kernels
 # (``AdamW(fused=True)``), updates through ``.data`` and parameters that are ``.data``
 # views of one flat buffer change tensors without bumping their version counters, so
-# the saver's version check cannot see them: a global optimizer step pre-hook waits for
-# every pending copy before any optimizer changes a parameter. The hook is registered
-# once per process, at the first overlapped save, and stays (with nothing pending it
-# costs one truthiness test per step): removing it while another thread's
+# the saver's version check cannot see them: a global optimizer step pre-hook orders
+# every pending copy before any optimizer changes a parameter (the host joins the CPU
+# copies; the device runs the D2H copies before the step's kernels). The hook is
+# registered once per process, at the first overlapped save, and stays (with nothing
+# pending it costs one truthiness test per step): removing it while another thread's
 # ``optimizer.step()`` iterates torch's hook dict would break that step.
 
-#: The overlapped copies in flight (objects with ``wait_copied()``), this process.
+#: The overlapped copies in flight (objects with ``order_before_update()``), this process.
 _pending_copies: set[Any] = set()
 _pending_lock = threading.Lock()
 _hook_handle: Any = None
 
 
 def _optimizer_step_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """``torch.optim`` global step pre-hook: wait until every pending overlapped copy is
-    done, so no optimizer changes a tensor a copy still reads. Any thread; takes no lock
-    while it waits (a thread that holds a saver's lock never waits for an optimizer)."""
+    """``torch.optim`` global step pre-hook: order every pending overlapped copy before
+    this step, so no optimizer changes a tensor a copy still reads. Any thread; takes no
+    lock while it waits (a thread that holds a saver's lock never waits for an optimizer)."""
     if _pending_copies:
-        wait_pending_copies()
+        order_pending_copies()
     return None
 
 
-def wait_pending_copies() -> None:
-    """Wait for every overlapped staging copy in flight in this process (any thread)."""
+def order_pending_copies() -> None:
+    """Order every overlapped staging copy in flight in this process before the calling
+    thread's next changes of the state (``order_before_update``: the host joins the CPU
+    copies, the current CUDA stream waits for the D2H copies on the device)."""
     with _pending_lock:
         pending = list(_pending_copies)
     for copy in pending:
-        copy.wait_copied()
+        copy.order_before_update()
 
 
 def watch_copy(copy: Any) -> None:
-    """Register an overlapped copy in flight (an object with ``wait_copied()``, which
-    must call :func:`unwatch_copy`); installs the optimizer step pre-hook once."""
+    """Register an overlapped copy in flight (an object with ``order_before_update()``,
+    which must call :func:`unwatch_copy`); installs the optimizer step pre-hook once."""
     global _hook_handle
     with _pending_lock:
         _pending_copies.add(copy)
