@@ -379,6 +379,11 @@ def test_render_handles_a_minimal_result(tmp_path: Path) -> None:
     assert "| a | 10.0 | 10.00x |" in text
     render_png(res, tmp_path / "x.png")
     assert (tmp_path / "x.png").read_bytes()[:4] == b"\x89PNG"
+    # A run stopped by a time limit (scripts/gpu_check.sh's) left a partial JSON behind:
+    # no end of run in it; it renders all the same, and says so.
+    del res["machine"]["loadavg_end"], res["total_s"]
+    text = render_markdown({**res, "partial": True})
+    assert "| a | 10.0 | 10.00x |" in text and "**Partial**" in text and "stopped before its end" in text
 
 
 def torch_version() -> str:

@@ -37,8 +37,12 @@ def render_markdown(res: dict[str, Any]) -> str:
         f"({gpu_text}), Python {m['python']}, {m['ram_gib']:.0f} GiB RAM, "
         f"{m['platform']}; directory on {m['fs']}; asyncckpt {m['asyncckpt']} (git {m.get('git_head', '?')}, "
         f"sources sha1 {m.get('asyncckpt_sources_sha1', '?')}); load average "
-        f"{m['loadavg_start'][0]:.1f} at start, {m['loadavg_end'][0]:.1f} at end (a shared machine)\n"
+        f"{m['loadavg_start'][0]:.1f} at start, "
+        + (f"{m['loadavg_end'][0]:.1f} at end" if "loadavg_end" in m else "the run stopped before its end")
+        + " (a shared machine)\n"
     )
+    if res.get("partial"):
+        L.append("**Partial**: the run was stopped (a time limit) before its end; what it finished is below.\n")
     if res.get("no_gpu"):
         L.append(f"## GPU rows (--device cuda)\n\n{res['no_gpu']}: nothing measured.\n")
         L.append(f"Total benchmark time: {res['total_s'] / 60:.1f} min.\n")
@@ -277,7 +281,8 @@ def render_markdown(res: dict[str, Any]) -> str:
     if res.get("lightning_md"):
         L.append("## Lightning checkpoints\n")
         L.append(res["lightning_md"] + "\n")
-    L.append(f"Total benchmark time: {res['total_s'] / 60:.1f} min.\n")
+    if "total_s" in res:
+        L.append(f"Total benchmark time: {res['total_s'] / 60:.1f} min.\n")
     return "\n".join(L)
 
 
