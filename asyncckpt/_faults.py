@@ -18,6 +18,8 @@ inherits the training process's environment when it is started). Points:
 - ``worker_start``: in the persistent worker, as it starts (its imports done), before
   it sets up its signals and reads its first call;
 - ``stage``: in the training process, when a save starts its staging copy;
+- ``d2h``: in the training process, when a save issues its device-to-host copies of
+  CUDA tensors, before the first (``raise``: a CUDA error at that point);
 - ``settle``: in the training process (the thread that settles the save: the
   finalizer thread in the background), when the saver starts settling a save, before
   its temporary directory is removed and its callback runs (its handle must complete

@@ -340,7 +340,7 @@ def test_render_handles_a_minimal_result(tmp_path: Path) -> None:
         "extra_after_first_bytes": 1 << 20,
         "extra_after_last_bytes": 1 << 20,
     }
-    res = {
+    res: dict[str, Any] = {
         "machine": {
             "date": "now",
             "cpu_count": 2,

@@ -187,6 +187,33 @@ def test_cuda_state_too_large_for_the_memory_guard_pins_nothing(tmp_path):
     assert not (tmp_path / "step_00000001").exists()
 
 
+def test_cuda_error_while_issuing_the_copy_fails_the_save_and_leaves_nothing_pinned(tmp_path, monkeypatch):
+    """Issue 35, item 5: a CUDA error while a save issues its D2H copies (failpoint
+    ``d2h``: raise) fails that save, reported by the training thread's next call
+    (``maybe_finalize``, on every rank alike); nothing of it is committed and the next
+    save commits; once the manager is closed no staging buffer is registered with CUDA
+    any more (``cudaHostUnregister`` of its address answers "not registered"). Not yet
+    run on a GPU."""
+    sd = _cuda_state(6)
+    mgr = asyncckpt.CheckpointManager(tmp_path, keep_last=3)
+    try:
+        mgr.save(1, sd).wait()
+        pinned = [b.u8.data_ptr() for b in staging_buffers(mgr) if b.pinned]
+        assert pinned
+        monkeypatch.setenv("ASYNCCKPT_FAULT", "d2h:raise")
+        mgr.save(2, sd)
+        monkeypatch.delenv("ASYNCCKPT_FAULT")
+        with pytest.raises(asyncckpt.CheckpointException, match="Input/output error"):
+            mgr.maybe_finalize(blocking=True)
+        mgr.save(3, sd).wait()
+        assert mgr.steps() == [1, 3]
+    finally:
+        mgr.close()
+    assert staging_buffers(mgr) == ()
+    for ptr in pinned:
+        assert int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0  # not registered
+
+
 def test_cuda_forked_writer_children_never_touch_cuda(tmp_path):
     """Issue 35, item 3: ``persistent=False`` forks a child per save from this process,
     which has initialised CUDA; a child that touched CUDA would fail ("Cannot

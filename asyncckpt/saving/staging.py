@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from asyncckpt import _faults
 from asyncckpt.io import writer as _writer
 from asyncckpt.io.writer import SlabRef
 
@@ -472,6 +473,7 @@ class StagingCopier:
             self._event = None
 
     def _copy_d2h(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        _faults.hit("d2h")  # (before any copy is issued: nothing is left in flight)
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         stream = self._stream
