@@ -203,7 +203,7 @@ def test_cuda_error_while_issuing_the_copy_fails_the_save_and_leaves_nothing_pin
         monkeypatch.setenv("ASYNCCKPT_FAULT", "d2h:raise")
         mgr.save(2, sd)
         monkeypatch.delenv("ASYNCCKPT_FAULT")
-        with pytest.raises(asyncckpt.CheckpointException, match="Input/output error"):
+        with pytest.raises(asyncckpt.CheckpointException, match="injected I/O error at d2h"):
             mgr.maybe_finalize(blocking=True)
         mgr.save(3, sd).wait()
         assert mgr.steps() == [1, 3]
@@ -242,12 +242,13 @@ def test_cuda_synchronize_staging_and_the_optimizer_step_never_wait_on_the_host(
     loop), ``synchronize_staging()`` and the optimizer's step pre-hook do not wait on the
     host for an overlapped save's D2H copy: they order the current stream after it
     (``cudaStreamWaitEvent``), and ``maybe_finalize()`` hands the save to the writer
-    once it finds the copy over. From ``save()`` through ``synchronize_staging()``,
-    ``optimizer.step()`` and ``maybe_finalize()`` the host synchronizes no device,
-    stream or event (torch's GPU trace, which ``set_sync_debug_mode`` does not cover for
-    events) and makes no synchronizing call (``set_sync_debug_mode("error")``); the
-    checkpoint holds the parameters as of ``save()``, which the step changed right
-    after. (Last in this file: the GPU trace stays active in the process.)"""
+    once it finds the copy over. From ``save()`` through ``synchronize_staging()`` (one
+    save; the next one without it: the pre-hook alone), ``optimizer.step()`` and
+    ``maybe_finalize()`` the host synchronizes no device, stream or event (torch's GPU
+    trace, which ``set_sync_debug_mode`` does not cover for events) and makes no
+    synchronizing call (``set_sync_debug_mode("error")``); each checkpoint holds the
+    parameters as of its ``save()``, which the step changed right after. Not yet run on
+    a GPU. (Last in this file: the GPU trace stays active in the process.)"""
     import traceback
 
     from torch.cuda import _gpu_trace
@@ -269,29 +270,35 @@ def test_cuda_synchronize_staging_and_the_optimizer_step_never_wait_on_the_host(
     model = torch.nn.Linear(2048, 2048, device="cuda")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(256, 2048, device="cuda")
-    with asyncckpt.CheckpointManager(tmp_path, overlap_staging=True, keep_last=2) as mgr:
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    with asyncckpt.CheckpointManager(tmp_path, overlap_staging=True, keep_last=3) as mgr:
         mgr.save(1, {"model": model.state_dict()})  # the first save pins its buffer
         mgr.maybe_finalize(blocking=True)
-        model(x).square().mean().backward()
-        a = torch.randn(4096, 4096, device="cuda")
-        for _ in range(30):
-            a = a @ a / 4096  # queued work: the host is ahead of the device
-        expected = {k: v.detach().clone() for k, v in model.state_dict().items()}  # in stream order
-        recording[0] = True
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            handle = mgr.save(2, {"model": model.state_dict()})
-            mgr.synchronize_staging()
-            optimizer.step()  # the pre-hook orders it after the copy, on the device
-            for _ in range(3):
-                mgr.maybe_finalize()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-            recording[0] = False
-        assert not waits, waits[0]
-        handle.wait()
-    assert not torch.equal(expected["weight"], model.weight.detach())  # the step changed it
-    out = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in expected.items()}}
-    asyncckpt.load(out, tmp_path / "step_00000002")
-    for k, v in expected.items():
-        assert torch.equal(out["model"][k], v.cpu()), k
+        # step 2: synchronize_staging() before the step; step 3: the step's pre-hook alone
+        for step, synchronize in ((2, True), (3, False)):
+            model(x).square().mean().backward()
+            a = torch.randn(4096, 4096, device="cuda")
+            for _ in range(30):
+                a = a @ a / 4096  # queued work: the host is ahead of the device
+            expected[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}  # in stream order
+            recording[0] = True
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                handle = mgr.save(step, {"model": model.state_dict()})
+                if synchronize:
+                    mgr.synchronize_staging()
+                optimizer.step()  # ordered after the copy, on the device
+                optimizer.zero_grad()
+                for _ in range(3):
+                    mgr.maybe_finalize()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                recording[0] = False
+            assert not waits, waits[0]
+            handle.wait()
+            assert not torch.equal(expected[step]["weight"], model.weight.detach())  # the step changed it
+    for step, values in expected.items():
+        out = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in values.items()}}
+        asyncckpt.load(out, tmp_path / f"step_{step:08d}")
+        for k, v in values.items():
+            assert torch.equal(out["model"][k], v.cpu()), (step, k)
