@@ -17,6 +17,8 @@ inherits the training process's environment when it is started). Points:
   local tier has arrived, before it is checked and written (``asyncckpt.replication``);
 - ``worker_start``: in the persistent worker, as it starts (its imports done), before
   it sets up its signals and reads its first call;
+- ``child_exit``: in a forked child of ``persistent=False``, after it reported its
+  outcome, before it exits (``sleep``: a child whose exit blocks);
 - ``stage``: in the training process, when a save starts its staging copy;
 - ``d2h``: in the training process, when a save issues its device-to-host copies of
   CUDA tensors, before the first (``raise``: a CUDA error at that point);

@@ -544,3 +544,26 @@ def test_a_save_lost_at_exit_is_named(tmp_path: Path) -> None:
     assert time.monotonic() - started < 20
     assert f"the save of {root / 'held'} was still pending at interpreter exit and is lost" in proc.stderr
     assert not (root / "held").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_whose_exit_blocks_after_reporting_is_killed_and_its_save_commits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # persistent=False forks a child per save from this multi-threaded process; its exit
+    # can block for ever on a lock another thread held at the fork. Once it reported its
+    # outcome (written, fsynced), it gets ASYNCCKPT_CHILD_EXIT_GRACE_S to exit, then it is
+    # killed and its outcome taken: the save commits, nothing waits for ever.
+    import psutil
+
+    monkeypatch.setenv("ASYNCCKPT_FAULT", "child_exit:sleep=600")  # read by the child, after it reported
+    monkeypatch.setenv("ASYNCCKPT_CHILD_EXIT_GRACE_S", "1")
+    state = {"w": torch.arange(1000, dtype=torch.float32), "step": 1}
+    with caplog.at_level("WARNING", logger="asyncckpt"), CheckpointManager(tmp_path, persistent=False) as mgr:
+        mgr.save(1, state).wait(timeout=30)
+        assert mgr.latest_step() == 1
+    assert any("has not exited" in r.getMessage() and "killed" in r.getMessage() for r in caplog.records)
+    out = {"w": torch.zeros(1000), "step": 0}
+    asyncckpt.load(out, tmp_path / "step_00000001")
+    assert torch.equal(out["w"], state["w"]) and out["step"] == 1
+    assert not [c for c in psutil.Process().children() if c.status() != psutil.STATUS_ZOMBIE]

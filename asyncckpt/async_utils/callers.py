@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import gc
+import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -51,10 +52,24 @@ from asyncckpt.async_utils.worker import (
 )
 from asyncckpt.errors import InvalidArgumentError, RankFailure
 
+_log = logging.getLogger("asyncckpt")
+
 __all__ = ["AsyncCaller", "CallOutcome", "PersistentAsyncCaller", "TemporalAsyncCaller", "TERMINATE_GRACE_S"]
 
 #: Longest single wait on a worker's pipe and sentinel in :meth:`AsyncCaller.wait`.
 WAIT_SLICE_S = 0.05
+
+#: Seconds a forked child (:class:`TemporalAsyncCaller`) may take to exit once it
+#: reported its outcome (its work done: written, fsynced) before it is killed and its
+#: outcome taken; ``ASYNCCKPT_CHILD_EXIT_GRACE_S`` overrides it.
+CHILD_EXIT_GRACE_S = 30.0
+
+
+def _child_exit_grace_s() -> float:
+    try:
+        return float(os.environ.get("ASYNCCKPT_CHILD_EXIT_GRACE_S", CHILD_EXIT_GRACE_S))
+    except ValueError:
+        return CHILD_EXIT_GRACE_S
 
 
 def _describe_exit(pid: int | None, exitcode: int | None) -> str:
@@ -202,6 +217,13 @@ class TemporalAsyncCaller(AsyncCaller):
     :meth:`schedule`, reports its outcome through a pipe and exits. A call succeeds
     only if the child reported success *and* exited with code 0.
 
+    A child that reported its outcome but has not exited :data:`CHILD_EXIT_GRACE_S`
+    seconds later is killed, and its reported outcome taken (a warning on logger
+    ``asyncckpt`` names it): its work is done then, and the exit of a process forked
+    from a multi-threaded one can block for ever on a lock that one of the parent's
+    threads held at the fork (Python warns of such deadlocks at ``os.fork()``); the
+    commit must not wait for it.
+
     Fork-safety: the child must not use locks or thread pools of the parent (e.g.
     torch intra-op parallelism, CUDA). asyncckpt's own writer uses only ``os`` I/O.
     Nor does it run the parent's finalizers: it is forked with the cyclic GC off and
@@ -215,6 +237,7 @@ class TemporalAsyncCaller(AsyncCaller):
         super().__init__()
         self._ctx = mp.get_context("fork")
         self._children: dict[int, tuple[Any, Any, CallOutcome | None]] = {}
+        self._reported_at: dict[int, float] = {}  # when each running child reported (monotonic s)
 
     def schedule(self, call_idx: int, async_fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         with self._lock:
@@ -260,24 +283,40 @@ class TemporalAsyncCaller(AsyncCaller):
             self._poll()
 
     def _poll(self) -> None:
+        now = time.monotonic()
         for call_idx, (proc, reader, reported) in list(self._children.items()):
             if reported is None:
                 reported = self._read_report(reader)
                 self._children[call_idx] = (proc, reader, reported)
+                if reported is not None:
+                    self._reported_at[call_idx] = now
+            lingered = False
             if proc.is_alive():
-                continue
+                if reported is None or now - self._reported_at[call_idx] < _child_exit_grace_s():
+                    continue
+                _log.warning(
+                    "asyncckpt: the forked child of call %d (pid %s) reported its outcome %.0f s ago and has not "
+                    "exited (blocked in its exit, e.g. on a lock another thread of this process held when it was "
+                    "forked): killed, its outcome taken",
+                    call_idx,
+                    proc.pid,
+                    now - self._reported_at[call_idx],
+                )
+                proc.kill()
+                lingered = True
             if reported is None:  # it may have reported just before exiting
                 reported = self._read_report(reader)
             proc.join()
             _untrack(proc)
             reader.close()
             del self._children[call_idx]
+            self._reported_at.pop(call_idx, None)
             exit_text = _describe_exit(proc.pid, proc.exitcode)
             if reported is None:
                 outcome = CallOutcome(
                     call_idx, False, RankFailure(f"forked child {exit_text} without reporting a result")
                 )
-            elif proc.exitcode != 0 and reported.ok:
+            elif proc.exitcode != 0 and reported.ok and not lingered:
                 outcome = reported._replace(
                     ok=False, value=None, error=RankFailure(f"forked child reported success but {exit_text}")
                 )

@@ -106,6 +106,7 @@ def _temporal_child_main(
     outcome = _run_call(call_idx, fn, args, kwargs)
     conn.send_bytes(_dump_outcome(outcome))
     conn.close()
+    _faults.hit("child_exit")  # (its outcome reported: a child that does not exit from here is killed)
     if not outcome.ok:
         os._exit(1)
 
