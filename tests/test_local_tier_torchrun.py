@@ -14,11 +14,15 @@ after step 11; torchrun restarts the workers of both nodes, with the same comman
 (``--resume``), and they resume from local step 10, each shard on its own node.
 ``scripts/train.py`` names each attempt's store keys by a count of the worker's starts
 (torch's own prefix, ``TORCHELASTIC_RESTART_COUNT``, differs between agents: see its
-``init_process_group``). That test runs behind ``ASYNCCKPT_LONG=1``: in about 15 runs
-of this module here, twice a two-agent run hung at its end until the runner's timeout
-(the one kept: the uninterrupted run with ``--resume``, local step 14 and persistent
-step 16 written on every rank, neither committed); not reproduced outside pytest (20
-runs), cause not found yet. The last test restarts the workers of one agent in place.
+``init_process_group``). That test runs behind ``ASYNCCKPT_LONG=1``, for the suite's
+time (the one-agent test below takes the same path): in about 15 runs of this module,
+twice a two-agent ``--temporal`` run hung at its end (the one kept: the uninterrupted
+run with ``--resume``, local step 14 and persistent step 16 written on every rank,
+neither committed), not reproduced since (16 runs of this module and 101 of that run
+with ``--resume`` outside pytest, on 2026-11-28). A forked writer whose exit blocks
+after it reported would leave that shape; such a child is now killed after
+``ASYNCCKPT_CHILD_EXIT_GRACE_S`` and its outcome taken. The last test restarts the
+workers of one agent in place.
 
 Every agent runs in a session of its own, killed when the test ends, also on failure.
 """
@@ -169,8 +173,8 @@ def test_intact_nodes_restore_locally_and_a_flipped_byte_takes_the_replica(strai
 @pytest.mark.slow
 @pytest.mark.skipif(
     os.environ.get("ASYNCCKPT_LONG") != "1",
-    reason="a two-agent run of this module hung at its end twice in about 15 runs here (see the module "
-    "docstring), cause not found yet: ASYNCCKPT_LONG=1",
+    reason="4 two-agent runs; the one-agent in-place test takes the same path (see the module docstring): "
+    "ASYNCCKPT_LONG=1",
 )
 @pytest.mark.timeout(600)
 def test_torchrun_restarts_the_workers_of_both_nodes_in_place_from_the_local_tier(
