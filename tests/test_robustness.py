@@ -558,13 +558,13 @@ def test_a_forked_child_whose_exit_blocks_after_reporting_is_killed_and_its_save
 
     monkeypatch.setenv("ASYNCCKPT_FAULT", "child_exit:sleep=600")  # read by the child, after it reported
     monkeypatch.setenv("ASYNCCKPT_CHILD_EXIT_GRACE_S", "1")
-    state = {"w": torch.arange(1000, dtype=torch.float32), "step": 1}
+    state: dict[str, Any] = {"w": torch.arange(1000, dtype=torch.float32), "step": 1}
     before = {c.pid for c in psutil.Process().children()}  # (the suite's own: a forkserver, ...)
     with caplog.at_level("WARNING", logger="asyncckpt"), CheckpointManager(tmp_path, persistent=False) as mgr:
         mgr.save(1, state).wait(timeout=30)
         assert mgr.latest_step() == 1
     assert any("has not exited" in r.getMessage() and "killed" in r.getMessage() for r in caplog.records)
-    out = {"w": torch.zeros(1000), "step": 0}
+    out: dict[str, Any] = {"w": torch.zeros(1000), "step": 0}
     asyncckpt.load(out, tmp_path / "step_00000001")
     assert torch.equal(out["w"], state["w"]) and out["step"] == 1
     left = [c for c in psutil.Process().children() if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
