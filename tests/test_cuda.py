@@ -247,8 +247,8 @@ def test_cuda_synchronize_staging_and_the_optimizer_step_never_wait_on_the_host(
     ``maybe_finalize()`` the host synchronizes no device, stream or event (torch's GPU
     trace, which ``set_sync_debug_mode`` does not cover for events) and makes no
     synchronizing call (``set_sync_debug_mode("error")``); each checkpoint holds the
-    parameters as of its ``save()``, which the step changed right after. Not yet run on
-    a GPU. (Last in this file: the GPU trace stays active in the process.)"""
+    parameters as of its ``save()``, which the step changed right after. (Last in this
+    file: the GPU trace stays active in the process.)"""
     import traceback
 
     from torch.cuda import _gpu_trace
