@@ -85,9 +85,8 @@ def test_cuda_overlapped_staging(tmp_path):
     assert_same(expected, {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in out.items()})
 
 
-# The tests below were written for issue 35 (item 5) in a session without a GPU: they have
-# not yet run on one. scripts/gpu_check.sh runs them; until a session with a GPU has seen
-# them pass, a failure may be the test's own.
+# The tests below were written for issue 35 (item 5) in sessions without a GPU; they
+# passed on an H200 (torch 2.11.0+cu130) through scripts/gpu_check.sh.
 
 
 def _views_state() -> tuple[dict, torch.Tensor]:
@@ -112,7 +111,7 @@ def _views_state() -> tuple[dict, torch.Tensor]:
 def test_cuda_low_precision_and_views_round_trip(tmp_path, overlap):
     """bf16 and float8_e4m3fn tensors, and views of a fused QKV weight (offset,
     transposed, strided), saved from the GPU come back bit for bit, as they were at the
-    save, though the fused weight changes right after staging. Not yet run on a GPU."""
+    save, though the fused weight changes right after staging."""
     sd, qkv = _views_state()
     expected = _reference(sd)
     with asyncckpt.CheckpointManager(tmp_path, overlap_staging=overlap) as mgr:
@@ -128,7 +127,7 @@ def test_cuda_low_precision_and_views_round_trip(tmp_path, overlap):
 def test_cuda_load_in_place_matches_torch_load(tmp_path):
     """asyncckpt.load into CUDA tensors writes into them in place (H2D; the same storages)
     and gives what torch.load(map_location='cuda') of a torch.save of the same state
-    gives. Not yet run on a GPU."""
+    gives."""
     sd = _cuda_state(35)
     torch.save(sd, tmp_path / "ref.pt")
     with asyncckpt.CheckpointManager(tmp_path / "root") as mgr:
@@ -152,7 +151,7 @@ def test_cuda_overlapped_save_and_maybe_finalize_never_synchronize(tmp_path):
     state: its buffer pinned by the first) and the loop's maybe_finalize() calls make no
     synchronizing CUDA call (``torch.cuda.set_sync_debug_mode("error")`` raises at one,
     naming where); the copy is waited for at synchronize_staging() only, and the save
-    holds the state as of save(). Not yet run on a GPU."""
+    holds the state as of save()."""
     sd = _cuda_state(3)
     with asyncckpt.CheckpointManager(tmp_path, overlap_staging=True, keep_last=2) as mgr:
         mgr.save(1, sd)  # the first save pins its buffer (cudaHostRegister may synchronize)
@@ -177,7 +176,7 @@ def test_cuda_overlapped_save_and_maybe_finalize_never_synchronize(tmp_path):
 def test_cuda_state_too_large_for_the_memory_guard_pins_nothing(tmp_path):
     """Issue 35, item 5: a state that the memory guard refuses (here a limit of a
     millionth of the available memory) fails the save with a clear CheckpointError
-    before any staging buffer is allocated or pinned. Not yet run on a GPU."""
+    before any staging buffer is allocated or pinned."""
     sd = _cuda_state(4)
     options = asyncckpt.SaveOptions(staging_memory_limit=1e-6)
     with asyncckpt.CheckpointManager(tmp_path, options=options) as mgr:
@@ -219,7 +218,7 @@ def test_cuda_forked_writer_children_never_touch_cuda(tmp_path):
     which has initialised CUDA; a child that touched CUDA would fail ("Cannot
     re-initialize CUDA in forked subprocess"), so three saves that commit, bitwise,
     show that it did not. A persistent worker started by fork is refused (it would
-    inherit the trainer's threads' locks). Not yet run on a GPU."""
+    inherit the trainer's threads' locks)."""
     assert torch.cuda.is_initialized() or torch.zeros(1, device="cuda").is_cuda
     sd = _cuda_state(5)
     with asyncckpt.CheckpointManager(tmp_path, persistent=False) as mgr:
