@@ -284,7 +284,6 @@ class CheckpointManager:
                     self.options,
                     process_group,
                     root=str(root.path),
-                    before_save=self._saver.synchronize_staging,
                 )
         except BaseException:
             # Nothing of this manager outlives the raise: the lock is released now (not
@@ -580,8 +579,11 @@ class CheckpointManager:
         whatever this thread queues on it afterwards (the optimizer's step) runs after
         the copy, while the host goes on queuing work. The write starts here if the
         copy is over, else at the first :meth:`maybe_finalize` that finds it over (or
-        the next save, ``wait`` or :meth:`close`). The wait counts as the save's stall.
-        No-op when nothing is being staged.
+        the next save, ``wait`` or :meth:`close`). With a ``calls_queue`` finalized
+        in the training loop (no background finalizer) it waits for the copy and
+        starts the write on every rank: that queue's ranks must hand the save to the
+        writer in the same call. The wait counts as the save's stall. No-op when
+        nothing is being staged.
         """
         self._saver.release_staging()
 
@@ -595,7 +597,9 @@ class CheckpointManager:
         With ``overlap_staging=True``, a save whose copy is still running is left to
         run (its thread and CUDA event polled, the device never synchronized): its write
         starts at the first call that finds the copy over (the optimizer's step is
-        ordered after the copy anyway, see :meth:`synchronize_staging`).
+        ordered after the copy anyway, see :meth:`synchronize_staging`); with a
+        ``calls_queue`` finalized in the training loop, over on every rank (one
+        all_gather decides).
 
         Args:
             blocking: first wait until every pending save is committed or failed.

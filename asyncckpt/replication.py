@@ -327,10 +327,6 @@ class LocalCheckpoints:
         root: the job's persistent root (its absolute path): the tier directory is
             this job's (:meth:`NodeLocalStorage.claim`: a tier of another job that is
             not running is taken over, its shards removed; a running one's refused).
-        before_save: called by :meth:`save` before it plans: the manager hands its
-            overlapped save still copying to the writer, so that every rank schedules
-            the calls of the shared queue in the order of the saves (a call's index is
-            the same on every rank; where the copy ends differs from rank to rank).
 
     Collective contract: the constructor (one all_gather of the nodes, then two
     funnels: each node's first rank claims the tier, then the others hold it and every
@@ -352,10 +348,8 @@ class LocalCheckpoints:
         process_group: Any = None,
         *,
         root: str,
-        before_save: Callable[[], None] | None = None,
     ) -> None:
         self.tier = tier
-        self._before_save = before_save
         self.process_group = process_group
         self.sync = SyncGroup(process_group)
         self.rank, self.world_size = self.sync.rank, self.sync.world_size
@@ -454,8 +448,6 @@ class LocalCheckpoints:
         """
         if not self.due(step):
             return None
-        if self._before_save is not None:
-            self._before_save()  # the saves scheduled before this one, on every rank alike
         state_dict = local_shards(state_dict)  # (a DTensor: its shard, as a plain tensor)
         saver = self._saver
         with saver.lock:

@@ -90,3 +90,48 @@ def test_lifecycle_on_two_ranks(tmp_path: Path) -> None:
             assert torch.equal(sd[f"w{r}"], torch.full((1 << 16,), float(r))), (sub, r)
     for sub in ("dup", "dropped", "crash"):
         assert not [e for e in os.listdir(tmp_path / sub) if e.startswith(".step_")], sub
+
+
+def _manager_and_save_on_one_queue(rank: int, world: int, base: str, background: bool) -> dict[str, Any]:
+    """A manager and ``asyncckpt.save`` given the same queue: the manager's overlapped
+    save ends its copy at different times on the two ranks (rank 1's copy thread
+    sleeps at the ``stage`` failpoint), a ``maybe_finalize()`` between (with a
+    background finalizer it hands rank 0's to the writer), then ``asyncckpt.save`` on
+    the queue: both commit on both ranks."""
+    if rank == 1:
+        os.environ["ASYNCCKPT_FAULT"] = "stage:sleep=1.5"  # read by the copy thread (and the other save's stage)
+    queue = asyncckpt.AsyncCallsQueue(persistent=True, background_finalize=background)
+    try:
+        with asyncckpt.CheckpointManager(os.path.join(base, "root"), calls_queue=queue, overlap_staging=True) as mgr:
+            state = {f"w{rank}": torch.full((1 << 16,), float(rank))}
+            mgr.save(2, state)
+            time.sleep(0.5)  # rank 0's copy is over, rank 1's is not
+            mgr.maybe_finalize()
+            other = {f"v{rank}": torch.full((1 << 10,), 10.0 + rank)}
+            handle = asyncckpt.save(other, os.path.join(base, "other"), async_op=True, calls_queue=queue)
+            committed = mgr.maybe_finalize(blocking=True)
+            result = handle.result(timeout=60)
+        return {"committed": committed, "other": result.step is None and Path(result.path).name == "other"}
+    finally:
+        queue.close()
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background-finalizer", "finalized-in-the-loop"])
+def test_a_manager_and_asyncckpt_save_sharing_a_queue_schedule_in_call_order_on_every_rank(
+    tmp_path: Path, background: bool
+) -> None:
+    # Every rank must schedule a queue's calls in the same order; an overlapped save is
+    # handed to the writer when its copy is over, which differs between ranks. Before,
+    # with a background finalizer, rank 0 scheduled the manager's save first and rank 1
+    # asyncckpt.save's (which handed off only its own savers' overlapped saves): their
+    # commits met each other's collectives (gloo aborted a rank). Finalized in the
+    # loop, rank 0's maybe_finalize() handed the save off and finalized it (a
+    # collective) alone.
+    seen = run_ranks(_manager_and_save_on_one_queue, WORLD, str(tmp_path), background, timeout=120)
+    assert seen == [{"committed": [2], "other": True}] * WORLD
+    saved = asyncckpt.read_state_dict(tmp_path / "root" / "step_00000002")
+    other = asyncckpt.read_state_dict(tmp_path / "other")
+    assert sorted(saved) == ["w0", "w1"] and sorted(other) == ["v0", "v1"]
+    for r in range(WORLD):
+        assert torch.equal(saved[f"w{r}"], torch.full((1 << 16,), float(r)))
+        assert torch.equal(other[f"v{r}"], torch.full((1 << 10,), 10.0 + r))

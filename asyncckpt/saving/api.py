@@ -250,9 +250,10 @@ def save(
     transient = saver is None
     if saver is None:
         saver = Saver(queue, opts)
-    for other in others:  # an earlier overlapped save on this queue is scheduled first, whatever its options
+    # (an earlier overlapped save on this queue, whatever its options, is scheduled
+    # first: Saver.hand_off_overlapped)
+    for other in others:
         with other.lock:
-            other.synchronize_staging()
             if async_op and not other.busy():
                 other.free_idle_buffers()  # one set of idle staging buffers per queue: the options used last
     try:

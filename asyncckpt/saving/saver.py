@@ -79,6 +79,43 @@ MAX_UNHARVESTED = 1024
 _settling = threading.local()
 
 
+class _QueueSavers:
+    """The savers that schedule on one queue, and the lock they share (:attr:`Saver.lock`).
+
+    Every rank must schedule a queue's calls in the same order, but an overlapped
+    save is handed to the writer (scheduled) when its copy is over, which differs
+    from rank to rank. So a queue has at most one overlapped save not handed off, and
+    any save on the queue, of any of its savers (a manager's, its local tier's,
+    :func:`asyncckpt.save`'s with the same ``calls_queue``), hands it off first
+    (:meth:`Saver.hand_off_overlapped`): calls are scheduled in the order the saves
+    were called, on every rank.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.savers: weakref.WeakSet[Saver] = weakref.WeakSet()
+
+
+_queues: weakref.WeakKeyDictionary[AsyncCallsQueue, _QueueSavers] = weakref.WeakKeyDictionary()
+_queues_lock = threading.Lock()
+
+
+def _savers_of(queue: AsyncCallsQueue) -> _QueueSavers:
+    with _queues_lock:
+        peers = _queues.get(queue)
+        if peers is None:
+            peers = _queues[queue] = _QueueSavers()
+        return peers
+
+
+def _renew_queues_lock() -> None:
+    global _queues_lock
+    _queues_lock = threading.Lock()  # a child of os.fork(): another thread may have held it
+
+
+os.register_at_fork(after_in_child=_renew_queues_lock)
+
+
 def _settling_here() -> list[SaveInFlight]:
     records: list[SaveInFlight] | None = getattr(_settling, "records", None)
     if records is None:
@@ -160,7 +197,10 @@ class Saver:
         self.layouts = _LayoutCache()
         self.layout_exchange = _LayoutExchange()  # used by the finalizer thread's commits only
         self.metadata_pickle = MetadataPickle()  # this saver's: another saver's commits never evict it
-        self.lock = threading.RLock()  # one save() / synchronize_staging() at a time
+        self._peers = _savers_of(queue)
+        self._peers.savers.add(self)
+        #: One save() / synchronize_staging() at a time, shared by the queue's savers.
+        self.lock = self._peers.lock
         self._state = threading.RLock()  # guards the two below (training and finalizer threads)
         self._overlapped: _Overlapped | None = None
         #: This saver's scheduled saves, in call order, until harvested (pending while
@@ -315,7 +355,7 @@ class Saver:
         on_shared: Callable[[list[list[int]]], None] | None = None,
     ) -> SaveHandle:
         started = time.monotonic()
-        self.synchronize_staging()  # an earlier overlapped save is scheduled first
+        self.hand_off_overlapped()  # an earlier overlapped save is scheduled first
         final_dir = Path(checkpoint_dir).absolute()
         queue = self.queue
         if async_op:
@@ -382,6 +422,7 @@ class Saver:
                 (the save's commit would read another call's result: it fails).
             RuntimeError: the queue is closed (the handle fails with it).
         """
+        self.hand_off_overlapped()  # the queue's calls in the order of the saves (an earlier one first)
         queue = self.queue
         request = AsyncRequest(record.storage.write_rank, (), [lambda: self._commit_call(record)], preload_fn=preload)
         # Known before it is scheduled: the commit may run before schedule_async_request
@@ -505,9 +546,22 @@ class Saver:
 
     def staging_copied(self) -> bool:
         """Whether an overlapped save's copy is over (True with none), polled: never
-        waits (:meth:`_Overlapped.copied`)."""
+        waits (:meth:`_Overlapped.copied`).
+
+        On a queue finalized in the training loop (no background finalizer) the
+        answer is collective, whether the copy is over on every rank (one all_gather
+        of the queue's group while an overlapped save is pending, which it is on
+        every rank alike): that queue's calls are finalized by collectives over the
+        calls each rank scheduled, so every rank must hand the save to the writer in
+        the same ``maybe_finalize``."""
         overlapped = self._overlapped
-        return overlapped is None or overlapped.copied()
+        if overlapped is None:
+            return True
+        copied = overlapped.copied()
+        queue = self._queue_ref()
+        if queue is None or queue.background_finalize or queue.closed:
+            return copied
+        return all(flag for (flag,) in queue.sync.all_gather_ints([int(copied)]))
 
     def release_staging(self) -> None:
         """The training loop's ``synchronize_staging()``: once it returns, the saved state
@@ -516,10 +570,17 @@ class Saver:
         (:meth:`_Overlapped.order_before_update`: the host does not wait for the
         device), and its write starts at the first :meth:`staging_copied` poll that finds
         them over (``maybe_finalize``), or at the next save, wait or close. A copy that is
-        over is handed to the writer now (:meth:`synchronize_staging`)."""
+        over is handed to the writer now (:meth:`synchronize_staging`). On a queue
+        finalized in the training loop the copy is waited for and handed off now, on
+        every rank alike (whether it is over differs between ranks; see
+        :meth:`staging_copied`)."""
         with self.lock:
             pending = self._overlapped
             if pending is None:
+                return
+            queue = self._queue_ref()
+            if queue is not None and not queue.background_finalize:
+                self.synchronize_staging()
                 return
             started = time.monotonic()
             pending.order_before_update()
@@ -527,6 +588,15 @@ class Saver:
                 pending.save.stall_s += time.monotonic() - started
                 return
             self.synchronize_staging()
+
+    def hand_off_overlapped(self) -> None:
+        """Hand the overlapped save of this saver's queue that is not handed to the
+        writer yet (of this saver or another on the queue: :class:`_QueueSavers`) to
+        the writer: before any save on the queue plans or is scheduled."""
+        with self.lock:
+            for saver in list(self._peers.savers):
+                if saver._overlapped is not None:
+                    saver.synchronize_staging()
 
     def synchronize_staging(self) -> None:
         """Finish an overlapped staging and schedule its write (see ``SaveHandle``)."""
