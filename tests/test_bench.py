@@ -491,7 +491,8 @@ def _bench_rows(cwd: Path, *args: str) -> dict[str, str]:
 
 @pytest.mark.timeout(120)
 def test_bench_stall_tail_reports_each_tier(tmp_path: Path) -> None:
-    rows = _bench_rows(tmp_path, "stall-tail", "--saves", "4", "--mb", "4")
+    # (its scratch directory here, not under /dev/shm: a test leaves nothing there)
+    rows = _bench_rows(tmp_path, "stall-tail", "--saves", "4", "--mb", "4", "--dir", str(tmp_path))
     assert {"local", "persistent"} <= set(rows), rows
     for tier in ("local", "persistent"):
         cells = [c.strip() for c in rows[tier].split("|")[2:-1]]

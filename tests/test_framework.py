@@ -24,7 +24,7 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import live_children
+from conftest import live_children, new_shm_entries, shm_entries
 
 import asyncckpt
 from asyncckpt.async_utils.callers import TERMINATE_GRACE_S, PersistentAsyncCaller, TemporalAsyncCaller
@@ -136,15 +136,6 @@ def wait_for_file(path, timeout=30.0):
         assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
         time.sleep(0.02)
     return Path(path).read_text()
-
-
-def shm_entries():
-    """The /dev/shm entries but multiprocessing's named semaphores (``sem.*``: unlinked
-    right after creation, and made by any process of the machine, as conftest says)."""
-    try:
-        return {e for e in os.listdir("/dev/shm") if not e.startswith("sem.")}
-    except FileNotFoundError:
-        return set()
 
 
 @pytest.fixture(params=[False, True], ids=["temporal", "persistent"])
@@ -653,7 +644,7 @@ def test_close_abort_kills_the_worker_and_drops_pending_calls(make_queue, persis
     if persistent:
         assert q.caller.worker_pid is None
     assert live_children() == []
-    assert shm_entries() - shm_before == set()
+    assert new_shm_entries(shm_before) == set()
     q.close(abort=True)  # idempotent
     q.close()
     assert ran == []

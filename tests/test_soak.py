@@ -43,6 +43,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from conftest import shm_entries
 
 import asyncckpt
 from asyncckpt import AsyncCallsQueue, CheckpointManager, PersistentAsyncCaller
@@ -78,13 +79,6 @@ def mutate(state: dict[str, Any], i: int) -> None:
     state["extra"]["bias"].fill_(float(i))
     state["extra"]["step"].fill_(i)
     state["step"] = i
-
-
-def shm_entries() -> set[str]:
-    try:
-        return {e for e in os.listdir("/dev/shm") if not e.startswith("sem.")}
-    except FileNotFoundError:
-        return set()
 
 
 def children() -> set[int]:

@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("--mb", type=int, default=64, help="MB of state (%(default)s)")
     p.add_argument("--saves", type=int, default=300, help="saves per tier (%(default)s)")
     p.add_argument("--tiers", default="local,persistent", help="local, persistent or both (%(default)s)")
+    p.add_argument("--dir", default=None, help="scratch directory (default: a new one under /dev/shm)")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from . import llm
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     _, _, sd = llm.build_llm(llm.llm_of_bytes(args.mb * (1 << 20)), fsdp=False, rank=0, device="cpu")
     sd = {**sd, "step": 0}
     nbytes = sum(t.numel() * t.element_size() for t in tensors_of(sd))
-    base = tempfile.mkdtemp(prefix="bench-stall-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    base = tempfile.mkdtemp(prefix="bench-stall-", dir=args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None))
     try:
         rows = {tier: _run(tier, sd, args.saves, base) for tier in args.tiers.split(",")}
     finally:
