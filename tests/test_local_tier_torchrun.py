@@ -53,12 +53,18 @@ from helpers import started_session
 WALK_THROUGH = next(b for b in code_blocks() if b.heading == "Fast recovery: the local tier" and b.lang == "python")
 
 
-def _readme_train_args() -> list[str]:
-    """The walk-through's ``TRAIN`` (``scripts/train.py`` and its arguments), as written."""
-    for node in ast.parse(WALK_THROUGH.code).body:
+def _train_list(tree: ast.Module) -> ast.List:
+    """The list the walk-through assigns to ``TRAIN`` (``scripts/train.py`` and its arguments)."""
+    for node in tree.body:
         if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["TRAIN"]:
-            return list(ast.literal_eval(node.value))
+            assert isinstance(node.value, ast.List)
+            return node.value
     raise AssertionError("README's local tier walk-through no longer assigns TRAIN")
+
+
+def _readme_train_args() -> list[str]:
+    """The walk-through's ``TRAIN``, as written."""
+    return list(ast.literal_eval(_train_list(ast.parse(WALK_THROUGH.code))))
 
 
 def _without(args: list[str], flag: str) -> list[str]:
@@ -150,11 +156,9 @@ def _walk_through(save_final: str, port: int) -> str:
     """README's walk-through with ``--save-final save_final`` added to ``TRAIN`` and
     ``port`` for its rendezvous (README's is fixed: another process may hold it here)."""
     tree = ast.parse(WALK_THROUGH.code)
+    _train_list(tree).elts += [ast.Constant("--save-final"), ast.Constant(save_final)]
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["TRAIN"]:
-            assert isinstance(node.value, ast.List)
-            node.value.elts += [ast.Constant("--save-final"), ast.Constant(save_final)]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("127.0.0.1:"):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("127.0.0.1:"):
             node.value = f"127.0.0.1:{port}"
     return ast.unparse(tree)
 

@@ -250,8 +250,6 @@ def save(
     transient = saver is None
     if saver is None:
         saver = Saver(queue, opts)
-    # (an earlier overlapped save on this queue, whatever its options, is scheduled
-    # first: Saver.hand_off_overlapped)
     for other in others:
         with other.lock:
             if async_op and not other.busy():

@@ -79,33 +79,19 @@ MAX_UNHARVESTED = 1024
 _settling = threading.local()
 
 
-class _QueueSavers:
-    """The savers that schedule on one queue, and the lock they share (:attr:`Saver.lock`).
-
-    Every rank must schedule a queue's calls in the same order, but an overlapped
-    save is handed to the writer (scheduled) when its copy is over, which differs
-    from rank to rank. So a queue has at most one overlapped save not handed off, and
-    any save on the queue, of any of its savers (a manager's, its local tier's,
-    :func:`asyncckpt.save`'s with the same ``calls_queue``), hands it off first
-    (:meth:`Saver.hand_off_overlapped`): calls are scheduled in the order the saves
-    were called, on every rank.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.savers: weakref.WeakSet[Saver] = weakref.WeakSet()
-
-
-_queues: weakref.WeakKeyDictionary[AsyncCallsQueue, _QueueSavers] = weakref.WeakKeyDictionary()
+#: The lock the savers of one queue share (:attr:`Saver.lock`): one save, hand-off or
+#: ``synchronize_staging()`` on the queue at a time, since a save of one saver may hand
+#: off another's overlapped save (:meth:`Saver.hand_off_overlapped`).
+_queue_locks: weakref.WeakKeyDictionary[AsyncCallsQueue, threading.RLock] = weakref.WeakKeyDictionary()
 _queues_lock = threading.Lock()
 
 
-def _savers_of(queue: AsyncCallsQueue) -> _QueueSavers:
+def _lock_of(queue: AsyncCallsQueue) -> threading.RLock:
     with _queues_lock:
-        peers = _queues.get(queue)
-        if peers is None:
-            peers = _queues[queue] = _QueueSavers()
-        return peers
+        lock = _queue_locks.get(queue)
+        if lock is None:
+            lock = _queue_locks[queue] = threading.RLock()
+        return lock
 
 
 def _renew_queues_lock() -> None:
@@ -197,10 +183,8 @@ class Saver:
         self.layouts = _LayoutCache()
         self.layout_exchange = _LayoutExchange()  # used by the finalizer thread's commits only
         self.metadata_pickle = MetadataPickle()  # this saver's: another saver's commits never evict it
-        self._peers = _savers_of(queue)
-        self._peers.savers.add(self)
         #: One save() / synchronize_staging() at a time, shared by the queue's savers.
-        self.lock = self._peers.lock
+        self.lock = _lock_of(queue)
         self._state = threading.RLock()  # guards the two below (training and finalizer threads)
         self._overlapped: _Overlapped | None = None
         #: This saver's scheduled saves, in call order, until harvested (pending while
@@ -591,11 +575,19 @@ class Saver:
 
     def hand_off_overlapped(self) -> None:
         """Hand the overlapped save of this saver's queue that is not handed to the
-        writer yet (of this saver or another on the queue: :class:`_QueueSavers`) to
-        the writer: before any save on the queue plans or is scheduled."""
+        writer yet, of this saver or another saver of the queue, to the writer: before
+        any save on the queue plans or is scheduled.
+
+        Every rank must schedule a queue's calls in the same order, but an overlapped
+        save is handed off when its copy is over, which differs from rank to rank. So
+        a queue has at most one overlapped save not handed off, and any save on the
+        queue (a manager's, its local tier's, :func:`asyncckpt.save`'s with the same
+        ``calls_queue``) hands it off first: calls are scheduled in the order of the
+        saves, on every rank."""
+        queue = self._queue_ref()
         with self.lock:
-            for saver in list(self._peers.savers):
-                if saver._overlapped is not None:
+            for saver in [self, *_live_savers]:  # (the exit forgets the live savers: this one still counts)
+                if isinstance(saver, Saver) and saver._overlapped is not None and saver.live_queue() is queue:
                     saver.synchronize_staging()
 
     def synchronize_staging(self) -> None:
