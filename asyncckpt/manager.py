@@ -543,9 +543,10 @@ class CheckpointManager:
         """Get ready for saves of ``state_dict``'s structure before the first one (collective).
 
         Plans the save (the plan is cached), then allocates, page-faults and formats
-        the staging buffer, so that the first ``save`` stalls no longer than later
-        ones: allocating fresh host memory costs several times a copy into memory
-        already mapped. With a local tier, its own staging buffer too (the first
+        the staging buffers (all ``staging_buffers`` of them; pinned for CUDA
+        tensors), so that no later ``save`` stalls longer than a steady one:
+        allocating fresh host memory costs several times a copy into memory already
+        mapped. With a local tier, its own staging buffer too (the first
         ``manager.local.save`` likewise). Nothing is written. Optional; call it e.g.
         after building the model and optimizer state.
 
@@ -556,7 +557,8 @@ class CheckpointManager:
             The bytes of host memory the staging buffers hold (this rank).
 
         Raises:
-            CheckpointError: invalid input on any rank (raised on every rank).
+            CheckpointError: invalid input on any rank, or the memory guard
+                (``staging_memory_limit``) refused the buffers (raised on every rank).
         """
         if self._closed:
             raise InvalidStateError("CheckpointManager is closed")

@@ -275,8 +275,9 @@ class _LocalSaver(Saver):
         super().__init__(queue, options, None, storage=owner.storage)
         self.owner = owner
 
-    def _check_memory(self, layout: RankLayout) -> None:
-        """The memory guard of a local save: the staging buffer (as any save), and the
+    def _check_memory(self, layout: RankLayout, reserve: bool = False) -> None:
+        """The memory guard of a local save (``reserve``: of ``prepare()``, every staging
+        buffer at once): the staging buffer (as any save), and the
         tier's bytes for the new step (this rank's shard and the replicas it receives,
         about one shard each, less what each shard's spare holds: the new step is
         written into it), against the free space of the tier's file system, and
@@ -285,7 +286,7 @@ class _LocalSaver(Saver):
         Raises:
             CheckpointError: not enough room (funnelled to every rank by ``save``).
         """
-        super()._check_memory(layout)
+        super()._check_memory(layout, reserve)
         limit = self.options.staging_memory_limit
         if limit is None:
             return
@@ -300,7 +301,7 @@ class _LocalSaver(Saver):
                 f"{len(self.owner.sources)} replicas), more than {limit:g} x the {free:,} bytes free there"
             )
         if self.owner._on_ram:
-            staging = self.pool.bytes_to_allocate(layout.slab_nbytes, self.queue.caller.is_running)
+            staging = self._staging_need(layout, reserve)
             available = psutil.virtual_memory().available
             if tier_need + staging > limit * available:
                 raise CheckpointError(
@@ -497,7 +498,7 @@ class LocalCheckpoints:
         (:meth:`CheckpointManager.prepare` calls it).
 
         Returns:
-            The bytes of host memory the buffer holds (this rank).
+            The bytes of host memory its staging buffers hold (this rank).
 
         Raises:
             CheckpointError: refused on some rank (invalid state, the memory guard), on

@@ -347,6 +347,34 @@ def test_prepare_also_readies_the_local_tiers_buffer(tmp_path):
     assert_same(sd, got)
 
 
+def test_prepare_allocates_every_staging_buffer_so_no_later_save_allocates_one(tmp_path, monkeypatch):
+    """With staging_buffers=2, prepare() allocates and formats both buffers: the saves
+    after it, two of them in flight at once (the writes held by a failpoint), reuse
+    them and allocate nothing on the training thread."""
+    sd = _state(4)
+    with asyncckpt.CheckpointManager(tmp_path / "one") as one:
+        single = one.prepare(sd)
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("ASYNCCKPT_FAULT", f"after_write:wait={gate}")
+    with asyncckpt.CheckpointManager(tmp_path / "two", staging_buffers=2) as mgr:
+        nbytes = mgr.prepare(sd)
+        buffers = staging_buffers(mgr)
+        assert len(buffers) == 2 and nbytes == 2 * single
+        first = mgr.save(1, sd)
+        sd2 = clone_state(sd)
+        sd2["model"]["w0"].add_(1)
+        second = mgr.save(2, sd2)  # the first write still reads its buffer
+        assert not first.done()
+        assert staging_buffers(mgr) == buffers
+        gate.touch()
+        first.wait()
+        second.wait()
+        mgr.save(3, sd).wait()
+        assert staging_buffers(mgr) == buffers
+    assert_same(sd2, _load(tmp_path / "two" / "step_00000002", sd2))
+    assert_same(sd, _load(tmp_path / "two" / "step_00000003", sd))
+
+
 def test_prepare_formats_the_buffer_without_writing(tmp_path):
     """prepare() plans and allocates; the first save then reuses both."""
     sd = _state(4)

@@ -256,8 +256,9 @@ class Saver:
             return any(record.call_idx == call_idx for record in self._records)
 
     # ------------------------------------------------------------------ phases, driven
-    def _check_memory(self, layout: RankLayout) -> None:
-        """The memory guard (``SaveOptions.staging_memory_limit``), before any allocation.
+    def _check_memory(self, layout: RankLayout, reserve: bool = False) -> None:
+        """The memory guard (``SaveOptions.staging_memory_limit``), before any allocation;
+        ``reserve``: for ``prepare()``, which allocates every staging buffer at once.
 
         Raises:
             CheckpointError: a new staging buffer would take more than the allowed
@@ -266,7 +267,7 @@ class Saver:
         limit = self.options.staging_memory_limit
         if limit is None:
             return
-        need = self.pool.bytes_to_allocate(layout.slab_nbytes, self.queue.caller.is_running)
+        need = self._staging_need(layout, reserve)
         if not need:
             return  # a buffer is reused: nothing to allocate (the steady state)
         available = psutil.virtual_memory().available
@@ -276,6 +277,14 @@ class Saver:
                 f"{limit:g} x the {available:,} bytes of memory available; free memory, use fewer "
                 "staging_buffers, or pass SaveOptions(staging_memory_limit=None) to skip this check"
             )
+
+    def _staging_need(self, layout: RankLayout, reserve: bool) -> int:
+        """The bytes of host memory staging ``layout`` would allocate now (0: a buffer is
+        reused); ``reserve``: every buffer ``prepare()`` allocates."""
+        is_running = self.queue.caller.is_running
+        if reserve:
+            return self.pool.bytes_to_reserve(layout.slab_nbytes, is_running)
+        return self.pool.bytes_to_allocate(layout.slab_nbytes, is_running)
 
     def _buffer_for(self, save: SaveInFlight) -> StagingBuffer:
         queue = self.queue
@@ -501,10 +510,12 @@ class Saver:
         self.raise_callback_errors()
 
     def prepare(self, state_dict: dict[str, Any], process_group: Any, coordinator_rank: int) -> int:
-        """Plan ``state_dict`` and allocate and format its staging buffer, writing nothing.
+        """Plan ``state_dict`` and allocate and format its staging buffers (all
+        ``SaveOptions.staging_buffers`` of them, so that no later save allocates one),
+        writing nothing.
 
         Returns:
-            The bytes of host memory the staging buffer holds.
+            The bytes of host memory the staging buffers hold.
         """
         with self.lock:
             self.synchronize_staging()
@@ -519,14 +530,19 @@ class Saver:
                 cache=self.plan_cache,
                 layouts=self.layouts,
                 check_target=False,
-                check_layout=self._check_memory,
+                check_layout=lambda layout: self._check_memory(layout, reserve=True),
             )
-            buffer = self._buffer_for(record)
-            buffer.populate(self.copier)  # the allocation a first save would pay
-            buffer.format(record.layout)
-            if any(isinstance(d, torch.Tensor) and d.is_cuda for d in record.planned.data):
-                buffer.pin()
-            return buffer.nbytes
+            queue = self.queue
+            buffers = self.pool.reserve(
+                record.layout.slab_nbytes, record.layout.key, queue.caller.is_running, queue.wait_local
+            )
+            cuda = any(isinstance(d, torch.Tensor) and d.is_cuda for d in record.planned.data)
+            for buffer in buffers:
+                buffer.populate(self.copier)  # the allocation a first save would pay
+                buffer.format(record.layout)
+                if cuda:
+                    buffer.pin()
+            return sum(b.nbytes for b in self.pool.buffers)
 
     def staging_copied(self) -> bool:
         """Whether an overlapped save's copy is over (True with none), polled: never
