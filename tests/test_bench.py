@@ -519,16 +519,23 @@ def test_bench_shard_index_reports_each_world_size(tmp_path: Path) -> None:
 
 
 def test_issue35_loop_target_leaves_the_last_saves_write_out() -> None:
-    """The GPU loop's K = 10 goal (<= +1 %) is judged on the run's time less its last
-    save's write, which every run of the loop commits inside its time and a long run
-    pays once; the slowdown with it is shown beside."""
+    """The GPU loop's K = 10 goal (<= +1 %) is judged on the time until the steps'
+    work was done on the device (``trained_s``), without the last save's write, which
+    every run of the loop commits inside its time and a long run pays once; the
+    slowdown with it is shown beside."""
     from benchmark.targets import issue35_targets
 
     row = {"saves": 2, "blocked_per_save_s": 0.01}
     systems = {
-        "no checkpoint": {**row, "time_s": 2.0, "slowdown": 0.0, "drain_s": 0.0},
-        "asyncckpt persistent": {**row, "time_s": 3.4, "slowdown": 0.7, "drain_s": 1.3},
-        "asyncckpt persistent overlapped": {**row, "time_s": 3.31, "slowdown": 0.655, "drain_s": 1.3},
+        "no checkpoint": {**row, "time_s": 2.0, "slowdown": 0.0, "drain_s": 0.0, "trained_s": 2.0},
+        "asyncckpt persistent": {**row, "time_s": 3.4, "slowdown": 0.7, "drain_s": 1.3, "trained_s": 2.1},
+        "asyncckpt persistent overlapped": {
+            **row,
+            "time_s": 3.31,
+            "slowdown": 0.655,
+            "drain_s": 1.2,
+            "trained_s": 2.01,
+        },
     }
     res = {"training": {"every": 10, "systems": systems, "sparser": []}}
     rows = {r["target"]: r for r in issue35_targets(res)}

@@ -158,7 +158,8 @@ def issue35_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     steady stall <= 1.1x the pinned D2H copy and the first save <= 3x the steady stall
     (with and without prepare()); in the training loop, asyncckpt with overlapped staging
     <= 1 % slower than no checkpoint at K = 10 (the run's time less its last save's
-    write, which a long run pays once), and never slower than without overlap."""
+    write, which a long run pays once; with 1 and with 2 staging buffers), and never
+    slower than without overlap."""
     rows: list[dict[str, Any]] = []
 
     def row(target: str, goal: str, measured: str | None, met: bool | None) -> None:
@@ -188,23 +189,31 @@ def issue35_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     by_every = {}
     if tr:
         by_every = {tr["every"]: tr["systems"], **{x["every"]: x["systems"] for x in tr.get("sparser", [])}}
-    o10 = by_every.get(10, {}).get(ACK + " overlapped")
     base10 = by_every.get(10, {}).get("no checkpoint")
     goal = "<= +1 % against no checkpoint (the last save's write left out)"
-    if o10 and base10:
-        # A run's last save is committed inside its time (every system finishes its
-        # work); in a short run that write (1.27 s for 1.6 GB on the H200 machine's
-        # disk, 9 steps) is most of the slowdown, while a long run pays it once.
-        steady = (o10["time_s"] - o10["drain_s"]) / base10["time_s"] - 1
-        row(
-            "GPU loop: overlapped, K = 10",
-            goal,
-            f"{100 * steady:+.1f} % ({100 * o10['slowdown']:+.1f} % with the last save's write, "
-            f"{fmt_ms(o10['drain_s'])} ms)",
-            steady <= 0.01,
-        )
-    else:
-        row("GPU loop: overlapped, K = 10", goal, None, None)
+    for name, label in (
+        (ACK + " overlapped", "GPU loop: overlapped, K = 10"),
+        (ACK + " overlapped, 2 staging buffers", "GPU loop: overlapped, 2 staging buffers, K = 10"),
+    ):
+        o10 = by_every.get(10, {}).get(name)
+        if o10 and base10:
+            # A run's last save is committed inside its time (every system finishes its
+            # work); in a short run that write (1.27 s for 1.6 GB on the H200 machine's
+            # disk, 9 steps) is most of the slowdown, while a long run pays it once:
+            # judged on the time until the steps' work (and the last copy) was done on
+            # the device. (Runs before trained_s: the time less the drain, which also
+            # left out the device's queued steps.)
+            trained = o10.get("trained_s", o10["time_s"] - o10["drain_s"])
+            steady = trained / base10["time_s"] - 1
+            row(
+                label,
+                goal,
+                f"{100 * steady:+.1f} % ({100 * o10['slowdown']:+.1f} % with the last save's write, "
+                f"{fmt_ms(o10['drain_s'])} ms)",
+                steady <= 0.01,
+            )
+        else:
+            row(label, goal, None, None)
     for k in sorted(set(by_every) | {1, 4, 10}):
         plain, over = by_every.get(k, {}).get(ACK), by_every.get(k, {}).get(ACK + " overlapped")
         label, goal = f"GPU loop: overlap against none, K = {k}", "overlapped <= without overlap"

@@ -216,18 +216,22 @@ class TrainDcpAsync(TrainCkpt):
 
 class TrainAsyncckpt(TrainCkpt):
     """asyncckpt's CheckpointManager, made and prepare()d before the loop; ``keep``: its
-    ``keep_last`` (``None``: keep all)."""
+    ``keep_last`` (``None``: keep all); ``staging_buffers``: its ``staging_buffers``
+    (``None``: the default, 1)."""
 
-    def __init__(self, overlap: bool, keep: int | None = None) -> None:
+    def __init__(self, overlap: bool, keep: int | None = None, staging_buffers: int | None = None) -> None:
         self.overlapped = overlap
         self.overlap_staging = True if overlap else None  # None: the manager's default
         self.keep = keep
+        self.staging_buffers = staging_buffers
         self.mgr: Any = None
         self.pending = False
 
     def open(self, root: Path, state: Callable[[], Any] | None = None) -> None:
         super().open(root)
-        self.mgr = asyncckpt.CheckpointManager(root, keep_last=self.keep, overlap_staging=self.overlap_staging)
+        self.mgr = asyncckpt.CheckpointManager(
+            root, keep_last=self.keep, overlap_staging=self.overlap_staging, staging_buffers=self.staging_buffers
+        )
         if state is not None:  # as the quick start does, after building model and optimizer
             self.mgr.prepare(state())
 
@@ -257,7 +261,8 @@ def train_systems(device: str = "cpu") -> list[tuple[str, Callable[[], TrainCkpt
     overlapped staging; every checkpoint kept until the run ends. On a GPU (issue 35's
     rows): none, DCP with a DefaultStager (pinned, shared memory, asynchronous staging,
     non-blocking copies; reused, and a new one per save), asyncckpt with and without
-    overlapped staging; the last 2 checkpoints kept (a checkpoint every step of a
+    overlapped staging, and overlapped with 2 staging buffers (a save need not wait for
+    the previous save's write to free the buffer); the last 2 checkpoints kept (a checkpoint every step of a
     1.6 GB state would fill the disk)."""
     if device == "cuda":
         return [
@@ -272,6 +277,10 @@ def train_systems(device: str = "cpu") -> list[tuple[str, Callable[[], TrainCkpt
             ),
             ("asyncckpt persistent", lambda: TrainAsyncckpt(False, keep=2)),
             ("asyncckpt persistent overlapped", lambda: TrainAsyncckpt(True, keep=2)),
+            (
+                "asyncckpt persistent overlapped, 2 staging buffers",
+                lambda: TrainAsyncckpt(True, keep=2, staging_buffers=2),
+            ),
         ]
     return [
         ("no checkpoint", TrainCkpt),
@@ -287,8 +296,11 @@ def train_run(tr: Any, ck: TrainCkpt, steps: int, every: int, root: Path) -> dic
     """One run of ``steps`` steps of ``tr`` (a :class:`Trainer` or
     :class:`benchmark.gpu.MlpTrainer`) with a checkpoint of ``ck`` every ``every`` steps
     (0: none); the time runs from an idle device to the last checkpoint committed and the
-    device idle again (``tr.sync()``). Returns the time (s), the checkpoints, and the
-    training thread's time in the checkpoint's calls (``blocked_*_s``)."""
+    device idle again (``tr.sync()``). Returns the time (s), the checkpoints, the
+    training thread's time in the checkpoint's calls (``blocked_*_s``), ``trained_s``
+    (the time until the steps' work was done on the device, the last save's copy
+    included: the loop's cost without the last save's write, which a long run pays
+    once) and ``drain_s`` (the rest: the last save's write and commit)."""
     ck.open(root, tr.state_dict)
     blocked = {"save": 0.0, "staging_wait": 0.0, "poll": 0.0}
     saves = 0
@@ -309,10 +321,12 @@ def train_run(tr: Any, ck: TrainCkpt, steps: int, every: int, root: Path) -> dic
             t0 = time.perf_counter()
             ck.poll()
             blocked["poll"] += time.perf_counter() - t0
+        tr.sync()  # on a GPU: the queued steps (and the last save's D2H copy) are done
         t0 = time.perf_counter()
+        trained = t0 - t_start
         ck.drain()  # the last save is committed inside the measured time
         drain = time.perf_counter() - t0
-        tr.sync()  # on a GPU: the queued steps are done
+        tr.sync()
         total = time.perf_counter() - t_start
     finally:
         ck.close()
@@ -322,6 +336,7 @@ def train_run(tr: Any, ck: TrainCkpt, steps: int, every: int, root: Path) -> dic
         "saves": saves,
         "blocked_s": sum(blocked.values()),
         "drain_s": drain,
+        "trained_s": trained,
         **{f"blocked_{k}_s": v for k, v in blocked.items()},
     }
 
@@ -430,6 +445,7 @@ def bench_training(
             "blocked_per_save_s": med([r["blocked_s"] / max(1, r["saves"]) for r in rs]),
             **{f"blocked_{b}_per_save_s": v for b, v in per.items()},
             "drain_s": med([r["drain_s"] for r in rs]),
+            "trained_s": med([r["trained_s"] for r in rs]),
             "times_s": [r["time_s"] for r in rs],
         }
         for target in [kk2 for kk2 in ks if steps_at[kk2] == n_steps] if kk == 0 else [kk]:
