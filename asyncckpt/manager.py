@@ -584,10 +584,12 @@ class CheckpointManager:
         the next save, ``wait`` or :meth:`close`). With a ``calls_queue`` finalized
         in the training loop (no background finalizer) it waits for the copy and
         starts the write on every rank: that queue's ranks must hand the save to the
-        writer in the same call. The wait counts as the save's stall. No-op when
-        nothing is being staged.
+        writer in the same call. The wait counts as the save's stall. The local
+        tier's overlapped save too (``local=``). No-op when nothing is being staged.
         """
         self._saver.release_staging()
+        if self.local is not None:
+            self.local.synchronize_staging()
 
     def maybe_finalize(self, blocking: bool = False) -> list[int]:
         """Report the saves committed since the last call, and raise failures.
@@ -688,7 +690,7 @@ class CheckpointManager:
         check_state_dict(state_dict, hint=hint)
         if step is not None:
             step = check_step(step, hint=hint)
-        self._saver.synchronize_staging()  # never load into tensors an overlapped copy still reads
+        self._saver.hand_off_overlapped()  # never load into tensors an overlapped copy still reads (any tier's)
         where: str | None = None
         if step is None:
             choice = self._agreed_newest()

@@ -323,7 +323,8 @@ class LocalCheckpoints:
     Args:
         tier: the policy (:class:`~asyncckpt.io.local_tier.LocalTier`).
         queue: the manager's queue (its worker writes the local saves too).
-        options: the manager's save options (overlapped staging is not used here).
+        options: the manager's save options (with ``overlap_staging``, local saves are
+            overlapped too: :meth:`save`, :meth:`synchronize_staging`).
         process_group: the ranks saving together.
         root: the job's persistent root (its absolute path): the tier directory is
             this job's (:meth:`NodeLocalStorage.claim`: a tier of another job that is
@@ -385,7 +386,7 @@ class LocalCheckpoints:
             me = dist.get_rank()
             self._self_group = dist.new_group(ranks=[me], backend="gloo", use_local_synchronization=True)
         self._on_ram = str(self.storage.base.resolve()).startswith("/dev/shm/")
-        self._saver = _LocalSaver(self, queue, dataclasses.replace(options, overlap_staging=False))
+        self._saver = _LocalSaver(self, queue, options)
         self.restored: RestoreResult | None = None
 
     def _opening(self, step: Callable[[], None]) -> None:
@@ -438,7 +439,11 @@ class LocalCheckpoints:
         The handle completes once the step is restorable (stored on ``replicas + 1``
         nodes for every rank) or failed; :meth:`maybe_finalize` reports both. A DTensor
         is saved as its local shard, a plain tensor (:func:`local_shards`): the tier
-        restores the same sharding only.
+        restores the same sharding only. With the manager's ``overlap_staging`` it
+        returns once the copy is started, as the manager's ``save`` does: the state must
+        not change until :meth:`CheckpointManager.synchronize_staging` (or the
+        optimizer's step, which is ordered after the copy); the write starts at the
+        first :meth:`maybe_finalize` that finds the copy over (or the next save).
 
         Returns:
             The handle, or ``None`` when ``step`` is not due.
@@ -453,6 +458,7 @@ class LocalCheckpoints:
         saver = self._saver
         with saver.lock:
             started = time.monotonic()
+            saver.hand_off_overlapped()  # an earlier overlapped save of the queue is scheduled first
             queue = saver.queue
             queue.start()  # collective the first time (the finalizer's group)
             saver.wait_for_room()  # no more local steps on the node than a commit keeps up with
@@ -486,9 +492,18 @@ class LocalCheckpoints:
             assert record is not None
             record.started = started
             link.record = record
-            saver._schedule(record, lambda: saver._stage_now(record))
+            if saver.options.overlap_staging:
+                saver._start_overlapped(record)
+            else:
+                saver._schedule(record, lambda: saver._stage_now(record))
             record.stall_s += time.monotonic() - started
             return handle
+
+    def synchronize_staging(self) -> None:
+        """Make the state of an overlapped local save free to change, and start its
+        write once its copy is over (:meth:`CheckpointManager.synchronize_staging`
+        calls it; the same contract). No-op when nothing is being staged."""
+        self._saver.release_staging()
 
     @gc_paused()
     def prepare(self, state_dict: dict[str, Any]) -> int:
@@ -594,7 +609,11 @@ class LocalCheckpoints:
         """The local steps that became restorable since the last call (any rank, no
         collective; at most the newest 512 to 1024, as ``CheckpointManager.maybe_finalize``);
         a local save that failed is logged as a warning on logger ``asyncckpt`` (the
-        tier keeps its last restorable step), never raised."""
+        tier keeps its last restorable step), never raised. An overlapped local save
+        whose copy is over is handed to the writer first (``blocking``: whether over
+        or not), as :meth:`CheckpointManager.maybe_finalize` does."""
+        if blocking or self._saver.staging_copied():
+            self._saver.synchronize_staging()
         steps: list[int] = []
         while True:
             try:
@@ -672,6 +691,7 @@ class LocalCheckpoints:
             CheckpointError: a copy failed on some rank and the persistent tier holds
                 nothing to fall back to (the same on every rank).
         """
+        self._saver.hand_off_overlapped()  # never restore into tensors an overlapped copy still reads
         sync = self.sync
         with sync.describing("the restore's census of the local tier"):
             census = sync.all_gather_object((self.storage.held(), persistent_step), fits=self._census_bytes())

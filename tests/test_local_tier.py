@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +41,7 @@ from asyncckpt.io.local_tier import NodeLocalStorage
 from asyncckpt.replication import replica_map
 
 from dist_utils import preload_forkserver, run_ranks
-from helpers import finish_session, flip_byte, small_tmpfs, started_session
+from helpers import assert_same, clone_state, finish_session, flip_byte, small_tmpfs, started_session
 
 WORLD = 4
 
@@ -365,6 +366,64 @@ def test_an_overlapped_save_is_scheduled_before_a_later_local_save_on_every_rank
     # rank 1 the local one, and their commits met each other's collectives.
     seen = run_ranks(_overlapped_then_local, 2, str(tmp_path), timeout=120)
     assert seen == [([2], [2]), ([2], [2])]
+
+
+def test_overlapped_local_saves_return_before_the_copy_and_hold_the_state_as_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``overlap_staging=True`` a local save returns once its copy is started (the
+    copy thread held at the ``stage`` failpoint until a gate file exists, opened 3 s
+    later): the optimizer's step right after it waits for the copy, an in-place change
+    after ``synchronize_staging()`` is not in the checkpoint, and both steps restore
+    bitwise as of their save."""
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("ASYNCCKPT_FAULT", f"stage:wait={gate}")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Linear(256, 128))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def backward() -> None:
+        model(torch.randn(8, 128)).square().mean().backward()
+
+    def state() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+    backward()
+    opt.step()  # the optimizer state exists
+    tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier, overlap_staging=True) as mgr:
+        assert mgr.local is not None
+        expected1 = clone_state(state())
+        backward()
+        opener = threading.Timer(3.0, gate.touch)
+        opener.start()
+        try:
+            mgr.local.save(1, state())
+            returned_before_the_copy = not gate.exists()
+            opt.step()  # its pre-hook waits for the copy (until the gate opens)
+        finally:
+            opener.join()
+        assert returned_before_the_copy
+        assert mgr.local.maybe_finalize(blocking=True) == [1]
+        got1 = clone_state(expected1)
+        for t in [*got1["model"].values()]:
+            t.zero_()
+        result1 = mgr.restore(got1)
+        assert result1 is not None and (result1.step, result1.tier) == (1, "local")
+        assert_same(expected1, got1)
+
+        expected2 = clone_state(state())
+        mgr.local.save(2, state())
+        mgr.synchronize_staging()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # after synchronize_staging(): not in step 2
+        assert mgr.local.maybe_finalize(blocking=True) == [2]
+        got2 = clone_state(expected1)
+        result2 = mgr.restore(got2)
+    assert result2 is not None and (result2.step, result2.tier) == (2, "local")
+    assert_same(expected2, got2)
+    assert not torch.equal(expected1["model"]["0.weight"], expected2["model"]["0.weight"]), "the step did nothing"
 
 
 def test_the_memory_guard_counts_the_tiers_bytes(tmp_path: Path) -> None:

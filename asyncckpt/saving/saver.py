@@ -380,24 +380,27 @@ class Saver:
             self._save_sync(record, started)
             return handle
         if self.options.overlap_staging:
-            buffer = self._buffer_for(record)
-            # D2H copies are issued here (ordered after this thread's current stream,
-            # they run asynchronously); small CPU tensors are copied now, the large
-            # ones in a thread.
-            stage(record, buffer, self.copier, cpu=False, synchronize=False)
-            stage(record, buffer, self.copier, cuda=False, synchronize=False, select=_small, blobs=False)
-            self._overlapped = _Overlapped(
-                record,
-                lambda: stage(
-                    record, buffer, self.copier, cuda=False, synchronize=False, select=lambda t: not _small(t)
-                ),
-                self.copier.event,
-            )
-            record.stall_s += time.monotonic() - started
-            return handle
-        self._schedule(record, lambda: self._stage_now(record))
+            self._start_overlapped(record)
+        else:
+            self._schedule(record, lambda: self._stage_now(record))
         record.stall_s += time.monotonic() - started
         return handle
+
+    def _start_overlapped(self, record: SaveInFlight) -> None:
+        """Stage ``record`` overlapped with training (``overlap_staging``): its D2H copies
+        are issued here (ordered after this thread's current stream, they run
+        asynchronously), its small CPU tensors copied now, the large ones in a thread;
+        its call is scheduled when the copy is over (:meth:`synchronize_staging`). The
+        caller holds :attr:`lock` and has handed off any earlier overlapped save of the
+        queue (:meth:`hand_off_overlapped`)."""
+        buffer = self._buffer_for(record)
+        stage(record, buffer, self.copier, cpu=False, synchronize=False)
+        stage(record, buffer, self.copier, cuda=False, synchronize=False, select=_small, blobs=False)
+        self._overlapped = _Overlapped(
+            record,
+            lambda: stage(record, buffer, self.copier, cuda=False, synchronize=False, select=lambda t: not _small(t)),
+            self.copier.event,
+        )
 
     def _stage_now(self, record: SaveInFlight) -> WriteTask:
         buffer = self._buffer_for(record)

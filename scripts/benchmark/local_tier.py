@@ -12,7 +12,9 @@ time (every rank at once, between two barriers, as the restores are timed), on t
 bytes, right next to it (``--reps`` rounds; the median of the ratios):
 
 - local save stall (``manager.local.save``, steady state, median) / memcpy of the
-  state into preallocated memory;
+  state into preallocated memory; with ``overlap_staging=True``, the time ``save()``
+  takes to return (its large tensors then copied by a thread) and until its copy is
+  over (``synchronize_staging()`` right after it), / the same memcpy;
 - local restore (every shard on its node: read + CRC-32 of every byte + load into the
   state) / the raw read of the same files (``os.preadv`` of this rank's files of the
   restored step, 2 MiB per buffer, into preallocated memory), and / memcpy of the same
@@ -32,8 +34,9 @@ bytes, right next to it (``--reps`` rounds; the median of the ratios):
   from a restore timed right after. The rows "as the manager opens" time that first
   restore (the same manager, the same bytes), what a restart on a small machine sees;
 - training slowdown: ``--train-steps`` steps (fixed compute, a small all-reduce, a
-  write to the state) with a local save every step, and with a persistent save every 4
-  steps, each / the same loop without checkpoints.
+  write to the state) with a local save every step (also overlapped:
+  ``synchronize_staging()`` before the write to the state), and with a persistent save
+  every 4 steps, each / the same loop without checkpoints.
 
     python scripts/bench_local_tier.py --mb 64
     python scripts/bench.py local-tier --mb 64 --workload llm
@@ -186,26 +189,31 @@ def _worker_started(mgr: Any, timeout: float = 120.0) -> None:
 def _training(args: argparse.Namespace, sd: dict[str, Any], base: Path, rank: int, tier: Any) -> dict[str, float]:
     """Seconds of ``--train-steps`` training steps (a fixed compute, then an all-reduce
     of a small gradient, then a write to the state): without checkpoints, with a local
-    save every step, with a persistent save every 4 steps (each in a root of its own)."""
+    save every step (``local-overlapped``: with ``overlap_staging=True``, the state
+    released by ``synchronize_staging()`` before it is written to), with a persistent
+    save every 4 steps (each in a root of its own)."""
     a, b = torch.randn(384, 384), torch.randn(384, 384)
     grad = torch.zeros(1 << 16)
 
     def run(mode: str) -> float:
         root = base / f"train_{mode}"
+        overlap = mode == "local-overlapped"
         local = (
             dataclasses.replace(tier, dir=str(base / f"train_{mode}_node{rank // args.ranks_per_node}"))
-            if mode == "local"
+            if mode.startswith("local")
             else None
         )
-        with asyncckpt.CheckpointManager(root, local=local) as mgr:
+        with asyncckpt.CheckpointManager(root, local=local, overlap_staging=overlap or None) as mgr:
             dist.barrier()
             t0 = time.perf_counter()
             for step in range(1, args.train_steps + 1):
                 for _ in range(8):
                     torch.mm(a, b)
                 dist.all_reduce(grad)
+                if overlap:
+                    mgr.synchronize_staging()
                 mutate(sd)
-                if mode == "local":
+                if local is not None:
                     assert mgr.local is not None
                     mgr.local.save(step, sd)
                     mgr.local.maybe_finalize()
@@ -218,7 +226,7 @@ def _training(args: argparse.Namespace, sd: dict[str, Any], base: Path, rank: in
             mgr.maybe_finalize(blocking=True)
         return elapsed
 
-    return {mode: run(mode) for mode in ("none", "local", "persistent")}
+    return {mode: run(mode) for mode in ("none", "local", "local-overlapped", "persistent")}
 
 
 def _restore(mgr: Any, sd: dict[str, Any]) -> float:
@@ -263,6 +271,19 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                 mgr.local.maybe_finalize(blocking=True)  # the steady state: the previous save is done
             mgr.save(args.saves, sd)  # the persistent tier's copy of the same step (a tie: the local tier restores)
             mgr.maybe_finalize(blocking=True)
+        returns, copied = [], []  # the same saves overlapped, in a tier and root of their own
+        overlapped_tier = dataclasses.replace(tier, dir=str(base / f"overlapped_node{node}"))
+        with asyncckpt.CheckpointManager(base / "root_overlapped", local=overlapped_tier, overlap_staging=True) as mgr:
+            assert mgr.local is not None
+            for step in range(1, args.saves + 1):
+                mutate(sd)
+                dist.barrier()
+                t0 = time.perf_counter()
+                mgr.local.save(step, sd)
+                returns.append(time.perf_counter() - t0)
+                mgr.synchronize_staging()
+                copied.append(time.perf_counter() - t0)
+                mgr.local.maybe_finalize(blocking=True)
         train = _training(args, sd, base, rank, tier)
         if rank == args.ranks_per_node:  # node 1's first rank
             shutil.copytree(base / "node1", base / "node1.intact")
@@ -318,6 +339,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                     "bytes": nbytes,
                     "tensors": len(src),
                     "stall": (statistics.median(stalls[1:]), statistics.median(memcpys[1:])),
+                    "overlapped": (statistics.median(returns[1:]), statistics.median(copied[1:])),
                     "local": (local_times, local_limits),
                     "local_read": (local_times, read_limits),
                     "peer": (peer_times, peer_limits),
@@ -384,6 +406,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         f"| local save stall (steady, median) | {stall * 1e3:.1f} ms | memcpy {memcpy * 1e3:.1f} ms | "
         f"{stall / memcpy:.2f}x |"
     )
+    for name, t in zip(("local save, overlapped: save() returns", "the same, until its copy is over"), r["overlapped"]):
+        print(f"| {name} | {t * 1e3:.1f} ms | memcpy {memcpy * 1e3:.1f} ms | {t / memcpy:.2f}x |")
     rows = [
         ("local restore (own node, CRC-checked)", r["local_read"], "raw read (preadv)"),
         ("the same", r["local"], "memcpy"),
@@ -404,6 +428,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     print(
         f"| {steps} training steps, local save every step | {t['local']:.2f} s | none {t['none']:.2f} s | "
         f"{t['local'] / t['none']:.2f}x |"
+    )
+    print(
+        f"| {steps} training steps, local save every step, overlapped | {t['local-overlapped']:.2f} s | "
+        f"none {t['none']:.2f} s | {t['local-overlapped'] / t['none']:.2f}x |"
     )
     print(
         f"| {steps} training steps, persistent save every 4 | {t['persistent']:.2f} s | none {t['none']:.2f} s | "
