@@ -236,7 +236,8 @@ def test_cuda_forked_writer_children_never_touch_cuda(tmp_path):
         asyncckpt.CheckpointManager(tmp_path / "fork", start_method="fork")
 
 
-def test_cuda_synchronize_staging_and_the_optimizer_step_never_wait_on_the_host(tmp_path):
+@pytest.mark.parametrize("tier", ["root", "local"])
+def test_cuda_synchronize_staging_and_the_optimizer_step_never_wait_on_the_host(tmp_path, tier):
     """Issue 35, item 1: with the device busy (the host ahead of it, as in any training
     loop), ``synchronize_staging()`` and the optimizer's step pre-hook do not wait on the
     host for an overlapped save's D2H copy: they order the current stream after it
@@ -246,8 +247,10 @@ def test_cuda_synchronize_staging_and_the_optimizer_step_never_wait_on_the_host(
     ``maybe_finalize()`` the host synchronizes no device, stream or event (torch's GPU
     trace, which ``set_sync_debug_mode`` does not cover for events) and makes no
     synchronizing call (``set_sync_debug_mode("error")``); each checkpoint holds the
-    parameters as of its ``save()``, which the step changed right after. (Last in this
-    file: the GPU trace stays active in the process.)"""
+    parameters as of its ``save()``, which the step changed right after. ``tier``:
+    the manager's saves, or its local tier's (``manager.local.save``; only its newest
+    step is kept, so only that one is read back). (Last in this file: the GPU trace
+    stays active in the process.)"""
     import traceback
 
     from torch.cuda import _gpu_trace
@@ -270,9 +273,14 @@ def test_cuda_synchronize_staging_and_the_optimizer_step_never_wait_on_the_host(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(256, 2048, device="cuda")
     expected: dict[int, dict[str, torch.Tensor]] = {}
-    with asyncckpt.CheckpointManager(tmp_path, overlap_staging=True, keep_last=3) as mgr:
-        mgr.save(1, {"model": model.state_dict()})  # the first save pins its buffer
-        mgr.maybe_finalize(blocking=True)
+    local = tier == "local"
+    root = tmp_path / "root" if local else tmp_path
+    local_tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0) if local else None
+    with asyncckpt.CheckpointManager(root, overlap_staging=True, keep_last=3, local=local_tier) as mgr:
+        save = mgr.local.save if mgr.local is not None else mgr.save
+        finalize = mgr.local.maybe_finalize if mgr.local is not None else mgr.maybe_finalize
+        save(1, {"model": model.state_dict()})  # the first save pins its buffer
+        finalize(blocking=True)
         # step 2: synchronize_staging() before the step; step 3: the step's pre-hook alone
         for step, synchronize in ((2, True), (3, False)):
             model(x).square().mean().backward()
@@ -283,21 +291,24 @@ def test_cuda_synchronize_staging_and_the_optimizer_step_never_wait_on_the_host(
             recording[0] = True
             torch.cuda.set_sync_debug_mode("error")
             try:
-                handle = mgr.save(step, {"model": model.state_dict()})
+                handle = save(step, {"model": model.state_dict()})
                 if synchronize:
                     mgr.synchronize_staging()
                 optimizer.step()  # ordered after the copy, on the device
                 optimizer.zero_grad()
                 for _ in range(3):
-                    mgr.maybe_finalize()
+                    finalize()
             finally:
                 torch.cuda.set_sync_debug_mode(0)
                 recording[0] = False
             assert not waits, waits[0]
+            assert handle is not None
             handle.wait()
             assert not torch.equal(expected[step]["weight"], model.weight.detach())  # the step changed it
     for step, values in expected.items():
+        if local and step != 3:
+            continue
         out = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in values.items()}}
-        asyncckpt.load(out, tmp_path / f"step_{step:08d}")
+        asyncckpt.load(out, (tmp_path / "node0" / "rank_00000" if local else tmp_path) / f"step_{step:08d}")
         for k, v in values.items():
             assert torch.equal(out["model"][k], v.cpu()), (step, k)
