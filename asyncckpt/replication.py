@@ -607,7 +607,9 @@ class LocalCheckpoints:
 
     def maybe_finalize(self, blocking: bool = False) -> list[int]:
         """The local steps that became restorable since the last call (any rank, no
-        collective; at most the newest 512 to 1024, as ``CheckpointManager.maybe_finalize``);
+        collective, except with a ``calls_queue`` finalized in the training loop, which
+        it drives as ``CheckpointManager.maybe_finalize`` does; at most the newest 512
+        to 1024, as ``CheckpointManager.maybe_finalize``);
         a local save that failed is logged as a warning on logger ``asyncckpt`` (the
         tier keeps its last restorable step), never raised. An overlapped local save
         whose copy is over is handed to the writer first (``blocking``: whether over
