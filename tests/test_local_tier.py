@@ -426,6 +426,49 @@ def test_overlapped_local_saves_return_before_the_copy_and_hold_the_state_as_sav
     assert not torch.equal(expected1["model"]["0.weight"], expected2["model"]["0.weight"]), "the step did nothing"
 
 
+def _overlapped_local_then_persistent(rank: int, world: int, base: str, background: bool) -> Any:
+    """An overlapped local save whose copy ends at different times on the two ranks
+    (rank 1's copy thread sleeps at the ``stage`` failpoint), the tier's
+    ``maybe_finalize()`` between (it hands rank 0's to the writer; on a queue finalized
+    in the loop, only once every rank's copy is over), then a persistent save of the
+    same step on the same queue: both are committed on both ranks."""
+    if rank == 1:
+        os.environ["ASYNCCKPT_FAULT"] = "stage:sleep=1.5"  # read by the copy thread (and the other save's stage)
+    queue = asyncckpt.AsyncCallsQueue(persistent=True, background_finalize=background)
+    tier = asyncckpt.LocalTier(dir=os.path.join(base, f"node{rank}"), every=2, replicas=1, node=rank)
+    try:
+        with asyncckpt.CheckpointManager(
+            os.path.join(base, "root"), local=tier, calls_queue=queue, overlap_staging=True
+        ) as mgr:
+            assert mgr.local is not None
+            state = _state(rank, 2)
+            mgr.local.save(2, state)
+            time.sleep(0.5)  # rank 0's copy is over, rank 1's is not
+            restorable = mgr.local.maybe_finalize()
+            mgr.save(2, state)
+            committed = mgr.maybe_finalize(blocking=True)
+            restorable += mgr.local.maybe_finalize(blocking=True)
+            got = _template()
+            result = mgr.restore(got)
+        same = all(
+            torch.equal(got[k], state[k]) if isinstance(got[k], torch.Tensor) else got[k] == state[k] for k in state
+        )
+        return committed, restorable, (result.step, result.tier) if result is not None else None, same
+    finally:
+        queue.close()
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background-finalizer", "finalized-in-the-loop"])
+def test_an_overlapped_local_save_and_a_later_persistent_save_commit_in_order_on_every_rank(
+    tmp_path: Path, background: bool
+) -> None:
+    # The local saver is a saver of the manager's queue: its overlapped save is handed to
+    # the writer before the persistent save is scheduled, on every rank; on a queue
+    # finalized in the loop the tier's maybe_finalize() hands it off only together.
+    seen = run_ranks(_overlapped_local_then_persistent, 2, str(tmp_path), background, timeout=120)
+    assert seen == [([2], [2], (2, "local"), True)] * 2
+
+
 def test_the_memory_guard_counts_the_tiers_bytes(tmp_path: Path) -> None:
     # a 1 MiB tier for a 2 MiB shard: the save is refused before anything is staged or written
     with small_tmpfs(tmp_path / "tier", "1m") as mounted:
