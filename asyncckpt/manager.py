@@ -378,7 +378,11 @@ class CheckpointManager:
 
     def wait_uploads(self, timeout: float | None = None) -> bool:
         """Wait until every queued upload is done (its outcome reported to the
-        callbacks); ``False`` if ``timeout`` seconds passed first. Not collective."""
+        callbacks); ``False`` if ``timeout`` seconds passed first. Not collective: on
+        the coordinator a step's upload is done once its commit marker is written (the
+        step exists remotely), on another rank once that rank's own objects are up. A
+        rank that reads the remote step next meets the coordinator first (e.g.
+        ``torch.distributed.barrier()`` after this call on every rank)."""
         return True if self._upload is None else self._upload.wait(timeout)
 
     @property

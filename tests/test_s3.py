@@ -596,6 +596,9 @@ def _fsdp_upload_and_load(rank: int, world_size: int, root: str, url: str, env: 
         manager.save(2, state)
         manager.maybe_finalize(blocking=True)
         assert manager.wait_uploads(60)
+    # rank 1's wait ends once its own objects are up; the step is committed remotely
+    # once the coordinator's ends (it writes the commit marker): the ranks meet after it.
+    torch.distributed.barrier()
     got = _map_tensors(state, torch.zeros_like)
     with observing_loads() as loads, counting_calls(asyncckpt.loading.dcp, "read_metadata") as reads:
         asyncckpt.load(got, f"{url}/step_00000002")
