@@ -792,7 +792,7 @@ class CheckpointManager:
             ``location``: the step's directory or ``s3://`` URL), or ``None`` when no
             tier holds a checkpoint (start from step 0).
         """
-        self._saver.synchronize_staging()
+        self._saver.hand_off_overlapped()  # never restore into tensors an overlapped copy still reads (any tier's)
         choice = self._agreed_newest()  # the persistent tiers' newest, the same on every rank
         if self.local is None:
             if choice is None:

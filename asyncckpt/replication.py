@@ -693,7 +693,6 @@ class LocalCheckpoints:
             CheckpointError: a copy failed on some rank and the persistent tier holds
                 nothing to fall back to (the same on every rank).
         """
-        self._saver.hand_off_overlapped()  # never restore into tensors an overlapped copy still reads
         sync = self.sync
         with sync.describing("the restore's census of the local tier"):
             census = sync.all_gather_object((self.storage.held(), persistent_step), fits=self._census_bytes())

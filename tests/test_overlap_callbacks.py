@@ -371,6 +371,12 @@ def test_prepare_allocates_every_staging_buffer_so_no_later_save_allocates_one(t
         second.wait()
         mgr.save(3, sd).wait()
         assert staging_buffers(mgr) == buffers
+        bigger = _state(5, numel=100_000)  # prepared again for a larger state: both buffers grow
+        mgr.prepare(bigger)
+        grown = staging_buffers(mgr)
+        assert len(grown) == 2 and all(b.nbytes > max(x.nbytes for x in buffers) for b in grown)
+        mgr.save(4, bigger).wait()
+        assert staging_buffers(mgr) == grown
     assert_same(sd2, _load(tmp_path / "two" / "step_00000002", sd2))
     assert_same(sd, _load(tmp_path / "two" / "step_00000003", sd))
 

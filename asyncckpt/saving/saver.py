@@ -281,10 +281,9 @@ class Saver:
     def _staging_need(self, layout: RankLayout, reserve: bool) -> int:
         """The bytes of host memory staging ``layout`` would allocate now (0: a buffer is
         reused); ``reserve``: every buffer ``prepare()`` allocates."""
-        is_running = self.queue.caller.is_running
         if reserve:
-            return self.pool.bytes_to_reserve(layout.slab_nbytes, is_running)
-        return self.pool.bytes_to_allocate(layout.slab_nbytes, is_running)
+            return self.pool.bytes_to_reserve(layout.slab_nbytes)
+        return self.pool.bytes_to_allocate(layout.slab_nbytes, self.queue.caller.is_running)
 
     def _buffer_for(self, save: SaveInFlight) -> StagingBuffer:
         queue = self.queue

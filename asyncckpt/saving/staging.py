@@ -351,28 +351,31 @@ class StagingPool:
         wait: Callable[[int], Any],
     ) -> tuple[StagingBuffer, ...]:
         """Every buffer a steady state of saves of ``nbytes`` uses, allocated now (for
-        ``prepare()``): :meth:`acquire`'s buffer, then new ones until the pool holds
-        ``num_buffers``. Returns the buffers no running write reads, which the caller
-        may format (a buffer a write still reads is left alone).
+        ``prepare()``): :meth:`acquire`'s buffer; the free buffers too small for
+        ``nbytes`` released; then new ones until the pool holds ``num_buffers``.
+        Returns the buffers no running write reads, which the caller may format (a
+        buffer a write still reads is left alone).
 
         Args:
             nbytes, layout_key, is_running, wait: as :meth:`acquire`.
         """
         self.acquire(nbytes, layout_key, is_running, wait)
+
+        def free(e: _Entry) -> bool:
+            return e.call_idx is None or not is_running(e.call_idx)
+
+        for e in [e for e in self._entries if e.slab.nbytes < nbytes and free(e)]:
+            self._entries.remove(e)
+            e.slab.release()
         while len(self._entries) < self.num_buffers:
             self._entries.append(_Entry(StagingBuffer(nbytes)))
-        return tuple(
-            e.slab
-            for e in self._entries
-            if e.slab.nbytes >= nbytes and (e.call_idx is None or not is_running(e.call_idx))
-        )
+        return tuple(e.slab for e in self._entries if e.slab.nbytes >= nbytes and free(e))
 
-    def bytes_to_reserve(self, nbytes: int, is_running: Callable[[int], bool]) -> int:
-        """How many bytes :meth:`reserve` would allocate for ``nbytes`` now: the memory
-        guard's figure for ``prepare()``."""
-        return self.bytes_to_allocate(nbytes, is_running) + nbytes * max(
-            0, self.num_buffers - max(1, len(self._entries))
-        )
+    def bytes_to_reserve(self, nbytes: int) -> int:
+        """At most how many bytes :meth:`reserve` allocates for ``nbytes``: one buffer
+        for each of the pool's ``num_buffers`` that no buffer of at least ``nbytes``
+        holds yet (the memory guard's figure for ``prepare()``)."""
+        return nbytes * max(0, self.num_buffers - sum(1 for e in self._entries if e.slab.nbytes >= nbytes))
 
     def bytes_to_allocate(self, nbytes: int, is_running: Callable[[int], bool]) -> int:
         """How many bytes :meth:`acquire` would allocate for ``nbytes`` now (0: it reuses

@@ -157,9 +157,9 @@ def issue35_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     :func:`issue11_targets`' (``met`` None where not measured): on the llm state, the
     steady stall <= 1.1x the pinned D2H copy and the first save <= 3x the steady stall
     (with and without prepare()); in the training loop, asyncckpt with overlapped staging
-    <= 1 % slower than no checkpoint at K = 10 (the run's time less its last save's
-    write, which a long run pays once; with 1 and with 2 staging buffers), and never
-    slower than without overlap."""
+    <= 1 % slower than no checkpoint at K = 10 (the time until the device finished the
+    steps, ``trained_s``: without the last save's write, which a long run pays once;
+    with 1 and with 2 staging buffers), and never slower than without overlap."""
     rows: list[dict[str, Any]] = []
 
     def row(target: str, goal: str, measured: str | None, met: bool | None) -> None:
