@@ -36,7 +36,9 @@ bytes, right next to it (``--reps`` rounds; the median of the ratios):
 - training slowdown: ``--train-steps`` steps (fixed compute, a small all-reduce, a
   write to the state) with a local save every step (also overlapped:
   ``synchronize_staging()`` before the write to the state), and with a persistent save
-  every 4 steps, each / the same loop without checkpoints.
+  every 4 steps, each / the same loop without checkpoints. The persistent tier's roots
+  are beside the tiers (``--dir``) unless ``--root-dir`` puts them on another file
+  system (a disk, standing for the shared storage the persistent tier is).
 
     python scripts/bench_local_tier.py --mb 64
     python scripts/bench.py local-tier --mb 64 --workload llm
@@ -186,7 +188,9 @@ def _worker_started(mgr: Any, timeout: float = 120.0) -> None:
         time.sleep(0.1)
 
 
-def _training(args: argparse.Namespace, sd: dict[str, Any], base: Path, rank: int, tier: Any) -> dict[str, float]:
+def _training(
+    args: argparse.Namespace, sd: dict[str, Any], base: Path, roots: Path, rank: int, tier: Any
+) -> dict[str, float]:
     """Seconds of ``--train-steps`` training steps (a fixed compute, then an all-reduce
     of a small gradient, then a write to the state): without checkpoints, with a local
     save every step (``local-overlapped``: with ``overlap_staging=True``, the state
@@ -196,7 +200,7 @@ def _training(args: argparse.Namespace, sd: dict[str, Any], base: Path, rank: in
     grad = torch.zeros(1 << 16)
 
     def run(mode: str) -> float:
-        root = base / f"train_{mode}"
+        root = roots / f"train_{mode}"
         overlap = mode == "local-overlapped"
         local = (
             dataclasses.replace(tier, dir=str(base / f"train_{mode}_node{rank // args.ranks_per_node}"))
@@ -224,9 +228,33 @@ def _training(args: argparse.Namespace, sd: dict[str, Any], base: Path, rank: in
             if mgr.local is not None:
                 mgr.local.maybe_finalize(blocking=True)
             mgr.maybe_finalize(blocking=True)
+        _remove(rank, args.ranks_per_node, root, None if local is None else Path(local.dir))
         return elapsed
 
     return {mode: run(mode) for mode in ("none", "local", "local-overlapped", "persistent")}
+
+
+def _remove(rank: int, per_node: int, root: Path, tier_dir: Path | None) -> None:
+    """Remove a closed manager's root (rank 0) and tier directory (each node's first
+    rank), after a barrier: a large state's tiers would otherwise fill ``/dev/shm``."""
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    if tier_dir is not None and rank % per_node == 0:
+        shutil.rmtree(tier_dir, ignore_errors=True)
+    dist.barrier()
+
+
+def _file_system(path: str) -> str:
+    """The type and device of the file system that holds ``path`` (e.g. ``ext4 on /dev/vda``)."""
+    import psutil
+
+    best = None
+    for part in psutil.disk_partitions(all=True):
+        if os.path.realpath(path).startswith(part.mountpoint.rstrip("/") + "/") or part.mountpoint == "/":
+            if best is None or len(part.mountpoint) > len(best.mountpoint):
+                best = part
+    return "?" if best is None else f"{best.fstype} on {best.device}"
 
 
 def _restore(mgr: Any, sd: dict[str, Any]) -> float:
@@ -249,6 +277,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
     )
     try:
         base = Path(args.dir)
+        roots = Path(args.root_dir)  # the persistent tier's roots (the tiers' directories are under base)
         node = rank // args.ranks_per_node
         tier = asyncckpt.LocalTier(dir=str(base / f"node{node}"), every=1, replicas=1, node=node)
         sd = _state(args, rank)
@@ -259,7 +288,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
         for d, t in zip(dst, src):
             d.copy_(t)  # faulted in
         stalls, memcpys = [], []
-        with asyncckpt.CheckpointManager(base / "root", local=tier) as mgr:
+        with asyncckpt.CheckpointManager(roots / "root", local=tier) as mgr:
             assert mgr.local is not None
             for step in range(1, args.saves + 1):
                 mutate(sd)
@@ -273,7 +302,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
             mgr.maybe_finalize(blocking=True)
         returns, copied = [], []  # the same saves overlapped, in a tier and root of their own
         overlapped_tier = dataclasses.replace(tier, dir=str(base / f"overlapped_node{node}"))
-        with asyncckpt.CheckpointManager(base / "root_overlapped", local=overlapped_tier, overlap_staging=True) as mgr:
+        with asyncckpt.CheckpointManager(roots / "root_overlapped", local=overlapped_tier, overlap_staging=True) as mgr:
             assert mgr.local is not None
             for step in range(1, args.saves + 1):
                 mutate(sd)
@@ -284,7 +313,8 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
                 mgr.synchronize_staging()
                 copied.append(time.perf_counter() - t0)
                 mgr.local.maybe_finalize(blocking=True)
-        train = _training(args, sd, base, rank, tier)
+        _remove(rank, args.ranks_per_node, roots / "root_overlapped", Path(overlapped_tier.dir))
+        train = _training(args, sd, base, roots, rank, tier)
         if rank == args.ranks_per_node:  # node 1's first rank
             shutil.copytree(base / "node1", base / "node1.intact")
         buf = torch.zeros(nbytes, dtype=torch.uint8)
@@ -293,7 +323,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
         local_times, local_limits, read_limits, peer_times, peer_limits, busy_limits = [], [], [], [], [], []
         local_cold: list[float] = []
         peer_cold: list[float] = []
-        step_dir = base / "root" / step_dir_name(args.saves)
+        step_dir = roots / "root" / step_dir_name(args.saves)
         # what a rank reads of the persistent step: its own shards (fsdp2), else the whole state
         if args.workload == "fsdp2":
             persisted = [step_dir / f"__{rank}_0.distcp"]
@@ -313,7 +343,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
             persist_times.append(time.perf_counter() - t0)
             local_limits.append(_memcpy(src, dst))
             read_limits.append(_raw_read(own, readbuf))
-            with asyncckpt.CheckpointManager(base / "root", local=tier) as mgr:
+            with asyncckpt.CheckpointManager(roots / "root", local=tier) as mgr:
                 local_cold.append(_restore(mgr, sd))  # (its worker starting beside it)
                 _worker_started(mgr)
                 local_times.append(_restore(mgr, sd))
@@ -325,7 +355,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: Any) -> None:
             busy_limits.append(
                 _raw_transfer(buf, rank, args.ranks_per_node, functools.partial(_raw_read, own, readbuf, False))
             )
-            with asyncckpt.CheckpointManager(base / "root", local=tier) as mgr:
+            with asyncckpt.CheckpointManager(roots / "root", local=tier) as mgr:
                 peer_cold.append(_restore(mgr, sd))
                 _worker_started(mgr)
                 peer_times.append(_restore(mgr, sd))
@@ -376,11 +406,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("--train-steps", type=int, default=16, help="steps of each training loop (%(default)s)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of each restore (%(default)s)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a new one under /dev/shm)")
+    p.add_argument(
+        "--root-dir",
+        default=None,
+        help="where the persistent tier's roots go, a new directory under it (default: in --dir); a directory "
+        "on a disk stands for the shared storage that the persistent tier is",
+    )
     args = p.parse_args(argv)
     made = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(
         prefix="bench-local-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
     )
+    roots_made = args.root_dir is not None
+    args.root_dir = tempfile.mkdtemp(prefix="bench-local-roots-", dir=args.root_dir) if roots_made else args.dir
     store = os.path.join(tempfile.mkdtemp(prefix="bench-local-store-"), "store")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -391,6 +429,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         shutil.rmtree(os.path.dirname(store), ignore_errors=True)
         if made:
             shutil.rmtree(args.dir, ignore_errors=True)
+        if roots_made:
+            shutil.rmtree(args.root_dir, ignore_errors=True)
     mb = r["bytes"] / 1e6
     what = {"llm": "LLM-shaped (GPT + AdamW)", "fsdp2": "FSDP2 shards of the LLM-shaped state"}.get(
         args.workload, "uniform"
@@ -434,7 +474,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         f"none {t['none']:.2f} s | {t['local-overlapped'] / t['none']:.2f}x |"
     )
     print(
-        f"| {steps} training steps, persistent save every 4 | {t['persistent']:.2f} s | none {t['none']:.2f} s | "
+        f"| {steps} training steps, persistent save every 4 (its root on {_file_system(args.root_dir)}) "
+        f"| {t['persistent']:.2f} s | none {t['none']:.2f} s | "
         f"{t['persistent'] / t['none']:.2f}x |"
     )
     return 0
