@@ -1013,9 +1013,14 @@ class _Fetch:
         self.temps: dict[str, torch.Tensor] = {}
         self._scratch_memory: torch.Tensor | None = None
         self._index: dict[str, tuple[list[int], list[tuple[int, memoryview]]]] = {}
+        self._placed: dict[str, int] = {}  # per file: how many of the plan's entries are placed
+        self._values: list[tuple[str, str, int, int]] = []  # (fqn, file, offset, length): decoded last
+        self._received: set[str] = set()  # the tensors whose data lands in them (or a temporary) whole
+        self._bad_framing: CorruptCheckpointError | None = None  # the first record out of framing
         try:
             self.entries, records = _checked_header(header, self.where)
             self.pieces = _pieces(header, records)  # (the sender's cut, of the same records)
+            self._received = {p.fqn for p in self.pieces if p.fqn is not None}
             self.plan = plan_direct_load(state_dict, records) if records is not None else None
             if self.plan is not None:
                 targets = {e.fqn: e for es in self.plan.files.values() for e in es}
@@ -1069,12 +1074,14 @@ class _Fetch:
         self.owner, self.state_dict, self.src = owner, state_dict, owner.rank
         self.where = owner.storage.step_dir(owner.rank, step)
         self.failure, self.arrival, self.temps, self._index, self.checked = None, None, {}, {}, False
+        self._placed, self._values, self._bad_framing = {}, [], None
         header = _header(packed)
         self.entries, records = _checked_header(header, self.where)
         self.plan = plan_direct_load(state_dict, records) if records is not None else None
         if self.plan is None:
             return None
         self.pieces, self.bufs, self.sources, self.packed = _pieces(header, records), [], [], packed
+        self._received = {p.fqn for p in self.pieces if p.fqn is not None}
         index = {name: i for i, (name, _) in enumerate(packed.files)}
         targets = {e.fqn: e for es in self.plan.files.values() for e in es}
         try:
@@ -1151,9 +1158,12 @@ class _Fetch:
         """Check every received byte against the manifest's CRC-32s as the messages
         arrive (``arrived(k)`` waits for message ``k`` of :func:`_messages` of
         :attr:`bufs`): each message is checked right after it landed, from the cache,
-        while gloo receives the next ones; :meth:`finish` then only places. A mismatch
-        becomes this rank's failure (the rest is drained by :func:`_exchange`); a
-        transfer that fails leaves the check to :meth:`finish` (which reports it)."""
+        while gloo receives the next ones, and the tensors under 1 MiB whose bytes it
+        held are placed then (:meth:`_place_upto`), still from the cache; :meth:`finish`
+        then only decodes the values. A mismatch (or a tensor that cannot be placed)
+        becomes this rank's failure (the rest is drained by :func:`_exchange`; the state
+        may hold some of the copy's bytes, all overwritten by the next copy); a transfer
+        that fails leaves the check to :meth:`finish` (which reports it)."""
         if self.failure is not None or self.plan is None or self.arrival is not None:
             return  # (nothing lands in the state: drained, or loaded from the arrival's files)
         first, k = [], 0  # each piece's first message
@@ -1170,17 +1180,23 @@ class _Fetch:
             arrived(first[p] + last)
             return self.pieces[p].offset + min(len(self.bufs[p]), (last + 1) * _MESSAGE_BYTES)
 
+        self._index_pieces()
         try:
             for name, entry in self.entries.items():
                 if name not in _SMALL:
                     idx = by_file.get(name, [])
                     views = [self.bufs[p] for p in idx]
-                    check_segments(entry, views, self.where / name, functools.partial(fill, idx))
-        except CorruptCheckpointError as exc:
-            self.failure = RankFailure.from_exception(exc, f"the copy of {self.where.name} from rank {self.src}: ")
+                    place = functools.partial(self._place_upto, name)
+                    check_segments(entry, views, self.where / name, functools.partial(fill, idx), place)
         except _Undelivered:
             return
+        except Exception as exc:  # noqa: BLE001 - a checksum, or placing a tensor: this rank's failure
+            self.failure = RankFailure.from_exception(exc, f"the copy of {self.where.name} from rank {self.src}: ")
         else:
+            if self._bad_framing is not None:
+                self.failure = RankFailure.from_exception(
+                    self._bad_framing, f"the copy of {self.where.name} from rank {self.src}: "
+                )
             self.checked = True
 
     def finish(self, error: RankFailure | None) -> RankFailure | None:
@@ -1203,59 +1219,89 @@ class _Fetch:
         finally:
             self._release()
 
+    def _index_pieces(self) -> None:
+        """Index the pieces by file for :meth:`_at` (once)."""
+        if self._index:
+            return
+        for piece, buf in zip(self.pieces, self.bufs):
+            starts, pieces = self._index.setdefault(piece.file, ([], []))
+            starts.append(piece.offset)
+            pieces.append((piece.offset, buf))
+
     def _check_and_place(self) -> None:
-        """Every byte against the manifest, then the framing, the values, the temporaries.
+        """Every byte against the manifest, the framing, the values, the temporaries:
+        each tensor under 1 MiB placed as soon as the CRC has read its bytes (while the
+        cache holds them), unless :meth:`check_arriving` placed it already.
 
         Raises:
             CorruptCheckpointError: a checksum, a framing or a value that does not match.
             CheckpointError: a value that needs ``allow_pickle``.
         """
+        self._index_pieces()
         by_file: dict[str, list[memoryview]] = {}
         sources: dict[str, list[tuple[int, int, bool]]] = {}
         for piece, buf, source in itertools.zip_longest(self.pieces, self.bufs, self.sources):
             by_file.setdefault(piece.file, []).append(buf)
             sources.setdefault(piece.file, []).append(source)
-            starts, pieces = self._index.setdefault(piece.file, ([], []))
-            starts.append(piece.offset)
-            pieces.append((piece.offset, buf))
         for name, entry in self.entries.items():
             if name not in _SMALL and not self.checked:
                 views = by_file.get(name, [])
                 fill = None
                 if self.packed is not None:
                     fill = functools.partial(_read_into, self.packed, views, sources.get(name, []))
-                check_segments(entry, views, self.where / name, fill)
-        received = {p.fqn for p in self.pieces if p.fqn is not None}
+                check_segments(entry, views, self.where / name, fill, functools.partial(self._place_upto, name))
+        for name in self.plan.files:
+            self._place_upto(name, sys.maxsize)  # (none left where the checks placed them)
+        if self._bad_framing is not None:
+            raise self._bad_framing
         planner = SafeLoadPlanner(allow_pickle=False)
         values = []
-        for name, entries in self.plan.files.items():
-            for e in entries:
-                framing = e.framing
-                if framing is None:
-                    raw = self._at(name, e.offset, e.length).tobytes()
-                    values.append((e.fqn, planner.decode_value(e.fqn, io.BytesIO(raw))))
-                    continue
-                n = len(framing.prefix)
-                tail = self._at(name, e.offset + n + framing.nbytes, len(framing.suffix))
-                if self._at(name, e.offset, n) != framing.prefix or not suffix_matches(tail, framing):
-                    raise CorruptCheckpointError(
-                        f"{self.where / name}: the record of {e.fqn!r} is not in our writer's framing",
-                        str(self.where / name),
-                    )
-                if e.fqn not in received and framing.nbytes:
-                    view = self._at(name, e.offset + n, framing.nbytes)
-                    target = e.target.detach()
-                    if target.is_cpu and target.is_contiguous():  # (libc's memmove: torch's copy_ of
-                        # a small tensor wakes its intra-op threads, milliseconds each on a busy machine)
-                        ctypes.memmove(target.data_ptr(), ctypes.addressof(ctypes.c_char.from_buffer(view)), len(view))
-                    else:
-                        data = torch.frombuffer(view, dtype=torch.uint8)
-                        target.copy_(data.view(target.dtype).view(target.shape))
-                        del data  # (it holds a view of a buffer released after)
-                elif e.fqn in self.temps:
-                    e.target.detach().copy_(self.temps[e.fqn])
+        for fqn, name, offset, length in self._values:
+            raw = self._at(name, offset, length).tobytes()
+            values.append((fqn, planner.decode_value(fqn, io.BytesIO(raw))))
         for fqn, obj in values:
             set_value(self.plan.state_dict, self.plan.mappings[fqn], obj)
+
+    def _place_upto(self, name: str, end: int) -> None:
+        """Place the plan's entries of file ``name`` that end at or before offset ``end``
+        and are not placed yet (in file order): check each tensor's framing, copy the
+        data of one not received into its tensor, copy a temporary in; a value's bytes
+        are decoded by :meth:`_check_and_place` once every byte is checked.
+
+        A record not in our writer's framing is not placed; :meth:`_check_and_place`
+        (or :meth:`check_arriving`) raises it once the checksums passed.
+        """
+        entries = self.plan.files.get(name, ())
+        k = self._placed.get(name, 0)
+        while k < len(entries) and entries[k].offset + entries[k].length <= end:
+            e = entries[k]
+            k += 1
+            self._placed[name] = k
+            framing = e.framing
+            if framing is None:
+                self._values.append((e.fqn, name, e.offset, e.length))
+                continue
+            n = len(framing.prefix)
+            tail = self._at(name, e.offset + n + framing.nbytes, len(framing.suffix))
+            if self._at(name, e.offset, n) != framing.prefix or not suffix_matches(tail, framing):
+                # (raised once every byte is checked: a flipped byte is a checksum mismatch, said so)
+                self._bad_framing = self._bad_framing or CorruptCheckpointError(
+                    f"{self.where / name}: the record of {e.fqn!r} is not in our writer's framing",
+                    str(self.where / name),
+                )
+                continue
+            if e.fqn in self.temps:
+                e.target.detach().copy_(self.temps[e.fqn])
+            elif e.fqn not in self._received and framing.nbytes:
+                view = self._at(name, e.offset + n, framing.nbytes)
+                target = e.target.detach()
+                if target.is_cpu and target.is_contiguous():  # (libc's memmove: torch's copy_ of
+                    # a small tensor wakes its intra-op threads, milliseconds each on a busy machine)
+                    ctypes.memmove(target.data_ptr(), ctypes.addressof(ctypes.c_char.from_buffer(view)), len(view))
+                else:
+                    data = torch.frombuffer(view, dtype=torch.uint8)
+                    target.copy_(data.view(target.dtype).view(target.shape))
+                    del data  # (it holds a view of a buffer released after)
 
 
 def _read_into(

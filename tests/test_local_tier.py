@@ -582,6 +582,45 @@ def test_own_shard_lands_in_the_state_and_a_flipped_byte_falls_back(tmp_path: Pa
             assert same(got, 2)
 
 
+def _reframe(data: Path, offset: int) -> None:
+    """Flip the byte at ``offset`` of shard file ``data`` (a record's framing there) and
+    write its manifest's CRC-32s anew, so that every checksum matches the changed bytes."""
+    import zlib
+
+    flip_byte(data, offset)
+    manifest_path = data.parent / ".manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    content = data.read_bytes()
+    manifest["files"][data.name]["segments"] = [
+        [off, n, zlib.crc32(content[off : off + n])] for off, n, _ in manifest["files"][data.name]["segments"]
+    ]
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def test_a_record_out_of_framing_under_a_matching_checksum_is_refused(tmp_path: Path) -> None:
+    # the own shard's records are placed in the state as the CRC reads them; a record
+    # whose framing changed while every checksum matches (the manifest written anew)
+    # is refused all the same, naming it, and the root restores
+    tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        assert mgr.local is not None
+        mgr.save(2, _sized_state(2))
+        mgr.local.save(3, _sized_state(3))
+        mgr.maybe_finalize(blocking=True)
+        assert mgr.local.maybe_finalize(blocking=True) == [3]
+    (data,) = (tmp_path / "node0" / "rank_00000" / "step_00000003").glob("*.distcp")
+    _reframe(data, 30)  # in the first record's zip header
+    got = {"a": torch.zeros(3 << 18), "t": torch.zeros(512, 1024).t(), "b": torch.zeros(5, dtype=torch.int64)}
+    got["step"] = -1
+    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        result = mgr.restore(got)
+    assert result is not None and (result.step, result.tier) == (2, "persistent"), result
+    assert "rank 0's copy from its own node failed" in str(result), result
+    assert "not in our writer's framing" in str(result) and "checksum mismatch" not in str(result), result
+    want = _sized_state(2)
+    assert all(torch.equal(got[k], want[k]) for k in ("a", "t", "b")) and got["step"] == 2
+
+
 def test_the_census_gathers_what_does_not_fit_too() -> None:
     # the restore's census is one all_gather of a guessed width; a rank whose census does
     # not fit it (a node holding shards of earlier jobs) makes it two, with the same result
@@ -688,13 +727,15 @@ def _peer_messages(rank: int, world: int, base: str) -> Any:
         mgr.maybe_finalize(blocking=True)
         assert mgr.local.maybe_finalize(blocking=True) == [3]
     seen = []
-    for damaged in (False, True):
+    for case in ("intact", "damaged", "reframed"):
         dist.barrier()
         if rank == 1:  # node 1 replaced: rank 1's shard comes from node 0
             shutil.rmtree(Path(base) / "node1", ignore_errors=True)
-        if rank == 0 and damaged:  # a byte in the third message of node 0's copy of "big"
+        if rank == 0 and case != "intact":
             (data,) = (Path(base) / "node0" / "rank_00001" / "step_00000003").glob("*.distcp")
-            flip_byte(data, (8 << 20) + (512 << 10))
+            flip_byte(data, (8 << 20) + (512 << 10))  # a byte in the third message of "big" (back, when reframed)
+            if case == "reframed":
+                _reframe(data, 30)
         dist.barrier()
         got: dict[str, Any] = {
             "big": torch.zeros(9 << 18),
@@ -716,7 +757,8 @@ def test_a_peer_copy_is_checked_message_by_message(tmp_path: Path) -> None:
     # arrives: intact, it lands in the state bit for bit; with a byte flipped in the third
     # message of a tensor, the copy fails (no other replica) and the root restores
     preload_forkserver()
-    for rank, ((intact, same), (damaged, same_after)) in enumerate(
+    # (and with a record's framing changed under a checksum that matches it: refused, naming the record)
+    for rank, ((intact, same), (damaged, same_after), (reframed, same_then)) in enumerate(
         run_ranks(_peer_messages, 2, str(tmp_path), timeout=100, start_method="forkserver")
     ):
         assert (intact.step, intact.tier, intact.peers) == (3, "local", {1: 0}), (rank, intact)
@@ -724,6 +766,10 @@ def test_a_peer_copy_is_checked_message_by_message(tmp_path: Path) -> None:
         assert (damaged.step, damaged.tier) == (2, "persistent"), (rank, damaged)
         assert "rank 1's copy from rank 0 failed" in str(damaged) and "checksum mismatch" in str(damaged), damaged
         assert same_after, rank
+        assert (reframed.step, reframed.tier) == (2, "persistent"), (rank, reframed)
+        assert "rank 1's copy from rank 0 failed" in str(reframed), reframed
+        assert "not in our writer's framing" in str(reframed), reframed
+        assert same_then, rank
 
 
 def test_another_jobs_tier_is_taken_over_never_restored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -618,6 +618,7 @@ def check_segments(
     views: list[memoryview],
     path: Path,
     fill: Callable[[int, int, int], int] | None = None,
+    checked: Callable[[int], None] | None = None,
 ) -> None:
     """Check the bytes of one file, held by ``views`` in file order (pieces of any
     lengths), against its manifest entry (``entry["segments"]``: ``[offset, length,
@@ -631,6 +632,11 @@ def check_segments(
             offset up to which the views hold their bytes now (it may land more: it is
             called again only past that); every byte of the views is landed once, and
             the segments must then cover the file in order.
+        checked: called with the file offset up to which the bytes have been read by
+            the CRC (in order, at most :data:`CHECK_CHUNK_BYTES` at a time), so that
+            the caller uses them while the cache holds them; a segment's verdict
+            comes only at its end (what ``checked`` did with bytes of a segment that
+            then fails is the caller's to undo or overwrite).
 
     Raises:
         CorruptCheckpointError: the pieces are not the entry's size, segments that do
@@ -640,7 +646,7 @@ def check_segments(
     size = sum(len(v) for v in views)
     if entry.get("size") != size:
         raise CorruptCheckpointError(f"{path} has {size} bytes, its manifest says {entry.get('size')}", str(path))
-    step = CHECK_CHUNK_BYTES if fill is not None else size
+    step = CHECK_CHUNK_BYTES if fill is not None or checked is not None else size
     i, start, covered, landed = 0, 0, 0, 0  # the piece holding file offset ``start``; the bytes covered in order
     for offset, length, expected in entry["segments"]:
         if offset + length > size or (fill is not None and offset != covered):
@@ -656,6 +662,8 @@ def check_segments(
                 landed = fill(i, lo, lo + take)
             actual = crc32(views[i][lo : lo + take], actual)
             pos += take
+            if checked is not None:
+                checked(pos)
         covered = end
         if actual != expected:
             raise CorruptCheckpointError(
