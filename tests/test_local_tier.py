@@ -610,8 +610,12 @@ def test_a_record_out_of_framing_under_a_matching_checksum_is_refused(tmp_path: 
         assert mgr.local.maybe_finalize(blocking=True) == [3]
     (data,) = (tmp_path / "node0" / "rank_00000" / "step_00000003").glob("*.distcp")
     _reframe(data, 30)  # in the first record's zip header
-    got = {"a": torch.zeros(3 << 18), "t": torch.zeros(512, 1024).t(), "b": torch.zeros(5, dtype=torch.int64)}
-    got["step"] = -1
+    got: dict[str, Any] = {
+        "a": torch.zeros(3 << 18),
+        "t": torch.zeros(512, 1024).t(),
+        "b": torch.zeros(5, dtype=torch.int64),
+        "step": -1,
+    }
     with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
         result = mgr.restore(got)
     assert result is not None and (result.step, result.tier) == (2, "persistent"), result
