@@ -539,11 +539,9 @@ def _sized_state(step: int) -> dict[str, Any]:
     }
 
 
-def test_own_shard_lands_in_the_state_and_a_flipped_byte_falls_back(tmp_path: Path) -> None:
-    # one process: the own shard's tensors are read from its files into the state (a
-    # non-contiguous one through a temporary), every byte CRC-checked as it lands, 2 MiB
-    # at a time; a byte flipped inside one of them fails the copy, and with no replica
-    # the root restores, all of it
+def _root_2_local_3(tmp_path: Path) -> asyncckpt.LocalTier:
+    """One process, no replica: step 2 of :func:`_sized_state` in the root, step 3 in
+    the local tier (returned)."""
     tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
     with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
         assert mgr.local is not None
@@ -551,14 +549,25 @@ def test_own_shard_lands_in_the_state_and_a_flipped_byte_falls_back(tmp_path: Pa
         mgr.local.save(3, _sized_state(3))
         mgr.maybe_finalize(blocking=True)
         assert mgr.local.maybe_finalize(blocking=True) == [3]
+    return tier
 
-    def template() -> dict[str, Any]:
-        return {
-            "a": torch.zeros(3 << 18),
-            "t": torch.zeros(512, 1024).t(),
-            "b": torch.zeros(5, dtype=torch.int64),
-            "step": -1,
-        }
+
+def _sized_template() -> dict[str, Any]:
+    """A state of :func:`_sized_state`'s structure to restore into (``t`` not contiguous)."""
+    return {
+        "a": torch.zeros(3 << 18),
+        "t": torch.zeros(512, 1024).t(),
+        "b": torch.zeros(5, dtype=torch.int64),
+        "step": -1,
+    }
+
+
+def test_own_shard_lands_in_the_state_and_a_flipped_byte_falls_back(tmp_path: Path) -> None:
+    # one process: the own shard's tensors are read from its files into the state (a
+    # non-contiguous one through a temporary), every byte CRC-checked as it lands, 2 MiB
+    # at a time; a byte flipped inside one of them fails the copy, and with no replica
+    # the root restores, all of it
+    tier = _root_2_local_3(tmp_path)
 
     def same(got: dict[str, Any], step: int) -> bool:
         want = _sized_state(step)
@@ -569,7 +578,7 @@ def test_own_shard_lands_in_the_state_and_a_flipped_byte_falls_back(tmp_path: Pa
             (data,) = (tmp_path / "node0" / "rank_00000" / "step_00000003").glob("*.distcp")
             flip_byte(data, data.stat().st_size // 2)  # inside a tensor's data (they are nearly all of it)
         with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
-            got = template()
+            got = _sized_template()
             assert not got["t"].is_contiguous()
             result = mgr.restore(got)
         assert result is not None
@@ -601,21 +610,10 @@ def test_a_record_out_of_framing_under_a_matching_checksum_is_refused(tmp_path: 
     # the own shard's records are placed in the state as the CRC reads them; a record
     # whose framing changed while every checksum matches (the manifest written anew)
     # is refused all the same, naming it, and the root restores
-    tier = asyncckpt.LocalTier(dir=tmp_path / "node0", every=1, replicas=0)
-    with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
-        assert mgr.local is not None
-        mgr.save(2, _sized_state(2))
-        mgr.local.save(3, _sized_state(3))
-        mgr.maybe_finalize(blocking=True)
-        assert mgr.local.maybe_finalize(blocking=True) == [3]
+    tier = _root_2_local_3(tmp_path)
     (data,) = (tmp_path / "node0" / "rank_00000" / "step_00000003").glob("*.distcp")
     _reframe(data, 30)  # in the first record's zip header
-    got: dict[str, Any] = {
-        "a": torch.zeros(3 << 18),
-        "t": torch.zeros(512, 1024).t(),
-        "b": torch.zeros(5, dtype=torch.int64),
-        "step": -1,
-    }
+    got = _sized_template()
     with asyncckpt.CheckpointManager(tmp_path / "root", local=tier) as mgr:
         result = mgr.restore(got)
     assert result is not None and (result.step, result.tier) == (2, "persistent"), result
