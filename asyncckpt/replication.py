@@ -492,10 +492,7 @@ class LocalCheckpoints:
             assert record is not None
             record.started = started
             link.record = record
-            if saver.options.overlap_staging:
-                saver._start_overlapped(record)
-            else:
-                saver._schedule(record, lambda: saver._stage_now(record))
+            saver._begin_staging(record)
             record.stall_s += time.monotonic() - started
             return handle
 

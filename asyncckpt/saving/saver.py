@@ -378,12 +378,18 @@ class Saver:
         if not async_op:
             self._save_sync(record, started)
             return handle
+        self._begin_staging(record)
+        record.stall_s += time.monotonic() - started
+        return handle
+
+    def _begin_staging(self, record: SaveInFlight) -> None:
+        """Stage ``record`` and hand it to the queue: overlapped with training
+        (``overlap_staging``: :meth:`_start_overlapped`), else copied now and scheduled.
+        The caller holds :attr:`lock`."""
         if self.options.overlap_staging:
             self._start_overlapped(record)
         else:
             self._schedule(record, lambda: self._stage_now(record))
-        record.stall_s += time.monotonic() - started
-        return handle
 
     def _start_overlapped(self, record: SaveInFlight) -> None:
         """Stage ``record`` overlapped with training (``overlap_staging``): its D2H copies

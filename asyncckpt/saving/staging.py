@@ -275,6 +275,11 @@ class _Entry:
         self.call_idx: int | None = None  # the call whose write may read the slab
 
 
+def _is_free(entry: _Entry, is_running: Callable[[int], bool]) -> bool:
+    """Whether no running write reads ``entry``'s slab."""
+    return entry.call_idx is None or not is_running(entry.call_idx)
+
+
 class StagingPool:
     """A small pool of reusable staging buffers.
 
@@ -318,7 +323,7 @@ class StagingPool:
             is_running: ``is_running(call_idx)``: may that call's write still run?
             wait: blocks until that call's write no longer runs.
         """
-        free = [e for e in self._entries if e.call_idx is None or not is_running(e.call_idx)]
+        free = [e for e in self._entries if _is_free(e, is_running)]
         for e in free:
             e.call_idx = None
         fitting = [e for e in free if e.slab.nbytes >= nbytes]
@@ -360,16 +365,12 @@ class StagingPool:
             nbytes, layout_key, is_running, wait: as :meth:`acquire`.
         """
         self.acquire(nbytes, layout_key, is_running, wait)
-
-        def free(e: _Entry) -> bool:
-            return e.call_idx is None or not is_running(e.call_idx)
-
-        for e in [e for e in self._entries if e.slab.nbytes < nbytes and free(e)]:
+        for e in [e for e in self._entries if e.slab.nbytes < nbytes and _is_free(e, is_running)]:
             self._entries.remove(e)
             e.slab.release()
         while len(self._entries) < self.num_buffers:
             self._entries.append(_Entry(StagingBuffer(nbytes)))
-        return tuple(e.slab for e in self._entries if e.slab.nbytes >= nbytes and free(e))
+        return tuple(e.slab for e in self._entries if e.slab.nbytes >= nbytes and _is_free(e, is_running))
 
     def bytes_to_reserve(self, nbytes: int) -> int:
         """At most how many bytes :meth:`reserve` allocates for ``nbytes``: one buffer
@@ -380,7 +381,7 @@ class StagingPool:
     def bytes_to_allocate(self, nbytes: int, is_running: Callable[[int], bool]) -> int:
         """How many bytes :meth:`acquire` would allocate for ``nbytes`` now (0: it reuses
         a buffer). For the memory guard, which runs before the allocation."""
-        free = [e for e in self._entries if e.call_idx is None or not is_running(e.call_idx)]
+        free = [e for e in self._entries if _is_free(e, is_running)]
         if any(e.slab.nbytes >= nbytes for e in free):
             return 0
         if len(self._entries) < self.num_buffers:

@@ -249,11 +249,9 @@ def _file_system(path: str) -> str:
     """The type and device of the file system that holds ``path`` (e.g. ``ext4 on /dev/vda``)."""
     import psutil
 
-    best = None
-    for part in psutil.disk_partitions(all=True):
-        if os.path.realpath(path).startswith(part.mountpoint.rstrip("/") + "/") or part.mountpoint == "/":
-            if best is None or len(part.mountpoint) > len(best.mountpoint):
-                best = part
+    real = os.path.realpath(path)
+    holding = [p for p in psutil.disk_partitions(all=True) if os.path.commonpath([real, p.mountpoint]) == p.mountpoint]
+    best = max(holding, key=lambda p: len(p.mountpoint), default=None)  # the innermost mount
     return "?" if best is None else f"{best.fstype} on {best.device}"
 
 
